@@ -1,0 +1,39 @@
+"""agentrl: an environment-centric SDK for agentic RL of LLMs.
+
+Write an environment (:class:`Env`, or :class:`ToolEnv` with :func:`tool` functions); the SDK's
+generate loop drives token-exact multi-turn episodes against SGLang-compatible engines and hands
+out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards.
+"""
+
+from agentrl.env import Env, ToolEnv, load_env, make, register
+from agentrl.tool import Tool, ToolError, ToolResult, tool
+from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
+
+
+def check_env(*args, **kwargs):  # noqa: D401 - thin lazy wrapper, see agentrl.check.check_env
+    """Exercise an env without a model and report contract violations (see :mod:`agentrl.check`)."""
+    from agentrl.check import check_env as _check_env
+
+    return _check_env(*args, **kwargs)
+
+
+__all__ = [
+    "Action",
+    "Env",
+    "Message",
+    "ParseError",
+    "Sample",
+    "Status",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "ToolError",
+    "ToolResult",
+    "check_env",
+    "load_env",
+    "make",
+    "register",
+    "tool",
+]
+
+__version__ = "0.1.0"

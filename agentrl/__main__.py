@@ -1,0 +1,3 @@
+from agentrl.cli import main
+
+raise SystemExit(main())

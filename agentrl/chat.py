@@ -1,0 +1,232 @@
+"""Chat templates and the token ledger: how messages become the exact ids the policy sees.
+
+The exactness contract lives here. The prompt is rendered once with the chat template and tokenized
+once. After that the ledger only ever *appends*: the engine's sampled ids verbatim (loss mask 1,
+with their log-probs), then each observation as a *delta* of template text tokenized on its own
+(mask 0). Nothing already in the ledger is re-rendered or re-tokenized, so the ids the trainer
+scores are the ids the engine was conditioned on, turn after turn.
+
+How an observation delta is found without re-rendering the conversation: render a fixed two-message
+stand-in history (user, assistant) with and without the new messages appended; the difference is
+what the template writes for those messages plus the next generation prompt. What the template
+writes *after* an assistant message's content (e.g. ``<|im_end|>\\n`` in ChatML) is split in two:
+the part the model already sampled (its stop token) and the rest (the "bridge", e.g. ``\\n``),
+which becomes the start of the delta.
+
+Why a built-in tool template: many small models (SmolLM2 among them) ship a plain ChatML template
+that silently ignores ``tools``. When tools are offered and the model's template never mentions
+them, the SDK renders with a Hermes/Qwen2.5-style ChatML template that lists the tools in the
+system prompt and wraps results in ``<tool_response>``; the matching parser is ``hermes``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from agentrl.types import Message
+
+BUILTIN_TOOL_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+{%- elif message['role'] == 'user' or message['role'] == 'system' %}
+{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}
+{%- elif message['role'] == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}
+{%- for tc in message.get('tool_calls') or [] %}
+{%- set f = tc['function'] if tc.get('function') else tc %}
+{{- '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+_SENTINEL = "\u2063AGENTRL_ASSISTANT_SENTINEL\u2063"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render observations as an append-only delta."""
+
+
+def _template_source(tokenizer: Any, override: str | None) -> str | None:
+    if override is not None:
+        return override
+    tpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tpl, dict):
+        tpl = tpl.get("tool_use") or tpl.get("default") or next(iter(tpl.values()), None)
+    return tpl
+
+
+class ChatTemplate:
+    """Renders messages with a tokenizer's jinja2 chat template (or a given one) into token ids.
+
+    ``tool_template``: ``"auto"`` uses the model's template when it mentions ``tools`` and the
+    built-in Hermes-style template otherwise (only when tools are offered); ``"native"`` always uses
+    the model's; ``"builtin"`` always the built-in one.
+    """
+
+    def __init__(self, tokenizer: Any, *, template: str | None = None, tool_template: str = "auto"):
+        if tool_template not in ("auto", "native", "builtin"):
+            raise ValueError(f"tool_template must be auto, native or builtin, not {tool_template!r}")
+        self.tokenizer = tokenizer
+        self.native = _template_source(tokenizer, template)
+        self.tool_template = tool_template
+        if self.native is None and tool_template == "native":
+            raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+        self.native_supports_tools = bool(self.native) and "tools" in self.native
+        self.eos_token_ids = self._end_token_ids()
+        self._tail_cache: dict[str, str] = {}
+
+    # -- rendering ---------------------------------------------------------------------------
+    def template_for(self, tools: Sequence[dict] | None) -> str:
+        """The jinja2 source used for a conversation offering ``tools``."""
+        if self.tool_template == "builtin" or self.native is None:
+            return BUILTIN_TOOL_TEMPLATE
+        if tools and self.tool_template == "auto" and not self.native_supports_tools:
+            return BUILTIN_TOOL_TEMPLATE
+        return self.native
+
+    def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool) -> str:
+        """Render ``messages`` (and ``tools``, OpenAI schema dicts) to template text."""
+        kwargs: dict[str, Any] = {}
+        if tools:
+            kwargs["tools"] = list(tools)
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            chat_template=self.template_for(tools),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize template text as is (the template already wrote every special token)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
+        """The first observation as prompt text and ids, ending with the generation prompt."""
+        if not messages:
+            raise TemplateError("the first observation has no messages")
+        text = self.render(messages, tools, add_generation_prompt=True)
+        return text, self.encode(text)
+
+    # -- deltas --------------------------------------------------------------------------------
+    def _stand_in(self, messages: Sequence[Message]) -> list[Message]:
+        head: list[Message] = []
+        if messages and messages[0].get("role") == "system":
+            head.append(messages[0])
+        return head + [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+
+    def assistant_tail(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> str:
+        """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        key = json.dumps([tools or [], first_messages[:1]], sort_keys=True, default=str)
+        if key not in self._tail_cache:
+            r0 = self.render(self._stand_in(first_messages), tools, add_generation_prompt=False)
+            idx = r0.rfind(_SENTINEL)
+            if idx < 0:
+                raise TemplateError("the chat template drops assistant content; cannot build deltas")
+            self._tail_cache[key] = r0[idx + len(_SENTINEL):]
+        return self._tail_cache[key]
+
+    def observation_delta(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict] | None = None,
+        *,
+        last_token_text: str | None,
+        first_messages: Sequence[Message] = (),
+    ) -> str:
+        """Template text to append after an assistant turn so the conversation continues with ``messages``.
+
+        ``last_token_text`` is the text of the stop token the model sampled (None when the turn
+        ended on a stop string or the token is not an end-of-turn token): the part of the
+        assistant tail the model already wrote is not written again.
+        ``first_messages`` is the conversation's first observation (its system message shapes
+        the template's header in some templates).
+        """
+        stand_in = self._stand_in(first_messages)
+        r0 = self.render(stand_in, tools, add_generation_prompt=False)
+        r1 = self.render(stand_in + list(messages), tools, add_generation_prompt=True)
+        if not r1.startswith(r0):
+            raise TemplateError(
+                "the chat template re-renders earlier turns when messages are appended; "
+                "pass a template that renders history append-only (--chat-template FILE)"
+            )
+        tail = self.assistant_tail(tools, first_messages)
+        bridge = tail
+        if last_token_text and tail.startswith(last_token_text):
+            bridge = tail[len(last_token_text):]
+        return bridge + r1[len(r0):]
+
+    # -- end-of-turn tokens ----------------------------------------------------------------------
+    def _end_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        tok = self.tokenizer
+        if tok.eos_token_id is not None:
+            ids.append(int(tok.eos_token_id))
+        for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
+            if tid is not None and tid not in ids:
+                ids.append(int(tid))
+        return ids
+
+
+@dataclass
+class TokenLedger:
+    """The append-only record of one episode's tokens.
+
+    ``prompt_ids`` come first; the response is a sequence of spans, each either sampled by the
+    model (mask 1, real log-probs) or written by the environment/template (mask 0, log-prob 0.0).
+    ``model_spans`` holds ``(start, end)`` in response coordinates for each assistant turn.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    model_spans: list[tuple[int, int]] = field(default_factory=list)
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def append_model(self, ids: Sequence[int], log_probs: Sequence[float]) -> None:
+        """Append ids the policy sampled, verbatim, with their log-probs (mask 1)."""
+        if len(ids) != len(log_probs):
+            raise ValueError(f"{len(ids)} sampled ids but {len(log_probs)} log-probs")
+        start = len(self.response_ids)
+        self.response_ids.extend(int(i) for i in ids)
+        self.log_probs.extend(float(x) for x in log_probs)
+        self.loss_mask.extend([1] * len(ids))
+        self.model_spans.append((start, len(self.response_ids)))
+
+    def append_env(self, ids: Sequence[int]) -> None:
+        """Append ids the environment/template wrote (mask 0, log-prob 0.0)."""
+        start = len(self.response_ids)
+        self.response_ids.extend(int(i) for i in ids)
+        self.log_probs.extend([0.0] * len(ids))
+        self.loss_mask.extend([0] * len(ids))
+        self.env_spans.append((start, len(self.response_ids)))

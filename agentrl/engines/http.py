@@ -1,0 +1,163 @@
+"""HTTP engine clients: SGLang's native ``/generate`` (token-exact) and OpenAI chat completions.
+
+:class:`SGLangEngine` talks to anything that speaks SGLang's native API: a real SGLang server on a
+GPU node, or ``agentrl serve`` (the embedded engine) on a laptop. Requests carry ``input_ids``
+and ask for ``return_logprob``; the reply's ``output_ids`` and ``output_token_logprobs`` are
+appended to the episode verbatim.
+
+Faults: connection errors, timeouts and 5xx answers are retried with exponential backoff
+(``max_retries``); a 4xx answer (a request the engine refuses, e.g. a prompt longer than its
+context) is not retried. Either way the caller gets :class:`EngineError`, which aborts that one
+sample; :class:`~agentrl.engines.router.Router` first tries the other engines.
+
+:class:`ChatCompletionsClient` is text in, text out, for evaluating API models: samples made
+through it are marked ``token_exact=False``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+
+from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+
+
+class EngineRequestError(EngineError):
+    """The engine answered but refused the request (HTTP 4xx); retrying would not help."""
+
+
+def _limits() -> httpx.Limits:
+    # Hundreds of episodes share one client; httpx's default pool (100) would queue them.
+    return httpx.Limits(max_connections=2048, max_keepalive_connections=512)
+
+
+class SGLangEngine(Engine):
+    """Client for one SGLang-compatible server at ``url`` (e.g. ``http://127.0.0.1:30000``)."""
+
+    def __init__(self, url: str, *, timeout: float = 600.0, max_retries: int = 3, backoff: float = 0.5):
+        self.url = url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=_limits())
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.url!r})"
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
+        delay = self.backoff
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = await self._client.post(path, json=payload)
+            except httpx.TransportError as exc:  # refused, reset, timed out
+                last = exc
+            else:
+                if resp.status_code < 500:
+                    return resp
+                last = EngineError(f"{self.url}{path} answered HTTP {resp.status_code}: {resp.text[:300]}")
+            if attempt < self.max_retries:
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise EngineError(f"{self.url}{path} failed after {self.max_retries + 1} tries: {last}") from last
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
+    ) -> GenerateOutput:
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params.to_json(),
+            "return_logprob": True,
+            "rid": uuid.uuid4().hex,
+        }
+        resp = await self._post("/generate", payload)
+        if resp.status_code >= 400:
+            raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {resp.status_code}): {resp.text[:300]}")
+        body = resp.json()
+        if isinstance(body, list):
+            body = body[0]
+        return GenerateOutput.from_sglang(body, engine_url=self.url)
+
+    async def health(self) -> bool:
+        try:
+            resp = await self._client.get("/health", timeout=10.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        """``GET /get_model_info`` (model_path, weight_version, ...)."""
+        resp = await self._client.get("/get_model_info", timeout=30.0)
+        resp.raise_for_status()
+        return resp.json()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        payload: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        resp = await self._post("/update_weights_from_disk", payload)
+        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+        if resp.status_code >= 400 or not body.get("success", False):
+            raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {body or resp.text[:300]}")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def wait_healthy(engine: Engine, *, timeout: float = 300.0, interval: float = 0.5) -> None:
+    """Poll ``engine.health()`` until it answers, or raise ``EngineError`` after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await engine.health():
+        if loop.time() > deadline:
+            raise EngineError(f"{engine!r} did not become healthy within {timeout:.0f}s")
+        await asyncio.sleep(interval)
+
+
+class ChatCompletionsClient:
+    """Text-in/text-out client for an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+    For evaluating API models only: the server renders and tokenizes the conversation itself, so
+    the ids the SDK records are a local re-tokenization, not what the model saw. Samples made this
+    way are marked ``token_exact=False`` and training refuses them unless told otherwise.
+    """
+
+    def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=_limits())
+
+    async def chat(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams) -> dict[str, Any]:
+        """One chat completion; returns the first choice's ``message`` plus ``finish_reason``."""
+        model = self.model
+        if model is None:
+            resp = await self._client.get("/models")
+            resp.raise_for_status()
+            model = self.model = resp.json()["data"][0]["id"]
+        payload: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
+        if sampling.stop:
+            payload["stop"] = sampling.stop
+        if tools:
+            payload["tools"] = tools
+        try:
+            resp = await self._client.post("/chat/completions", json=payload)
+        except httpx.TransportError as exc:
+            raise EngineError(f"{self.base_url}/chat/completions: {exc}") from exc
+        if resp.status_code >= 400:
+            raise EngineRequestError(f"{self.base_url}/chat/completions HTTP {resp.status_code}: {resp.text[:300]}")
+        choice = resp.json()["choices"][0]
+        return {**choice["message"], "finish_reason": choice.get("finish_reason") or "stop"}
+
+    async def close(self) -> None:
+        await self._client.aclose()

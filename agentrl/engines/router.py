@@ -1,0 +1,80 @@
+"""Route generate calls over several engines: least outstanding requests, sticky per episode.
+
+Sticky routing sends every turn of an episode to the engine that served its first turn, so that
+engine's prefix cache already holds the conversation. When an engine fails (after its own
+retries) it is put on a cooldown and the request moves to the least-loaded healthy engine; only
+when every engine has failed does the caller see :class:`EngineError`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+from agentrl.engines.http import EngineRequestError
+
+
+class Router(Engine):
+    """An :class:`Engine` over several engines (``engines``), each tried at most once per request."""
+
+    def __init__(self, engines: Sequence[Engine], *, cooldown: float = 10.0, max_sticky_keys: int = 100_000):
+        if not engines:
+            raise ValueError("Router needs at least one engine")
+        self.engines = list(engines)
+        self.cooldown = cooldown
+        self.outstanding = [0] * len(self.engines)
+        self.failed_until = [0.0] * len(self.engines)
+        self._sticky: dict[str, int] = {}
+        self._max_sticky = max_sticky_keys
+
+    def _order(self, key: str | None) -> list[int]:
+        now = time.monotonic()
+        healthy = [i for i in range(len(self.engines)) if self.failed_until[i] <= now]
+        cooling = [i for i in range(len(self.engines)) if self.failed_until[i] > now]
+        healthy.sort(key=lambda i: self.outstanding[i])
+        if key is not None and key in self._sticky and self._sticky[key] in healthy:
+            healthy.remove(self._sticky[key])
+            healthy.insert(0, self._sticky[key])
+        return healthy + sorted(cooling, key=lambda i: self.failed_until[i])
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
+    ) -> GenerateOutput:
+        errors: list[str] = []
+        for i in self._order(key):
+            self.outstanding[i] += 1
+            try:
+                out = await self.engines[i].generate(input_ids, sampling_params, key=key)
+            except EngineRequestError:
+                raise  # the request itself is bad; another engine would refuse it too
+            except EngineError as exc:
+                self.failed_until[i] = time.monotonic() + self.cooldown
+                errors.append(str(exc))
+                continue
+            finally:
+                self.outstanding[i] -= 1
+            if key is not None:
+                if len(self._sticky) >= self._max_sticky:
+                    self._sticky.clear()
+                self._sticky[key] = i
+            return out
+        raise EngineError("every engine failed: " + " | ".join(errors))
+
+    def release(self, key: str) -> None:
+        """Forget an episode's sticky engine (called when the episode ends)."""
+        self._sticky.pop(key, None)
+
+    async def health(self) -> bool:
+        for e in self.engines:
+            if await e.health():
+                return True
+        return False
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        for e in self.engines:
+            await e.update_weights_from_disk(model_path, weight_version)
+
+    async def close(self) -> None:
+        for e in self.engines:
+            await e.close()

@@ -1,0 +1,217 @@
+"""Environments: the Gymnasium-style async interface users implement, and how they are found.
+
+An :class:`Env` has Gymnasium's verbs and 5-tuple, made async because agent environments wait on
+tools, sandboxes and services: ``reset(seed=, options=) -> (messages, info)`` and
+``step(action) -> (messages, reward, terminated, truncated, info)``. Observations are lists of
+OpenAI-style chat messages; the action is the assistant turn (:class:`agentrl.Action`).
+``options`` is the task row: every key of the JSONL line, with ``prompt`` and ``label`` always
+present (taken from ``--input-key`` / ``--label-key``).
+
+Users may write ``reset``/``step`` as plain (synchronous) functions: the SDK runs those in a worker
+thread so a slow environment never blocks the other episodes sharing the event loop.
+
+:class:`ToolEnv` is the common case: offer tools, run the model's tool calls, end the episode when
+the model answers without one, and score that answer with ``reward(action)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agentrl.parsing import format_tool_error
+from agentrl.tool import Tool, call_tool, find_tool
+from agentrl.types import Action, Message
+
+StepResult = tuple[list[Message], float, bool, bool, dict]
+
+
+class Env:
+    """Base class for multi-turn text environments (async; sync overrides also work).
+
+    Class attributes tune the episode loop: ``tools`` are offered to the model through the chat
+    template; ``max_turns`` caps assistant turns (None: the run's ``--max-turns``);
+    ``step_timeout`` fails a sample whose ``reset``/``step`` takes longer (None: the run's
+    ``--env-step-timeout``); ``tool_parser`` names the wire format tool calls are parsed from.
+    """
+
+    tools: Sequence[Tool] = ()
+    max_turns: int | None = None
+    step_timeout: float | None = None
+    tool_parser: str = "hermes"
+
+    async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
+        """Start an episode for the task in ``options``; return the first messages and an info dict."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reset()")
+
+    async def step(self, action: Action) -> StepResult:
+        """Answer the assistant turn: ``(messages, reward, terminated, truncated, info)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    async def close(self) -> None:
+        """Release what the episode held (sandboxes, connections). Called once per episode."""
+
+    def tool_schemas(self) -> list[dict]:
+        """The OpenAI tool specs of ``tools``, as the chat template receives them."""
+        return [t.schema() for t in self.tools]
+
+
+class ToolEnv(Env):
+    """An Env that answers tool calls with its tools and scores the final answer.
+
+    ``reset`` turns the task's ``prompt`` (a string or a list of messages) into the first
+    observation, after ``system_prompt`` when set, and keeps the task row in ``self.task``.
+    ``step`` runs every tool call of the turn concurrently (each with its ``timeout`` or
+    ``tool_timeout``) and returns one ``tool`` message per call; malformed calls, unknown tools,
+    bad arguments, exceptions and timeouts become error messages the model reads. A turn with no
+    tool call ends the episode (``terminated``) with reward ``reward(action)``, which subclasses
+    write (sync or async).
+    """
+
+    system_prompt: str | None = None
+    tool_timeout: float = 30.0
+
+    def __init__(self) -> None:
+        self.task: dict[str, Any] = {}
+        self.seed: int | None = None
+
+    async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
+        self.task = dict(options or {})
+        self.seed = seed
+        prompt = self.task.get("prompt", "")
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        if isinstance(prompt, list):
+            messages.extend(dict(m) for m in prompt)
+        else:
+            messages.append({"role": "user", "content": str(prompt)})
+        return messages, {}
+
+    async def step(self, action: Action) -> StepResult:
+        if action.tool_calls or action.errors:
+            messages = await self.call_tools(action)
+            return messages, 0.0, False, False, {"tool_calls": len(action.tool_calls), "tool_errors": len(action.errors)}
+        reward = await maybe_await(self.reward(action))
+        return [], float(reward), True, False, {}
+
+    async def reward(self, action: Action) -> float:
+        """Score the final answer (a turn without tool calls). Override this."""
+        return 0.0
+
+    async def call_tools(self, action: Action) -> list[Message]:
+        """Run the turn's tool calls concurrently; one ``tool`` message per call or parse error."""
+
+        async def one(call) -> Message:
+            tool = find_tool(self.tools, call.name)
+            if tool is None:
+                known = ", ".join(t.name for t in self.tools) or "none"
+                content = f"Error: unknown tool '{call.name}'. Available tools: {known}."
+            else:
+                result = await call_tool(tool, call.arguments, timeout=tool.timeout or self.tool_timeout)
+                content = result.content if not result.is_error or result.content.startswith("Error") else f"Error: {result.content}"
+            return {"role": "tool", "name": call.name, "tool_call_id": call.id, "content": content}
+
+        results = list(await asyncio.gather(*(one(c) for c in action.tool_calls)))
+        for err in action.errors:
+            results.append({"role": "tool", "tool_call_id": err.id, "content": format_tool_error(err)})
+        return results
+
+
+async def maybe_await(value: Any) -> Any:
+    """Await ``value`` if it is awaitable (lets users write sync or async hooks)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call an env method: async ones directly, sync ones in a worker thread (never blocking the loop)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await maybe_await(await asyncio.to_thread(fn, *args, **kwargs))
+
+
+# -- finding environments -------------------------------------------------------------------------
+
+@dataclass
+class EnvSpec:
+    """A registered environment id: where its class lives and default constructor kwargs."""
+
+    id: str
+    entry_point: str | Callable[..., Env]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+registry: dict[str, EnvSpec] = {}
+
+
+def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> None:
+    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``."""
+    registry[id] = EnvSpec(id, entry_point, kwargs)
+
+
+def _import_object(spec: str) -> Any:
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r}: expected MODULE:NAME, path/to/file.py:NAME or a registered id")
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"{spec!r}: no such file {path}")
+        mod_name = f"agentrl_user_{path.stem}_{abs(hash(str(path)))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            file_spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert file_spec and file_spec.loader
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[mod_name] = module
+            file_spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise AttributeError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Load a user function given as ``module:fn`` or ``path/to/file.py:fn`` (custom generate / reward)."""
+    fn = _import_object(spec)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} is not callable")
+    return fn
+
+
+def load_env(spec: str | type[Env]) -> Callable[[], Env]:
+    """Resolve ``MODULE:CLASS``, ``path/to/file.py:CLASS`` or a registered id to an env factory.
+
+    The factory builds one fresh env per episode, so episodes never share state.
+    """
+    if isinstance(spec, type):
+        return spec
+    if spec in registry:
+        reg = registry[spec]
+        target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
+        return lambda: target(**reg.kwargs)
+    target = _import_object(spec)
+    if not callable(target):
+        raise TypeError(f"{spec!r} is not a class or factory")
+    return target
+
+
+def make(id: str, **kwargs: Any) -> Env:
+    """Build one env from a registered id or a ``MODULE:CLASS`` spec (Gymnasium's ``make``)."""
+    if id in registry:
+        reg = registry[id]
+        target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
+        return target(**{**reg.kwargs, **kwargs})
+    return load_env(id)(**kwargs)  # type: ignore[call-arg]

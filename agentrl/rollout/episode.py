@@ -1,0 +1,252 @@
+"""One episode: reset the env, then alternate engine turns and env steps, recording every token once.
+
+The loop (token in, token out):
+
+1. ``env.reset(seed, options=task)`` gives the first messages; the chat template renders them once
+   into the prompt ids.
+2. Each turn sends the ledger's exact ids to the engine and appends the returned ids verbatim
+   (mask 1, with log-probs). The turn's text is parsed into an :class:`~agentrl.Action`.
+3. ``env.step(action)`` answers; its messages are appended as a template *delta* (mask 0).
+4. The episode ends when the env terminates or truncates, at ``max_turns``, when a turn hits its
+   length limit, or when the next observation would overflow the context.
+
+Faults never escape: an env that raises, times out or breaks its contract ends the sample as
+``failed``; an engine that cannot serve the turn ends it as ``aborted``. The reason is in
+``metadata["status_reason"]`` (and ``metadata["error"]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
+from agentrl.config import RolloutConfig
+from agentrl.engines.base import Engine, EngineError, GenerateOutput
+from agentrl.env import Env, call_env
+from agentrl.parsing import get_parser
+from agentrl.types import Action, Message, Sample, Status
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+class EnvContractError(TypeError):
+    """The environment returned something the Env contract does not allow."""
+
+
+class _EndEpisode(Exception):
+    def __init__(self, status: Status, reason: str, error: str | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.error = status, reason, error
+
+
+def check_messages(obs: Any, where: str) -> list[Message]:
+    """Validate an observation (list of chat message dicts); raise :class:`EnvContractError`."""
+    if not isinstance(obs, (list, tuple)):
+        raise EnvContractError(f"{where} must return a list of messages, got {type(obs).__name__}")
+    for i, m in enumerate(obs):
+        if not isinstance(m, dict):
+            raise EnvContractError(f"{where}: message {i} is {type(m).__name__}, expected a dict")
+        if m.get("role") not in _ROLES:
+            raise EnvContractError(f"{where}: message {i} has role {m.get('role')!r}; expected one of {sorted(_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise EnvContractError(f"{where}: message {i} content must be a str, got {type(m.get('content')).__name__}")
+    return list(obs)
+
+
+def check_reset(result: Any) -> tuple[list[Message], dict]:
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise EnvContractError("reset() must return (messages, info)")
+    obs, info = result
+    if not isinstance(info, dict):
+        raise EnvContractError(f"reset() info must be a dict, got {type(info).__name__}")
+    obs = check_messages(obs, "reset()")
+    if not obs:
+        raise EnvContractError("reset() returned no messages")
+    return obs, info
+
+
+def check_step(result: Any) -> tuple[list[Message], float, bool, bool, dict]:
+    if not isinstance(result, tuple) or len(result) != 5:
+        raise EnvContractError("step() must return (messages, reward, terminated, truncated, info)")
+    obs, reward, terminated, truncated, info = result
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
+        raise EnvContractError(f"step() reward must be a finite number, got {reward!r}")
+    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
+        raise EnvContractError("step() terminated and truncated must be bools")
+    if not isinstance(info, dict):
+        raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
+    return check_messages(obs, "step()"), float(reward), terminated, truncated, info
+
+
+@dataclass
+class EpisodeContext:
+    """What every episode of a run shares: engine, template, config."""
+
+    engine: Engine
+    template: ChatTemplate
+    config: RolloutConfig
+
+
+def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
+    """The turn's text without its stop token, and the stop token's text (None if not ended by one)."""
+    ids = out.output_ids
+    stop_ids = set(ctx.template.eos_token_ids) | set(ctx.config.rollout_stop_token_ids)
+    ended_by_token = out.finish_reason == "stop" and ids and not isinstance(out.matched, str) and ids[-1] in stop_ids
+    if ended_by_token:
+        return ctx.template.decode(ids[:-1]), ctx.template.decode(ids[-1:])
+    return ctx.template.decode(ids), None
+
+
+async def _timed(coro: Any, timeout: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise _EndEpisode(Status.FAILED, "env_timeout", f"{what} took longer than {timeout:g}s") from None
+    except (_EndEpisode, asyncio.CancelledError):
+        raise
+    except EnvContractError as exc:
+        raise _EndEpisode(Status.FAILED, "env_contract", str(exc)) from None
+    except Exception as exc:  # the user's env raised: fail this sample only
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
+        raise _EndEpisode(Status.FAILED, "env_error", f"{what} raised {type(exc).__name__}: {exc}\n{''.join(tb)}") from None
+
+
+async def run_episode(
+    ctx: EpisodeContext,
+    env_factory: Callable[[], Env],
+    task: dict[str, Any],
+    *,
+    group_index: int | None = None,
+    index: int | None = None,
+    seed: int | None = None,
+) -> Sample:
+    """Run one episode of a fresh env on ``task``; always returns a :class:`Sample`, never raises."""
+    cfg = ctx.config
+    t0 = time.monotonic()
+    key = uuid.uuid4().hex
+    sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
+    meta: dict[str, Any] = {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
+    sample.metadata = meta
+    extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
+    if extra:
+        meta["task"] = extra
+    ledger: TokenLedger | None = None
+    env: Env | None = None
+    status, reason = Status.TRUNCATED, "max_turns"
+    try:
+        env = await _timed(_construct(env_factory), cfg.env_step_timeout, "env construction")
+        max_turns = min(cfg.max_turns, env.max_turns) if env.max_turns else cfg.max_turns
+        step_timeout = env.step_timeout or cfg.env_step_timeout
+        parser = get_parser(cfg.tool_parser or env.tool_parser)
+        obs, info = check_reset(await _timed(call_env(env.reset, seed=seed, options=dict(task)), step_timeout, "reset()"))
+        sample.prompt = obs
+        meta["reset_info"] = info
+        tools = env.tool_schemas()
+        try:
+            _, prompt_ids = ctx.template.prompt(obs, tools)
+        except TemplateError as exc:
+            raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+        ledger = TokenLedger(prompt_ids)
+        context_len = cfg.rollout_max_context_len
+        if context_len is not None and len(ledger) >= context_len:
+            raise _EndEpisode(Status.TRUNCATED, "context_length")
+        for turn in range(max_turns):
+            budget = cfg.rollout_max_response_len
+            if context_len is not None:
+                budget = min(budget, context_len - len(ledger))
+            try:
+                out = await ctx.engine.generate(ledger.tokens, cfg.sampling(budget), key=key)
+            except EngineError as exc:
+                raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
+            if out.finish_reason == "abort":
+                raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
+            ledger.append_model(out.output_ids, out.output_logprobs)
+            sample.weight_versions.append(out.weight_version)
+            meta["finish_reasons"].append(out.finish_reason)
+            if out.finish_reason == "length":
+                hit_context = context_len is not None and len(ledger) >= context_len
+                raise _EndEpisode(Status.TRUNCATED, "context_length" if hit_context else "response_length")
+            text, last_token_text = _turn_text(ctx, out)
+            content, calls, errors = parser.parse(text)
+            for i, c in enumerate(calls):
+                c.id = c.id or f"call_{turn}_{i}"
+            action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
+            meta["tool_calls"] += len(calls)
+            meta["parse_errors"] += len(errors)
+            obs, reward, terminated, truncated, info = check_step(await _timed(call_env(env.step, action), step_timeout, "step()"))
+            meta["turn_rewards"].append(reward)
+            meta["env_infos"].append(info)
+            if terminated:
+                status, reason = Status.COMPLETED, "terminated"
+                break
+            if truncated:
+                status, reason = Status.TRUNCATED, "env_truncated"
+                break
+            if turn == max_turns - 1:
+                break
+            try:
+                delta = ctx.template.observation_delta(obs, tools, last_token_text=last_token_text, first_messages=sample.prompt)
+            except TemplateError as exc:
+                raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+            delta_ids = ctx.template.encode(delta)
+            if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
+                raise _EndEpisode(Status.TRUNCATED, "context_length")
+            ledger.append_env(delta_ids)
+    except _EndEpisode as end:
+        status, reason = end.status, end.reason
+        if end.error:
+            meta["error"] = end.error
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # an SDK bug or a parser/template surprise: fail the sample, keep the run
+        status, reason = Status.FAILED, "internal_error"
+        meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    finally:
+        if env is not None:
+            await _close_env(env, meta, cfg.env_step_timeout)
+        release = getattr(ctx.engine, "release", None)
+        if release is not None:
+            release(key)
+    return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
+
+
+async def _construct(factory: Callable[[], Env]) -> Env:
+    env = factory()
+    if not isinstance(env, Env):
+        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    return env
+
+
+async def _close_env(env: Env, meta: dict[str, Any], timeout: float) -> None:
+    try:
+        await asyncio.wait_for(call_env(env.close), timeout)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # a failing close is reported, not fatal: the episode's data is kept
+        meta["close_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _finish(sample: Sample, ledger: TokenLedger | None, ctx: EpisodeContext, status: Status, reason: str, seconds: float) -> Sample:
+    meta = sample.metadata
+    if ledger is not None:
+        sample.tokens = ledger.tokens
+        sample.response_length = len(ledger.response_ids)
+        sample.loss_mask = list(ledger.loss_mask)
+        sample.rollout_log_probs = list(ledger.log_probs)
+        sample.response = ctx.template.decode(ledger.response_ids)
+        meta["turn_spans"] = [list(s) for s in ledger.model_spans]
+        meta["env_spans"] = [list(s) for s in ledger.env_spans]
+    else:
+        sample.loss_mask, sample.rollout_log_probs = [], []
+    sample.status = status
+    meta["status_reason"] = reason
+    meta["num_turns"] = len(meta["finish_reasons"])
+    meta["episode_seconds"] = round(seconds, 4)
+    sample.reward = float(sum(meta["turn_rewards"]))
+    return sample

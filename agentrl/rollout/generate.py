@@ -1,0 +1,170 @@
+"""Generate a rollout: many episodes concurrently, grouped per task, with a summary.
+
+Each task row yields ``n_samples_per_prompt`` samples sharing a ``group_index`` (the row's
+position) with consecutive ``index`` values; seeds are ``rollout_seed + index`` so a rerun with
+the same seed gives each episode the same env seed. At most ``rollout_concurrency`` episodes run
+at once. A sample that fails, aborts or truncates is counted and kept; the run itself only stops
+on a bad configuration.
+
+slime users can replace the env-driven loop with ``--custom-generate-function-path`` (slime's
+signature ``async def generate(args, sample, sampling_params) -> Sample``): ``args`` carries the
+run's flags plus ``engine`` (an :class:`~agentrl.engines.base.Engine`), ``tokenizer`` and
+``chat_template``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+from agentrl.env import Env
+from agentrl.rollout.episode import EpisodeContext, run_episode
+from agentrl.rollout.reward import RewardFn, apply_custom_reward
+from agentrl.types import Sample, Status
+
+GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
+
+
+def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = "label") -> list[dict[str, Any]]:
+    """Read a JSONL file of task rows; each row keeps all its keys plus ``prompt`` and ``label``.
+
+    A line that is not a JSON object, or lacks ``input_key``, is refused with its line number.
+    """
+    rows: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object per line")
+            rows.append(task_from_row(row, input_key=input_key, label_key=label_key, where=f"{path}:{n}"))
+    if not rows:
+        raise ValueError(f"{path}: no tasks")
+    return rows
+
+
+def task_from_row(row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task") -> dict[str, Any]:
+    """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys."""
+    if input_key not in row:
+        raise ValueError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
+    task = dict(row)
+    task["prompt"] = row[input_key]
+    task["label"] = row.get(label_key)
+    return task
+
+
+@dataclass
+class RolloutSummary:
+    """Counts and means over a rollout, printed at the end and written by the CLI."""
+
+    samples: int = 0
+    status: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    reward_sum: float = 0.0
+    turns_sum: int = 0
+    response_tokens: int = 0
+    sampled_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, s: Sample) -> None:
+        self.samples += 1
+        self.status[s.status.value] += 1
+        self.reasons[s.metadata.get("status_reason", "")] += 1
+        self.reward_sum += float(s.reward or 0.0) if not isinstance(s.reward, dict) else 0.0
+        self.turns_sum += int(s.metadata.get("num_turns", 0))
+        self.response_tokens += s.response_length
+        self.sampled_tokens += sum(s.loss_mask or [])
+
+    def to_dict(self) -> dict[str, Any]:
+        n = max(self.samples, 1)
+        return {
+            "samples": self.samples,
+            "status": dict(self.status),
+            "status_reasons": dict(self.reasons),
+            "reward_mean": self.reward_sum / n,
+            "turns_mean": self.turns_sum / n,
+            "response_tokens_mean": self.response_tokens / n,
+            "sampled_tokens": self.sampled_tokens,
+            "seconds": round(self.seconds, 3),
+            "sampled_tokens_per_s": self.sampled_tokens / self.seconds if self.seconds > 0 else 0.0,
+        }
+
+
+async def _custom_episode(fn: GenerateFn, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int) -> Sample:
+    sample = Sample(group_index=group_index, index=index, prompt=task["prompt"], label=task.get("label"),
+                    metadata={k: v for k, v in task.items() if k not in ("prompt", "label")})
+    try:
+        out = await fn(args, sample, ctx.config.sampling().to_json())
+        if not isinstance(out, Sample):
+            raise TypeError(f"the custom generate function returned {type(out).__name__}, not a Sample")
+        if out.status == Status.PENDING:
+            out.status = Status.COMPLETED
+        out.validate()
+        out.metadata.setdefault("status_reason", "custom_generate")
+        return out
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        sample.status = Status.FAILED
+        sample.metadata["status_reason"] = "custom_generate_error"
+        sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+        sample.loss_mask, sample.rollout_log_probs = [], []
+        return sample
+
+
+async def generate_rollout(
+    ctx: EpisodeContext,
+    env_factory: Callable[[], Env] | None,
+    tasks: Iterable[dict[str, Any]],
+    *,
+    args: Any = None,
+    custom_generate: GenerateFn | None = None,
+    custom_reward: RewardFn | None = None,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> tuple[list[Sample], RolloutSummary]:
+    """Run ``n_samples_per_prompt`` episodes per task; return samples (by index) and a summary.
+
+    ``on_sample`` is called as each sample finishes (the CLI streams them to the output file and
+    advances the progress bar), so a killed run keeps what it finished.
+    """
+    cfg = ctx.config
+    if env_factory is None and custom_generate is None:
+        raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
+    sem = asyncio.Semaphore(cfg.rollout_concurrency)
+    summary = RolloutSummary()
+    t0 = time.monotonic()
+
+    async def one(task: dict[str, Any], group_index: int, index: int) -> Sample:
+        async with sem:
+            if custom_generate is not None:
+                sample = await _custom_episode(custom_generate, args, ctx, task, group_index, index)
+            else:
+                assert env_factory is not None
+                sample = await run_episode(ctx, env_factory, task, group_index=group_index, index=index,
+                                           seed=cfg.rollout_seed + index)
+            if custom_reward is not None:
+                sample = await apply_custom_reward(custom_reward, args, sample)
+        summary.add(sample)
+        if on_sample is not None:
+            on_sample(sample)
+        return sample
+
+    jobs = []
+    n = cfg.n_samples_per_prompt
+    for g, task in enumerate(tasks):
+        for j in range(n):
+            jobs.append(one(task, g, g * n + j))
+    samples = list(await asyncio.gather(*jobs))
+    summary.seconds = time.monotonic() - t0
+    samples.sort(key=lambda s: (s.index if s.index is not None else 0))
+    return samples, summary

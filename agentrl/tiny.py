@@ -1,0 +1,110 @@
+"""Tiny random-init models and tokenizers built locally, for tests, examples and benchmarks.
+
+Nothing may be downloaded from a model hub, so tests build their own: a byte-level BPE tokenizer
+trained in a fraction of a second on a small built-in corpus (lossless: any text round-trips), with
+ChatML special tokens, and a 2-layer Llama. The model is "chatty": a constant direction in the
+token embeddings plus a matching row in the output head give the end-of-turn token a fixed logit
+boost, so sampled turns end after ~``mean_turn_tokens`` tokens instead of running to the length
+limit. That makes multi-turn episodes possible with an untrained model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Plain ChatML without tool support (like SmolLM2's own template)."""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. What is 12 plus 30? The answer is 42.
+<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> <tool_response>3</tool_response>
+You are a helpful assistant. Use the tools to compute the answer. Call a tool with JSON.
+{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}} 0123456789 + - * / ( ) = ?
+system user assistant tool function parameters description type object string number integer
+"""
+
+
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 400, chat_template: str = CHATML_TEMPLATE):
+    """Train and save a byte-level BPE tokenizer with ChatML special tokens; return it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = chat_template
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 400,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    mean_turn_tokens: float = 12.0,
+    seed: int = 0,
+    chat_template: str = CHATML_TEMPLATE,
+) -> Path:
+    """Build a tiny chatty Llama checkpoint (safetensors + tokenizer) in ``out_dir``; return it."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    eos = tok.eos_token_id
+    with torch.no_grad():
+        # Dimension 0 of every embedding is a constant 1.0, which dominates the residual stream's RMS,
+        # so after the final RMSNorm h[0] ~ sqrt(hidden). A weight on that dimension in the EOS row of
+        # the output head then adds a near-constant logit: P(eos) ~ 1 / mean_turn_tokens.
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        target = math.log((len(tok) - 1) / max(mean_turn_tokens - 1.0, 1e-3))
+        model.lm_head.weight[:, 0] = 0.0
+        probe = torch.randint(0, len(tok), (1, 64))
+        h0 = model(probe, output_hidden_states=True).hidden_states[-1][0, :, 0].mean().item()
+        model.lm_head.weight[eos, 0] = target / h0
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "agentrl_tiny.json").write_text(json.dumps({"mean_turn_tokens": mean_turn_tokens, "seed": seed}))
+    return out

@@ -1,0 +1,160 @@
+"""The plain data that flows through agentrl: messages, tool calls, actions, samples.
+
+These are dataclasses with no behaviour beyond their invariants, so every module (engine client,
+episode loop, trainer, viewer) can rely on the same shapes. Field names follow slime's ``Sample`` so
+slime users find what they expect (``tokens``, ``response_length``, ``loss_mask``,
+``rollout_log_probs``, ``status`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+"""An OpenAI-style chat message: ``{"role": "user"|"assistant"|"system"|"tool", "content": str, ...}``.
+
+Tool results carry ``tool_call_id`` (and ``name``); the SDK never requires more than ``role`` and
+``content``. Plain dicts (not a class) so users can build them inline and templates read them as is.
+"""
+
+
+@dataclass
+class ToolCall:
+    """One tool call parsed from the model's text: ``name``, ``arguments`` (a dict) and an ``id``.
+
+    The id is what the tool result's ``tool_call_id`` points back to; the parser makes one up
+    (``call_<turn>_<n>``) because open models rarely emit ids themselves.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``tool_calls`` entry for this call (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
+
+@dataclass
+class ParseError:
+    """A tool call the model tried to write but got wrong (broken JSON, missing name, ...).
+
+    Kept on the action (``Action.errors``) instead of raising, because a malformed call is normal
+    model behaviour during RL: the environment answers it with an error message the model sees.
+    ``id`` is the tool_call_id the error message is sent under.
+    """
+
+    message: str
+    raw: str = ""
+    id: str = ""
+
+
+@dataclass
+class Action:
+    """The assistant's turn as the environment sees it.
+
+    ``text`` is the decoded turn without the end-of-turn token; ``tool_calls`` are the calls parsed
+    from it; ``errors`` the calls that could not be parsed. ``token_ids`` are the exact ids the
+    engine sampled (including the stop token), for environments that want them.
+    """
+
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[ParseError] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    def as_message(self) -> Message:
+        """This turn as an assistant chat message (text plus OpenAI-style tool_calls)."""
+        msg: Message = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return msg
+
+
+class Status(str, enum.Enum):
+    """How a sample ended (slime's values).
+
+    ``completed``: the environment terminated the episode. ``truncated``: a limit ended it (max
+    turns, response length, context length, or the env's own ``truncated``). ``aborted``: the
+    engine could not serve it (dead engine after retries, abort request). ``failed``: the
+    environment or a user function raised or timed out. Only completed and truncated samples are
+    trainable.
+    """
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One episode, token-exact (slime's field names).
+
+    Invariants (checked by :meth:`validate`): ``tokens`` is the prompt ids followed by the response
+    ids; ``len(loss_mask) == len(rollout_log_probs) == response_length``; ``loss_mask`` is 1 where
+    the policy sampled the token and 0 where the environment or the chat template wrote it (those
+    positions have log-prob 0.0). ``reward`` is the sum of ``metadata["turn_rewards"]`` plus any
+    custom reward-model score. ``token_exact`` is False for samples made through text-in/text-out
+    chat completions, which training refuses unless the user opts in.
+    """
+
+    group_index: int | None = None
+    index: int | None = None
+    prompt: str | list[Message] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict | None = None
+    loss_mask: list[int] | None = None
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rollout_log_probs: list[float] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    token_exact: bool = True
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of prompt tokens at the front of ``tokens``."""
+        return len(self.tokens) - self.response_length
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` if the token accounting invariants do not hold."""
+        n = self.response_length
+        if n < 0 or n > len(self.tokens):
+            raise ValueError(f"response_length {n} outside 0..{len(self.tokens)}")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"len(loss_mask)={len(self.loss_mask)} != response_length={n}")
+        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != n:
+            raise ValueError(f"len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}")
+        if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask must hold only 0 and 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``status`` as its string value)."""
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        """Inverse of :meth:`to_dict`; unknown keys are kept in ``metadata["extra"]``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        s = cls(**known)
+        s.status = Status(s.status)
+        if extra:
+            s.metadata.setdefault("extra", {}).update(extra)
+        return s

@@ -1,0 +1,76 @@
+"""P1 loop overhead: 64 concurrent multi-turn episodes through the SDK against the embedded engine,
+divided by the same engine calls made directly (recorded, then replayed with the same per-episode
+order and concurrency), measured in the same run. Goal <= 1.02.
+
+    python bench/p1_loop_overhead.py [--hf-checkpoint PATH] [--episodes 64] [--turns 3] [--rounds 3]
+
+Default model: a tiny locally built model (the loop's overhead is most visible when the engine is
+fast); pass --hf-checkpoint for a real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from agentrl.chat import ChatTemplate  # noqa: E402
+from agentrl.config import RolloutConfig  # noqa: E402
+from agentrl.engines.http import SGLangEngine  # noqa: E402
+from agentrl.engines.local.process import local_server  # noqa: E402
+from agentrl.rollout.episode import EpisodeContext  # noqa: E402
+from agentrl.rollout.generate import generate_rollout  # noqa: E402
+from agentrl.tiny import build_model  # noqa: E402
+from bench.p2_loop_capacity import TalkEnv  # noqa: E402
+from bench.replay import RecordingEngine, replay  # noqa: E402
+
+
+async def sdk_run(url: str, template: ChatTemplate, episodes: int, turns: int, max_new: int):
+    TalkEnv.turns = turns
+    engine = RecordingEngine(SGLangEngine(url))
+    cfg = RolloutConfig(max_turns=turns + 1, rollout_concurrency=episodes, rollout_max_response_len=max_new)
+    ctx = EpisodeContext(engine=engine, template=template, config=cfg)
+    tasks = [{"prompt": f"Tell me about the number {i}.", "label": None} for i in range(episodes)]
+    t = time.perf_counter()
+    _, summary = await generate_rollout(ctx, TalkEnv, tasks)
+    dt = time.perf_counter() - t
+    await engine.inner.close()
+    return dt, engine.calls, summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hf-checkpoint", default=None)
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    ckpt = Path(a.hf_checkpoint) if a.hf_checkpoint else build_model(Path(tempfile.mkdtemp()) / "tiny", hidden_size=256, num_layers=4)
+    template = ChatTemplate(AutoTokenizer.from_pretrained(ckpt))
+    with local_server(ckpt, extra_args=["--max-running-requests", str(a.episodes), "--seed", "0"]) as url:
+        ratios = []
+        for r in range(a.rounds):
+            httpx.post(url + "/flush_cache")
+            t_sdk, calls, summary = asyncio.run(sdk_run(url, template, a.episodes, a.turns, a.max_new_tokens))
+            httpx.post(url + "/flush_cache")
+            t_direct = asyncio.run(replay(url, calls, a.episodes))
+            ratios.append(t_sdk / t_direct)
+            n_req = sum(len(c) for c in calls.values())
+            print(f"round {r}: SDK {t_sdk:.2f}s, direct {t_direct:.2f}s for {n_req} engine calls "
+                  f"({summary.sampled_tokens} sampled tokens); ratio {t_sdk / t_direct:.3f}")
+        print(f"P1 loop overhead (SDK time / direct engine calls), median of {a.rounds}: "
+              f"{statistics.median(ratios):.3f}  (goal <= 1.02)")
+
+
+if __name__ == "__main__":
+    main()

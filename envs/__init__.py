@@ -1,0 +1,1 @@
+"""Ready environments, usable as ``--env envs.NAME:Class``."""

@@ -1,0 +1,222 @@
+"""The episode loop against the real embedded engine over HTTP: exactness and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import agentrl
+from agentrl.chat import ChatTemplate
+from agentrl.config import RolloutConfig
+from agentrl.engines.http import SGLangEngine
+from agentrl.engines.router import Router
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.generate import generate_rollout
+from agentrl.types import Status
+
+
+class TalkEnv(agentrl.Env):
+    """Replies with a user message each turn; terminates after 3 steps with reward = turn count."""
+
+    async def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return [{"role": "user", "content": str(options["prompt"])}], {"seed": seed}
+
+    async def step(self, action):
+        self.n += 1
+        done = self.n >= 3
+        return [{"role": "user", "content": f"Turn {self.n}: say more about {len(action.text)} chars."}], 0.5, done, False, {}
+
+
+@agentrl.tool
+def echo(text: str) -> str:
+    """Echo the text back.
+
+    Args:
+        text: what to echo
+    """
+    return text
+
+
+class ToolTalkEnv(agentrl.Env):
+    """Offers a tool and answers every turn with two tool results (exercises the built-in tool template)."""
+
+    tools = [echo]
+
+    async def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return [{"role": "system", "content": "Use tools."}, {"role": "user", "content": str(options["prompt"])}], {}
+
+    async def step(self, action):
+        self.n += 1
+        obs = [{"role": "tool", "tool_call_id": f"c{self.n}", "content": f"result {self.n}"},
+               {"role": "tool", "tool_call_id": f"d{self.n}", "content": "ok"}]
+        return obs, 1.0, self.n >= 3, False, {}
+
+
+def _ctx(url_or_engine, tokenizer, **cfg) -> EpisodeContext:
+    engine = url_or_engine if not isinstance(url_or_engine, str) else SGLangEngine(url_or_engine)
+    config = RolloutConfig(**{"rollout_max_response_len": 48, "max_turns": 5, **cfg})
+    return EpisodeContext(engine=engine, template=ChatTemplate(tokenizer), config=config)
+
+
+def _rescore(model, tokens: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    # log-prob of tokens[p] is read at position p - 1
+    return lp[:-1].gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
+
+
+@pytest.mark.parametrize("env_cls,temperature", [(TalkEnv, 1.0), (ToolTalkEnv, 0.8)])
+async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_tokenizer, env_cls, temperature):
+    from transformers import AutoModelForCausalLM
+
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_temperature=temperature, n_samples_per_prompt=3)
+    tasks = [{"prompt": f"Question {i}: what is {i} + {i}?", "label": str(2 * i)} for i in range(2)]
+    samples, summary = await generate_rollout(ctx, env_cls, tasks)
+    await ctx.engine.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    template = ctx.template
+    multi_turn = 0
+    for s in samples:
+        s.validate()
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
+        assert s.tokens[: s.prompt_length] == template.prompt(s.prompt, [t.schema() for t in env_cls.tools])[1]
+        # 1. every sampled position re-scores to the engine's log-prob
+        full = _rescore(model, s.tokens, temperature)
+        resp_lp = full[s.prompt_length - 1:]
+        mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert mask.sum() > 0
+        diff = (resp_lp[mask] - torch.tensor(s.rollout_log_probs)[mask]).abs().max().item()
+        assert diff < 1e-4, f"sample {s.index}: max |rescored - rollout| = {diff}"
+        assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m == 0)
+        # 2. the decoded sample is exactly the template's rendering of the conversation
+        convo = list(s.prompt)
+        env_iter = iter(s.metadata["env_spans"])
+        for a, b in s.metadata["turn_spans"]:
+            ids = s.tokens[s.prompt_length + a: s.prompt_length + b]
+            ended = ids[-1:] == [tiny_tokenizer.eos_token_id]
+            convo.append({"role": "assistant", "content": template.decode(ids[:-1] if ended else ids)})
+            span = next(env_iter, None)
+            if span is not None:
+                env_text = template.decode(s.tokens[s.prompt_length + span[0]: s.prompt_length + span[1]])
+                # 3. each mask-0 span is exactly the observation as the template renders it
+                if env_cls is TalkEnv:
+                    body = env_text.removeprefix("\n<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
+                    assert env_text == f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+                    assert body.startswith(f"Turn {len(convo) // 2}: say more")
+                    convo.append({"role": "user", "content": body})
+                else:
+                    n = (len(convo) - 2 + 1) // 3 + 1
+                    assert env_text == (f"\n<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response>\n"
+                                        "<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+                    convo += [{"role": "tool", "content": f"result {n}"}, {"role": "tool", "content": "ok"}]
+        rendered = template.render(convo, [t.schema() for t in env_cls.tools], add_generation_prompt=False)
+        decoded = template.decode(s.tokens)
+        assert rendered.startswith(decoded) and rendered[len(decoded):] in ("\n", "<|im_end|>\n")
+        assert s.reward == pytest.approx(sum(s.metadata["turn_rewards"]))
+        multi_turn += len(s.metadata["turn_spans"]) >= 2
+    assert multi_turn >= 3, "the tiny model should produce several multi-turn episodes"
+    assert summary.samples == 6
+
+
+class FlakyEnv(TalkEnv):
+    """Raises in step() for odd-numbered tasks."""
+
+    async def reset(self, *, seed=None, options=None):
+        self.task_id = int(options["prompt"].split()[-1])
+        return await super().reset(seed=seed, options=options)
+
+    async def step(self, action):
+        if self.task_id % 2 == 1:
+            raise RuntimeError("env exploded")
+        return await super().step(action)
+
+
+async def test_env_that_raises_fails_only_its_sample(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, summary = await generate_rollout(ctx, FlakyEnv, [{"prompt": f"task {i}"} for i in range(4)])
+    await ctx.engine.close()
+    failed = [s for s in samples if s.status == Status.FAILED]
+    assert len(failed) == 2 and summary.status["failed"] == 2
+    assert all("env exploded" in s.metadata["error"] and s.metadata["status_reason"] == "env_error" for s in failed)
+    assert all(s.status != Status.FAILED for s in samples if s.group_index % 2 == 0)
+    for s in failed:  # what was generated before the failure is kept, still consistent
+        s.validate()
+
+
+class SlowEnv(TalkEnv):
+    step_timeout = 0.2
+
+    async def step(self, action):
+        await asyncio.sleep(5)
+
+
+async def test_step_timeout_fails_the_sample(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, SlowEnv, [{"prompt": "x"}])
+    await ctx.engine.close()
+    assert samples[0].status == Status.FAILED and samples[0].metadata["status_reason"] == "env_timeout"
+
+
+class SyncEnv(agentrl.Env):
+    """Written with plain (blocking) methods: the SDK must run them off the event loop."""
+
+    threads: set = set()
+
+    def reset(self, *, seed=None, options=None):
+        SyncEnv.threads.add(threading.get_ident())
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        SyncEnv.threads.add(threading.get_ident())
+        return [], 1.0, True, False, {}
+
+
+async def test_sync_env_methods_run_in_worker_threads(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, SyncEnv, [{"prompt": "x"}] * 3)
+    await ctx.engine.close()
+    assert all(s.status == Status.COMPLETED and s.reward == 1.0 for s in samples)
+    assert SyncEnv.threads and threading.get_ident() not in SyncEnv.threads
+
+
+async def test_context_overflow_truncates(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_max_context_len=40, max_turns=10)
+    samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "a fairly long opening question here"}] * 3)
+    await ctx.engine.close()
+    for s in samples:
+        assert s.status == Status.TRUNCATED and s.metadata["status_reason"] == "context_length", s.metadata
+        assert len(s.tokens) <= 40
+        s.validate()
+
+
+class OneTurnEnv(TalkEnv):
+    async def step(self, action):
+        return [], 1.0, True, False, {}
+
+
+async def test_dead_engine_fails_over_to_a_live_one(tiny_server, tiny_tokenizer):
+    from agentrl.engines.local.process import free_port
+
+    dead = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=1, backoff=0.01)
+    router = Router([dead, SGLangEngine(tiny_server)])
+    ctx = _ctx(router, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, OneTurnEnv, [{"prompt": "x"}] * 4)
+    assert all(s.status == Status.COMPLETED for s in samples)
+    assert router.failed_until[0] > 0 and router.failed_until[1] == 0
+    await router.close()
+
+
+async def test_no_engine_left_aborts_samples_not_the_run(tiny_tokenizer):
+    from agentrl.engines.local.process import free_port
+
+    ctx = _ctx(Router([SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=2, backoff=0.01)]), tiny_tokenizer)
+    samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}] * 2)
+    await ctx.engine.close()
+    assert summary.status == {"aborted": 2}
+    assert all(s.metadata["status_reason"] == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples)
