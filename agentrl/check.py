@@ -124,6 +124,7 @@ class _LoopWatch:
 
     async def __aexit__(self, *exc: Any) -> None:
         assert self._task is not None
+        await asyncio.sleep(0.01)  # let the heartbeat wake once more and record a stall that just ended
         self._task.cancel()
         try:
             await self._task

@@ -151,7 +151,12 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from agentrl.env import load_env
 
     factory = load_env(args.env)
-    tasks = _load_task_rows(args, factory)
+    try:
+        tasks = _load_task_rows(args, factory)
+    except ValueError:
+        if args.prompt_data:
+            raise
+        tasks = []  # no task source: check_env plays a generic arithmetic task
     report = asyncio.run(check_env(factory, tasks[: args.num_tasks], step_timeout=args.step_timeout))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.ok else 1

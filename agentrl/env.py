@@ -17,6 +17,7 @@ the model answers without one, and score that answer with ``reward(action)``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -114,8 +115,8 @@ class ToolEnv(Env):
                 known = ", ".join(t.name for t in self.tools) or "none"
                 content = f"Error: unknown tool '{call.name}'. Available tools: {known}."
             else:
-                result = await call_tool(tool, call.arguments, timeout=tool.timeout or self.tool_timeout)
-                content = result.content if not result.is_error or result.content.startswith("Error") else f"Error: {result.content}"
+                result = await call_tool(tool, call.arguments, timeout=self.tool_timeout)
+                content = result.content  # errors arrive as "Error: ..." text the model reads
             return {"role": "tool", "name": call.name, "tool_call_id": call.id, "content": content}
 
         results = list(await asyncio.gather(*(one(c) for c in action.tool_calls)))
@@ -191,17 +192,46 @@ def load_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def load_env(spec: str | type[Env]) -> Callable[[], Env]:
-    """Resolve ``MODULE:CLASS``, ``path/to/file.py:CLASS`` or a registered id to an env factory.
+def _registered(spec: str) -> EnvSpec | None:
+    """The registered spec for ``spec``: an id, or ``module:id`` (import module, then look up id).
 
-    The factory builds one fresh env per episode, so episodes never share state.
+    Bundled ids (``agentrl/Calculator-v0``, ...) are registered by the ``envs`` package, imported
+    on first lookup of an unknown id.
+    """
+    if spec in registry:
+        return registry[spec]
+    module_name, sep, env_id = spec.partition(":")
+    if sep and "/" in env_id:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        importlib.import_module(module_name)
+        return registry.get(env_id)
+    if not sep and "/" in spec:
+        try:
+            importlib.import_module("envs")
+        except ImportError:
+            return None
+        return registry.get(spec)
+    return None
+
+
+def load_env(spec: str | type[Env]) -> Callable[[], Env]:
+    """Resolve ``MODULE:CLASS``, ``path/to/file.py:CLASS``, a registered id or ``module:id`` to an env factory.
+
+    The factory builds one fresh env per episode, so episodes never share state. Attributes of the
+    class (``tasks()``, ``tools``) stay reachable on the returned factory for registered ids too.
     """
     if isinstance(spec, type):
         return spec
-    if spec in registry:
-        reg = registry[spec]
+    reg = _registered(spec)
+    if reg is not None:
         target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
-        return lambda: target(**reg.kwargs)
+        if not reg.kwargs:
+            return target
+        return functools.partial(target, **reg.kwargs)
+    if ":" not in spec:
+        known = ", ".join(sorted(registry)) or "none"
+        raise ValueError(f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS nor a registered env id (known: {known})")
     target = _import_object(spec)
     if not callable(target):
         raise TypeError(f"{spec!r} is not a class or factory")
@@ -210,8 +240,4 @@ def load_env(spec: str | type[Env]) -> Callable[[], Env]:
 
 def make(id: str, **kwargs: Any) -> Env:
     """Build one env from a registered id or a ``MODULE:CLASS`` spec (Gymnasium's ``make``)."""
-    if id in registry:
-        reg = registry[id]
-        target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
-        return target(**{**reg.kwargs, **kwargs})
     return load_env(id)(**kwargs)  # type: ignore[call-arg]

@@ -1,1 +1,5 @@
 """Ready environments, usable as ``--env envs.NAME:Class``."""
+
+from agentrl.env import register
+
+register("agentrl/Calculator-v0", "envs.calculator:Calculator")

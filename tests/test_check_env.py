@@ -1,0 +1,67 @@
+"""check_env catches contract violations and passes well-behaved envs."""
+
+from __future__ import annotations
+
+import time
+
+import agentrl
+from agentrl.check import check_env
+from envs.calculator import Calculator
+
+
+async def test_bundled_calculator_env_passes():
+    report = await check_env(Calculator, Calculator.tasks(2))
+    assert report.ok, report.format()
+    names = [r.scenario for r in report.results]
+    assert any("wrong argument types for calculator" in n for n in names)
+    assert any("broken JSON" in n for n in names) and any("huge text" in n for n in names)
+
+
+class WrongShape(agentrl.Env):
+    async def reset(self, *, seed=None, options=None):
+        return [{"role": "user", "content": "hi"}], {}
+
+    async def step(self, action):
+        return "not a list", 1, True  # wrong arity and types
+
+
+class RaisesOnGarbage(agentrl.ToolEnv):
+    async def step(self, action):
+        if not action.text.strip():
+            raise ValueError("empty!")
+        return [], 0.0, True, False, {}
+
+
+class Blocking(agentrl.ToolEnv):
+    async def step(self, action):
+        time.sleep(0.4)  # blocks the event loop
+        return [], 0.0, True, False, {}
+
+
+class SyncSleeper(agentrl.ToolEnv):
+    def step(self, action):  # synchronous: runs in a thread, so sleeping is fine
+        time.sleep(0.3)
+        return [], 0.0, True, False, {}
+
+
+class IgnoresToolCalls(agentrl.ToolEnv):
+    tools = Calculator.tools
+
+    async def step(self, action):
+        return [{"role": "user", "content": "whatever"}], 0.0, False, False, {}
+
+
+async def test_violations_are_reported():
+    r = await check_env(WrongShape, [])
+    assert not r.ok and all("step() must return" in v.detail for v in r.violations)
+    r = await check_env(RaisesOnGarbage, [])
+    assert [v.scenario for v in r.violations] == ["task 0: empty text"]
+    assert "raised ValueError: empty!" in r.violations[0].detail
+    r = await check_env(Blocking, [])
+    assert not r.ok and "blocked the event loop" in r.violations[0].detail
+    r = await check_env(IgnoresToolCalls, [])
+    assert any("answered no tool message" in v.detail for v in r.violations)
+
+
+async def test_sync_env_that_sleeps_does_not_count_as_blocking():
+    assert (await check_env(SyncSleeper, [])).ok

@@ -1,0 +1,114 @@
+"""The ``agentrl`` command end to end: real processes, real engine on loopback, tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def read_samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rollout_starts_the_embedded_engine_itself(tiny_ckpt, tmp_path):
+    out = tmp_path / "samples.jsonl"
+    r = run("rollout", "--env", "envs.calculator:Calculator", "--prompt-data", "envs/data/calculator.jsonl",
+            "--num-tasks", "3", "--n-samples-per-prompt", "2", "--max-turns", "3", "--rollout-max-response-len", "32",
+            "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    samples = read_samples(out)
+    assert summary["samples"] == len(samples) == 6
+    assert sorted(s["index"] for s in samples) == list(range(6))
+    assert sorted({s["group_index"] for s in samples}) == [0, 1, 2]
+    for s in samples:
+        assert s["status"] in ("completed", "truncated")
+        assert len(s["loss_mask"]) == len(s["rollout_log_probs"]) == s["response_length"] > 0
+        assert s["label"] and s["prompt"][0]["role"] == "system"
+        assert s["reward"] == sum(s["metadata"]["turn_rewards"])
+
+
+def test_rollout_against_running_engines_with_registered_id(tiny_server, tiny_ckpt, tmp_path):
+    out = tmp_path / "s.jsonl"
+    r = run("rollout", "--env", "agentrl/Calculator-v0", "--num-tasks", "2", "--engine-url", tiny_server,
+            "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt), "--rollout-max-response-len", "16",
+            "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert len(read_samples(out)) == 2
+
+
+def test_custom_generate_and_reward_functions(tiny_server, tiny_ckpt, tmp_path):
+    (tmp_path / "custom.py").write_text(textwrap.dedent("""
+        from agentrl.engines.base import SamplingParams
+
+        async def generate(args, sample, sampling_params):
+            ids = args.tokenizer.encode("<|im_start|>user\\n" + sample.prompt + "<|im_end|>\\n<|im_start|>assistant\\n")
+            out = await args.engine.generate(ids, SamplingParams(**sampling_params))
+            sample.tokens = ids + out.output_ids
+            sample.response_length = len(out.output_ids)
+            sample.loss_mask = [1] * len(out.output_ids)
+            sample.rollout_log_probs = out.output_logprobs
+            sample.response = args.tokenizer.decode(out.output_ids)
+            sample.reward = 0.25
+            return sample
+
+        def reward_func(args, sample):
+            return 1.0 if sample.label == "yes" else 0.5
+    """))
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"question": "a?", "answer": "yes"}\n{"question": "b?", "answer": "no"}\n')
+    out = tmp_path / "s.jsonl"
+    r = run("rollout", "--custom-generate-function-path", f"{tmp_path}/custom.py:generate",
+            "--custom-rm-path", f"{tmp_path}/custom.py:reward_func", "--prompt-data", str(data),
+            "--input-key", "question", "--label-key", "answer", "--engine-url", tiny_server,
+            "--hf-checkpoint", str(tiny_ckpt), "--rollout-max-response-len", "8", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    samples = sorted(read_samples(out), key=lambda s: s["index"])
+    assert [s["reward"] for s in samples] == [1.25, 0.75]
+    assert [s["metadata"]["rm_reward"] for s in samples] == [1.0, 0.5]
+    assert [s["prompt"] for s in samples] == ["a?", "b?"] and samples[0]["status"] == "completed"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+    (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+    (["--env", "envs.calculator:Nope"], "has no attribute 'Nope'"),
+    (["--prompt-data", "/nonexistent.jsonl"], "No such file"),
+    (["--input-key", "question"], "no 'question' key"),
+    (["--hf-checkpoint", "/nonexistent"], "not a local Hugging Face checkpoint"),
+])
+def test_bad_configuration_is_refused_before_work_starts(flags, message):
+    base = {"--env": "envs.calculator:Calculator", "--prompt-data": "envs/data/calculator.jsonl"}
+    args = ["rollout"]
+    for k, v in base.items():
+        if k not in flags:
+            args += [k, v]
+    r = run(*args, *flags, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_check_env_exit_codes(tmp_path):
+    r = run("check-env", "--env", "envs.calculator:Calculator")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 contract violation(s)" in r.stdout
+    (tmp_path / "bad.py").write_text(textwrap.dedent("""
+        import agentrl
+        class Bad(agentrl.Env):
+            async def reset(self, *, seed=None, options=None):
+                return "hello", {}
+    """))
+    r = run("check-env", "--env", f"{tmp_path}/bad.py:Bad", "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["violations"] > 0 and "reset() must return a list of messages" in report["results"][0]["detail"]

@@ -1,0 +1,115 @@
+"""Env/ToolEnv behaviour and how environments are found (module, file path, registered id)."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+import agentrl
+from agentrl.parsing import get_parser
+
+
+@agentrl.tool
+async def add(a: float, b: float) -> str:
+    """Add two numbers.
+
+    Args:
+        a: first addend
+        b: second addend
+    """
+    return str(a + b)
+
+
+@agentrl.tool(timeout=0.05)
+async def slow(x: int) -> str:
+    """Sleep too long.
+
+    Args:
+        x: ignored
+    """
+    await asyncio.sleep(2)
+    return "late"
+
+
+class Arithmetic(agentrl.ToolEnv):
+    tools = [add, slow]
+    max_turns = 4
+
+    async def reward(self, action: agentrl.Action) -> float:
+        return float(self.task["label"] in action.text)
+
+
+def _action(text: str) -> agentrl.Action:
+    content, calls, errors = get_parser("hermes").parse(text)
+    return agentrl.Action(text=text, tool_calls=calls, errors=errors)
+
+
+def _call(name: str, args) -> str:
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+async def test_tool_env_runs_calls_and_scores_the_final_answer():
+    env = Arithmetic()
+    obs, info = await env.reset(seed=1, options={"prompt": "1+2?", "label": "3", "extra": 7})
+    assert obs == [{"role": "user", "content": "1+2?"}] and env.task["extra"] == 7
+    obs, r, term, trunc, info = await env.step(_action(_call("add", {"a": 1, "b": 2})))
+    assert [m["content"] for m in obs] == ["3.0"] and obs[0]["role"] == "tool" and obs[0]["tool_call_id"] == "call_0"
+    assert (r, term, trunc) == (0.0, False, False)
+    obs, r, term, trunc, _ = await env.step(_action("The answer is 3"))
+    assert (obs, r, term) == ([], 1.0, True)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1,</tool_call>', "Error: could not parse tool call"),
+    (_call("nope", {}), "Error: unknown tool 'nope'. Available tools: add, slow."),
+    (_call("add", {"a": "one", "b": 2}), "Error: add: argument 'a' must be a number"),
+    (_call("add", {"a": 1}), "Error: add: missing required argument 'b'"),
+    (_call("slow", {"x": 1}), "Error: tool 'slow' timed out after 0.05s"),
+])
+async def test_bad_tool_calls_become_error_messages_the_model_sees(text, expected):
+    env = Arithmetic()
+    await env.reset(options={"prompt": "q", "label": "3"})
+    obs, r, term, trunc, _ = await env.step(_action(text))
+    assert not term and len(obs) == 1 and obs[0]["role"] == "tool"
+    assert obs[0]["content"].startswith(expected), obs[0]["content"]
+    assert obs[0]["tool_call_id"]
+
+
+async def test_several_calls_run_concurrently_and_answer_in_order():
+    env = Arithmetic()
+    await env.reset(options={"prompt": "q", "label": "x"})
+    text = _call("add", {"a": 1, "b": 1}) + _call("slow", {"x": 0}) + _call("add", {"a": 2, "b": 2})
+    obs, *_ = await env.step(_action(text))
+    assert [m["content"][:5] for m in obs] == ["2.0", "Error", "4.0"]
+    assert [m["tool_call_id"] for m in obs] == ["call_0", "call_1", "call_2"]
+
+
+def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
+    from envs.calculator import Calculator
+
+    assert agentrl.load_env("envs.calculator:Calculator") is Calculator
+    assert agentrl.load_env("agentrl/Calculator-v0") is Calculator
+    f = tmp_path / "my_env.py"
+    f.write_text(textwrap.dedent("""
+        import agentrl
+        class Mine(agentrl.Env):
+            async def reset(self, *, seed=None, options=None):
+                return [{"role": "user", "content": "hi"}], {}
+        agentrl.register("test/Mine-v0", Mine)
+    """))
+    cls = agentrl.load_env(f"{f}:Mine")
+    assert cls.__name__ == "Mine"
+    monkeypatch.chdir(tmp_path)
+    assert agentrl.load_env("my_env:Mine").__name__ == "Mine"
+    assert agentrl.load_env("my_env:test/Mine-v0").__name__ == "Mine"
+    assert isinstance(agentrl.make("test/Mine-v0"), agentrl.Env)
+    with pytest.raises(ValueError, match="registered env id"):
+        agentrl.load_env("no/Such-v0")
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        agentrl.load_env("envs.calculator:Nope")
+    with pytest.raises(FileNotFoundError):
+        agentrl.load_env(f"{tmp_path}/missing.py:X")
