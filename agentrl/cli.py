@@ -38,6 +38,11 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-key", default=d.label_key)
     p.add_argument("--num-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--engine-url", action="append", default=[], help="running SGLang-compatible engine (repeatable)")
+    p.add_argument("--engine-api", default="generate", choices=["generate", "chat"],
+                   help="generate: SGLang-native token in/out (exact); chat: OpenAI chat completions, text in/out, "
+                        "samples marked token_exact=false (for evaluating API models)")
+    p.add_argument("--model", default=None, help="model name sent to a chat-completions API (default: the first of /v1/models)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the chat API key")
     p.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt)
     p.add_argument("--max-turns", type=int, default=d.max_turns)
     p.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
@@ -208,9 +213,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         if not urls:
             from agentrl.engines.local.process import local_server
 
-            print(f"starting the embedded engine for {ckpt} ...", file=sys.stderr)
+            from agentrl.checkpoint import cache_dir
+
+            engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
+            engine_log.parent.mkdir(parents=True, exist_ok=True)
+            print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
             urls = [stack.enter_context(local_server(
-                ckpt, log_path=args.engine_log,
+                ckpt, log_path=engine_log,
                 extra_args=["--max-running-requests", str(args.engine_max_running_requests)]))]
         summary = asyncio.run(_rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm))
     print(json.dumps(summary, indent=2))
@@ -221,16 +230,20 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentrl.chat import ChatTemplate
-    from agentrl.engines.http import SGLangEngine, wait_healthy
+    from agentrl.engines.http import ChatCompletionsClient, SGLangEngine, wait_healthy
     from agentrl.engines.router import Router
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.generate import generate_rollout
 
     engine = Router([SGLangEngine(u) for u in urls])
+    chat = None
+    if args.engine_api == "chat":
+        chat = ChatCompletionsClient(urls[0], model=args.model, api_key=os.environ.get(args.api_key_env))
     try:
-        await wait_healthy(engine, timeout=60)
+        if chat is None:
+            await wait_healthy(engine, timeout=60)
         template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
-        ctx = EpisodeContext(engine=engine, template=template, config=cfg)
+        ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
         args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
         out_path = Path(args.output)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +268,8 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
         return result
     finally:
         await engine.close()
+        if chat is not None:
+            await chat.close()
 
 
 if __name__ == "__main__":

@@ -220,3 +220,19 @@ async def test_no_engine_left_aborts_samples_not_the_run(tiny_tokenizer):
     await ctx.engine.close()
     assert summary.status == {"aborted": 2}
     assert all(s.metadata["status_reason"] == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples)
+
+
+async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, tiny_tokenizer):
+    from agentrl.engines.http import ChatCompletionsClient
+
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    ctx.chat = ChatCompletionsClient(tiny_server)
+    samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}] * 2)
+    await ctx.chat.close()
+    await ctx.engine.close()
+    for s in samples:
+        s.validate()
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
+        assert s.token_exact is False and set(s.weight_versions) == {"api"}
+        assert all(lp == 0.0 for lp in s.rollout_log_probs)
+    assert all(s.token_exact for s in (await generate_rollout(_ctx(tiny_server, tiny_tokenizer), OneTurnEnv, [{"prompt": "x"}]))[0])

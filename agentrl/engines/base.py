@@ -71,6 +71,8 @@ class GenerateOutput:
     weight_version: str = "default"
     prompt_tokens: int = 0
     engine_url: str = ""
+    message: dict[str, Any] | None = None
+    """The assistant message, for text-in/text-out chat completions (then ids are a local re-tokenization)."""
 
     @classmethod
     def from_sglang(cls, body: dict[str, Any], engine_url: str = "") -> GenerateOutput:

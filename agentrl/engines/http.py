@@ -132,8 +132,8 @@ class ChatCompletionsClient:
         self.model = model
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=_limits())
 
-    async def chat(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams) -> dict[str, Any]:
-        """One chat completion; returns the first choice's ``message`` plus ``finish_reason``."""
+    async def chat(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams) -> tuple[dict[str, Any], str]:
+        """One chat completion: the first choice's assistant message (role, content, tool_calls) and finish_reason."""
         model = self.model
         if model is None:
             resp = await self._client.get("/models")
@@ -157,7 +157,11 @@ class ChatCompletionsClient:
         if resp.status_code >= 400:
             raise EngineRequestError(f"{self.base_url}/chat/completions HTTP {resp.status_code}: {resp.text[:300]}")
         choice = resp.json()["choices"][0]
-        return {**choice["message"], "finish_reason": choice.get("finish_reason") or "stop"}
+        raw = choice.get("message") or {}
+        message: dict[str, Any] = {"role": "assistant", "content": raw.get("content") or ""}
+        if raw.get("tool_calls"):
+            message["tool_calls"] = raw["tool_calls"]
+        return message, choice.get("finish_reason") or "stop"
 
     async def close(self) -> None:
         await self._client.aclose()

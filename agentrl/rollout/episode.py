@@ -28,8 +28,9 @@ from typing import Any, Callable
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
+from agentrl.engines.http import ChatCompletionsClient
 from agentrl.env import Env, call_env
-from agentrl.parsing import get_parser
+from agentrl.parsing import OpenAIToolCallsParser, get_parser
 from agentrl.types import Action, Message, Sample, Status
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -86,11 +87,29 @@ def check_step(result: Any) -> tuple[list[Message], float, bool, bool, dict]:
 
 @dataclass
 class EpisodeContext:
-    """What every episode of a run shares: engine, template, config."""
+    """What every episode of a run shares: engine, template, config.
 
-    engine: Engine
+    With ``chat`` set (an OpenAI chat-completions client, for evaluating API models) turns are
+    text in, text out: the ledger holds a local re-tokenization with zero log-probs and samples
+    are marked ``token_exact=False``.
+    """
+
+    engine: Engine | None
     template: ChatTemplate
     config: RolloutConfig
+    chat: ChatCompletionsClient | None = None
+
+
+async def _chat_turn(ctx: EpisodeContext, convo: list[Message], tools: list[dict], budget: int) -> GenerateOutput:
+    """One text-in/text-out turn, re-tokenized locally (not token-exact)."""
+    assert ctx.chat is not None
+    msg, finish_reason = await ctx.chat.chat(convo, tools, ctx.config.sampling(budget))
+    ids = ctx.template.encode(msg["content"])
+    finish = "length" if finish_reason == "length" else "stop"
+    if finish == "stop":
+        ids.append(ctx.template.eos_token_ids[0])
+    return GenerateOutput(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason=finish,
+                          matched=ids[-1] if finish == "stop" else None, message=msg, weight_version="api")
 
 
 def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
@@ -153,6 +172,8 @@ async def run_episode(
         except TemplateError as exc:
             raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
         ledger = TokenLedger(prompt_ids)
+        convo = list(obs)
+        sample.token_exact = ctx.chat is None
         context_len = cfg.rollout_max_context_len
         if context_len is not None and len(ledger) >= context_len:
             raise _EndEpisode(Status.TRUNCATED, "context_length")
@@ -161,7 +182,11 @@ async def run_episode(
             if context_len is not None:
                 budget = min(budget, context_len - len(ledger))
             try:
-                out = await ctx.engine.generate(ledger.tokens, cfg.sampling(budget), key=key)
+                if ctx.chat is not None:
+                    out = await _chat_turn(ctx, convo, tools, budget)
+                else:
+                    assert ctx.engine is not None
+                    out = await ctx.engine.generate(ledger.tokens, cfg.sampling(budget), key=key)
             except EngineError as exc:
                 raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
             if out.finish_reason == "abort":
@@ -173,10 +198,14 @@ async def run_episode(
                 hit_context = context_len is not None and len(ledger) >= context_len
                 raise _EndEpisode(Status.TRUNCATED, "context_length" if hit_context else "response_length")
             text, last_token_text = _turn_text(ctx, out)
-            content, calls, errors = parser.parse(text)
+            if out.message is not None and out.message.get("tool_calls"):
+                content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
+            else:
+                content, calls, errors = parser.parse(text)
             for i, c in enumerate(calls):
                 c.id = c.id or f"call_{turn}_{i}"
             action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
+            convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
             obs, reward, terminated, truncated, info = check_step(await _timed(call_env(env.step, action), step_timeout, "step()"))
@@ -194,6 +223,7 @@ async def run_episode(
                 delta = ctx.template.observation_delta(obs, tools, last_token_text=last_token_text, first_messages=sample.prompt)
             except TemplateError as exc:
                 raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+            convo.extend(obs)
             delta_ids = ctx.template.encode(delta)
             if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
                 raise _EndEpisode(Status.TRUNCATED, "context_length")
@@ -210,7 +240,7 @@ async def run_episode(
     finally:
         if env is not None:
             await _close_env(env, meta, cfg.env_step_timeout)
-        release = getattr(ctx.engine, "release", None)
+        release = getattr(ctx.engine, "release", None) if ctx.engine is not None else None
         if release is not None:
             release(key)
     return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
