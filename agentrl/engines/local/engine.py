@@ -1,0 +1,588 @@
+"""The embedded engine: continuous batching over a preallocated KV cache, on CPU or one GPU.
+
+``LocalEngine`` is what ``agentrl serve`` runs when there is no SGLang: the HTTP app in
+``server.py`` wraps it in SGLang's API, so client code cannot tell the two apart. It exists because
+HF ``generate`` batches statically (a batch runs until its longest member ends, finished rows keep
+burning compute) and HF's own continuous batching was slower than that on CPU, with one global
+sampling mode and renormalized log-probs.
+
+One worker thread owns the model. Each iteration it (1) applies aborts, cache flushes and weight
+updates, (2) admits waiting requests into free rows (up to ``max_running_requests``): reuses the
+longest cached token prefix, then prefills the rest in right-padded batches of similar length,
+(3) runs one decode step for every running request, samples each row with its own parameters and
+retires the finished ones at once. ``generate`` only enqueues and awaits a future that the worker
+resolves with ``loop.call_soon_threadsafe``, so the event loop never blocks on the model.
+
+Log-probs are SGLang's: ``log_softmax(logits / temperature)`` of the sampled token, taken before
+top-k/top-p/min-p filtering, in fp32 (greedy: ``log_softmax(logits)``); they equal a full-sequence
+re-score of prompt + output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, common_prefix_len
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given (bad sampling params, prompt too long, ...): HTTP 400."""
+
+
+_IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params", "sampling_seed"}
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+            "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+            "logit_bias": None, "stop_regex": None}
+
+
+@dataclass
+class SamplingConfig:
+    """SGLang's ``sampling_params``, validated. Penalties and constrained decoding are refused."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+    @property
+    def stop_window(self) -> int:
+        """Output tokens to decode when looking for a stop string (a char may span 4 byte tokens)."""
+        return 4 * max(len(s) for s in self.stop) + 2
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingConfig:
+        if not isinstance(d, dict):
+            raise InvalidRequestError("sampling_params must be an object")
+        sp, names = cls(), {f.name for f in fields(cls)}
+        for key, value in d.items():
+            if key in names:
+                if value is not None:
+                    setattr(sp, key, value)
+            elif key in _NEUTRAL:
+                if value is not None and value != _NEUTRAL[key]:
+                    raise InvalidRequestError(f"sampling param {key}={value!r} is not supported by the embedded engine")
+            elif key not in _IGNORED_KEYS:
+                raise InvalidRequestError(f"unknown sampling param {key!r}")
+        sp.stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+        sp.stop_token_ids = set(sp.stop_token_ids)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(msg)
+
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+              f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+              f"temperature must be >= 0, got {self.temperature!r}")
+        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+              f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
+        check(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers")
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gen: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row with that row's params; return ``(ids [B], logprobs [B])``.
+
+    ``logprob = log_softmax(logits / T)[id]`` (greedy: ``T = 1``), before top-k/top-p/min-p
+    filtering and never renormalized: SGLang's default, the quantity the trainer's re-score matches.
+    Sampling inverts the CDF (``cumsum`` + ``searchsorted``), ~50x cheaper than ``torch.multinomial``
+    over a 50k vocabulary on CPU.
+    """
+    dev = logits.device
+    temps = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=dev)
+    scaled = logits.float() / temps[:, None]  # [B, V]
+    lse = torch.logsumexp(scaled, dim=-1)  # [B]
+    ids = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    plain = [i for i in rows if params[i].top_k == -1 and params[i].top_p >= 1 and params[i].min_p <= 0]
+    if plain:
+        ids[plain] = _inverse_cdf((scaled[plain] - lse[plain, None]).exp(), gen)
+    filtered = [i for i in rows if i not in set(plain)]
+    if filtered:
+        probs, order = (scaled[filtered] - lse[filtered, None]).exp().sort(dim=-1, descending=True)  # [F, V]
+        rank = torch.arange(probs.shape[1], device=dev)[None, :]
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[1] for i in filtered], device=dev)
+        top_p = torch.tensor([float(params[i].top_p) for i in filtered], device=dev)
+        min_p = torch.tensor([float(params[i].min_p) for i in filtered], device=dev)
+        drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) > top_p[:, None])
+        drop |= probs < min_p[:, None] * probs[:, :1]
+        pick = _inverse_cdf(probs.masked_fill(drop, 0.0), gen)  # [F], in sorted order
+        ids[filtered] = order.gather(1, pick[:, None])[:, 0]
+    return ids, scaled.gather(1, ids[:, None])[:, 0] - lse
+
+
+def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalized non-negative weights ``[R, V]``."""
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+    # A zero-weight token can only be hit through float ties at the top end: step back onto mass.
+    while bool((probs.gather(1, idx[:, None])[:, 0] <= 0).any()):
+        bad = probs.gather(1, idx[:, None])[:, 0] <= 0
+        idx = torch.where(bad, idx - 1, idx).clamp_(min=0)
+    return idx
+
+
+class _Request:
+    """One generation request as the worker tracks it."""
+
+    def __init__(self, rid: str, input_ids: list[int], sp: SamplingConfig, logprob: tuple[bool, bool],
+                 future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.rid, self.input_ids, self.sp = rid, input_ids, sp
+        self.return_logprob, self.return_text_in_logprobs = logprob
+        self.future, self.loop = future, loop
+        self.prompt = np.asarray(input_ids, dtype=np.int64)
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.row = -1
+        self.kv_len = 0  # positions whose keys/values are written in the row
+        self.cached_tokens = 0
+        self.finish: dict[str, Any] | None = None
+        self.created = time.perf_counter()
+
+    def tokens(self) -> np.ndarray:
+        """Prompt + output ids whose KV is in the row (the last sampled token's is not yet)."""
+        if not self.output_ids:
+            return self.prompt[: self.kv_len]
+        return np.concatenate([self.prompt, np.asarray(self.output_ids, dtype=np.int64)])[: self.kv_len]
+
+
+class LocalEngine:
+    """An in-process SGLang look-alike: ``generate`` takes token ids and returns SGLang's JSON.
+
+    ``max_running_requests`` rows decode together; more requests wait in FIFO order.
+    ``max_cached_sequences`` finished sequences keep their KV for prefix reuse (LRU; 0 disables
+    prefix reuse; default ``max_running_requests``). ``context_length`` defaults to the model's
+    ``max_position_embeddings``. ``seed`` seeds the sampling generator.
+    """
+
+    def __init__(self, checkpoint: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                 max_running_requests: int = 32, max_cached_sequences: int | None = None,
+                 context_length: int | None = None, seed: int | None = None,
+                 chunked_prefill_size: int = 1024):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=getattr(torch, dtype), local_files_only=True).to(device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
+        windows = [w for w in (getattr(l.self_attn, "sliding_window", None) for l in self.model.model.layers) if w]
+        if windows and min(windows) < ctx:
+            log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
+            ctx = min(windows)
+        self.context_length = int(ctx)
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.runner = CachedForward(self.model, rows=max_running_requests, max_capacity=self.context_length)
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
+        self.eos_token_ids = self._eos_ids()
+        self.weight_version = "default"
+        self._version_counter = 0
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+        # Shared with the worker thread, guarded by _cv.
+        self._cv = threading.Condition()
+        self._inbox: deque[_Request] = deque()
+        self._aborts: list[str | None] = []  # rids; None = all
+        self._control: list[tuple[str, Any]] = []
+        self._stop = False
+        self.error: BaseException | None = None
+        # Owned by the worker thread.
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request | None] = [None] * max_running_requests
+        self._thread = threading.Thread(target=self._run, name="agentrl-local-engine", daemon=True)
+        self._thread.start()
+
+    def _eos_ids(self) -> set[int]:
+        """EOS ids from the config, the generation config (an int or a list) and the tokenizer."""
+        ids: set[int] = set()
+        for src in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    # ---------------------------------------------------------------- public API (event-loop side)
+
+    @property
+    def alive(self) -> bool:
+        """False once the worker thread died (the HTTP health checks then answer 503)."""
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *,
+                       rid: str | None = None, return_logprob: bool = False,
+                       return_text_in_logprobs: bool = False) -> dict:
+        """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
+
+        Raises :class:`InvalidRequestError` for requests SGLang would answer with HTTP 400.
+        Cancelling the awaiting task aborts the request.
+        """
+        if not self.alive:
+            raise RuntimeError(f"the embedded engine is not running: {self.error!r}")
+        ids = self._check_input_ids(input_ids)
+        sp = SamplingConfig.from_dict(sampling_params or {})
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_length - len(ids))
+        rid = rid or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        req = _Request(rid, ids, sp, (return_logprob, return_text_in_logprobs), loop.create_future(), loop)
+        if sp.max_new_tokens == 0:
+            req.finish = {"type": "length", "length": 0}
+            return self._response(req)
+        with self._cv:
+            self._inbox.append(req)
+            self._cv.notify()
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+
+    def _check_input_ids(self, input_ids: Any) -> list[int]:
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise InvalidRequestError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in input_ids):
+            raise InvalidRequestError("input_ids must hold integers")
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"input_ids must lie in 0..{self.vocab_size - 1}")
+        if len(input_ids) >= self.context_length:
+            raise InvalidRequestError(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens).")
+        return [int(t) for t in input_ids]
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """End request ``rid`` (or every request) with finish reason ``abort``; partial output is returned."""
+        with self._cv:
+            self._aborts.append(None if abort_all else rid)
+            self._cv.notify()
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (takes effect before the next admission)."""
+        with self._cv:
+            self._control.append(("flush", None))
+            self._cv.notify()
+        return True
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
+                                       abort_all_requests: bool = False) -> dict:
+        """Load a HF checkpoint folder's safetensors into the running model, in place.
+
+        Running requests finish first (or are aborted with ``abort_all_requests``); new requests
+        wait. On failure the model is unchanged and ``success`` is False.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        with self._cv:
+            self._control.append(("update", (model_path, weight_version, fut)))
+            self._cv.notify()
+        return await fut
+
+    async def close(self) -> None:
+        """Stop the worker thread; requests still pending are aborted."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---------------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iteration():
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death to waiters
+            log.exception("embedded engine loop died")
+            self.error = exc
+        for req in itertools.chain(self._waiting, self._inbox, (r for r in self._rows if r)):
+            if self.error is not None:
+                req.loop.call_soon_threadsafe(_set_exception, req.future, RuntimeError(f"engine died: {self.error!r}"))
+            else:
+                req.finish = {"type": "abort", "message": "engine closed"}
+                self._resolve(req)
+        for kind, arg in self._control:
+            if kind == "update":
+                arg[2].get_loop().call_soon_threadsafe(_set_result, arg[2], {
+                    "success": False, "message": "engine closed", "num_paused_requests": 0})
+
+    def _iteration(self) -> bool:
+        with self._cv:
+            while not (self._stop or self._inbox or self._aborts or self._control or self.num_running
+                       or (self._waiting and not self._update_pending())):
+                self._cv.wait()
+            if self._stop:
+                return False
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self._apply_abort(rid)
+        self._apply_control()
+        if not self._update_pending():
+            self._admit()
+        if self.num_running:
+            self._decode_step()
+        return True
+
+    def _update_pending(self) -> bool:
+        return any(kind == "update" for kind, _ in self._control)
+
+    def _apply_abort(self, rid: str | None) -> None:
+        msg = {"type": "abort", "message": "Abort requested."}
+        for req in [r for r in self._waiting if rid is None or r.rid == rid]:
+            self._waiting.remove(req)
+            req.finish = dict(msg)
+            self._resolve(req)
+        for req in [r for r in self._rows if r is not None and (rid is None or r.rid == rid)]:
+            req.finish = dict(msg)
+            self._retire(req)
+
+    def _apply_control(self) -> None:
+        with self._cv:
+            todo = list(self._control)
+        for item in todo:
+            kind, arg = item
+            if kind == "flush":
+                self.store.clear()
+            elif kind == "update" and self.num_running == 0:
+                path, version, fut = arg
+                result = self._load_weights(path, version)
+                fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+            else:
+                continue
+            with self._cv:
+                self._control.remove(item)
+
+    def _load_weights(self, path: str, version: str | None) -> dict:
+        from safetensors.torch import load_file
+
+        fail = {"success": False, "num_paused_requests": 0}
+        folder = Path(path)
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            return {**fail, "message": f"no *.safetensors files in {path!r}"}
+        try:
+            loaded: dict[str, torch.Tensor] = {}
+            for f in files:
+                loaded.update(load_file(str(f)))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a failed update
+            return {**fail, "message": f"failed to read {path!r}: {exc}"}
+        params = self.model.state_dict()
+        unexpected = [k for k in loaded if k not in params and not k.endswith("rotary_emb.inv_freq")]
+        shapes = [k for k in loaded if k in params and loaded[k].shape != params[k].shape]
+        given = {params[k].data_ptr() for k in loaded if k in params}
+        missing = [k for k in params if k not in loaded and params[k].data_ptr() not in given]
+        if unexpected or shapes or missing:
+            return {**fail, "message": f"checkpoint {path!r} does not match the model: unexpected={unexpected[:5]} "
+                                       f"shape_mismatch={shapes[:5]} missing={missing[:5]}"}
+        for k, t in loaded.items():
+            if k in params:
+                params[k].copy_(t.to(params[k].dtype))
+        self.store.clear()
+        self._version_counter += 1
+        self.weight_version = version if version is not None else str(self._version_counter)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    # ---------------------------------------------------------------- admission and prefill
+
+    def _admit(self) -> None:
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        new: list[_Request] = []
+        while self._waiting and len(new) < len(free):
+            req = self._waiting.popleft()
+            req.row = free[len(new)]
+            self._rows[req.row] = req
+            new.append(req)
+        if self.store.max_sequences <= 0:
+            self._prefill([(r, 0, None) for r in new])
+            return
+        # Siblings sharing a long prefix (a GRPO group) wait one round to reuse the first one's KV.
+        while new:
+            batch, later = [], []
+            for req in new:
+                src, n = self._best_prefix(req)
+                if any(common_prefix_len(req.prompt, b.prompt) > n + 8 for b, _, _ in batch):
+                    later.append(req)
+                else:
+                    batch.append((req, n, src))
+            self._prefill(batch)
+            new = later
+
+    def _best_prefix(self, req: _Request) -> tuple[CachedSequence | _Request | None, int]:
+        """The cached sequence or running request sharing the longest prompt prefix with ``req``."""
+        src, n = self.store.best_match(req.prompt)
+        for other in self._rows:
+            if other is not None and other is not req and other.kv_len > n:
+                m = common_prefix_len(other.tokens(), req.prompt)
+                if m > n:
+                    src, n = other, m
+        return src, min(n, len(req.prompt) - 1)  # always recompute the last prompt token
+
+    def _prefill(self, batch: list[tuple[_Request, int, Any]]) -> None:
+        for req, n, src in batch:
+            if isinstance(src, _Request):
+                self.runner.cache.ensure(n)
+                self.runner.cache.copy_row(src.row, req.row, n)
+            elif src is not None:
+                self.runner.cache.load(req.row, src.k, src.v, n)
+            req.kv_len = req.cached_tokens = n if src is not None else 0
+        pending = sorted((r for r, _, _ in batch), key=lambda r: len(r.prompt) - r.kv_len)
+        while pending:
+            # Group similar remaining lengths so right-padding wastes little; cap tokens per forward.
+            group: list[_Request] = []
+            for req in pending:
+                t = min(len(req.prompt) - req.kv_len, self.chunked_prefill_size)
+                if group and (len(group) + 1) * t > self.chunked_prefill_size * 2:
+                    break
+                group.append(req)
+            pending = pending[len(group):]
+            self._prefill_chunk(group)
+            pending = sorted(pending + [r for r in group if r.kv_len < len(r.prompt)],
+                             key=lambda r: len(r.prompt) - r.kv_len)
+
+    def _prefill_chunk(self, group: list[_Request]) -> None:
+        lens = [min(len(r.prompt) - r.kv_len, self.chunked_prefill_size) for r in group]
+        ids = torch.zeros(len(group), max(lens), dtype=torch.long)
+        for i, (r, n) in enumerate(zip(group, lens)):
+            ids[i, :n] = torch.from_numpy(r.prompt[r.kv_len: r.kv_len + n])
+        dev = self.runner.device
+        logits = self.runner.forward(ids.to(dev), torch.tensor([r.row for r in group], device=dev),
+                                     torch.tensor([r.kv_len for r in group], device=dev),
+                                     torch.tensor(lens, device=dev) - 1)
+        done = []
+        for i, (r, n) in enumerate(zip(group, lens)):
+            r.kv_len += n
+            if r.kv_len == len(r.prompt):
+                done.append(i)
+        if done:
+            self._sample_and_step([group[i] for i in done], logits[done])
+
+    # ---------------------------------------------------------------- decode
+
+    def _decode_step(self) -> None:
+        self._compact_rows()
+        batch = [r for r in self._rows if r is not None]
+        B = len(batch)
+        dev = self.runner.device
+        ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=dev)
+        start = torch.tensor([r.kv_len for r in batch], device=dev)
+        logits = self.runner.forward(ids, slice(0, B), start, torch.zeros(B, dtype=torch.long, device=dev))
+        for r in batch:
+            r.kv_len += 1
+        self._sample_and_step(batch, logits)
+
+    def _compact_rows(self) -> None:
+        """Move the highest running rows into holes so running requests occupy rows 0..B-1."""
+        rows = self._rows
+        while True:
+            holes = [i for i, r in enumerate(rows) if r is None]
+            last = max((i for i, r in enumerate(rows) if r is not None), default=-1)
+            if not holes or holes[0] > last:
+                return
+            req, dst = rows[last], holes[0]
+            self.runner.cache.copy_row(last, dst, req.kv_len)
+            rows[dst], rows[last], req.row = req, None, dst
+
+    def _sample_and_step(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        ids, lps = sample_batch(logits, [r.sp for r in reqs], self._generator)
+        for r, tok, lp in zip(reqs, ids.tolist(), lps.tolist()):
+            r.output_ids.append(tok)
+            r.logprobs.append(lp)
+            r.finish = self._check_finished(r)
+            if r.finish is not None:
+                self._retire(r)
+
+    def _check_finished(self, r: _Request) -> dict | None:
+        """SGLang's order: length first, then stop token, then stop string."""
+        sp, tok = r.sp, r.output_ids[-1]
+        if len(r.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.eos_token_ids):
+            return {"type": "stop", "matched": tok}
+        if sp.stop:
+            tail = self.tokenizer.decode(r.output_ids[-sp.stop_window:])  # as SGLang: special tokens kept
+            for s in sp.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def _retire(self, r: _Request) -> None:
+        """Free the request's row (keeping its KV in the prefix store) and answer it."""
+        if r.row >= 0:
+            if self.store.max_sequences > 0 and r.kv_len > 0:
+                k, v = self.runner.cache.extract(r.row, r.kv_len)
+                self.store.insert(CachedSequence(r.tokens(), k, v))
+            self._rows[r.row] = None
+            r.row = -1
+        self._resolve(r)
+
+    def _resolve(self, r: _Request) -> None:
+        r.loop.call_soon_threadsafe(_set_result, r.future, self._response(r))
+
+    def _response(self, r: _Request) -> dict:
+        sp, fin = r.sp, r.finish or {}
+        out = r.output_ids
+        if not sp.no_stop_trim and fin.get("type") == "stop" and isinstance(fin.get("matched"), int):
+            out = out[:-1]
+        text = self.tokenizer.decode(out, skip_special_tokens=sp.skip_special_tokens)
+        if not sp.no_stop_trim and isinstance(fin.get("matched"), str):
+            pos = text.find(fin["matched"])
+            text = text[:pos] if pos >= 0 else text
+        meta: dict[str, Any] = {
+            "id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens,
+            "weight_version": self.weight_version, "e2e_latency": time.perf_counter() - r.created,
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, self.tokenizer.decode([tok]) if r.return_text_in_logprobs else None]
+                for lp, tok in zip(r.logprobs, r.output_ids)]
+        return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,203 @@
+"""The embedded engine's KV cache, prefix store, and the forward pass that writes into them.
+
+Why not ``model(input_ids, past_key_values=DynamicCache())``: HF's dynamic cache ``torch.cat``s the
+new keys onto the old ones every step, an O(L) copy per layer per token, and its masks assume one
+shared length per batch. Here every running request owns one *row* of preallocated buffers
+
+    k[layer], v[layer]: [rows, kv_heads, capacity, head_dim]
+
+and each step writes the new keys in place at the request's own position. Running requests occupy
+rows ``0..B-1`` (the scheduler compacts the rows when one leaves), so a decode step attends over the
+view ``k[layer][:B, :, :L]`` without gathering anything; a boolean mask hides each row's unused tail.
+
+We run the decoder layers ourselves, calling the checkpoint's own modules (norms, projections,
+rotary embedding, MLP), so any Llama-shaped model works: Llama/SmolLM2, Qwen2 (q/k/v biases),
+Qwen3 (q/k norms), Mistral. Grouped-query attention is done without copying keys: the G query heads
+that share one kv head are laid out along the sequence axis, ``q: [n, kv_heads, G*T, head_dim]``.
+
+``PrefixStore`` keeps finished sequences' keys/values (compact copies, LRU) so that a later request
+sharing a token prefix (the next turn of a multi-turn episode, or a sibling sample of a GRPO group)
+only prefills what is new.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D int arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class SlotKVCache:
+    """Per-layer key/value buffers ``[rows, kv_heads, capacity, head_dim]``; capacity doubles on demand."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, *, max_capacity: int,
+                 dtype: torch.dtype, device: torch.device, initial_capacity: int = 256):
+        self.max_capacity = max_capacity
+        self.capacity = min(initial_capacity, max_capacity)
+        shape = (rows, kv_heads, self.capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def ensure(self, length: int) -> None:
+        """Grow every buffer (doubling, at most ``max_capacity``) so ``length`` positions fit."""
+        if length <= self.capacity:
+            return
+        cap = self.capacity
+        while cap < length:
+            cap *= 2
+        cap = max(min(cap, self.max_capacity), length)
+        for bufs in (self.k, self.v):
+            for i, old in enumerate(bufs):
+                new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                new[:, :, : self.capacity] = old
+                bufs[i] = new
+        self.capacity = cap
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst``."""
+        if src == dst or length <= 0:
+            return
+        for bufs in (self.k, self.v):
+            for buf in bufs:
+                buf[dst, :, :length] = buf[src, :, :length]
+
+    def extract(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact copies ``[layers, kv_heads, length, head_dim]`` of one row's keys and values."""
+        k = torch.stack([buf[row, :, :length] for buf in self.k])
+        v = torch.stack([buf[row, :, :length] for buf in self.v])
+        return k, v
+
+    def load(self, row: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        """Write the first ``length`` positions of an extracted ``(k, v)`` pair into ``row``."""
+        self.ensure(length)
+        for i in range(len(self.k)):
+            self.k[i][row, :, :length] = k[i, :, :length]
+            self.v[i][row, :, :length] = v[i, :, :length]
+
+
+@dataclass
+class CachedSequence:
+    """A finished sequence kept for prefix reuse: its tokens and their keys/values."""
+
+    tokens: np.ndarray  # [L] int64: the tokens whose KV is stored
+    k: torch.Tensor  # [layers, kv_heads, L, head_dim]
+    v: torch.Tensor
+
+
+class PrefixStore:
+    """LRU store of finished sequences' KV, looked up by longest common token prefix."""
+
+    def __init__(self, max_sequences: int):
+        self.max_sequences = max_sequences
+        self._entries: OrderedDict[int, CachedSequence] = OrderedDict()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def insert(self, seq: CachedSequence) -> None:
+        """Add ``seq``, dropping entries it extends (a conversation keeps one entry), then LRU-evict."""
+        if self.max_sequences <= 0 or len(seq.tokens) == 0:
+            return
+        for key in [k for k, e in self._entries.items() if len(e.tokens) <= len(seq.tokens)
+                    and common_prefix_len(e.tokens, seq.tokens) == len(e.tokens)]:
+            del self._entries[key]
+        self._entries[self._next_key] = seq
+        self._next_key += 1
+        while len(self._entries) > self.max_sequences:
+            self._entries.popitem(last=False)
+
+    def best_match(self, tokens: np.ndarray) -> tuple[CachedSequence | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` and that length (marks it recently used)."""
+        best, best_len, best_key = None, 0, None
+        for key, e in self._entries.items():
+            n = common_prefix_len(e.tokens, tokens)
+            if n > best_len:
+                best, best_len, best_key = e, n, key
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+        return best, best_len
+
+
+class CachedForward:
+    """Runs a Llama-shaped HF causal LM over :class:`SlotKVCache` rows.
+
+    ``forward(ids, rows, start, last)`` feeds ``ids: [n, T]`` (right-padded) for rows ``rows`` whose
+    first token sits at position ``start[i]``; it writes their keys/values in place and returns the
+    fp32 logits ``[n, vocab]`` at token index ``last[i]`` of each row (lm_head runs on those only).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, rows: int, max_capacity: int):
+        cfg = model.config
+        self.model = model
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        attn = self.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"):
+            if not hasattr(attn, name):
+                raise ValueError(f"unsupported architecture {type(model).__name__}: attention has no {name!r}")
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads
+        p = next(model.parameters())
+        self.cache = SlotKVCache(len(self.layers), rows, self.kv_heads, self.head_dim,
+                                 max_capacity=max_capacity, dtype=p.dtype, device=p.device)
+        self.device = p.device
+
+    def forward(self, ids: torch.Tensor, rows: slice | torch.Tensor, start: torch.Tensor,
+                last: torch.Tensor) -> torch.Tensor:
+        n, T = ids.shape
+        G, KV, H, D = self.groups, self.kv_heads, self.heads, self.head_dim
+        pos = start[:, None] + torch.arange(T, device=self.device)[None, :]  # [n, T]
+        L = int(start.max()) + T
+        self.cache.ensure(L)
+        row_idx = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
+        # mask[i, t, j]: query t of row i may see key position j (causal from its own position).
+        mask = torch.arange(L, device=self.device)[None, None, :] <= pos[:, :, None]  # [n, T, L]
+        if T > 1 and G > 1:
+            mask = mask[:, None, None].expand(n, 1, G, T, L).reshape(n, 1, G * T, L)
+        else:
+            mask = mask[:, None]  # [n, 1, T, L], broadcast over the G query heads when T == 1
+        cap = self.cache.capacity
+        # Flat row index of (row, kv_head, position) in a buffer viewed as [rows * KV * cap, D]: [n*KV*T]
+        flat = ((row_idx[:, None, None] * KV + torch.arange(KV, device=self.device)[None, :, None]) * cap
+                + pos[:, None, :]).reshape(-1)
+        h = self.body.embed_tokens(ids)  # [n, T, hidden]
+        cos, sin = self.body.rotary_emb(h, pos)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(n, T, H, D)
+            k = a.k_proj(x).view(n, T, KV, D)
+            v = a.v_proj(x).view(n, T, KV, D)
+            if hasattr(a, "q_norm"):
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, H|KV, T, D]
+            kb, vb = self.cache.k[i], self.cache.v[i]
+            kb.view(-1, D).index_copy_(0, flat, k.reshape(-1, D).to(kb.dtype))  # in-place write
+            vb.view(-1, D).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, D).to(vb.dtype))
+            keys = kb[rows, :, :L] if isinstance(rows, slice) else kb[row_idx, :, :L]  # [n, KV, L, D]
+            vals = vb[rows, :, :L] if isinstance(rows, slice) else vb[row_idx, :, :L]
+            qg = q.reshape(n, KV, G * T, D)  # query heads of one kv group laid along the sequence axis
+            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=a.scaling)
+            o = o.view(n, KV, G, T, D).reshape(n, H, T, D).transpose(1, 2).reshape(n, T, H * D)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.body.norm(h[torch.arange(n, device=self.device), last])  # [n, hidden]
+        return self.model.lm_head(h).float()  # [n, vocab]

@@ -1,0 +1,300 @@
+"""SGLang's HTTP API in front of :class:`LocalEngine`, so clients cannot tell it from SGLang.
+
+Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
+``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``. OpenAI-compatible:
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Choices worth knowing:
+
+- ``text`` inputs are tokenized like SGLang does, with the tokenizer's default
+  (``add_special_tokens=True``: a BOS is prepended where the tokenizer adds one). Chat requests are
+  rendered with the chat template (``add_generation_prompt=True``) and tokenized without adding
+  special tokens again.
+- ``stream=true`` answers with one cumulative server-sent event after generation finishes, then
+  ``data: [DONE]`` (the embedded engine does not stream token by token).
+- OpenAI ``n > 1`` and ``echo`` are refused with HTTP 400; ``top_logprobs`` are not computed
+  (``null`` / empty lists).
+- Tool calls: ``build_app(engine, tool_parser=f)`` where ``f(text) -> (content, [openai tool_call
+  dicts])``; when it returns calls the choice gets ``tool_calls`` and ``finish_reason="tool_calls"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+
+ToolParser = Callable[[str], tuple[str, list[dict]]]
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _sse(payloads: list[Any]) -> StreamingResponse:
+    async def events():
+        for p in payloads:
+            yield f"data: {json.dumps(p)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidRequestError(f"request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return body
+
+
+def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path)."""
+    app = FastAPI(title="agentrl embedded engine")
+    name = model_name or engine.model_path
+    tok = engine.tokenizer
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError):
+        return _error(str(exc))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not engine.alive:
+            return Response(status_code=503)
+        await engine.generate([0], {"max_new_tokens": 1, "temperature": 0})
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version}
+
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name": name,
+                "context_length": engine.context_length, "max_running_requests": engine.max_running_requests,
+                "max_cached_sequences": engine.store.max_sequences, "chunked_prefill_size": engine.chunked_prefill_size,
+                "device": str(engine.runner.device), "dtype": str(next(engine.model.parameters()).dtype),
+                "weight_version": engine.weight_version, "engine": "agentrl-local", "version": _version()}
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = await _json_body(request)
+        batch, jobs = _generate_jobs(engine, body)
+        outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+        result: Any = outs if batch else outs[0]
+        return _sse(outs) if body.get("stream") else result
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body.get("model_path"), str):
+            raise InvalidRequestError("model_path (a checkpoint folder) is required")
+        version = body.get("weight_version")
+        out = await engine.update_weights_from_disk(body["model_path"], None if version is None else str(version),
+                                                    abort_all_requests=bool(body.get("abort_all_requests")))
+        return JSONResponse(out, status_code=200 if out["success"] else 400)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        engine.flush_cache()
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json_body(request)
+        engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "agentrl", "root": name, "parent": None,
+                                            "max_model_len": engine.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json_body(request)
+        _openai_checks(body)
+        prompts = _completion_prompts(body.get("prompt"))
+        sp = _openai_sampling(body, default_max=16)
+        nlp = body.get("logprobs")
+        outs = await asyncio.gather(*(
+            engine.generate(ids if isinstance(ids, list) else tok.encode(ids), dict(sp), return_logprob=nlp is not None)
+            for ids in prompts))
+        choices = []
+        for i, out in enumerate(outs):
+            choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
+            if nlp is not None:
+                lps = out["meta_info"]["output_token_logprobs"]
+                texts = [tok.decode([t]) for _, t, _ in lps]
+                offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+                choice["logprobs"] = {"tokens": texts, "token_logprobs": [lp for lp, _, _ in lps],
+                                      "top_logprobs": None, "text_offset": offsets}
+            choices.append(choice)
+        resp = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": name, "choices": choices, "usage": _usage(outs)}
+        return _sse([resp]) if body.get("stream") else resp
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _json_body(request)
+        _openai_checks(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        ids = _render_chat(tok, messages, body.get("tools"), body.get("chat_template_kwargs") or {})
+        sp = _openai_sampling(body, default_max=None)
+        want_lp = bool(body.get("logprobs"))
+        out = await engine.generate(ids, sp, return_logprob=want_lp)
+        content, calls = out["text"], []
+        if tool_parser is not None:
+            content, calls = tool_parser(out["text"])
+        fin = _finish(out)
+        if calls:
+            fin["finish_reason"] = "tool_calls"
+        logprobs = None
+        if want_lp:
+            logprobs = {"content": [{"token": (t := tok.decode([i])), "logprob": lp, "bytes": list(t.encode()),
+                                     "top_logprobs": []} for lp, i, _ in out["meta_info"]["output_token_logprobs"]]}
+        message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+        resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": name, "choices": [{"index": 0, "message": message, "logprobs": logprobs, **fin}],
+                "usage": _usage([out])}
+        if body.get("stream"):
+            chunk = {**resp, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": message, "logprobs": logprobs, **fin}]}
+            return _sse([chunk])
+        return resp
+
+    return app
+
+
+def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
+    """Unpack a (possibly batched) ``/generate`` body into ``engine.generate`` keyword arguments."""
+    if (body.get("input_ids") is None) == (body.get("text") is None):
+        raise InvalidRequestError("exactly one of input_ids and text is required")
+    if body.get("input_ids") is not None:
+        inputs = body["input_ids"]
+        batch = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
+        ids = inputs if batch else [inputs]
+    else:
+        text = body["text"]
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequestError("text must be a string or a list of strings")
+        ids = [engine.tokenizer.encode(t) for t in texts]
+
+    def per_item(key: str, default: Any) -> list:
+        value = body.get(key, default)
+        if batch and isinstance(value, list) and (key != "sampling_params" or value and isinstance(value[0], dict)):
+            if len(value) != len(ids):
+                raise InvalidRequestError(f"{key} has {len(value)} entries for {len(ids)} inputs")
+            return value
+        return [value] * len(ids)
+
+    rids = per_item("rid", None)
+    if batch and isinstance(body.get("rid"), str):
+        rids = [f"{body['rid']}_{i}" for i in range(len(ids))]
+    jobs = [{"input_ids": i, "sampling_params": sp or {}, "rid": rid, "return_logprob": bool(lp),
+             "return_text_in_logprobs": bool(body.get("return_text_in_logprobs"))}
+            for i, sp, rid, lp in zip(ids, per_item("sampling_params", {}), rids, per_item("return_logprob", False))]
+    return batch, jobs
+
+
+def _openai_checks(body: dict) -> None:
+    if (body.get("n") or 1) != 1:
+        raise InvalidRequestError("n > 1 is not supported by the embedded engine")
+    if body.get("echo"):
+        raise InvalidRequestError("echo is not supported by the embedded engine")
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            return list(prompt)
+    raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of either")
+
+
+def _openai_sampling(body: dict, default_max: int | None) -> dict:
+    """OpenAI request fields -> SGLang sampling params (extension fields top_k, min_p, ... pass through)."""
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    sp: dict[str, Any] = {"max_new_tokens": max_tokens if max_tokens is not None else (default_max or 1 << 30)}
+    for key in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+                "skip_special_tokens", "no_stop_trim", "frequency_penalty", "presence_penalty",
+                "repetition_penalty"):
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    return sp
+
+
+def _render_chat(tok: Any, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
+    msgs = []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
+            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+        msgs.append(m)
+    try:
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
+        raise InvalidRequestError(f"chat template failed: {exc}") from exc
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _finish(out: dict) -> dict:
+    fr = out["meta_info"]["finish_reason"] or {}
+    return {"finish_reason": fr.get("type"), "matched_stop": fr.get("matched") if fr.get("type") == "stop" else None}
+
+
+def _usage(outs: list[dict]) -> dict:
+    p = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+    c = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _version() -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("agentrl")
+    except Exception:  # noqa: BLE001 - an uninstalled source tree has no version
+        return "0.0.0"
+
+
+def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, *, model_name: str | None = None,
+          log_level: str = "info", tool_parser: ToolParser | None = None, **engine_kwargs: Any) -> None:
+    """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    engine = LocalEngine(checkpoint, **engine_kwargs)
+    app = build_app(engine, model_name=model_name, tool_parser=tool_parser)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        asyncio.run(engine.close())

@@ -1,0 +1,184 @@
+"""The embedded engine's HTTP app speaks SGLang's API: native endpoints via httpx, OpenAI ones via ``openai``.
+
+A real uvicorn server on a free loopback port, in a thread of this process, serving a tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from agentrl.engines.local import LocalEngine, build_app
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from agentrl.tiny import build_model
+
+    return build_model(tmp_path_factory.mktemp("server_api") / "tiny", mean_turn_tokens=10.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(app) -> tuple[str, object, threading.Thread]:
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    engine = LocalEngine(ckpt, max_running_requests=4, seed=0)
+
+    def always_call(text: str):  # the tool-call hook, here turning any answer into one call of f
+        return "", [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+    url, srv, thread = _start(build_app(engine, model_name="tiny"))
+    url2, srv2, thread2 = _start(build_app(engine, model_name="tiny", tool_parser=always_call))
+    yield {"url": url, "tool_url": url2, "engine": engine, "ckpt": ckpt}
+    for s, t in ((srv, thread), (srv2, thread2)):
+        s.should_exit = True
+        t.join(10)
+    asyncio.run(engine.close())
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server["url"], timeout=30) as c:
+        yield c
+
+
+def test_health_and_info(http, server):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] == str(server["ckpt"])
+    assert set(info) >= {"model_path", "tokenizer_path", "preferred_sampling_params", "weight_version"}
+    assert http.get("/get_weight_version").json() == {"weight_version": server["engine"].weight_version}
+    si = http.get("/get_server_info").json()
+    assert si["context_length"] == 4096 and si["max_running_requests"] == 4 and "version" in si
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 4096 and models["data"][0]["owned_by"] == "agentrl"
+
+
+def test_generate_native(http, server):
+    tok = server["engine"].tokenizer
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True},
+            "return_logprob": True, "return_text_in_logprobs": True, "rid": "r-1"}
+    out = http.post("/generate", json=body).json()
+    meta = out["meta_info"]
+    assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == len(out["output_ids"]) == 6
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert [x for _, _, x in meta["output_token_logprobs"]] == [tok.decode([t]) for t in out["output_ids"]]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+    assert {"cached_tokens", "weight_version", "e2e_latency"} <= set(meta)
+
+    batch = http.put("/generate", json={"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 3}})
+    assert batch.status_code == 200 and len(batch.json()) == 2
+    assert batch.json()[1]["meta_info"]["prompt_tokens"] == 3
+    assert "output_token_logprobs" not in batch.json()[0]["meta_info"]
+
+    text = http.post("/generate", json={"text": "What is 12 plus 30?", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert text["meta_info"]["prompt_tokens"] == len(tok.encode("What is 12 plus 30?"))
+
+    stream = http.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2}, "stream": True})
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "output_ids" in json.loads(events[0])
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [], "sampling_params": {}},
+    {"input_ids": [1, 2], "sampling_params": {"top_p": 0}},
+    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}},
+    {"input_ids": [1] * 5000},
+    {"sampling_params": {}},
+])
+def test_generate_rejects_bad_requests(http, body):
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_openai_completions(server):
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
+    c = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0.7,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    ch = c.choices[0]
+    assert c.object == "text_completion" and ch.finish_reason == "length" and c.usage.completion_tokens == 5
+    assert len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) == len(ch.logprobs.text_offset) == 5
+    assert "".join(ch.logprobs.tokens).startswith(ch.text)  # the text skips special tokens
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, stop=["zzz"])
+    assert ids.usage.prompt_tokens == 4 and ids.choices[0].finish_reason in ("stop", "length")
+    two = client.completions.create(model="tiny", prompt=[[5, 6], [7, 8, 9]], max_tokens=2)
+    assert [ch.index for ch in two.choices] == [0, 1] and two.usage.prompt_tokens == 5
+    default = client.completions.create(model="tiny", prompt="a", extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="a", n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="a", echo=True)
+
+
+def test_openai_chat_completions(server):
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is 12 plus 30?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50, logprobs=True)
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and ch.message.role == "assistant" and ch.message.tool_calls is None
+    assert ch.finish_reason in ("stop", "length")
+    assert len(ch.logprobs.content) == r.usage.completion_tokens
+    tok = server["engine"].tokenizer
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    if ch.finish_reason == "stop":
+        assert "<|im_end|>" not in ch.message.content
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    client2 = openai.OpenAI(base_url=server["tool_url"] + "/v1", api_key="none")
+    r2 = client2.chat.completions.create(model="tiny", messages=messages, max_tokens=3, tools=tools)
+    assert r2.choices[0].finish_reason == "tool_calls" and r2.choices[0].message.tool_calls[0].function.name == "f"
+
+
+def test_weight_update_flush_and_abort(http, server):
+    r = http.post("/update_weights_from_disk", json={"model_path": str(server["ckpt"]), "weight_version": "v7"})
+    assert r.status_code == 200 and r.json()["success"] is True and "num_paused_requests" in r.json()
+    assert http.get("/get_weight_version").json() == {"weight_version": "v7"}
+    assert http.get("/get_model_info").json()["weight_version"] == "v7"
+    bad = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/ckpt"})
+    assert bad.status_code == 400 and bad.json()["success"] is False
+    for method in ("GET", "POST"):
+        r = http.request(method, "/flush_cache")
+        assert r.status_code == 200 and r.text == "Cache flushed.\n"
+
+    async def abort_one():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=30) as c:
+            long = asyncio.create_task(c.post("/generate", json={
+                "input_ids": [5, 6], "rid": "long", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            assert (await c.post("/abort_request", json={"rid": "long"})).status_code == 200
+            return (await long).json()
+
+    out = asyncio.run(abort_one())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 3000
+    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
