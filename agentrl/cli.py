@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--context-length", type=int, default=None)
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--tool-call-parser", default=None,
+                   help="parse tool calls in /v1/chat/completions replies (SGLang's flag): hermes, qwen, llama3_json")
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
@@ -142,10 +144,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.engines.local.server import serve
 
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
+    tool_parser = None
+    if args.tool_call_parser:
+        from agentrl.parsing import get_parser
+
+        parser = get_parser(args.tool_call_parser)
+
+        def tool_parser(text: str) -> tuple[str, list[dict]]:
+            content, calls, _ = parser.parse(text)
+            return content, [c.to_openai() for c in calls]
+
     if args.exit_with_stdin:
         _exit_when_stdin_closes()
     serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
-          context_length=args.context_length, seed=args.seed)
+          context_length=args.context_length, seed=args.seed, tool_parser=tool_parser)
     return 0
 
 
