@@ -5,16 +5,10 @@ generate loop drives token-exact multi-turn episodes against SGLang-compatible e
 out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards.
 """
 
+from agentrl.check import check_env
 from agentrl.env import Env, ToolEnv, load_env, make, register
 from agentrl.tool import Tool, ToolError, ToolResult, tool
 from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
-
-
-def check_env(*args, **kwargs):  # noqa: D401 - thin lazy wrapper, see agentrl.check.check_env
-    """Exercise an env without a model and report contract violations (see :mod:`agentrl.check`)."""
-    from agentrl.check import check_env as _check_env
-
-    return _check_env(*args, **kwargs)
 
 
 __all__ = [
