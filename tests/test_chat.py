@@ -112,3 +112,15 @@ def test_ledger_fuzz_env_text_roundtrips(tiny_tokenizer, parts):
             expected.append(text)
     assert len(led.loss_mask) == len(led.log_probs) == len(led.response_ids)
     assert [t.decode(led.response_ids[a:b]) for a, b in led.env_spans] == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "tool", "system"]), st.text(max_size=60)), min_size=0, max_size=4),
+       st.sampled_from([None, "<|im_end|>", "<|endoftext|>"]), st.booleans())
+def test_observation_delta_fuzz(tiny_tokenizer, msgs, last_token_text, with_tools):
+    """Arbitrary observation text never crashes the delta renderer, and the delta round-trips through ids."""
+    t = ChatTemplate(tiny_tokenizer)
+    messages = [{"role": r, "content": c, "tool_call_id": "x"} for r, c in msgs]
+    delta = t.observation_delta(messages, TOOLS if with_tools else None, last_token_text=last_token_text)
+    assert delta.endswith("<|im_start|>assistant\n")
+    assert t.decode(t.encode(delta)) == delta
