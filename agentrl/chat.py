@@ -91,7 +91,7 @@ class ChatTemplate:
             raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
         self.native_supports_tools = bool(self.native) and "tools" in self.native
         self.eos_token_ids = self._end_token_ids()
-        self._tail_cache: dict[str, str] = {}
+        self._tail_cache: dict[str, tuple[list[Message], str, str]] = {}
 
     # -- rendering ---------------------------------------------------------------------------
     def template_for(self, tools: Sequence[dict] | None) -> str:
@@ -136,16 +136,21 @@ class ChatTemplate:
             head.append(messages[0])
         return head + [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
 
-    def assistant_tail(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> str:
-        """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
-        key = json.dumps([tools or [], first_messages[:1]], sort_keys=True, default=str)
+    def _stand_in_render(self, tools: Sequence[dict] | None, first_messages: Sequence[Message]) -> tuple[list[Message], str, str]:
+        """The stand-in history, its rendering and the assistant tail (cached: they are the same every turn)."""
+        key = json.dumps([tools or [], list(first_messages[:1])], sort_keys=True, default=str)
         if key not in self._tail_cache:
-            r0 = self.render(self._stand_in(first_messages), tools, add_generation_prompt=False)
+            stand_in = self._stand_in(first_messages)
+            r0 = self.render(stand_in, tools, add_generation_prompt=False)
             idx = r0.rfind(_SENTINEL)
             if idx < 0:
                 raise TemplateError("the chat template drops assistant content; cannot build deltas")
-            self._tail_cache[key] = r0[idx + len(_SENTINEL):]
+            self._tail_cache[key] = (stand_in, r0, r0[idx + len(_SENTINEL):])
         return self._tail_cache[key]
+
+    def assistant_tail(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> str:
+        """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        return self._stand_in_render(tools, first_messages)[2]
 
     def observation_delta(
         self,
@@ -163,15 +168,13 @@ class ChatTemplate:
         ``first_messages`` is the conversation's first observation (its system message shapes
         the template's header in some templates).
         """
-        stand_in = self._stand_in(first_messages)
-        r0 = self.render(stand_in, tools, add_generation_prompt=False)
+        stand_in, r0, tail = self._stand_in_render(tools, first_messages)
         r1 = self.render(stand_in + list(messages), tools, add_generation_prompt=True)
         if not r1.startswith(r0):
             raise TemplateError(
                 "the chat template re-renders earlier turns when messages are appended; "
                 "pass a template that renders history append-only (--chat-template FILE)"
             )
-        tail = self.assistant_tail(tools, first_messages)
         bridge = tail
         if last_token_text and tail.startswith(last_token_text):
             bridge = tail[len(last_token_text):]

@@ -63,11 +63,12 @@ def main() -> None:
             httpx.post(url + "/flush_cache")
             t_sdk, calls, summary = asyncio.run(sdk_run(url, template, a.episodes, a.turns, a.max_new_tokens))
             httpx.post(url + "/flush_cache")
-            t_direct = asyncio.run(replay(url, calls, a.episodes))
+            t_direct, differing = asyncio.run(replay(url, calls, a.episodes))
             ratios.append(t_sdk / t_direct)
             n_req = sum(len(c) for c in calls.values())
             print(f"round {r}: SDK {t_sdk:.2f}s, direct {t_direct:.2f}s for {n_req} engine calls "
-                  f"({summary.sampled_tokens} sampled tokens); ratio {t_sdk / t_direct:.3f}")
+                  f"({summary.sampled_tokens} sampled tokens, {differing} replayed outputs differed); "
+                  f"ratio {t_sdk / t_direct:.3f}")
         print(f"P1 loop overhead (SDK time / direct engine calls), median of {a.rounds}: "
               f"{statistics.median(ratios):.3f}  (goal <= 1.02)")
 

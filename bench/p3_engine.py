@@ -9,7 +9,13 @@ of the whole call (prefill included on both sides).
   A: 32 requests at once            vs  one HF static batch of 32
   B: 96 requests, 32 running at once vs HF processing them as 3 static batches of 32
 
-Run: ``python bench/p3_engine.py [--hf-checkpoint PATH] [--max-new-tokens 128]``. Goal: ratio >= 2.
+Two workloads (``--workload``): ``stories`` ("write a short story about X": the model rarely stops
+before the limit, so a static batch wastes little: the worst case for continuous batching) and
+``agent`` (the bundled calculator env's first turns, rendered exactly as ``agentrl rollout`` sends
+them, tools in the system prompt, with the rollout's default 256-token turn budget: turn lengths
+vary as they do in agentic rollouts). Default: both.
+
+Run: ``python bench/p3_engine.py [--hf-checkpoint PATH] [--workload agent]``. Goal: ratio >= 2.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ def make_prompts(tok, n: int) -> list[list[int]]:
         msg = [{"role": "user", "content": f"Write a short story ({i // len(TOPICS) + 1}) about {topic}."}]
         out.append(tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True, return_dict=False))
     return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in out]
+
+
+async def make_agent_prompts(tok, n: int) -> list[list[int]]:
+    """``n`` first-turn prompts of the calculator env, as the episode loop renders them."""
+    from agentrl.chat import ChatTemplate
+    from envs.calculator import Calculator
+
+    template, env = ChatTemplate(tok), Calculator()
+    out = []
+    for task in Calculator.tasks(n, seed=3):
+        obs, _ = await env.reset(options=task)
+        out.append(template.prompt(obs, env.tool_schemas())[1])
+    return out
 
 
 def hf_generate(model, tok, prompts: list[list[int]], max_new: int, eos: set[int]) -> tuple[int, float]:
@@ -76,32 +95,36 @@ async def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-checkpoint", default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 (stories), 256 (agent)")
+    ap.add_argument("--workload", choices=["stories", "agent", "both"], default="both")
     ap.add_argument("--skip-96", action="store_true", help="only run variant A")
     args = ap.parse_args()
     path = resolve_hf_checkpoint(args.hf_checkpoint)
-    print(f"model {path}, max_new_tokens {args.max_new_tokens}, torch threads {torch.get_num_threads()}")
+    print(f"model {path}, torch threads {torch.get_num_threads()}")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen_eos = model.generation_config.eos_token_id
     eos = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or [])
     eos.add(tok.eos_token_id)
     engine = LocalEngine(path, max_running_requests=32, seed=0)
-    prompts = make_prompts(tok, 96)
     torch.manual_seed(0)
-    hf_generate(model, tok, prompts[:4], 8, eos)  # warm-up both sides
-    await engine_generate(engine, prompts[:4], 8)
-    engine.flush_cache()
-
-    ours = await engine_generate(engine, prompts[:32], args.max_new_tokens)
-    engine.flush_cache()
-    hf = hf_generate(model, tok, prompts[:32], args.max_new_tokens, eos)
-    report("A (32 concurrent)", ours, hf)
-    if not args.skip_96:
-        ours = await engine_generate(engine, prompts, args.max_new_tokens)
+    workloads = ["stories", "agent"] if args.workload == "both" else [args.workload]
+    for name in workloads:
+        prompts = make_prompts(tok, 96) if name == "stories" else await make_agent_prompts(tok, 96)
+        max_new = args.max_new_tokens or (128 if name == "stories" else 256)
+        print(f"workload {name}: max_new_tokens {max_new}")
+        hf_generate(model, tok, prompts[:4], 8, eos)  # warm-up both sides
+        await engine_generate(engine, prompts[:4], 8)
         engine.flush_cache()
-        runs = [hf_generate(model, tok, prompts[i:i + 32], args.max_new_tokens, eos) for i in (0, 32, 64)]
-        report("B (96 requests, 32 at a time)", ours, (sum(r[0] for r in runs), sum(r[1] for r in runs)))
+        ours = await engine_generate(engine, prompts[:32], max_new)
+        engine.flush_cache()
+        hf = hf_generate(model, tok, prompts[:32], max_new, eos)
+        report(f"{name} A (32 concurrent)", ours, hf)
+        if not args.skip_96:
+            ours = await engine_generate(engine, prompts, max_new)
+            engine.flush_cache()
+            runs = [hf_generate(model, tok, prompts[i:i + 32], max_new, eos) for i in (0, 32, 64)]
+            report(f"{name} B (96 requests, 32 at a time)", ours, (sum(r[0] for r in runs), sum(r[1] for r in runs)))
     await engine.close()
 
 

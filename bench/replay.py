@@ -2,52 +2,70 @@
 
 The baseline for loop overhead is "the same engine calls made directly": every episode's calls in
 order, episodes concurrently, through the same HTTP client, with no env, template, parser or
-ledger work in between. Replayed calls pin ``max_new_tokens`` to the recorded output length with
-``ignore_eos`` so the engine does exactly the same work as in the SDK run.
+ledger work in between. Each call is replayed with its recorded ``input_ids`` and sampling
+params. The engine returns the same tokens again, so it does the same work
+(the same prefix-cache hits included): each recorded call carries a ``sampling_seed``, and
+:func:`replay` counts the calls whose output still differed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
-from agentrl.engines.base import Engine, GenerateOutput, SamplingParams
+from agentrl.engines.base import Engine, GenerateOutput
 from agentrl.engines.http import SGLangEngine
 
 
+@dataclass
+class Call:
+    input_ids: list[int]
+    sampling: dict
+    output_ids: list[int]
+
+
 class RecordingEngine(Engine):
-    """Wraps an engine and records (input_ids, output length) per episode key."""
+    """Wraps an engine and records every call per episode key.
+
+    Each call gets its own ``sampling_seed`` (the embedded engine then draws from a per-request
+    RNG), so replaying it returns the same tokens and the engine repeats exactly the same work.
+    """
 
     def __init__(self, inner: Engine):
         self.inner = inner
-        self.calls: dict[str, list[tuple[list[int], int]]] = defaultdict(list)
+        self.calls: dict[str, list[Call]] = defaultdict(list)
+        self._seed = 0
 
     async def generate(self, input_ids, sampling_params, *, key=None) -> GenerateOutput:
+        self._seed += 1
+        sampling_params = dataclasses.replace(sampling_params, sampling_seed=self._seed)
         out = await self.inner.generate(input_ids, sampling_params, key=key)
-        self.calls[key or "?"].append((list(input_ids), len(out.output_ids)))
+        self.calls[key or "?"].append(Call(list(input_ids), sampling_params.to_json(), list(out.output_ids)))
         return out
 
     async def health(self) -> bool:
         return await self.inner.health()
 
 
-async def replay(url: str, calls: dict[str, list[tuple[list[int], int]]], concurrency: int) -> float:
-    """Seconds to replay ``calls`` against ``url``: episodes concurrent, each episode's calls in order."""
+async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tuple[float, int]:
+    """Replay ``calls`` against ``url`` (episodes concurrent, calls in order); return (seconds, differing outputs)."""
     engine = SGLangEngine(url)
     sem = asyncio.Semaphore(concurrency)
+    differing = 0
 
-    async def episode(seq: list[tuple[list[int], int]]) -> None:
+    async def episode(seq: list[Call]) -> None:
+        nonlocal differing
         async with sem:
-            for ids, n in seq:
-                sp = SamplingParams(max_new_tokens=max(n, 1), temperature=1.0)
-                payload_sp = sp.to_json() | {"ignore_eos": True}
-                resp = await engine._client.post("/generate", json={"input_ids": ids, "sampling_params": payload_sp,
+            for c in seq:
+                resp = await engine._client.post("/generate", json={"input_ids": c.input_ids, "sampling_params": c.sampling,
                                                                     "return_logprob": True})
-                GenerateOutput.from_sglang(resp.json())
+                differing += GenerateOutput.from_sglang(resp.json()).output_ids != c.output_ids
 
     t = time.perf_counter()
     await asyncio.gather(*(episode(s) for s in calls.values()))
     dt = time.perf_counter() - t
     await engine.close()
-    return dt
+    return dt, differing

@@ -244,3 +244,18 @@ async def test_weight_update_from_disk(ckpt, tmp_path):
         assert (await eng.generate(p, sp))["output_ids"] == before["output_ids"]
     finally:
         await eng.close()
+
+
+async def test_sampling_seed_replays_the_same_tokens_whatever_the_batch(engine, ref_model):
+    """A request with ``sampling_seed`` draws from its own RNG: same tokens alone or among other requests."""
+    p = prompts(3)[2]
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 1234}
+    alone = await engine.generate(p, dict(sp), return_logprob=True)
+    noise = [engine.generate(q, {"temperature": 1.0, "max_new_tokens": 12}) for q in prompts(6, base=5)]
+    crowded, *_ = await asyncio.gather(engine.generate(p, dict(sp), return_logprob=True), *noise)
+    other_seed = await engine.generate(p, {**sp, "sampling_seed": 99})
+    assert alone["output_ids"] == crowded["output_ids"]
+    assert other_seed["output_ids"] != alone["output_ids"]
+    assert_exact(ref_model, p, crowded, 1.0)
+    with pytest.raises(InvalidRequestError, match="sampling_seed must be an integer"):
+        await engine.generate(p, {**sp, "sampling_seed": "x"})

@@ -26,6 +26,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k == -1`` means the whole vocabulary.
     ``stop`` strings and ``stop_token_ids`` end a turn in addition to the tokenizer's EOS.
+    ``sampling_seed`` makes one request's draws reproducible (SGLang honours it in its
+    deterministic-inference mode; the embedded engine always does).
     """
 
     max_new_tokens: int = 128
@@ -36,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = False
     no_stop_trim: bool = True
+    sampling_seed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object sent as ``sampling_params``."""
@@ -51,6 +54,8 @@ class SamplingParams:
             d["stop"] = list(self.stop)
         if self.stop_token_ids:
             d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.sampling_seed is not None:
+            d["sampling_seed"] = self.sampling_seed
         return d
 
 

@@ -55,6 +55,7 @@ class _Request:
         self.cached_tokens = 0
         self.finish: dict[str, Any] | None = None
         self.created = time.perf_counter()
+        self.generator: torch.Generator | None = None  # own RNG when the request carries sampling_seed
 
     def tokens(self) -> np.ndarray:
         """Prompt + output ids whose KV is in the row (the last sampled token's is not yet)."""
@@ -148,6 +149,9 @@ class LocalEngine:
         rid = rid or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         req = _Request(rid, ids, sp, (return_logprob, return_text_in_logprobs), loop.create_future(), loop)
+        if sp.sampling_seed is not None:
+            req.generator = torch.Generator(device=self._generator.device)
+            req.generator.manual_seed(sp.sampling_seed)
         if sp.max_new_tokens == 0:
             req.finish = {"type": "length", "length": 0}
             return self._response(req)
@@ -408,7 +412,7 @@ class LocalEngine:
             rows[dst], rows[last], req.row = req, None, dst
 
     def _sample_and_step(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        ids, lps = sample_batch(logits, [r.sp for r in reqs], self._generator)
+        ids, lps = sample_batch(logits, [r.sp for r in reqs], [r.generator or self._generator for r in reqs])
         for r, tok, lp in zip(reqs, ids.tolist(), lps.tolist()):
             r.output_ids.append(tok)
             r.logprobs.append(lp)

@@ -17,7 +17,7 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as given (bad sampling params, prompt too long, ...): HTTP 400."""
 
 
-_IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params", "sampling_seed"}
+_IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
             "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
             "logit_bias": None, "stop_regex": None}
@@ -37,6 +37,7 @@ class SamplingConfig:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    sampling_seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -81,11 +82,16 @@ class SamplingConfig:
         check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
         check(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers")
+        check(self.sampling_seed is None or isinstance(self.sampling_seed, int),
+              f"sampling_seed must be an integer, got {self.sampling_seed!r}")
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gen: torch.Generator
+def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gens: list[torch.Generator]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row with that row's params; return ``(ids [B], logprobs [B])``.
+    """Sample one token per row with that row's params and generator; return ``(ids [B], logprobs [B])``.
+
+    A request with a ``sampling_seed`` brings its own generator, so its draws do not depend on
+    which other requests share the batch: the same request replays to the same tokens.
 
     ``logprob = log_softmax(logits / T)[id]`` (greedy: ``T = 1``), before top-k/top-p/min-p
     filtering and never renormalized: SGLang's default, the quantity the trainer's re-score matches.
@@ -100,7 +106,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gen: torch.
     rows = [i for i, p in enumerate(params) if not p.greedy]
     plain = [i for i in rows if params[i].top_k == -1 and params[i].top_p >= 1 and params[i].min_p <= 0]
     if plain:
-        ids[plain] = _inverse_cdf((scaled[plain] - lse[plain, None]).exp(), gen)
+        ids[plain] = _inverse_cdf((scaled[plain] - lse[plain, None]).exp(), [gens[i] for i in plain])
     filtered = [i for i in rows if i not in set(plain)]
     if filtered:
         probs, order = (scaled[filtered] - lse[filtered, None]).exp().sort(dim=-1, descending=True)  # [F, V]
@@ -110,15 +116,19 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gen: torch.
         min_p = torch.tensor([float(params[i].min_p) for i in filtered], device=dev)
         drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) > top_p[:, None])
         drop |= probs < min_p[:, None] * probs[:, :1]
-        pick = _inverse_cdf(probs.masked_fill(drop, 0.0), gen)  # [F], in sorted order
+        pick = _inverse_cdf(probs.masked_fill(drop, 0.0), [gens[i] for i in filtered])  # [F], in sorted order
         ids[filtered] = order.gather(1, pick[:, None])[:, 0]
     return ids, scaled.gather(1, ids[:, None])[:, 0] - lse
 
 
-def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row from unnormalized non-negative weights ``[R, V]``."""
+def _inverse_cdf(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One draw per row from unnormalized non-negative weights ``[R, V]``, row ``i`` drawing from ``gens[i]``."""
     cdf = probs.cumsum(dim=-1)  # [R, V]
-    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device) * cdf[:, -1:]
+    if all(g is gens[0] for g in gens):
+        u = torch.rand(probs.shape[0], 1, generator=gens[0], device=probs.device)
+    else:
+        u = torch.cat([torch.rand(1, 1, generator=g, device=probs.device) for g in gens])
+    u = u * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
     # A zero-weight token can only be hit through float ties at the top end: step back onto mass.
     while bool((probs.gather(1, idx[:, None])[:, 0] <= 0).any()):
