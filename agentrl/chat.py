@@ -58,6 +58,18 @@ BUILTIN_TOOL_TEMPLATE = """\
 """
 
 _SENTINEL = "\u2063AGENTRL_ASSISTANT_SENTINEL\u2063"
+_PLAIN_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+
+try:  # transformers' own (cached) compiler: same jinja2 environment, filters and globals
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+except ImportError:  # pragma: no cover - other transformers versions: always use apply_chat_template
+    _compile_jinja_template = None
+
+
+def _plain(message: Message) -> bool:
+    """Whether transformers' message preprocessing would leave ``message`` as it is (minus None values)."""
+    return isinstance(message.get("content"), str) and message.keys() <= _PLAIN_KEYS and all(
+        type(v) in (str, list, dict, type(None)) for v in message.values())
 
 
 class TemplateError(ValueError):
@@ -91,6 +103,9 @@ class ChatTemplate:
             raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
         self.native_supports_tools = bool(self.native) and "tools" in self.native
         self.eos_token_ids = self._end_token_ids()
+        # The Rust tokenizer behind a fast tokenizer: same ids, without transformers' per-call overhead.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self._special_tokens = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
         self._tail_cache: dict[str, tuple[list[Message], str, str]] = {}
 
     # -- rendering ---------------------------------------------------------------------------
@@ -103,13 +118,24 @@ class ChatTemplate:
         return self.native
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool) -> str:
-        """Render ``messages`` (and ``tools``, OpenAI schema dicts) to template text."""
+        """Render ``messages`` (and ``tools``, OpenAI schema dicts) to template text.
+
+        Plain messages (string content, the usual OpenAI keys) are rendered by the compiled template
+        directly, with the same jinja2 environment and variables transformers uses: the episode loop
+        renders every observation, and ``apply_chat_template``'s generic preprocessing cost more
+        than the rendering itself. Anything else goes through ``apply_chat_template``.
+        """
+        source = self.template_for(tools)
+        if _compile_jinja_template is not None and all(_plain(m) for m in messages):
+            return _compile_jinja_template(source).render(
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages], tools=list(tools) if tools else None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self._special_tokens)
         kwargs: dict[str, Any] = {}
         if tools:
             kwargs["tools"] = list(tools)
         return self.tokenizer.apply_chat_template(
             list(messages),
-            chat_template=self.template_for(tools),
+            chat_template=source,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **kwargs,
@@ -117,10 +143,16 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Tokenize template text as is (the template already wrote every special token)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Token ids back to text, byte-exact (no clean-up of spaces around punctuation)."""
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
         """The first observation as prompt text and ids, ending with the generation prompt."""

@@ -62,10 +62,10 @@ async def sdk_run(url: str, template: ChatTemplate, episodes: int, concurrency: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--episodes", type=int, default=512)
+    p.add_argument("--episodes", type=int, default=2048)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp())
     tok = build_tokenizer(tmp / "tok")

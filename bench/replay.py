@@ -60,9 +60,10 @@ async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tu
         nonlocal differing
         async with sem:
             for c in seq:
-                resp = await engine._client.post("/generate", json={"input_ids": c.input_ids, "sampling_params": c.sampling,
-                                                                    "return_logprob": True})
-                differing += GenerateOutput.from_sglang(resp.json()).output_ids != c.output_ids
+                payload = {"input_ids": c.input_ids, "sampling_params": c.sampling, "return_logprob": True}
+                async with engine.session.post(url + "/generate", json=payload) as resp:
+                    body = await resp.json()
+                differing += GenerateOutput.from_sglang(body).output_ids != c.output_ids
 
     t = time.perf_counter()
     await asyncio.gather(*(episode(s) for s in calls.values()))

@@ -124,3 +124,18 @@ def test_observation_delta_fuzz(tiny_tokenizer, msgs, last_token_text, with_tool
     delta = t.observation_delta(messages, TOOLS if with_tools else None, last_token_text=last_token_text)
     assert delta.endswith("<|im_start|>assistant\n")
     assert t.decode(t.encode(delta)) == delta
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool", "system"]), st.text(max_size=30)), min_size=1, max_size=5),
+       st.booleans(), st.booleans())
+def test_fast_render_equals_apply_chat_template(tiny_tokenizer, msgs, with_tools, gen_prompt):
+    """The direct render path gives exactly what transformers' apply_chat_template gives."""
+    t = ChatTemplate(tiny_tokenizer)
+    messages = [{"role": r, "content": c, "tool_call_id": "x" if r == "tool" else None} for r, c in msgs]
+    if msgs[0][0] == "assistant":
+        messages[0]["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    tools = TOOLS if with_tools else None
+    slow = tiny_tokenizer.apply_chat_template(messages, chat_template=t.template_for(tools), tools=tools,
+                                              add_generation_prompt=gen_prompt, tokenize=False)
+    assert t.render(messages, tools, add_generation_prompt=gen_prompt) == slow

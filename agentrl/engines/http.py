@@ -20,6 +20,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import aiohttp
 import httpx
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
@@ -35,75 +36,88 @@ def _limits() -> httpx.Limits:
 
 
 class SGLangEngine(Engine):
-    """Client for one SGLang-compatible server at ``url`` (e.g. ``http://127.0.0.1:30000``)."""
+    """Client for one SGLang-compatible server at ``url`` (e.g. ``http://127.0.0.1:30000``).
+
+    Uses aiohttp: at 256 concurrent episodes it served ~25x more loopback requests per second
+    than httpx, whose connection pool scans every connection on every request.
+    """
 
     def __init__(self, url: str, *, timeout: float = 600.0, max_retries: int = 3, backoff: float = 0.5):
         self.url = url.rstrip("/")
+        self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=_limits())
+        self._session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url!r})"
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The connection pool, created on first use inside the running event loop."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        """POST with retries on transport errors and 5xx; return (status, JSON body or text)."""
         delay = self.backoff
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
             try:
-                resp = await self._client.post(path, json=payload)
-            except httpx.TransportError as exc:  # refused, reset, timed out
+                async with self.session.post(self.url + path, json=payload) as resp:
+                    body = await resp.json(content_type=None) if resp.content_type == "application/json" else await resp.text()
+                    if resp.status < 500:
+                        return resp.status, body
+                    last = EngineError(f"{self.url}{path} answered HTTP {resp.status}: {str(body)[:300]}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # refused, reset, timed out
                 last = exc
-            else:
-                if resp.status_code < 500:
-                    return resp
-                last = EngineError(f"{self.url}{path} answered HTTP {resp.status_code}: {resp.text[:300]}")
             if attempt < self.max_retries:
                 await asyncio.sleep(delay)
                 delay *= 2
-        raise EngineError(f"{self.url}{path} failed after {self.max_retries + 1} tries: {last}") from last
+        raise EngineError(f"{self.url}{path} failed after {self.max_retries + 1} tries: {last!r}") from last
 
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
     ) -> GenerateOutput:
         payload = {
-            "input_ids": list(input_ids),
+            "input_ids": input_ids,
             "sampling_params": sampling_params.to_json(),
             "return_logprob": True,
             "rid": uuid.uuid4().hex,
         }
-        resp = await self._post("/generate", payload)
-        if resp.status_code >= 400:
-            raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {resp.status_code}): {resp.text[:300]}")
-        body = resp.json()
+        status, body = await self._post("/generate", payload)
+        if status >= 400 or not isinstance(body, (dict, list)):
+            raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(body)[:300]}")
         if isinstance(body, list):
             body = body[0]
         return GenerateOutput.from_sglang(body, engine_url=self.url)
 
     async def health(self) -> bool:
         try:
-            resp = await self._client.get("/health", timeout=10.0)
-        except httpx.HTTPError:
+            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-        return resp.status_code == 200
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /get_model_info`` (model_path, weight_version, ...)."""
-        resp = await self._client.get("/get_model_info", timeout=30.0)
-        resp.raise_for_status()
-        return resp.json()
+        async with self.session.get(self.url + "/get_model_info") as resp:
+            resp.raise_for_status()
+            return await resp.json()
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        resp = await self._post("/update_weights_from_disk", payload)
-        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-        if resp.status_code >= 400 or not body.get("success", False):
-            raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {body or resp.text[:300]}")
+        status, body = await self._post("/update_weights_from_disk", payload)
+        if status >= 400 or not isinstance(body, dict) or not body.get("success", False):
+            raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {str(body)[:300]}")
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 async def wait_healthy(engine: Engine, *, timeout: float = 300.0, interval: float = 0.5) -> None:

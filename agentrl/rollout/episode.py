@@ -122,9 +122,17 @@ def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | Non
     return ctx.template.decode(ids), None
 
 
+async def _within(coro: Any, timeout: float) -> Any:
+    """``await coro`` with a deadline; ``asyncio.timeout`` where available, as it creates no extra task."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)  # Python 3.10
+
+
 async def _timed(coro: Any, timeout: float, what: str) -> Any:
     try:
-        return await asyncio.wait_for(coro, timeout)
+        return await _within(coro, timeout)
     except asyncio.TimeoutError:
         raise _EndEpisode(Status.FAILED, "env_timeout", f"{what} took longer than {timeout:g}s") from None
     except (_EndEpisode, asyncio.CancelledError):
@@ -159,7 +167,7 @@ async def run_episode(
     env: Env | None = None
     status, reason = Status.TRUNCATED, "max_turns"
     try:
-        env = await _timed(_construct(env_factory), cfg.env_step_timeout, "env construction")
+        env = _construct(env_factory)
         max_turns = min(cfg.max_turns, env.max_turns) if env.max_turns else cfg.max_turns
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
@@ -246,16 +254,20 @@ async def run_episode(
     return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
 
 
-async def _construct(factory: Callable[[], Env]) -> Env:
-    env = factory()
+def _construct(factory: Callable[[], Env]) -> Env:
+    """Build the episode's env (a synchronous call: a constructor cannot be timed out, only failed)."""
+    try:
+        env = factory()
+    except Exception as exc:
+        raise _EndEpisode(Status.FAILED, "env_error", f"constructing the env raised {type(exc).__name__}: {exc}") from None
     if not isinstance(env, Env):
-        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+        raise _EndEpisode(Status.FAILED, "env_contract", f"the env factory returned {type(env).__name__}, not an agentrl.Env")
     return env
 
 
 async def _close_env(env: Env, meta: dict[str, Any], timeout: float) -> None:
     try:
-        await asyncio.wait_for(call_env(env.close), timeout)
+        await _within(call_env(env.close), timeout)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # a failing close is reported, not fatal: the episode's data is kept

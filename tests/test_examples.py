@@ -1,0 +1,22 @@
+"""The bundled example runs as its docstring says (tiny model instead of the default one)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_cli import REPO, read_samples, run
+
+
+def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_path):
+    env, data = "examples/arithmetic/env.py:Arithmetic", "examples/arithmetic/tasks.jsonl"
+    r = run("check-env", "--env", env, "--prompt-data", data)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "samples.jsonl"
+    r = run("rollout", "--env", env, "--prompt-data", data, "--n-samples-per-prompt", "2", "--max-turns", "4",
+            "--rollout-max-response-len", "32", "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt),
+            "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    samples = read_samples(out)
+    assert len(samples) == 8 and json.loads(r.stdout)["samples"] == 8
+    assert all(s["label"] in {"42", "127", "7.75", "1000"} for s in samples)
+    assert (REPO / data).is_file()
