@@ -158,8 +158,6 @@ async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int,
         check_reset(await _guarded("reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold))
         while True:
             _, calls, errors = parser.parse(text)
-            for i, c in enumerate(calls):
-                c.id = c.id or f"call_{steps}_{i}"
             result = check_step(await _guarded("step()", env.step, Action(text=text, tool_calls=calls, errors=errors),
                                                timeout=timeout, block_threshold=block_threshold))
             steps += 1

@@ -236,3 +236,55 @@ async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, 
         assert s.token_exact is False and set(s.weight_versions) == {"api"}
         assert all(lp == 0.0 for lp in s.rollout_log_probs)
     assert all(s.token_exact for s in (await generate_rollout(_ctx(tiny_server, tiny_tokenizer), OneTurnEnv, [{"prompt": "x"}]))[0])
+
+
+async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
+    """A scripted policy (a fake: an untrained model cannot be made to write chosen tool calls)
+    drives a ToolEnv: valid and malformed calls are answered, ids are unique per episode, and every
+    request carries exactly the ledger's ids."""
+    from agentrl.engines.base import Engine, GenerateOutput
+    from envs.calculator import Calculator
+
+    tok = tiny_tokenizer
+    turns = [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>',
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "42+0"}}\n</tool_call>',
+        "The answer is 42",
+    ]
+
+    class Scripted(Engine):
+        def __init__(self):
+            self.requests: list[list[int]] = []
+
+        async def generate(self, input_ids, sampling_params, *, key=None):
+            self.requests.append(list(input_ids))
+            ids = tok.encode(turns[len(self.requests) - 1], add_special_tokens=False) + [tok.eos_token_id]
+            return GenerateOutput(ids, [-0.25] * len(ids), "stop", tok.eos_token_id)
+
+        async def health(self):
+            return True
+
+    answered: list[str] = []
+
+    class RecordingCalculator(Calculator):
+        async def step(self, action):
+            result = await super().step(action)
+            answered.extend(m["tool_call_id"] for m in result[0])
+            return result
+
+    engine = Scripted()
+    ctx = _ctx(engine, tok)
+    samples, _ = await generate_rollout(ctx, RecordingCalculator, [{"prompt": "6 times 7?", "label": "42"}])
+    assert answered == ["call_0_0", "call_0_1", "call_1_0"]
+    s = samples[0]
+    s.validate()
+    assert s.status == Status.COMPLETED and s.reward == 1.0 and s.metadata["turn_rewards"] == [0.0, 0.0, 1.0]
+    assert s.metadata["tool_calls"] == 2 and s.metadata["parse_errors"] == 1
+    for req in engine.requests:  # token in: each request is a prefix of the final sample
+        assert s.tokens[: len(req)] == req
+    text = ctx.template.decode(s.tokens)
+    assert "<tool_response>\n42\n</tool_response>" in text
+    assert "Error: could not parse tool call" in text
+    assert text.count("<tool_response>") == 3
+    assert [sum(s.loss_mask[a:b]) == b - a for a, b in s.metadata["turn_spans"]] == [True] * 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import traceback
 import uuid
@@ -34,6 +35,7 @@ from agentrl.parsing import OpenAIToolCallsParser, get_parser
 from agentrl.types import Action, Message, Sample, Status
 
 _ROLES = {"system", "user", "assistant", "tool"}
+_PARSER_ID = re.compile(r"call_\d+")
 
 
 class EnvContractError(TypeError):
@@ -210,8 +212,9 @@ async def run_episode(
                 content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
             else:
                 content, calls, errors = parser.parse(text)
-            for i, c in enumerate(calls):
-                c.id = c.id or f"call_{turn}_{i}"
+            for item in (*calls, *errors):  # parser ids restart each turn; make them unique per episode
+                if _PARSER_ID.fullmatch(item.id):
+                    item.id = f"call_{turn}_{item.id[5:]}"
             action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
