@@ -79,12 +79,16 @@ def _wrong_value(schema: dict[str, Any]) -> Any:
     return 12345 if schema.get("type") == "string" else "not-a-" + str(schema.get("type", "value"))
 
 
-def _call_text(name: str, arguments: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+def _call_writer(parser_name: str) -> Callable[[str, Any], str]:
+    """How a model writes one tool call in the env's wire format."""
+    if parser_name.replace("-", "_").lower() == "llama3_json":
+        return lambda name, arguments: json.dumps({"name": name, "parameters": arguments})
+    return lambda name, arguments: f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[str, str]]:
     """(name, assistant text) pairs to play against ``env`` for ``task``."""
+    _call_text = _call_writer(env.tool_parser)
     out = [("final answer (label)", str(task.get("label", "42")))]
     for t in env.tools:
         props = t.parameters.get("properties", {})
@@ -94,8 +98,8 @@ def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[
             out.append((f"wrong argument types for {t.name}", _call_text(t.name, {k: _wrong_value(v) for k, v in props.items()})))
             out.append((f"missing arguments for {t.name}", _call_text(t.name, {})))
     out += [
-        ("broken JSON tool call", '<tool_call>\n{"name": "calc", "arguments": {"x": </tool_call>'),
-        ("unclosed tool call", '<tool_call>\n{"name": "'),
+        ("broken JSON tool call", _call_text("calc", {"x": 1})[:-9] + "{</tool_call>"),
+        ("unclosed tool call", _call_text("calc", {})[:14]),
         ("unknown tool", _call_text("no_such_tool", {"a": 1})),
         ("empty text", ""),
         ("huge text", "lorem ipsum " * 20000),
@@ -149,10 +153,16 @@ async def _guarded(what: str, fn: Callable[..., Any], *args: Any, timeout: float
 
 async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int, max_steps: int, timeout: float,
                 block_threshold: float, rng: random.Random) -> str:
-    env = factory()
+    try:
+        env = factory()
+    except Exception as exc:
+        raise EnvContractError(f"constructing the env raised {type(exc).__name__}: {exc}") from None
     if not isinstance(env, Env):
         raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
-    parser = get_parser(env.tool_parser)
+    try:
+        parser = get_parser(env.tool_parser)
+    except ValueError as exc:
+        raise EnvContractError(f"tool_parser {env.tool_parser!r}: {exc}") from None
     steps = 0
     try:
         check_reset(await _guarded("reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold))
@@ -193,13 +203,22 @@ async def check_env(
     except Exception as exc:
         report.results.append(CheckResult("construct env", False, f"{type(exc).__name__}: {exc}"))
         return report
-    for ti, task in enumerate(tasks):
-        for name, text in scenarios(probe, task, rng):
-            label = f"task {ti}: {name}"
-            try:
-                detail = await _play(env_factory, task, text, seed=seed + ti, max_steps=max_steps, timeout=step_timeout,
-                                     block_threshold=block_threshold, rng=rng)
-                report.results.append(CheckResult(label, True, detail))
-            except EnvContractError as exc:
-                report.results.append(CheckResult(label, False, str(exc)))
+    if not isinstance(probe, Env):
+        report.results.append(CheckResult("construct env", False, f"the env factory returned {type(probe).__name__}, not an agentrl.Env"))
+        return report
+    try:
+        plays = [(ti, task, name, text) for ti, task in enumerate(tasks) for name, text in scenarios(probe, task, rng)]
+    finally:
+        try:
+            await _guarded("close()", probe.close, timeout=step_timeout, block_threshold=block_threshold)
+        except EnvContractError as exc:
+            report.results.append(CheckResult("close() of an unused env", False, str(exc)))
+    for ti, task, name, text in plays:
+        label = f"task {ti}: {name}"
+        try:
+            detail = await _play(env_factory, task, text, seed=seed + ti, max_steps=max_steps, timeout=step_timeout,
+                                 block_threshold=block_threshold, rng=rng)
+            report.results.append(CheckResult(label, True, detail))
+        except EnvContractError as exc:
+            report.results.append(CheckResult(label, False, str(exc)))
     return report

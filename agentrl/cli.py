@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--context-length", type=int, default=None)
     s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--tool-call-parser", default=None,
-                   help="parse tool calls in /v1/chat/completions replies (SGLang's flag): hermes, qwen, llama3_json")
+    s.add_argument("--tool-call-parser", default="hermes",
+                   help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
+                        "hermes (default, the built-in tool template's format), qwen, llama3_json, none")
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
@@ -145,14 +146,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tool_parser = None
-    if args.tool_call_parser:
+    if args.tool_call_parser and args.tool_call_parser != "none":
         from agentrl.parsing import get_parser
 
         parser = get_parser(args.tool_call_parser)
 
-        def tool_parser(text: str) -> tuple[str, list[dict]]:
+        def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
             content, calls, _ = parser.parse(text)
             return content, [c.to_openai() for c in calls]
+
+        tool_parser = parse_tool_calls
 
     if args.exit_with_stdin:
         _exit_when_stdin_closes()
@@ -257,6 +260,9 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
         template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
         ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
         args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
+        # slime's custom generate functions reach the engine through its router address
+        host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
+        args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
         out_path = Path(args.output)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         total = len(tasks) * cfg.n_samples_per_prompt
@@ -268,7 +274,7 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
             bar = progress.add_task("rollout", total=total, reward=0.0)
 
             def on_sample(s) -> None:
-                out.write(json.dumps(s.to_dict(), ensure_ascii=False, default=str) + "\n")
+                out.write(s.to_json() + "\n")
                 out.flush()
                 rewards.append(float(s.reward or 0.0) if not isinstance(s.reward, dict) else 0.0)
                 progress.update(bar, advance=1, reward=sum(rewards) / len(rewards))

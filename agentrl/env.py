@@ -17,11 +17,13 @@ the model answers without one, and score that answer with ``reward(action)``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import importlib
 import importlib.util
 import inspect
 import sys
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -132,11 +134,17 @@ async def maybe_await(value: Any) -> Any:
     return value
 
 
-async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call an env method: async ones directly, sync ones in a worker thread (never blocking the loop)."""
+async def call_env(fn: Callable[..., Any], /, *args: Any, _executor: Executor | None = None, **kwargs: Any) -> Any:
+    """Call an env method: async ones directly, sync ones in a worker thread (never blocking the loop).
+
+    ``_executor`` is the thread pool for sync methods; the episode loop passes one as large as the
+    rollout's concurrency, because in asyncio's default pool (cores + 4 threads) sync steps would
+    queue for a thread, and that wait would count against their step timeout.
+    """
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    return await maybe_await(await asyncio.to_thread(fn, *args, **kwargs))
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await maybe_await(await asyncio.get_running_loop().run_in_executor(_executor, call))
 
 
 # -- finding environments -------------------------------------------------------------------------

@@ -249,7 +249,7 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
     limit = tool.timeout if tool.timeout is not None else timeout
     try:
         return await asyncio.wait_for(_invoke(tool, name, validated), limit)
-    except TimeoutError:  # only wait_for's own: _invoke catches the tool's exceptions
+    except (asyncio.TimeoutError, TimeoutError):  # only wait_for's own: _invoke catches the tool's exceptions
         return _error(f"tool '{name}' timed out after {limit:g}s", "timeout")
 
 

@@ -142,10 +142,18 @@ class Sample:
             raise ValueError("loss_mask must hold only 0 and 1")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``status`` as its string value)."""
-        d = dataclasses.asdict(self)
+        """A shallow dict of the fields (``status`` as its string value), ready for ``json.dumps``.
+
+        Shallow on purpose: ``metadata`` may hold whatever an env put in its ``info`` (locks, arrays);
+        a deep copy could fail on those, so serializers pass ``default=str`` instead.
+        """
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["status"] = self.status.value
         return d
+
+    def to_json(self) -> str:
+        """One JSON line; values JSON cannot hold are written as their ``str()``."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, default=str)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:

@@ -65,3 +65,31 @@ async def test_violations_are_reported():
 
 async def test_sync_env_that_sleeps_does_not_count_as_blocking():
     assert (await check_env(SyncSleeper, [])).ok
+
+
+class Llama3Calculator(Calculator):
+    tool_parser = "llama3_json"
+
+
+class UnknownParser(agentrl.ToolEnv):
+    tool_parser = "no_such_format"
+
+
+async def test_non_hermes_envs_get_their_tools_exercised_and_bad_factories_are_reported():
+    r = await check_env(Llama3Calculator, Calculator.tasks(1))
+    assert r.ok, r.format()
+    valid = next(x for x in r.results if x.scenario.endswith("valid call of calculator"))
+    assert valid.detail.startswith("2 step(s)") or "still running" in valid.detail  # the call was answered, not taken as a final answer
+    r = await check_env(UnknownParser, [])
+    assert not r.ok and "tool_parser 'no_such_format'" in r.violations[0].detail
+
+    calls = {"n": 0}
+
+    def flaky_factory():
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("out of sandboxes")
+        return Calculator()
+
+    r = await check_env(flaky_factory, Calculator.tasks(1))
+    assert not r.ok and all("out of sandboxes" in v.detail for v in r.violations)

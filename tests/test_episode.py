@@ -59,7 +59,8 @@ class ToolTalkEnv(agentrl.Env):
 
 def _ctx(url_or_engine, tokenizer, **cfg) -> EpisodeContext:
     engine = url_or_engine if not isinstance(url_or_engine, str) else SGLangEngine(url_or_engine)
-    config = RolloutConfig(**{"rollout_max_response_len": 48, "max_turns": 5, **cfg})
+    # 200 tokens: the tiny model ends a turn after ~10 (P(hitting the limit) ~ 0.9**200), so tests see no length finish
+    config = RolloutConfig(**{"rollout_max_response_len": 200, "max_turns": 5, **cfg})
     return EpisodeContext(engine=engine, template=ChatTemplate(tokenizer), config=config)
 
 
@@ -71,17 +72,19 @@ def _rescore(model, tokens: list[int], temperature: float) -> torch.Tensor:
     return lp[:-1].gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
 
 
-@pytest.mark.parametrize("env_cls,temperature", [(TalkEnv, 1.0), (ToolTalkEnv, 0.8)])
-async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_tokenizer, env_cls, temperature):
+@pytest.mark.parametrize("env_cls,temperature,stop", [(TalkEnv, 1.0, []), (ToolTalkEnv, 0.8, []), (TalkEnv, 1.0, ["e", "a"])])
+async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_tokenizer, env_cls, temperature, stop):
+    """Turns ending on the sampled EOS (the template's tail minus the stop token is bridged) and on a
+    stop string (the whole tail is written by the environment's delta) are both exact."""
     from transformers import AutoModelForCausalLM
 
-    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_temperature=temperature, n_samples_per_prompt=3)
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_temperature=temperature, n_samples_per_prompt=3, rollout_stop=stop)
     tasks = [{"prompt": f"Question {i}: what is {i} + {i}?", "label": str(2 * i)} for i in range(2)]
     samples, summary = await generate_rollout(ctx, env_cls, tasks)
     await ctx.engine.close()
     model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     template = ctx.template
-    multi_turn = 0
+    multi_turn, stop_string_turns = 0, 0
     for s in samples:
         s.validate()
         assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
@@ -100,19 +103,21 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         for a, b in s.metadata["turn_spans"]:
             ids = s.tokens[s.prompt_length + a: s.prompt_length + b]
             ended = ids[-1:] == [tiny_tokenizer.eos_token_id]
+            stop_string_turns += not ended
+            bridge = "\n" if ended else "<|im_end|>\n"
             convo.append({"role": "assistant", "content": template.decode(ids[:-1] if ended else ids)})
             span = next(env_iter, None)
             if span is not None:
                 env_text = template.decode(s.tokens[s.prompt_length + span[0]: s.prompt_length + span[1]])
                 # 3. each mask-0 span is exactly the observation as the template renders it
                 if env_cls is TalkEnv:
-                    body = env_text.removeprefix("\n<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
-                    assert env_text == f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+                    body = env_text.removeprefix(bridge + "<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
+                    assert env_text == f"{bridge}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
                     assert body.startswith(f"Turn {len(convo) // 2}: say more")
                     convo.append({"role": "user", "content": body})
                 else:
                     n = (len(convo) - 2 + 1) // 3 + 1
-                    assert env_text == (f"\n<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response>\n"
+                    assert env_text == (f"{bridge}<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response>\n"
                                         "<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
                     convo += [{"role": "tool", "content": f"result {n}"}, {"role": "tool", "content": "ok"}]
         rendered = template.render(convo, [t.schema() for t in env_cls.tools], add_generation_prompt=False)
@@ -121,6 +126,7 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         assert s.reward == pytest.approx(sum(s.metadata["turn_rewards"]))
         multi_turn += len(s.metadata["turn_spans"]) >= 2
     assert multi_turn >= 3, "the tiny model should produce several multi-turn episodes"
+    assert (stop_string_turns > 0) == bool(stop), "stop strings should end some turns, and only when set"
     assert summary.samples == 6
 
 
@@ -181,7 +187,7 @@ async def test_sync_env_methods_run_in_worker_threads(tiny_server, tiny_tokenize
     ctx = _ctx(tiny_server, tiny_tokenizer)
     samples, _ = await generate_rollout(ctx, SyncEnv, [{"prompt": "x"}] * 3)
     await ctx.engine.close()
-    assert all(s.status == Status.COMPLETED and s.reward == 1.0 for s in samples)
+    assert all(s.status == Status.COMPLETED and s.reward == 1.0 for s in samples), [s.metadata for s in samples]
     assert SyncEnv.threads and threading.get_ident() not in SyncEnv.threads
 
 
@@ -288,3 +294,103 @@ async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
     assert "Error: could not parse tool call" in text
     assert text.count("<tool_response>") == 3
     assert [sum(s.loss_mask[a:b]) == b - a for a, b in s.metadata["turn_spans"]] == [True] * 3
+
+
+async def test_engine_context_length_truncates_instead_of_aborting(tiny_ckpt, tiny_tokenizer, tmp_path):
+    """Without --rollout-max-context-len the loop learns the engine's limit and stops before it."""
+    from agentrl.engines.local.process import local_server
+
+    class LongTalk(TalkEnv):
+        async def step(self, action):
+            obs, r, _, trunc, info = await super().step(action)
+            return obs, r, False, trunc, info  # never terminates: only the context can end it
+
+    with local_server(tiny_ckpt, extra_args=["--context-length", "96", "--seed", "1"], log_path=tmp_path / "e.log") as url:
+        ctx = _ctx(url, tiny_tokenizer, max_turns=50)
+        assert ctx.config.rollout_max_context_len is None
+        samples, summary = await generate_rollout(ctx, LongTalk, [{"prompt": "go"}] * 4)
+        await ctx.engine.close()
+    assert summary.status == {"truncated": 4}, [s.metadata.get("error") for s in samples]
+    for s in samples:
+        assert s.metadata["status_reason"] == "context_length" and len(s.tokens) < 96
+        s.validate()
+
+
+async def test_unserializable_env_info_does_not_stop_the_run(tiny_server, tiny_tokenizer):
+    class LockInfo(OneTurnEnv):
+        async def step(self, action):
+            obs, r, term, trunc, _ = await super().step(action)
+            return obs, r, term, trunc, {"lock": threading.Lock()}
+
+    lines = []
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, summary = await generate_rollout(ctx, LockInfo, [{"prompt": "x"}] * 2, on_sample=lambda s: lines.append(s.to_json()))
+    await ctx.engine.close()
+    assert len(lines) == 2 and summary.sink_errors == 0 and "<unlocked _thread.lock" in lines[0]
+
+
+async def test_malformed_engine_replies_abort_after_retries(tiny_tokenizer, tmp_path):
+    """A server answering /generate with the wrong shape is retried, then the sample aborts (never 'failed')."""
+    import subprocess
+    import sys
+
+    from agentrl.engines.local.process import free_port
+
+    port = free_port()
+    app = tmp_path / "bad_server.py"
+    app.write_text(
+        "import uvicorn\n"
+        "async def app(scope, receive, send):\n"
+        "    if scope['type'] != 'http':\n        return\n"
+        "    await receive()\n"
+        "    body = b'{\"text\": \"hi\", \"meta_info\": {}}' if scope['path'] == '/generate' else b'not json'\n"
+        "    await send({'type': 'http.response.start', 'status': 200, 'headers': [(b'content-type', b'application/json')]})\n"
+        "    await send({'type': 'http.response.body', 'body': body})\n"
+        f"uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning')\n")
+    proc = subprocess.Popen([sys.executable, str(app)])
+    try:
+        engine = SGLangEngine(f"http://127.0.0.1:{port}", max_retries=2, backoff=0.01)
+        for _ in range(100):
+            if await engine.health():
+                break
+            await asyncio.sleep(0.1)
+        ctx = _ctx(engine, tiny_tokenizer)
+        samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}] * 2)
+        await engine.close()
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert summary.status == {"aborted": 2}
+    assert all("no meta_info.output_token_logprobs" in s.metadata["error"] for s in samples)
+
+
+class ManySyncSleepers(agentrl.Env):
+    def reset(self, *, seed=None, options=None):
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        import time
+
+        time.sleep(0.3)  # blocking: must run in a worker thread, and many at once
+        return [], 1.0, True, False, {}
+
+
+async def test_many_sync_envs_do_not_time_out_waiting_for_threads(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer, env_step_timeout=1.5, rollout_concurrency=48)
+    samples, summary = await generate_rollout(ctx, ManySyncSleepers, [{"prompt": "x"}] * 48)
+    await ctx.engine.close()
+    assert summary.status.get("completed") == 48, summary.to_dict()
+
+
+async def test_chat_mode_shows_tools_to_a_model_whose_template_ignores_them(tiny_server, tiny_tokenizer):
+    """/v1/chat/completions renders tools with the built-in template when the model's ignores them."""
+    import aiohttp
+
+    tools = [echo.schema()]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(tiny_server + "/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}) as r:
+            body = await r.json()
+    expected = ChatTemplate(tiny_tokenizer).prompt([{"role": "user", "content": "hi"}], tools)[1]
+    assert body["usage"]["prompt_tokens"] == len(expected)
+    assert "<tools>" in ChatTemplate(tiny_tokenizer).decode(expected)

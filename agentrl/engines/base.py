@@ -80,27 +80,38 @@ class GenerateOutput:
     """The assistant message, for text-in/text-out chat completions (then ids are a local re-tokenization)."""
 
     @classmethod
-    def from_sglang(cls, body: dict[str, Any], engine_url: str = "") -> GenerateOutput:
-        """Parse a (non-batched, non-streamed) SGLang ``/generate`` response."""
-        meta = body.get("meta_info") or {}
-        fr = meta.get("finish_reason") or {}
-        if isinstance(fr, str):
-            fr = {"type": fr}
-        out_ids = list(body.get("output_ids") or [])
-        lps_raw = meta.get("output_token_logprobs") or []
-        lps = [float(x[0]) if x[0] is not None else 0.0 for x in lps_raw]
-        if lps_raw and [int(x[1]) for x in lps_raw] != out_ids:
-            raise EngineError("engine returned output_token_logprobs whose ids differ from output_ids")
-        return cls(
-            output_ids=out_ids,
-            output_logprobs=lps,
-            finish_reason=str(fr.get("type", "stop")),
-            matched=fr.get("matched"),
-            text=body.get("text", ""),
-            weight_version=str(meta.get("weight_version", "default")),
-            prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
-            engine_url=engine_url,
-        )
+    def from_sglang(cls, body: Any, engine_url: str = "") -> GenerateOutput:
+        """Parse a (non-batched, non-streamed) SGLang ``/generate`` response.
+
+        A reply that does not have SGLang's shape raises :class:`EngineError` (so the request is
+        retried or moved to another engine) instead of corrupting the sample. The ids come from
+        ``output_token_logprobs`` when ``output_ids`` is absent, as slime reads them.
+        """
+        try:
+            meta = body.get("meta_info") or {}
+            fr = meta.get("finish_reason") or {}
+            if isinstance(fr, str):
+                fr = {"type": fr}
+            lps_raw = meta.get("output_token_logprobs")
+            if lps_raw is None:
+                raise EngineError(f"{engine_url}: reply has no meta_info.output_token_logprobs (return_logprob ignored?)")
+            lp_ids = [int(x[1]) for x in lps_raw]
+            lps = [float(x[0]) if x[0] is not None else 0.0 for x in lps_raw]
+            out_ids = [int(i) for i in body["output_ids"]] if body.get("output_ids") is not None else lp_ids
+            if out_ids != lp_ids:
+                raise EngineError(f"{engine_url}: output_token_logprobs ids differ from output_ids")
+            return cls(
+                output_ids=out_ids,
+                output_logprobs=lps,
+                finish_reason=str(fr.get("type", "stop")),
+                matched=fr.get("matched"),
+                text=body.get("text", ""),
+                weight_version=str(meta.get("weight_version", "default")),
+                prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+                engine_url=engine_url,
+            )
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise EngineError(f"{engine_url}: malformed /generate reply ({type(exc).__name__}: {exc}): {str(body)[:200]}") from None
 
 
 class Engine(abc.ABC):
@@ -123,6 +134,10 @@ class Engine(abc.ABC):
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Load new weights from a checkpoint folder (``/update_weights_from_disk``)."""
         raise NotImplementedError
+
+    async def context_length(self) -> int | None:
+        """The longest sequence (prompt + output) the engine serves, when it says so."""
+        return None
 
     async def close(self) -> None:
         """Release connections."""

@@ -17,6 +17,7 @@ through it are marked ``token_exact=False``.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -48,6 +49,7 @@ class SGLangEngine(Engine):
         self.max_retries = max_retries
         self.backoff = backoff
         self._session: aiohttp.ClientSession | None = None
+        self._pending_aborts: set[asyncio.Task] = set()
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url!r})"
@@ -60,23 +62,60 @@ class SGLangEngine(Engine):
                 connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
-        """POST with retries on transport errors and 5xx; return (status, JSON body or text)."""
+    async def _post(self, path: str, payload: dict[str, Any], *, parse: Any = None) -> tuple[int, Any]:
+        """POST with retries on transport errors, 5xx and malformed replies; return (status, body).
+
+        ``parse(body)`` (optional) turns a 2xx body into the result and raises ``EngineError`` on a
+        malformed one, which is retried like a 5xx. A request that carries a ``rid`` gets a fresh
+        one per attempt, and an attempt abandoned on a timeout or cancellation is aborted on the
+        server, so retries do not pile up work there.
+        """
         delay = self.backoff
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
+            if "rid" in payload:
+                payload = {**payload, "rid": uuid.uuid4().hex}
             try:
                 async with self.session.post(self.url + path, json=payload) as resp:
-                    body = await resp.json(content_type=None) if resp.content_type == "application/json" else await resp.text()
+                    text = await resp.text()
+                    try:
+                        body: Any = json.loads(text)
+                    except ValueError:
+                        body = text
+                    if resp.status < 400 and parse is not None:
+                        return resp.status, parse(body)
                     if resp.status < 500:
                         return resp.status, body
-                    last = EngineError(f"{self.url}{path} answered HTTP {resp.status}: {str(body)[:300]}")
+                    last = EngineError(f"{self.url}{path} answered HTTP {resp.status}: {text[:300]}")
+            except EngineError as exc:  # a 2xx reply without the expected shape
+                last = exc
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # refused, reset, timed out
                 last = exc
+                if isinstance(exc, asyncio.TimeoutError) and "rid" in payload:
+                    self._abort_later(payload["rid"])
+            except asyncio.CancelledError:
+                if "rid" in payload:
+                    self._abort_later(payload["rid"])
+                raise
             if attempt < self.max_retries:
                 await asyncio.sleep(delay)
                 delay *= 2
         raise EngineError(f"{self.url}{path} failed after {self.max_retries + 1} tries: {last!r}") from last
+
+    def _abort_later(self, rid: str) -> None:
+        """Best effort ``/abort_request`` for an abandoned request (fire and forget)."""
+
+        async def abort() -> None:
+            try:
+                async with self.session.post(self.url + "/abort_request", json={"rid": rid},
+                                             timeout=aiohttp.ClientTimeout(total=5)):
+                    pass
+            except Exception:  # the engine may be gone: nothing left to abort then
+                pass
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._pending_aborts.add(task)
+        task.add_done_callback(self._pending_aborts.discard)
 
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
@@ -85,14 +124,13 @@ class SGLangEngine(Engine):
             "input_ids": input_ids,
             "sampling_params": sampling_params.to_json(),
             "return_logprob": True,
-            "rid": uuid.uuid4().hex,
+            "rid": "",
         }
-        status, body = await self._post("/generate", payload)
-        if status >= 400 or not isinstance(body, (dict, list)):
-            raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(body)[:300]}")
-        if isinstance(body, list):
-            body = body[0]
-        return GenerateOutput.from_sglang(body, engine_url=self.url)
+        status, out = await self._post("/generate", payload,
+                                       parse=lambda b: GenerateOutput.from_sglang(b[0] if isinstance(b, list) else b, self.url))
+        if status >= 400:
+            raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(out)[:300]}")
+        return out
 
     async def health(self) -> bool:
         try:
@@ -100,6 +138,18 @@ class SGLangEngine(Engine):
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+    async def context_length(self) -> int | None:
+        """``max_model_len`` from ``/v1/models`` (SGLang and the embedded engine), else ``/get_server_info``."""
+        for path, read in (("/v1/models", lambda b: b["data"][0]["max_model_len"]),
+                           ("/get_server_info", lambda b: b["context_length"])):
+            try:
+                async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    if resp.status == 200:
+                        return int(read(await resp.json(content_type=None)))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                continue
+        return None
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /get_model_info`` (model_path, weight_version, ...)."""

@@ -65,6 +65,11 @@ class Router(Engine):
         """Forget an episode's sticky engine (called when the episode ends)."""
         self._sticky.pop(key, None)
 
+    async def context_length(self) -> int | None:
+        """The smallest context length among the engines that report one."""
+        known = [n for n in [await e.context_length() for e in self.engines] if n]
+        return min(known) if known else None
+
     async def health(self) -> bool:
         for e in self.engines:
             if await e.health():

@@ -23,6 +23,7 @@ import re
 import time
 import traceback
 import uuid
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,6 +101,8 @@ class EpisodeContext:
     template: ChatTemplate
     config: RolloutConfig
     chat: ChatCompletionsClient | None = None
+    executor: Executor | None = None
+    """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
 
 
 async def _chat_turn(ctx: EpisodeContext, convo: list[Message], tools: list[dict], budget: int) -> GenerateOutput:
@@ -173,7 +176,7 @@ async def run_episode(
         max_turns = min(cfg.max_turns, env.max_turns) if env.max_turns else cfg.max_turns
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        obs, info = check_reset(await _timed(call_env(env.reset, seed=seed, options=dict(task)), step_timeout, "reset()"))
+        obs, info = check_reset(await _timed(call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor), step_timeout, "reset()"))
         sample.prompt = obs
         meta["reset_info"] = info
         tools = env.tool_schemas()
@@ -190,7 +193,10 @@ async def run_episode(
         for turn in range(max_turns):
             budget = cfg.rollout_max_response_len
             if context_len is not None:
-                budget = min(budget, context_len - len(ledger))
+                # prompt + output stays below the context length (SGLang refuses a request that reaches it)
+                budget = min(budget, context_len - 1 - len(ledger))
+                if budget < 1:
+                    raise _EndEpisode(Status.TRUNCATED, "context_length")
             try:
                 if ctx.chat is not None:
                     out = await _chat_turn(ctx, convo, tools, budget)
@@ -205,7 +211,7 @@ async def run_episode(
             sample.weight_versions.append(out.weight_version)
             meta["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
-                hit_context = context_len is not None and len(ledger) >= context_len
+                hit_context = context_len is not None and len(ledger) >= context_len - 1
                 raise _EndEpisode(Status.TRUNCATED, "context_length" if hit_context else "response_length")
             text, last_token_text = _turn_text(ctx, out)
             if out.message is not None and out.message.get("tool_calls"):
@@ -219,7 +225,7 @@ async def run_episode(
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
-            obs, reward, terminated, truncated, info = check_step(await _timed(call_env(env.step, action), step_timeout, "step()"))
+            obs, reward, terminated, truncated, info = check_step(await _timed(call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()"))
             meta["turn_rewards"].append(reward)
             meta["env_infos"].append(info)
             if terminated:
@@ -243,6 +249,9 @@ async def run_episode(
         status, reason = end.status, end.reason
         if end.error:
             meta["error"] = end.error
+    except EnvContractError as exc:  # reset()/step() returned the wrong shapes
+        status, reason = Status.FAILED, "env_contract"
+        meta["error"] = str(exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # an SDK bug or a parser/template surprise: fail the sample, keep the run
@@ -250,7 +259,7 @@ async def run_episode(
         meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         if env is not None:
-            await _close_env(env, meta, cfg.env_step_timeout)
+            await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
         release = getattr(ctx.engine, "release", None) if ctx.engine is not None else None
         if release is not None:
             release(key)
@@ -268,9 +277,9 @@ def _construct(factory: Callable[[], Env]) -> Env:
     return env
 
 
-async def _close_env(env: Env, meta: dict[str, Any], timeout: float) -> None:
+async def _close_env(env: Env, meta: dict[str, Any], timeout: float, executor: Executor | None) -> None:
     try:
-        await _within(call_env(env.close), timeout)
+        await _within(call_env(env.close, _executor=executor), timeout)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # a failing close is reported, not fatal: the episode's data is kept

@@ -15,10 +15,13 @@ run's flags plus ``engine`` (an :class:`~agentrl.engines.base.Engine`), ``tokeni
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
@@ -27,6 +30,8 @@ from agentrl.env import Env
 from agentrl.rollout.episode import EpisodeContext, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward
 from agentrl.types import Sample, Status
+
+log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
 
@@ -75,6 +80,7 @@ class RolloutSummary:
     response_tokens: int = 0
     sampled_tokens: int = 0
     seconds: float = 0.0
+    sink_errors: int = 0
 
     def add(self, s: Sample) -> None:
         self.samples += 1
@@ -97,6 +103,7 @@ class RolloutSummary:
             "sampled_tokens": self.sampled_tokens,
             "seconds": round(self.seconds, 3),
             "sampled_tokens_per_s": self.sampled_tokens / self.seconds if self.seconds > 0 else 0.0,
+            "sink_errors": self.sink_errors,
         }
 
 
@@ -140,6 +147,16 @@ async def generate_rollout(
     cfg = ctx.config
     if env_factory is None and custom_generate is None:
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
+    if ctx.engine is not None and ctx.chat is None:
+        # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
+        limit = await ctx.engine.context_length()
+        if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):
+            cfg = dataclasses.replace(cfg, rollout_max_context_len=limit)
+            ctx = dataclasses.replace(ctx, config=cfg)
+    own_pool = None
+    if ctx.executor is None:
+        own_pool = ThreadPoolExecutor(max_workers=cfg.rollout_concurrency + 4, thread_name_prefix="agentrl-env")
+        ctx = dataclasses.replace(ctx, executor=own_pool)
     sem = asyncio.Semaphore(cfg.rollout_concurrency)
     summary = RolloutSummary()
     t0 = time.monotonic()
@@ -156,7 +173,11 @@ async def generate_rollout(
                 sample = await apply_custom_reward(custom_reward, args, sample)
         summary.add(sample)
         if on_sample is not None:
-            on_sample(sample)
+            try:
+                on_sample(sample)
+            except Exception as exc:  # a sink that cannot take one sample must not stop the others
+                summary.sink_errors += 1
+                log.error("could not record sample %s: %s: %s", sample.index, type(exc).__name__, exc)
         return sample
 
     jobs = []
@@ -164,7 +185,11 @@ async def generate_rollout(
     for g, task in enumerate(tasks):
         for j in range(n):
             jobs.append(one(task, g, g * n + j))
-    samples = list(await asyncio.gather(*jobs))
+    try:
+        samples = list(await asyncio.gather(*jobs))
+    finally:
+        if own_pool is not None:
+            own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its thread
     summary.seconds = time.monotonic() - t0
     samples.sort(key=lambda s: (s.index if s.index is not None else 0))
     return samples, summary

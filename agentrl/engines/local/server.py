@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from agentrl.chat import ChatTemplate
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
@@ -64,6 +65,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     app = FastAPI(title="agentrl embedded engine")
     name = model_name or engine.model_path
     tok = engine.tokenizer
+    chat_template = ChatTemplate(tok)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError):
@@ -163,7 +165,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        ids = _render_chat(tok, messages, body.get("tools"), body.get("chat_template_kwargs") or {})
+        ids = _render_chat(tok, chat_template, messages, body.get("tools"), body.get("chat_template_kwargs") or {})
         sp = _openai_sampling(body, default_max=None)
         want_lp = bool(body.get("logprobs"))
         out = await engine.generate(ids, sp, return_logprob=want_lp)
@@ -253,7 +255,9 @@ def _openai_sampling(body: dict, default_max: int | None) -> dict:
     return sp
 
 
-def _render_chat(tok: Any, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
+def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
+    """Render with the model's template, or agentrl's built-in tool template when tools are offered
+    and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
     msgs = []
     for m in messages:
         m = dict(m)
@@ -261,7 +265,8 @@ def _render_chat(tok: Any, messages: list[dict], tools: Any, kwargs: dict) -> li
             m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
         msgs.append(m)
     try:
-        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tok.apply_chat_template(msgs, tools=tools, chat_template=chat.template_for(tools), add_generation_prompt=True,
+                                       tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
         raise InvalidRequestError(f"chat template failed: {exc}") from exc
     return tok.encode(text, add_special_tokens=False)
