@@ -273,11 +273,17 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
         ) as progress:
             bar = progress.add_task("rollout", total=total, reward=0.0)
 
+            every = max(1, total // 10)
+
             def on_sample(s) -> None:
                 out.write(s.to_json() + "\n")
                 out.flush()
                 rewards.append(float(s.reward or 0.0) if not isinstance(s.reward, dict) else 0.0)
                 progress.update(bar, advance=1, reward=sum(rewards) / len(rewards))
+                if progress.disable and (len(rewards) % every == 0 or len(rewards) == total):
+                    # no terminal (CI, nohup): a plain line every 10%
+                    print(f"rollout {len(rewards)}/{total} samples, reward mean {sum(rewards) / len(rewards):.3f}",
+                          file=sys.stderr, flush=True)
 
             _, summary = await generate_rollout(ctx, factory, tasks, args=args, custom_generate=custom_generate,
                                                 custom_reward=custom_rm, on_sample=on_sample)

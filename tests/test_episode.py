@@ -394,3 +394,25 @@ async def test_chat_mode_shows_tools_to_a_model_whose_template_ignores_them(tiny
     expected = ChatTemplate(tiny_tokenizer).prompt([{"role": "user", "content": "hi"}], tools)[1]
     assert body["usage"]["prompt_tokens"] == len(expected)
     assert "<tools>" in ChatTemplate(tiny_tokenizer).decode(expected)
+
+
+async def test_abort_request_aborts_the_sample(tmp_path, tiny_tokenizer):
+    """POST /abort_request while a turn is generating: that sample ends ``aborted`` (engine_abort)."""
+    import aiohttp
+
+    from agentrl.engines.local.process import local_server
+    from agentrl.tiny import build_model
+
+    ckpt = build_model(tmp_path / "long", mean_turn_tokens=100000.0)  # practically never ends a turn by itself
+    with local_server(ckpt, log_path=tmp_path / "e.log") as url:
+        ctx = _ctx(url, tiny_tokenizer, rollout_max_response_len=3000)
+        rollout = asyncio.create_task(generate_rollout(ctx, TalkEnv, [{"prompt": "x"}]))
+        await asyncio.sleep(1.0)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+        samples, summary = await rollout
+        await ctx.engine.close()
+    s = samples[0]
+    assert s.status == Status.ABORTED and s.metadata["status_reason"] == "engine_abort", s.metadata
+    s.validate()
