@@ -168,6 +168,15 @@ class ChatTemplate:
             head.append(messages[0])
         return head + [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
 
+    def delta_context(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> tuple[list[Message], str, str]:
+        """The stand-in history, its rendering and the assistant tail for a conversation.
+
+        The same for every turn of an episode (and cached across episodes with the same tools and
+        system message): the episode loop computes it once and passes it to
+        :meth:`observation_delta` as ``context``.
+        """
+        return self._stand_in_render(tools, first_messages)
+
     def _stand_in_render(self, tools: Sequence[dict] | None, first_messages: Sequence[Message]) -> tuple[list[Message], str, str]:
         """The stand-in history, its rendering and the assistant tail (cached: they are the same every turn)."""
         key = json.dumps([tools or [], list(first_messages[:1])], sort_keys=True, default=str)
@@ -191,6 +200,7 @@ class ChatTemplate:
         *,
         last_token_text: str | None,
         first_messages: Sequence[Message] = (),
+        context: tuple[list[Message], str, str] | None = None,
     ) -> str:
         """Template text to append after an assistant turn so the conversation continues with ``messages``.
 
@@ -198,9 +208,10 @@ class ChatTemplate:
         ended on a stop string or the token is not an end-of-turn token): the part of the
         assistant tail the model already wrote is not written again.
         ``first_messages`` is the conversation's first observation (its system message shapes
-        the template's header in some templates).
+        the template's header in some templates); ``context`` is :meth:`delta_context` for them,
+        when the caller already has it.
         """
-        stand_in, r0, tail = self._stand_in_render(tools, first_messages)
+        stand_in, r0, tail = context or self._stand_in_render(tools, first_messages)
         r1 = self.render(stand_in + list(messages), tools, add_generation_prompt=True)
         if not r1.startswith(r0):
             raise TemplateError(

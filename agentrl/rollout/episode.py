@@ -18,6 +18,7 @@ Faults never escape: an env that raises, times out or breaks its contract ends t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import re
 import time
@@ -37,6 +38,8 @@ from agentrl.types import Action, Message, Sample, Status
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _PARSER_ID = re.compile(r"call_\d+")
+_RUN_KEY = uuid.uuid4().hex[:12]
+_EPISODE_COUNTER = itertools.count()
 
 
 class EnvContractError(TypeError):
@@ -161,7 +164,7 @@ async def run_episode(
     """Run one episode of a fresh env on ``task``; always returns a :class:`Sample`, never raises."""
     cfg = ctx.config
     t0 = time.monotonic()
-    key = uuid.uuid4().hex
+    key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
     meta: dict[str, Any] = {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
     sample.metadata = meta
@@ -182,6 +185,7 @@ async def run_episode(
         tools = env.tool_schemas()
         try:
             _, prompt_ids = ctx.template.prompt(obs, tools)
+            delta_context = ctx.template.delta_context(tools, obs)
         except TemplateError as exc:
             raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
         ledger = TokenLedger(prompt_ids)
@@ -237,7 +241,7 @@ async def run_episode(
             if turn == max_turns - 1:
                 break
             try:
-                delta = ctx.template.observation_delta(obs, tools, last_token_text=last_token_text, first_messages=sample.prompt)
+                delta = ctx.template.observation_delta(obs, tools, last_token_text=last_token_text, context=delta_context)
             except TemplateError as exc:
                 raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
             convo.extend(obs)
