@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import agentrl
+from agentrl.env import load_function
 from agentrl.parsing import get_parser
 
 
-@agentrl.tool
-async def add(a: float, b: float) -> str:
-    """Add two numbers.
-
-    Args:
-        a: first addend
-        b: second addend
-    """
-    return str(a + b)
+# The example's tool, used as a user would write it.
+add = load_function(str(Path(__file__).resolve().parent.parent / "examples/arithmetic/env.py") + ":add")
 
 
 @agentrl.tool(timeout=0.05)
