@@ -85,7 +85,7 @@ def main() -> None:
         ratios = []
         for r in range(a.rounds):
             t_sdk, calls = asyncio.run(sdk_run(url, template, a.episodes, a.concurrency, a.turns))
-            t_floor, _ = asyncio.run(replay(url, calls, a.concurrency))
+            t_floor, _, _ = asyncio.run(replay(url, calls, a.concurrency))
             ratios.append(t_floor / t_sdk)
             n_req = sum(len(c) for c in calls.values())
             print(f"round {r}: SDK {a.episodes / t_sdk:.1f} episodes/s ({n_req} requests in {t_sdk:.2f}s); "

@@ -50,23 +50,28 @@ class RecordingEngine(Engine):
         return await self.inner.health()
 
 
-async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tuple[float, int]:
-    """Replay ``calls`` against ``url`` (episodes concurrent, calls in order); return (seconds, differing outputs)."""
+async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tuple[float, int, int]:
+    """Replay ``calls`` against ``url`` (episodes concurrent, calls in order).
+
+    Returns (seconds, outputs that differed from the recording, output tokens generated).
+    """
     engine = SGLangEngine(url)
     sem = asyncio.Semaphore(concurrency)
-    differing = 0
+    differing = tokens = 0
 
     async def episode(seq: list[Call]) -> None:
-        nonlocal differing
+        nonlocal differing, tokens
         async with sem:
             for c in seq:
                 payload = {"input_ids": c.input_ids, "sampling_params": c.sampling, "return_logprob": True}
                 async with engine.session.post(url + "/generate", json=payload) as resp:
                     body = await resp.json()
-                differing += GenerateOutput.from_sglang(body).output_ids != c.output_ids
+                out_ids = GenerateOutput.from_sglang(body).output_ids
+                differing += out_ids != c.output_ids
+                tokens += len(out_ids)
 
     t = time.perf_counter()
     await asyncio.gather(*(episode(s) for s in calls.values()))
     dt = time.perf_counter() - t
     await engine.close()
-    return dt, differing
+    return dt, differing, tokens
