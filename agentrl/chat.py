@@ -175,10 +175,6 @@ class ChatTemplate:
         system message): the episode loop computes it once and passes it to
         :meth:`observation_delta` as ``context``.
         """
-        return self._stand_in_render(tools, first_messages)
-
-    def _stand_in_render(self, tools: Sequence[dict] | None, first_messages: Sequence[Message]) -> tuple[list[Message], str, str]:
-        """The stand-in history, its rendering and the assistant tail (cached: they are the same every turn)."""
         key = json.dumps([tools or [], list(first_messages[:1])], sort_keys=True, default=str)
         if key not in self._tail_cache:
             stand_in = self._stand_in(first_messages)
@@ -191,7 +187,7 @@ class ChatTemplate:
 
     def assistant_tail(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> str:
         """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
-        return self._stand_in_render(tools, first_messages)[2]
+        return self.delta_context(tools, first_messages)[2]
 
     def observation_delta(
         self,
@@ -211,7 +207,7 @@ class ChatTemplate:
         the template's header in some templates); ``context`` is :meth:`delta_context` for them,
         when the caller already has it.
         """
-        stand_in, r0, tail = context or self._stand_in_render(tools, first_messages)
+        stand_in, r0, tail = context or self.delta_context(tools, first_messages)
         r1 = self.render(stand_in + list(messages), tools, add_generation_prompt=True)
         if not r1.startswith(r0):
             raise TemplateError(
