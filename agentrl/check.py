@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from agentrl.env import Env, call_env
-from agentrl.parsing import get_parser
+from agentrl.parsing import Llama3JsonParser, get_parser
 from agentrl.rollout.episode import EnvContractError, check_reset, check_step
 from agentrl.types import Action
 
@@ -80,8 +80,12 @@ def _wrong_value(schema: dict[str, Any]) -> Any:
 
 
 def _call_writer(parser_name: str) -> Callable[[str, Any], str]:
-    """How a model writes one tool call in the env's wire format."""
-    if parser_name.replace("-", "_").lower() == "llama3_json":
+    """How a model writes one tool call in the env's wire format (Hermes for unknown names: ``_play`` reports those)."""
+    try:
+        parser = get_parser(parser_name)
+    except ValueError:
+        parser = None
+    if isinstance(parser, Llama3JsonParser):
         return lambda name, arguments: json.dumps({"name": name, "parameters": arguments})
     return lambda name, arguments: f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
@@ -208,6 +212,9 @@ async def check_env(
         return report
     try:
         plays = [(ti, task, name, text) for ti, task in enumerate(tasks) for name, text in scenarios(probe, task, rng)]
+    except Exception as exc:  # e.g. a tool whose ``parameters`` is not a JSON-schema object
+        report.results.append(CheckResult("build scenarios from the env's tools", False, f"{type(exc).__name__}: {exc}"))
+        plays = []
     finally:
         try:
             await _guarded("close()", probe.close, timeout=step_timeout, block_threshold=block_threshold)

@@ -93,3 +93,18 @@ async def test_non_hermes_envs_get_their_tools_exercised_and_bad_factories_are_r
 
     r = await check_env(flaky_factory, Calculator.tasks(1))
     assert not r.ok and all("out of sandboxes" in v.detail for v in r.violations)
+
+
+class BrokenToolSchema(agentrl.ToolEnv):
+    class _T(agentrl.Tool):
+        name, description, parameters = "t", "a tool with a broken schema", "not a schema"
+
+        async def __call__(self, **arguments):
+            return "x"
+
+    tools = [_T()]
+
+
+async def test_broken_tool_schema_is_reported_not_raised():
+    r = await check_env(BrokenToolSchema, [])
+    assert not r.ok and r.violations[0].scenario == "build scenarios from the env's tools"
