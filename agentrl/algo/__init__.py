@@ -1,0 +1,1 @@
+"""Policy-gradient math: advantage estimators and loss terms, as pure tensor functions."""

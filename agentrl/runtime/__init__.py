@@ -1,0 +1,1 @@
+"""Ray runtime: actor groups, engines, weight sync, the train loop, data buffer, checkpoints."""

@@ -1,0 +1,1 @@
+"""Trainer backends: the contract (base.py), token-budget packing (batching.py), the torch backend."""

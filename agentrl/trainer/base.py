@@ -1,0 +1,74 @@
+"""The trainer contract: what the train loop sends to a backend and what it gets back.
+
+A backend (``torch`` here, ``megatron`` at scale) receives plain per-sample records, never the
+rollout's ``Sample`` objects: the loop has already dropped what must not be trained on (failed,
+aborted, not token-exact) and attached per-token advantages. Everything is per *response* token
+(``len == response_length``), the same indexing as ``Sample.loss_mask``.
+
+The loop drives a step in two calls so the algorithm lives in one place (``agentrl.algo``) with
+all the information it needs: ``compute_log_probs`` (old policy and reference log-probs, which
+some estimators and the KL/TIS terms need), then ``train_step`` with advantages attached.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class TrainSample:
+    """One trainable episode: ``tokens`` = prompt ids + response ids.
+
+    ``loss_mask`` (1 = sampled by the policy) and ``advantages`` cover the response only.
+    ``rollout_log_probs`` are the engine's (for TIS); ``old_log_probs``/``ref_log_probs`` are
+    filled by :meth:`Trainer.compute_log_probs` when needed.
+    """
+
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    advantages: list[float] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    old_log_probs: list[float] | None = None
+    ref_log_probs: list[float] | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+
+@dataclass
+class LogProbs:
+    """Per-sample, per-response-token log-probs under the current (``old``) and reference policy."""
+
+    old: list[list[float]]
+    ref: list[list[float]] | None = None
+
+
+class Trainer(abc.ABC):
+    """A policy-training backend. One instance per rank; the runtime wraps it in a Ray actor."""
+
+    @abc.abstractmethod
+    def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
+        """Log-probs of every response token under the current weights (and the reference model)."""
+
+    @abc.abstractmethod
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Run ``num_steps_per_rollout`` optimizer steps over ``samples``; return metrics."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights in Hugging Face names, for weight sync and checkpoints."""
+
+    @abc.abstractmethod
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write a HF checkpoint (config, tokenizer, safetensors) plus optimizer/RNG state."""
+
+    @abc.abstractmethod
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
