@@ -1,0 +1,303 @@
+"""Advantage estimators: per-sample rewards in, per-response-token advantages out.
+
+Every function here is pure (no state, no config object) and works on the rollout as a whole,
+because group baselines and whitening need every sample. Shapes: ``N`` samples, sample ``i`` has
+``L_i`` response tokens; ``loss_masks[i]`` is 1 where the policy sampled the token and 0 where the
+environment or the chat template wrote it.
+
+Groups are the ``n_samples_per_prompt`` samples of one prompt (``Sample.group_index``). They are
+always formed by id, never by position: the rollout may finish (and hand back) samples in any order.
+
+Estimators (``--advantage-estimator``):
+
+* ``grpo``   A_i = (r_i - mean_g) / (std_g + eps); ``--disable-grpo-std-normalization`` gives
+  Dr.GRPO, A_i = r_i - mean_g.
+* ``gspo``   the same advantages as ``grpo``; GSPO differs only in the *loss* (a sequence-level
+  importance ratio, see :func:`agentrl.algo.loss.gspo_loss`).
+* ``rloo``   A_i = r_i - mean of the other samples of the group.
+* ``reinforce_plus_plus_baseline``  r_i - mean_g broadcast to tokens, whitened over the batch.
+* ``reinforce_plus_plus``  discounted token-level returns (KL-shaped), whitened over the batch.
+
+``--per-turn-credit`` (grpo/gspo only) replaces the one reward per episode by one return per
+assistant turn: see :func:`per_turn_grpo`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from agentrl.config import ADVANTAGE_ESTIMATORS
+
+Rewards = Tensor | Sequence[float]
+
+
+# ---------------------------------------------------------------------------------------------
+# Group statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_stats(values: Tensor, group_ids: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample group mean, unbiased group std and group size, grouped by id.
+
+    values: [N]. Returns three [N] tensors (each sample gets its own group's statistics).
+    std_g = sqrt(sum_{j in g} (r_j - mean_g)^2 / (n_g - 1)), i.e. ``torch.std``'s default
+    (Bessel-corrected), the same as slime; it is NaN for n_g = 1, which callers map to 0.
+    """
+    if len(group_ids) != values.numel():
+        raise ValueError(f"{len(group_ids)} group ids for {values.numel()} rewards")
+    if any(g is None for g in group_ids):
+        raise ValueError("every sample needs a group id (Sample.group_index is None)")
+    ids = torch.as_tensor(list(group_ids), dtype=torch.long, device=values.device)
+    _, inv = torch.unique(ids, return_inverse=True)             # [N] in 0..G-1
+    num_groups = int(inv.max()) + 1 if inv.numel() else 0
+    count = values.new_zeros(num_groups).index_add_(0, inv, torch.ones_like(values))   # [G]
+    mean = values.new_zeros(num_groups).index_add_(0, inv, values) / count             # [G]
+    sq_dev = (values - mean[inv]) ** 2                                                 # [N]
+    var = values.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)        # [G]
+    return mean[inv], var.sqrt()[inv], count[inv]
+
+
+def _as_rewards(rewards: Rewards) -> Tensor:
+    return torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)     # [N]
+
+
+def _as_masks(loss_masks: Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
+    return [torch.as_tensor(m, dtype=torch.float32).reshape(-1) for m in loss_masks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence-level estimators: one scalar per sample
+# ---------------------------------------------------------------------------------------------
+
+
+def grpo(rewards: Rewards, group_ids: Sequence[int], *, std_normalize: bool = True,
+         eps: float = 1e-6) -> Tensor:
+    """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps).
+
+    ``std_g`` is the unbiased (n-1) group std, as ``torch.std`` and slime compute it. With
+    ``std_normalize=False`` this is Dr.GRPO (Liu et al. 2025): A_i = r_i - mean_g. A group of
+    one sample has no baseline to compare against: its advantage is 0. GSPO uses these same
+    advantages (its difference is the sequence-level ratio in the loss).
+
+    rewards: [N] -> [N]
+    """
+    r = _as_rewards(rewards)
+    mean, std, count = _group_stats(r, group_ids)
+    adv = r - mean
+    if std_normalize:
+        adv = adv / (std.nan_to_num(0.0) + eps)
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def rloo(rewards: Rewards, group_ids: Sequence[int]) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - (1/(n-1)) sum_{j != i} r_j = n/(n-1) (r_i - mean_g).
+
+    The leave-one-out baseline makes the estimator unbiased. Singleton groups get 0.
+    rewards: [N] -> [N]
+    """
+    r = _as_rewards(rewards)
+    mean, _, count = _group_stats(r, group_ids)
+    adv = count / (count - 1).clamp_min(1) * (r - mean)
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level estimators (REINFORCE++)
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_whiten(values: Sequence[Tensor], masks: Sequence[Tensor], eps: float = 1e-8) -> list[Tensor]:
+    """Whiten over every masked token of the batch: x' = (x - mu) / sqrt(var + eps), then x' *= mask.
+
+    mu and var (population, 1/n) are taken over the tokens with mask 1 of *all* samples together,
+    so a long sample weighs more than a short one (slime's ``distributed_masked_whiten``).
+    values[i], masks[i]: [L_i]
+    """
+    masks = _as_masks(masks)
+    flat_v = torch.cat([v.float() for v in values]) if values else torch.zeros(0)   # [sum L_i]
+    flat_m = torch.cat(masks) if masks else torch.zeros(0)                           # [sum L_i]
+    n = flat_m.sum()
+    if n == 0:
+        return [torch.zeros_like(m) for m in masks]
+    mu = (flat_v * flat_m).sum() / n
+    var = (((flat_v - mu) ** 2) * flat_m).sum() / n
+    inv_std = torch.rsqrt(var + eps)
+    return [(v.float() - mu) * inv_std * m for v, m in zip(values, masks)]
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Returns-to-go over the masked tokens only: G_t = r_t + gamma * G_{t'}, t' = next masked token.
+
+    Tokens the environment wrote (mask 0) are skipped, so gamma discounts per *policy* token and
+    an observation in between does not shrink the return; they get G = 0.
+    token_rewards, mask: [L] -> [L]
+    """
+    out = torch.zeros(token_rewards.shape, dtype=torch.float32)                 # [L]
+    idx = mask.nonzero(as_tuple=True)[0]                                        # [K] masked positions
+    rewards_k = token_rewards[idx].tolist()
+    returns_k, running = [0.0] * len(rewards_k), 0.0
+    for k in range(len(rewards_k) - 1, -1, -1):
+        running = rewards_k[k] + gamma * running
+        returns_k[k] = running
+    out[idx] = torch.tensor(returns_k, dtype=torch.float32)
+    return out
+
+
+def reinforce_plus_plus(rewards: Rewards, loss_masks: Sequence[Tensor], *,
+                        kl: Sequence[Tensor] | None = None, kl_coef: float = 0.0,
+                        gamma: float = 1.0, eps: float = 1e-8) -> list[Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262), as slime's ``get_reinforce_plus_plus_returns``.
+
+    1. token rewards  r_t = -kl_coef * kl_t on every masked token, plus the scalar reward r_i
+       on the *last* masked token (kl_t = per-token KL to the reference, e.g. k1 = logp - ref);
+    2. returns        G_t = sum_{k >= t, masked} gamma^(#masked tokens from t to k) r_k
+       (:func:`discounted_returns`; slime also steps over mask-0 tokens, which only differs in
+       multi-turn samples with gamma < 1);
+    3. advantages     A = whiten(G) over all masked tokens of the batch (:func:`masked_whiten`).
+
+    A sample with no masked token gets all zeros. rewards: [N]; loss_masks[i], kl[i]: [L_i].
+    """
+    r = _as_rewards(rewards)
+    masks = _as_masks(loss_masks)
+    returns = []
+    for i, m in enumerate(masks):
+        tok = torch.zeros_like(m) if kl is None else -kl_coef * kl[i].detach().float() * m  # [L_i]
+        idx = m.nonzero(as_tuple=True)[0]
+        if idx.numel():
+            tok[idx[-1]] += r[i]
+        returns.append(discounted_returns(tok, m, gamma))
+    return masked_whiten(returns, masks, eps)
+
+
+def reinforce_plus_plus_baseline(rewards: Rewards, group_ids: Sequence[int],
+                                 loss_masks: Sequence[Tensor], eps: float = 1e-8, *,
+                                 kl: Sequence[Tensor] | None = None,
+                                 kl_coef: float = 0.0) -> list[Tensor]:
+    """REINFORCE++-baseline: A_t = whiten(r_i - mean_g - kl_coef * kl_t) over the batch's masked tokens.
+
+    The group mean is the baseline (no std division); the scalar is broadcast to every response
+    token, an optional per-token KL penalty is subtracted (slime does the same), and the result is
+    whitened over all masked tokens of the batch. Singleton groups have r_i - mean_g = 0.
+    rewards: [N]; loss_masks[i], kl[i]: [L_i].
+    """
+    r = _as_rewards(rewards)
+    mean, _, _ = _group_stats(r, group_ids)
+    masks = _as_masks(loss_masks)
+    raw = []
+    for i, m in enumerate(masks):
+        a = torch.full_like(m, float(r[i] - mean[i]))                          # [L_i]
+        if kl is not None:
+            a = a - kl_coef * kl[i].detach().float()
+        raw.append(a)
+    return masked_whiten(raw, masks, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-turn credit assignment (multi-turn episodes)
+# ---------------------------------------------------------------------------------------------
+
+
+def per_turn_returns(turn_rewards: Sequence[float], gamma: float = 1.0) -> list[float]:
+    """Per-turn returns-to-go of one episode: G_t = sum_{k >= t} gamma^(k - t) r_k.
+
+    ``turn_rewards[t]`` is the environment reward of step t (answer to assistant turn t).
+    """
+    out, running = [0.0] * len(turn_rewards), 0.0
+    for t in range(len(turn_rewards) - 1, -1, -1):
+        running = float(turn_rewards[t]) + gamma * running
+        out[t] = running
+    return out
+
+
+def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
+                  turn_spans: Sequence[Sequence[tuple[int, int]]],
+                  group_ids: Sequence[int], loss_masks: Sequence[Tensor], *,
+                  gamma: float = 1.0, std_normalize: bool = True, eps: float = 1e-6) -> list[Tensor]:
+    """GRPO with one return per assistant turn instead of one reward per episode.
+
+    For sample i with turn returns G_{i,t} (:func:`per_turn_returns`), the tokens of turn t
+    (``turn_spans[i][t] = (start, end)``, half-open offsets into the response) get
+
+        A_{i,t} = (G_{i,t} - mean_g) / (std_g + eps)      (or G_{i,t} - mean_g without std)
+
+    where mean_g and std_g (unbiased) pool *every turn return of every sample in the group*,
+    each turn counted once whatever its length. Tokens outside every turn span and mask-0 tokens
+    get 0. A group of one sample (or with fewer than two turns in all) gets 0, as in :func:`grpo`:
+    turns of a single episode alone are no baseline.
+    Returns a list of [L_i] tensors.
+    """
+    masks = _as_masks(loss_masks)
+    n = len(masks)
+    if not (len(turn_rewards) == len(turn_spans) == len(group_ids) == n):
+        raise ValueError("turn_rewards, turn_spans, group_ids and loss_masks must have one entry per sample")
+    returns = [per_turn_returns(tr, gamma) for tr in turn_rewards]
+    pools: dict[int, list[float]] = {}
+    for gid, g in zip(group_ids, returns):
+        pools.setdefault(gid, []).extend(g)
+    group_size = Counter(group_ids)
+
+    out = []
+    for i, m in enumerate(masks):
+        adv = torch.zeros_like(m)                                               # [L_i]
+        pool = torch.tensor(pools[group_ids[i]], dtype=torch.float32)
+        if len(turn_spans[i]) != len(returns[i]):
+            raise ValueError(f"sample {i}: {len(turn_spans[i])} turn spans for {len(returns[i])} turn rewards")
+        if group_size[group_ids[i]] > 1 and pool.numel() > 1:
+            mean, std = pool.mean(), pool.std()
+            for (start, end), g in zip(turn_spans[i], returns[i]):
+                if not 0 <= start <= end <= m.numel():
+                    raise ValueError(f"sample {i}: turn span ({start}, {end}) outside 0..{m.numel()}")
+                a = g - mean
+                adv[start:end] = a / (std + eps) if std_normalize else a
+        out.append(adv * m)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(estimator: str, *, rewards: Rewards, group_ids: Sequence[int],
+                       loss_masks: Sequence[Tensor],
+                       turn_rewards: Sequence[Sequence[float]] | None = None,
+                       turn_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+                       kl: Sequence[Tensor] | None = None, gamma: float = 1.0, kl_coef: float = 0.0,
+                       std_normalize: bool = True, per_turn: bool = False) -> list[Tensor]:
+    """Per-token advantages of every sample for ``--advantage-estimator``: a list of [L_i] tensors.
+
+    Sequence-level estimators (grpo, gspo, rloo) are broadcast over the response; every result is
+    multiplied by the loss mask, so tokens the policy did not sample have advantage 0.
+    ``per_turn`` (``--per-turn-credit``) needs grpo/gspo plus ``turn_rewards`` and ``turn_spans``.
+    ``kl`` (per-token KL to the reference) is only used by the REINFORCE++ estimators.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown --advantage-estimator {estimator!r}; "
+                         f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    masks = _as_masks(loss_masks)
+    if len(masks) != _as_rewards(rewards).numel():
+        raise ValueError(f"{len(masks)} loss masks for {_as_rewards(rewards).numel()} rewards")
+    if kl_coef and kl is None and estimator.startswith("reinforce_plus_plus"):
+        raise ValueError("--kl-coef > 0 needs per-token KL (reference log-probs) for REINFORCE++")
+    if per_turn:
+        if estimator not in ("grpo", "gspo"):
+            raise ValueError("--per-turn-credit works only with --advantage-estimator grpo or gspo, "
+                             f"not {estimator!r}")
+        if turn_rewards is None or turn_spans is None:
+            raise ValueError("--per-turn-credit needs turn_rewards and turn_spans for every sample")
+        return per_turn_grpo(turn_rewards, turn_spans, group_ids, masks,
+                             gamma=gamma, std_normalize=std_normalize)
+
+    if estimator in ("grpo", "gspo"):
+        seq = grpo(rewards, group_ids, std_normalize=std_normalize)              # [N]
+    elif estimator == "rloo":
+        seq = rloo(rewards, group_ids)                                           # [N]
+    elif estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus(rewards, masks, kl=kl, kl_coef=kl_coef, gamma=gamma)
+    else:  # reinforce_plus_plus_baseline
+        return reinforce_plus_plus_baseline(rewards, group_ids, masks, kl=kl, kl_coef=kl_coef)
+    return [seq[i] * m for i, m in enumerate(masks)]

@@ -1,0 +1,195 @@
+"""Policy-loss terms over the response tokens of one packed micro-batch.
+
+Every tensor is FLAT and 1-D over the micro-batch's response tokens (``T`` of them, samples laid
+end to end, no padding): ``logp`` (current policy, with grad), ``old_logp`` (the policy that the
+advantages were computed for), ``ref_logp`` (reference model), ``rollout_logp`` (what the inference
+engine reported), ``advantages``, ``mask`` (float, 1 = policy-sampled token) and ``seq_ids``
+(LongTensor, which sample of the micro-batch each token belongs to, 0..S-1). A sample must lie
+whole in one micro-batch.
+
+Normalization. One optimizer step accumulates gradients over several micro-batches, so
+:func:`aggregate` divides by *global* counts (``num_tokens`` masked tokens, ``num_seqs`` samples of
+the whole step): summing the per-micro-batch losses then gives exactly the whole-batch loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from agentrl.config import TrainConfig
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: float,
+                  eps_clip_high: float) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate with asymmetric bounds (DAPO's clip-higher).
+
+        ratio_t = exp(logp_t - old_logp_t)
+        loss_t  = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_clip, 1 + eps_clip_high) * A_t)
+
+    ``clipped_t`` is True where the clipped branch is the one taken (and differs), i.e. where the
+    token's gradient is zero because the ratio has left the trust region in A's direction.
+    All inputs [T] -> (loss [T], clipped [T] bool).
+    """
+    ratio = torch.exp(logp - old_logp.detach())                                 # [T]
+    adv = advantages.detach()
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * adv
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _per_seq_sum(values: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+    """values [T] -> [S]: sum of each sequence's values."""
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
+
+
+def gspo_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+    """GSPO's token-level view of the sequence ratio (Zheng et al. 2025, "GSPO-token").
+
+        s_i     = exp( (1/|y_i|) sum_{t in y_i} (logp_t - old_logp_t) )     (masked tokens only)
+        s_{i,t} = sg[s_i] * exp(logp_t - sg[logp_t])
+
+    Its value is s_i on every token of sequence i; its gradient is s_i * grad logp_t, so the
+    per-sequence mean of s_{i,t} A_i has the same gradient as s_i A_i.
+    [T] -> [T]
+    """
+    mask = mask.to(logp.dtype)
+    delta = (logp - old_logp.detach()).detach() * mask                         # [T]
+    n_tok = _per_seq_sum(mask, seq_ids, num_seqs).clamp_min(1.0)                # [S]
+    seq_log_ratio = _per_seq_sum(delta, seq_ids, num_seqs) / n_tok              # [S]
+    return torch.exp(seq_log_ratio[seq_ids] + logp - logp.detach())             # [T]
+
+
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, seq_ids: Tensor,
+              num_seqs: int, eps_clip: float, eps_clip_high: float) -> tuple[Tensor, Tensor]:
+    """GSPO: the PPO clip applied to the sequence-level ratio s_i (:func:`gspo_ratio`).
+
+        loss_t = -min(s_{i,t} A_t, clip(s_{i,t}, 1 - eps_clip, 1 + eps_clip_high) A_t)
+
+    Clipping is decided per sequence (every token of a sequence shares s_i). Advantages are
+    GRPO's (one per sequence). ``num_seqs`` = number of sequences S in this micro-batch.
+    [T] -> (loss [T], clipped [T] bool)
+    """
+    ratio = gspo_ratio(logp, old_logp, mask, seq_ids, num_seqs)                  # [T]
+    adv = advantages.detach()
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * adv
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token KL(pi || pi_ref) estimators (Schulman, "Approximating KL divergence"), as slime.
+
+        k1 = logp - ref                               (unbiased, can be negative)
+        k2 = 0.5 * (logp - ref)^2                     (biased, low variance, >= 0)
+        k3 = exp(ref - logp) - (ref - logp) - 1       (unbiased, low variance, >= 0)
+
+    [T] -> [T]
+    """
+    log_ratio = logp.float() - ref_logp.detach().float()                        # [T]
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio ** 2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown --kl-loss-type {kind!r}; choose k1, k2 or k3")
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Entropy of softmax(logits) per row: H = -sum_v p_v log p_v, p = softmax(z).
+
+    Computed from ``log_softmax`` (stable for any logit scale) in float32, ``chunk_size`` rows at a
+    time so a bf16 [T, V] batch never has a full float32 [T, V] copy alive at once during the
+    forward. Vocabulary entries at -inf (p = 0) contribute 0.
+    logits [T, V] -> [T] float32
+    """
+    out = []
+    for chunk in logits.split(chunk_size, dim=0):
+        logp = F.log_softmax(chunk.float(), dim=-1)                            # [t, V]
+        p = logp.exp()
+        logp = logp.masked_fill(p == 0, 0.0)                                    # 0 * -inf -> 0
+        out.append(-(p * logp).sum(dim=-1))                                     # [t]
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
+def tis_weights(old_logp: Tensor, rollout_logp: Tensor, threshold: float) -> Tensor:
+    """Truncated importance sampling (slime's ``--use-tis``): w_t = min(exp(old_t - rollout_t), C).
+
+    Corrects for the inference engine sampling from a slightly different distribution than the
+    trainer computes (kernels, precision). Detached: a weight, not a gradient path. [T] -> [T]
+    """
+    return torch.exp(old_logp.detach() - rollout_logp.detach()).clamp(max=threshold)
+
+
+def aggregate(values: Tensor, mask: Tensor, seq_ids: Tensor, *, per_token: bool,
+              num_tokens: float, num_seqs: float) -> Tensor:
+    """Reduce per-token values [T] to a scalar with global normalization.
+
+    per_token=True  (``--calculate-per-token-loss``): sum_t m_t v_t / num_tokens, where num_tokens
+                    is the masked-token count of the whole step (all micro-batches).
+    per_token=False (sample mean):  sum_i [ sum_{t in i} m_t v_t / sum_{t in i} m_t ] / num_seqs,
+                    num_seqs = sample count of the whole step; a sample with no masked token adds 0.
+    Summing this over the micro-batches of a step gives the whole-batch value.
+    """
+    mask = mask.to(values.dtype)
+    if per_token:
+        return (values * mask).sum() / max(float(num_tokens), 1.0)
+    if values.numel() == 0:
+        return values.sum()
+    s = int(seq_ids.max()) + 1
+    seq_sum = _per_seq_sum(values * mask, seq_ids, s)                          # [S]
+    seq_cnt = _per_seq_sum(mask, seq_ids, s).clamp_min(1.0)                    # [S]
+    return (seq_sum / seq_cnt).sum() / max(float(num_seqs), 1.0)
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, seq_ids: Tensor,
+                cfg: TrainConfig, *, num_tokens: float, num_seqs: float,
+                ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
+                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch loss to ``backward()``:
+
+        loss = agg(w_t * pg_t) + kl_loss_coef * agg(kl_t) - entropy_coef * agg(H_t)
+
+    pg_t is :func:`gspo_loss` when ``--advantage-estimator gspo``, else :func:`ppo_clip_loss`;
+    w_t the TIS weight when ``--use-tis`` (else 1); kl_t is ``--kl-loss-type`` when ``--use-kl-loss``;
+    H_t the entropy (only when ``entropy`` is given). ``agg`` is :func:`aggregate` with
+    ``--calculate-per-token-loss``. Metrics (pg_loss, kl, entropy, clipfrac, ratio_mean) use the
+    same normalization, so the trainer sums them over micro-batches.
+    """
+    agg = lambda v: aggregate(v, mask, seq_ids, per_token=cfg.calculate_per_token_loss,  # noqa: E731
+                              num_tokens=num_tokens, num_seqs=num_seqs)
+    if cfg.advantage_estimator == "gspo":
+        s = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        pg, clipped = gspo_loss(logp, old_logp, advantages, mask, seq_ids, s, cfg.eps_clip, cfg.clip_high)
+        ratio = gspo_ratio(logp, old_logp, mask, seq_ids, s).detach()
+    else:
+        pg, clipped = ppo_clip_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
+        ratio = torch.exp(logp - old_logp).detach()
+    if cfg.use_tis:
+        if rollout_logp is None:
+            raise ValueError("--use-tis needs the engine's rollout log-probs")
+        pg = pg * tis_weights(old_logp, rollout_logp, cfg.tis_threshold)
+    pg_loss = agg(pg)
+    loss = pg_loss
+
+    kl_val = torch.zeros(())
+    if cfg.use_kl_loss:
+        if ref_logp is None:
+            raise ValueError("--use-kl-loss needs reference log-probs")
+        kl_val = agg(kl_penalty(logp, ref_logp, cfg.kl_loss_type))
+        loss = loss + cfg.kl_loss_coef * kl_val
+    ent_val = torch.zeros(())
+    if entropy is not None:
+        ent_val = agg(entropy)
+        loss = loss - cfg.entropy_coef * ent_val
+
+    metrics = {
+        "pg_loss": float(pg_loss.detach()),
+        "kl": float(kl_val.detach()),
+        "entropy": float(ent_val.detach()),
+        "clipfrac": float(agg(clipped.float())),
+        "ratio_mean": float(agg(ratio)),
+    }
+    return loss, metrics

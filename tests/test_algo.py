@@ -1,0 +1,395 @@
+"""Regression tests for agentrl.algo on hand-computed numbers (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.algo.advantages import (
+    compute_advantages,
+    discounted_returns,
+    grpo,
+    masked_whiten,
+    per_turn_grpo,
+    per_turn_returns,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    rloo,
+)
+from agentrl.algo.loss import (
+    aggregate,
+    entropy_from_logits,
+    gspo_loss,
+    kl_penalty,
+    policy_loss,
+    ppo_clip_loss,
+    tis_weights,
+)
+from agentrl.config import TrainConfig
+
+T = torch.tensor
+
+
+def close(a, b, tol: float = 1e-5) -> bool:
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
+                          atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO / Dr.GRPO / RLOO
+# ---------------------------------------------------------------------------------------------
+
+
+def test_grpo_unbiased_std():
+    # one group, r = [1, 0, 0, 1]: mean 0.5, deviations ±0.5,
+    # unbiased std = sqrt(4 * 0.25 / (4 - 1)) = sqrt(1/3) = 0.57735
+    # A = ±0.5 / sqrt(1/3) = ±sqrt(3)/2 = ±0.866025 (eps 1e-6 is below the tolerance)
+    a = grpo(T([1.0, 0, 0, 1]), [0, 0, 0, 0])
+    s = math.sqrt(3) / 2
+    assert close(a, [s, -s, -s, s])
+
+
+def test_dr_grpo_no_std():
+    # Dr.GRPO: A = r - mean = [0.5, -0.5, -0.5, 0.5]
+    assert close(grpo(T([1.0, 0, 0, 1]), [0, 0, 0, 0], std_normalize=False), [0.5, -0.5, -0.5, 0.5])
+
+
+def test_grpo_groups_by_id_not_position():
+    # ids [7, 3, 7, 3]: group 7 = r [1, 0] (mean .5, std sqrt(.5/1) = .7071) -> A = [.7071, -.7071]
+    #                   group 3 = r [0, 2] (mean 1,  std sqrt(2/1) = 1.4142) -> A = [-.7071, .7071]
+    r, ids = [1.0, 0.0, 0.0, 2.0], [7, 3, 7, 3]
+    h = math.sqrt(0.5)
+    assert close(grpo(T(r), ids), [h, -h, -h, h])
+    assert close(grpo(T(r), ids, std_normalize=False), [0.5, -1.0, -0.5, 1.0])
+    # shuffled order: each sample keeps its own advantage
+    perm = [2, 0, 3, 1]
+    shuffled = grpo(T([r[i] for i in perm]), [ids[i] for i in perm])
+    assert close(shuffled, [[h, -h, -h, h][i] for i in perm])
+
+
+def test_grpo_singleton_and_constant_groups():
+    # id 5 is alone -> 0 (no NaN from the n-1 std); group 0 all equal -> 0 / (0 + eps) = 0
+    a = grpo(T([1.0, 1.0, 1.0]), [0, 0, 5])
+    assert close(a, [0.0, 0.0, 0.0]) and not torch.isnan(a).any()
+    assert close(grpo(T([3.0]), [1], std_normalize=False), [0.0])
+
+
+def test_rloo():
+    # r = [1, 0, 0, 1]: A_0 = 1 - (0+0+1)/3 = 2/3, A_1 = 0 - (1+0+1)/3 = -2/3
+    # (= n/(n-1) * (r - mean) = 4/3 * ±0.5); a singleton (id 9) gets 0
+    a = rloo(T([0.0, 1.0, 0.0, 0.0, 1.0]), [9, 1, 1, 1, 1])
+    assert close(a, [0.0, 2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # shuffled ids still group correctly: [1, 9, 1, 1, 1]
+    assert close(rloo(T([1.0, 0.0, 0.0, 0.0, 1.0]), [1, 9, 1, 1, 1]), [2 / 3, 0.0, -2 / 3, -2 / 3, 2 / 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# REINFORCE++ and REINFORCE++-baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def test_discounted_returns_skip_masked_tokens():
+    # masked positions 0 and 2; rewards there [0, 2], gamma .5:
+    # G_2 = 2, G_0 = 0 + .5 * 2 = 1 (the mask-0 token 1 is not a discount step), G_1 = 0
+    assert close(discounted_returns(T([0.0, 5.0, 2.0]), T([1.0, 0, 1]), 0.5), [1.0, 0.0, 2.0])
+
+
+def test_masked_whiten():
+    # masked values [1, 3] (the 100 is masked out): mean 2, population var 1 -> [-1, 0(masked), 1]
+    out = masked_whiten([T([1.0, 100.0]), T([3.0])], [T([1.0, 0]), T([1.0])])
+    assert close(out[0], [-1.0, 0.0]) and close(out[1], [1.0])
+
+
+def test_reinforce_plus_plus():
+    # sample 0: mask [1,1,1], reward 1 on the last token, gamma .5 -> G = [.25, .5, 1]
+    # sample 1: mask [1,0,1], reward 2 on token 2 -> G_2 = 2, G_0 = .5 * 2 = 1, token 1 -> 0
+    # masked G pooled: [.25, .5, 1, 1, 2]: mean .95; squared deviations .49 .2025 .0025 .0025 1.1025
+    # sum 1.8, var 1.8/5 = .36, std .6 -> A = (G - .95) / .6
+    a = reinforce_plus_plus(T([1.0, 2.0]), [T([1.0, 1, 1]), T([1.0, 0, 1])], gamma=0.5)
+    assert close(a[0], [-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6])
+    assert close(a[1], [0.05 / 0.6, 0.0, 1.05 / 0.6])
+
+
+def test_reinforce_plus_plus_kl_shaping():
+    # kl_coef .5, kl [1, 0, 2], reward 1, gamma 1:
+    # token rewards = [-.5, 0, -1 + 1] = [-.5, 0, 0] -> G = [-.5, 0, 0]
+    # mean -1/6, deviations [-1/3, 1/6, 1/6], var = (1/9 + 1/36 + 1/36)/3 = 1/18
+    # A = dev / sqrt(1/18) = [-sqrt(2), 1/sqrt(2), 1/sqrt(2)]
+    a = reinforce_plus_plus(T([1.0]), [T([1.0, 1, 1])], kl=[T([1.0, 0, 2])], kl_coef=0.5, gamma=1.0)
+    r2 = math.sqrt(2)
+    assert close(a[0], [-r2, 1 / r2, 1 / r2])
+
+
+def test_reinforce_plus_plus_baseline():
+    # one group r = [1, 0, 0, 1] -> r - mean = ±.5 broadcast; masked tokens:
+    # .5 .5 | -.5 -.5 | -.5 | .5 -> mean 0, var .25, std .5 -> ±1; mask-0 tokens -> 0
+    masks = [T([1.0, 1]), T([1.0, 1, 0]), T([1.0]), T([0.0, 1])]
+    a = reinforce_plus_plus_baseline(T([1.0, 0, 0, 1]), [4, 4, 4, 4], masks)
+    assert close(a[0], [1, 1]) and close(a[1], [-1, -1, 0]) and close(a[2], [-1]) and close(a[3], [0, 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-turn credit
+# ---------------------------------------------------------------------------------------------
+
+
+def test_per_turn_returns():
+    # G_2 = 3; G_1 = 0 + .5 * 3 = 1.5; G_0 = 1 + .5 * 1.5 = 1.75
+    assert per_turn_returns([1.0, 0.0, 3.0], 0.5) == [1.75, 1.5, 3.0]
+
+
+def _per_turn_example():
+    # sample a (group 0): response of 7 tokens = turn0 [0,2) | observation [2,4) (mask 0) |
+    #   turn1 [4,6) | token 6 (mask 1, but in no turn span -> 0); turn rewards [0, 1]
+    # sample c (group 1): alone in its group -> all 0
+    # sample b (group 0): 3 tokens = turn0 [0,3), token 2 has mask 0; turn rewards [.5]
+    turn_rewards = [[0.0, 1.0], [2.0], [0.5]]
+    turn_spans = [[(0, 2), (4, 6)], [(0, 2)], [(0, 3)]]
+    group_ids = [0, 1, 0]
+    masks = [T([1.0, 1, 0, 0, 1, 1, 1]), T([1.0, 1]), T([1.0, 1, 0])]
+    return turn_rewards, turn_spans, group_ids, masks
+
+
+def test_per_turn_grpo_hand_computed():
+    tr, spans, ids, masks = _per_turn_example()
+    # gamma .5: a: G_1 = 1, G_0 = 0 + .5 * 1 = .5;  b: G_0 = .5
+    # pool of group 0 = [.5, 1, .5]: mean 2/3
+    # no std: a turn0 = .5 - 2/3 = -1/6, a turn1 = 1 - 2/3 = 1/3, b turn0 = -1/6
+    a = per_turn_grpo(tr, spans, ids, masks, gamma=0.5, std_normalize=False)
+    x, y = -1 / 6, 1 / 3
+    assert close(a[0], [x, x, 0, 0, y, y, 0])
+    assert close(a[1], [0, 0])
+    assert close(a[2], [x, x, 0])
+    # with std: unbiased var = ((-1/6)^2 + (1/3)^2 + (-1/6)^2) / 2 = (6/36) / 2 = 1/12
+    # std = 0.288675 -> -1/6 / std = -0.57735, 1/3 / std = 1.154701
+    a = per_turn_grpo(tr, spans, ids, masks, gamma=0.5, std_normalize=True)
+    x, y = -1 / 6 / math.sqrt(1 / 12), 1 / 3 / math.sqrt(1 / 12)
+    assert close(a[0], [x, x, 0, 0, y, y, 0]) and close(a[2], [x, x, 0]) and close(a[1], [0, 0])
+    # same thing through the entry point
+    b = compute_advantages("gspo", rewards=[1.0, 2.0, 0.5], group_ids=ids, loss_masks=masks, turn_rewards=tr,
+                           turn_spans=spans, gamma=0.5, per_turn=True)
+    assert all(close(u, v) for u, v in zip(a, b))
+
+
+def test_per_turn_grpo_bad_spans():
+    tr, spans, ids, masks = _per_turn_example()
+    with pytest.raises(ValueError):
+        per_turn_grpo(tr, [[(0, 2)], [(0, 2)], [(0, 3)]], ids, masks)       # 1 span for 2 rewards
+    with pytest.raises(ValueError):
+        per_turn_grpo(tr, [[(0, 2), (4, 9)], [(0, 2)], [(0, 3)]], ids, masks)  # past the response
+
+
+# ---------------------------------------------------------------------------------------------
+# compute_advantages
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_compute_advantages_masked_tokens_zero(estimator):
+    torch.manual_seed(5)
+    masks = [T([0.0, 1, 1, 0]), T([1.0, 0, 1]), T([1.0, 1]), T([0.0, 1])]
+    out = compute_advantages(estimator, rewards=T([1.0, 0, 0, 1]), group_ids=[1, 1, 2, 2], loss_masks=masks,
+                             kl=[torch.rand(len(m)) for m in masks], kl_coef=0.1, gamma=0.9)
+    assert [len(a) for a in out] == [4, 3, 2, 2]
+    for a, m in zip(out, masks):
+        assert torch.all(a[m == 0] == 0)
+        assert torch.all(a[m == 1] != 0)
+
+
+def test_compute_advantages_broadcast_grpo():
+    # group [1, 0]: std sqrt(.5) -> A = ±.7071, broadcast over each sample's masked tokens
+    out = compute_advantages("grpo", rewards=[1.0, 0.0], group_ids=[3, 3], loss_masks=[T([1.0, 0, 1]), T([1.0])])
+    h = math.sqrt(0.5)
+    assert close(out[0], [h, 0, h]) and close(out[1], [-h])
+    out = compute_advantages("grpo", rewards=[1.0, 0.0], group_ids=[3, 3], loss_masks=[T([1.0]), T([1.0])],
+                             std_normalize=False)
+    assert close(out[0], [0.5]) and close(out[1], [-0.5])
+
+
+def test_compute_advantages_errors():
+    kw = dict(rewards=[1.0], group_ids=[0], loss_masks=[T([1.0])])
+    with pytest.raises(ValueError, match="--advantage-estimator"):
+        compute_advantages("ppo", **kw)
+    with pytest.raises(ValueError, match="--per-turn-credit"):
+        compute_advantages("rloo", per_turn=True, turn_rewards=[[1.0]], turn_spans=[[(0, 1)]], **kw)
+    with pytest.raises(ValueError, match="--per-turn-credit"):
+        compute_advantages("grpo", per_turn=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss terms
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ppo_clip_asymmetric_bounds():
+    # eps_clip .2, eps_clip_high .28 -> ratio clipped to [0.8, 1.28]
+    ratio = T([1.5, 1.25, 0.5, 0.5, 1.5])
+    adv = T([1.0, 1.0, -1.0, 1.0, -1.0])
+    loss, clipped = ppo_clip_loss(ratio.log(), torch.zeros(5), adv, 0.2, 0.28)
+    # 1.5, A=+1: min(1.5, 1.28) -> loss -1.28, clipped (above 1 + eps_high)
+    # 1.25, A=+1: inside [0.8, 1.28] (would be clipped by a symmetric .2) -> -1.25, not clipped
+    # 0.5, A=-1: min(-0.5, -0.8) = -0.8 -> loss 0.8, clipped (below 1 - eps)
+    # 0.5, A=+1: min(0.5, 0.8) = 0.5 -> -0.5, not clipped (pessimistic branch)
+    # 1.5, A=-1: min(-1.5, -1.28) = -1.5 -> 1.5, not clipped
+    assert close(loss, [-1.28, -1.25, 0.8, -0.5, 1.5])
+    assert clipped.tolist() == [True, False, True, False, False]
+
+
+def test_gspo_gradient_matches_sequence_formula():
+    torch.manual_seed(0)
+    seq_ids = T([0, 0, 0, 1, 1, 2])
+    mask = T([1.0, 1, 0, 1, 1, 1])
+    old = torch.randn(6) - 1
+    adv = T([1.0, 1, 1, -0.5, -0.5, 2.0])
+    delta = T([0.1, -0.05, 3.0, 0.02, 0.01, 0.6])     # seq 2: s = e^.6 = 1.82 > 1.28 -> clipped
+    logp = (old + delta).requires_grad_(True)
+    loss_t, clipped = gspo_loss(logp, old, adv, mask, seq_ids, 3, 0.2, 0.28)
+    total = aggregate(loss_t, mask, seq_ids, per_token=False, num_tokens=5, num_seqs=3)
+    (g_tok,) = torch.autograd.grad(total, logp)
+
+    # reference: s_i = exp(mean_{masked t in i}(logp - old)) with full autograd,
+    # L = (1/3) sum_i -min(s_i A_i, clip(s_i, .8, 1.28) A_i)
+    x = (old + delta).requires_grad_(True)
+    ref = 0.0
+    for i, idx in enumerate([[0, 1], [3, 4], [5]]):
+        s = torch.exp((x[idx] - old[idx]).mean())
+        a = adv[idx[0]]
+        ref = ref - torch.minimum(s * a, s.clamp(0.8, 1.28) * a) / 3
+    (g_ref,) = torch.autograd.grad(ref, x)
+    assert close(total, ref) and close(g_tok, g_ref)
+    assert g_tok[2] == 0 and g_tok[5] == 0           # masked token; clipped sequence
+    assert clipped.tolist() == [False] * 5 + [True]
+
+
+def test_gspo_equals_ppo_for_one_token_sequences():
+    logp, old, adv = T([-1.0, -2.0, -0.5]), T([-1.2, -1.9, -0.5]), T([1.0, -1.0, 0.5])
+    ids, m = T([0, 1, 2]), torch.ones(3)
+    a, ca = gspo_loss(logp, old, adv, m, ids, 3, 0.2, 0.2)
+    b, cb = ppo_clip_loss(logp, old, adv, 0.2, 0.2)
+    assert close(a, b) and torch.equal(ca, cb)
+
+
+def test_kl_estimators():
+    logp, ref = T([0.0, -1.0]), T([-1.0, 0.0])
+    # log ratio = logp - ref = [1, -1]
+    assert close(kl_penalty(logp, ref, "k1"), [1.0, -1.0])
+    assert close(kl_penalty(logp, ref, "k2"), [0.5, 0.5])                       # .5 * 1^2
+    # k3: ref - logp = [-1, 1] -> e^-1 + 1 - 1 = .367879; e^1 - 1 - 1 = .718282
+    assert close(kl_penalty(logp, ref, "k3"), [math.exp(-1), math.e - 2])
+    torch.manual_seed(1)
+    a, b = torch.randn(1000) * 3, torch.randn(1000) * 3
+    assert (kl_penalty(a, b, "k3") >= 0).all() and (kl_penalty(a, b, "k2") >= 0).all()
+    assert close(kl_penalty(a, a, "k3"), torch.zeros(1000))
+    with pytest.raises(ValueError, match="--kl-loss-type"):
+        kl_penalty(a, b, "k4")
+
+
+def test_tis_truncation():
+    # exp(old - rollout) = [.5, 3, 1] -> min(., 2) = [.5, 2, 1]; detached
+    old = T([math.log(0.5), math.log(3.0), 0.0], requires_grad=True)
+    w = tis_weights(old, torch.zeros(3), 2.0)
+    assert close(w, [0.5, 2.0, 1.0]) and not w.requires_grad
+
+
+def test_entropy_matches_categorical():
+    torch.manual_seed(2)
+    logits = torch.randn(7, 11) * T([[1.0]] * 3 + [[50.0]] * 4)      # include very peaked rows
+    ref = torch.distributions.Categorical(logits=logits).entropy()
+    assert close(entropy_from_logits(logits, chunk_size=3), ref, 1e-4)
+    assert close(entropy_from_logits(torch.zeros(2, 4)), [math.log(4)] * 2)   # uniform: log V
+    # -inf entries (banned tokens) contribute 0 and keep gradients finite
+    z = T([[0.0, 0.0, -float("inf")]], requires_grad=True)
+    h = entropy_from_logits(z)
+    h.sum().backward()
+    assert close(h, [math.log(2)]) and torch.isfinite(z.grad).all()
+
+
+def test_aggregate_hand_computed_and_micro_batches():
+    v = T([1.0, 2, 3, 4, 5, 6])
+    seq = T([0, 0, 0, 1, 1, 2])
+    m = T([1.0, 1, 0, 1, 0, 0])
+    # per-token: (1 + 2 + 4) / 3 masked tokens = 7/3
+    assert close(aggregate(v, m, seq, per_token=True, num_tokens=3, num_seqs=3), 7 / 3)
+    # per-seq: seq0 mean (1+2)/2 = 1.5, seq1 4, seq2 no masked token -> 0; (1.5 + 4 + 0)/3 = 11/6
+    assert close(aggregate(v, m, seq, per_token=False, num_tokens=3, num_seqs=3), 11 / 6)
+
+    # two micro-batches (seq ids re-based per micro-batch) sum to the whole-batch value
+    torch.manual_seed(3)
+    v, m = torch.randn(10), (torch.rand(10) > 0.3).float()
+    seq = T([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    n_tok, n_seq = float(m.sum()), 4
+    for per_token in (True, False):
+        whole = aggregate(v, m, seq, per_token=per_token, num_tokens=n_tok, num_seqs=n_seq)
+        parts = (aggregate(v[:5], m[:5], seq[:5], per_token=per_token, num_tokens=n_tok, num_seqs=n_seq)
+                 + aggregate(v[5:], m[5:], seq[5:] - 2, per_token=per_token, num_tokens=n_tok, num_seqs=n_seq))
+        assert close(whole, parts)
+
+
+def test_policy_loss_hand_computed():
+    cfg = TrainConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01,
+                      calculate_per_token_loss=True)
+    old = T([-1.0, -2.0, -3.0])
+    logp = old.clone().requires_grad_(True)                 # ratio 1 everywhere
+    adv, m, seq = T([1.0, 3.0, 5.0]), T([1.0, 1, 0]), T([0, 0, 1])
+    ref = old - T([0.5, 0.1, 9.0])
+    ent = T([1.0, 2.0, 100.0])
+    loss, met = policy_loss(logp, old, adv, m, seq, cfg, num_tokens=2, num_seqs=2, ref_logp=ref, entropy=ent)
+    # pg = -(1 + 3)/2 = -2; kl (k1) = (.5 + .1)/2 = .3; entropy = (1 + 2)/2 = 1.5
+    # loss = -2 + .1 * .3 - .01 * 1.5 = -1.985
+    assert close(loss, -1.985)
+    assert met["pg_loss"] == pytest.approx(-2.0) and met["kl"] == pytest.approx(0.3)
+    assert met["entropy"] == pytest.approx(1.5) and met["clipfrac"] == 0.0 and met["ratio_mean"] == pytest.approx(1.0)
+    # TIS: exp(old - rollout) = [.5, 4 -> 2] -> pg = -(.5 * 1 + 2 * 3)/2 = -3.25
+    cfg2 = TrainConfig(use_tis=True, tis_threshold=2.0, calculate_per_token_loss=True)
+    rollout = old - T([math.log(0.5), math.log(4.0), 0.0])
+    loss, met = policy_loss(logp, old, adv, m, seq, cfg2, num_tokens=2, num_seqs=2, rollout_logp=rollout)
+    assert close(loss, -3.25)
+    with pytest.raises(ValueError, match="--use-tis"):
+        policy_loss(logp, old, adv, m, seq, cfg2, num_tokens=2, num_seqs=2)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_policy_loss_micro_batches_sum(estimator, per_token):
+    torch.manual_seed(4)
+    cfg = TrainConfig(advantage_estimator=estimator, calculate_per_token_loss=per_token, use_kl_loss=True,
+                      kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01, eps_clip=0.1)
+    n = 9
+    logp, old, ref = torch.randn(n) * 0.2 - 1, torch.randn(n) * 0.2 - 1, torch.randn(n) * 0.2 - 1
+    adv, ent, m = torch.randn(n), torch.rand(n), T([1.0, 1, 0, 1, 1, 1, 0, 1, 1])
+    seq = T([0, 0, 0, 1, 1, 2, 2, 2, 3])
+    kw = dict(num_tokens=float(m.sum()), num_seqs=4)
+    whole, mw = policy_loss(logp, old, adv, m, seq, cfg, ref_logp=ref, entropy=ent, **kw)
+    a, ma = policy_loss(logp[:5], old[:5], adv[:5], m[:5], seq[:5], cfg, ref_logp=ref[:5], entropy=ent[:5], **kw)
+    b, mb = policy_loss(logp[5:], old[5:], adv[5:], m[5:], seq[5:] - 2, cfg, ref_logp=ref[5:], entropy=ent[5:], **kw)
+    assert close(whole, a + b)
+    for k in mw:
+        assert mw[k] == pytest.approx(ma[k] + mb[k], abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_grpo_step_moves_log_prob(estimator, sign):
+    # 3-logit toy policy; two samples of one prompt drew tokens 0 and 1.
+    # rewards [1, 0] (or flipped) -> GRPO advantages [+.7071, -.7071] (or flipped)
+    z = torch.zeros(3, requires_grad=True)
+    tokens = T([0, 1])
+    rewards = [1.0, 0.0] if sign > 0 else [0.0, 1.0]
+    adv = compute_advantages(estimator, rewards=rewards, group_ids=[0, 0], loss_masks=[T([1.0]), T([1.0])])
+    cfg = TrainConfig(advantage_estimator=estimator)
+    opt = torch.optim.SGD([z], lr=0.5)
+    before = torch.log_softmax(z, -1)[0].item()
+    logp = torch.log_softmax(z, -1)[tokens]                                     # [2]
+    loss, _ = policy_loss(logp, logp.detach(), torch.cat(adv), torch.ones(2), T([0, 1]), cfg,
+                          num_tokens=2, num_seqs=2)
+    loss.backward()
+    opt.step()
+    after = torch.log_softmax(z, -1)[0].item()
+    assert (after - before) * sign > 1e-3
+
+
+def test_imports():
+    from agentrl.algo.advantages import compute_advantages as ca  # noqa: F401
+    from agentrl.algo.loss import policy_loss as pl  # noqa: F401
