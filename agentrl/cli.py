@@ -1,4 +1,4 @@
-"""The ``agentrl`` command: ``rollout``, ``serve``, ``check-env``.
+"""The ``agentrl`` command: ``train``, ``rollout``, ``serve``, ``check-env``.
 
 Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
 ``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-response-len``,
@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "hermes (default, the built-in tool template's format), qwen, llama3_json, none")
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
+    t = sub.add_parser("train", help="GRPO-family training: rollout on engines, train on Ray actors, sync weights",
+                       description="Flags follow slime's names; --config FILE.yaml|.toml holds the same keys "
+                                   "(flags on the command line win).")
+    t.add_argument("--config", default=None, help="YAML or TOML file of flag values")
+    from agentrl.config import add_config_flags
+
+    add_config_flags(t)
+
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
     c.add_argument("--env", required=True)
     c.add_argument("--prompt-data", default=None)
@@ -108,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-tasks", type=int, default=3)
     c.add_argument("--step-timeout", type=float, default=30.0)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
+    v.add_argument("samples", help="JSONL of Samples (agentrl rollout output or a training rollout dump)")
+    v.add_argument("-o", "--output", default=None, help="HTML file to write (default: SAMPLES with .html)")
+    _add_model_args(v)
+    v.add_argument("--limit", type=int, default=None, help="show only the first N samples")
     return parser
 
 
@@ -117,10 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "rollout":
             return cmd_rollout(args)
+        if args.command == "train":
+            return cmd_train(args, argv)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "check-env":
             return cmd_check_env(args)
+        if args.command == "view":
+            from agentrl.view import cmd_view
+
+            return cmd_view(args)
     except (ValueError, FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -161,6 +181,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _exit_when_stdin_closes()
     serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
           context_length=args.context_length, seed=args.seed, tool_parser=tool_parser)
+    return 0
+
+
+# -- train ----------------------------------------------------------------------------------------
+
+def cmd_train(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from agentrl.config import load_config_file, run_config_from_values
+    from agentrl.runtime.train import train
+
+    values = dict(vars(args))
+    if args.config:
+        file_values = load_config_file(args.config)
+        # flags given on the command line win over the file; a flag left unset is None here
+        values = {**values, **{k: v for k, v in file_values.items() if values.get(k) is None}}
+    cfg = run_config_from_values(values)
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2, default=str))
     return 0
 
 

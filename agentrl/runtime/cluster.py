@@ -1,0 +1,87 @@
+"""Ray: start or join a cluster, and reserve devices for trainer and engine actors.
+
+Locally, ``ray.init()`` starts a private cluster quietly (dashboard off, logs not echoed); with
+``--ray-address`` or ``RAY_ADDRESS`` it joins an existing one. Ray 2.60 enables token
+authentication for new local clusters (the token lands in ``~/.ray/auth_token``); it stays on,
+``RAY_AUTH_MODE=disabled`` turns it off.
+
+Placement: one placement group holds a bundle per trainer rank and per engine. ``--colocate``
+puts each engine in the bundle of a trainer rank (they share the device; the engine releases its
+memory while the trainer works); otherwise engines get bundles of their own
+(``--rollout-num-gpus``, ``--rollout-num-gpus-per-engine``). On a CPU machine a bundle is CPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
+    """Start (or join) Ray once per process; quiet by default."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                              "configure_logging": True, "logging_level": logging.WARNING}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+
+
+@dataclass
+class Placement:
+    """Where each actor goes: ``(placement_group, bundle_index)`` per trainer rank and per engine."""
+
+    trainer: list[tuple[Any, int]]
+    engines: list[tuple[Any, int]]
+    trainer_gpus: float
+    engine_gpus: float
+    trainer_cpus: float
+    engine_cpus: float
+
+
+def plan_placement(cfg: RunConfig) -> Placement:
+    """Reserve bundles for the run and wait until Ray grants them (fails fast with what is missing)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    world = cfg.trainer_world_size
+    gpus_per_trainer = 1.0 if cfg.actor_num_gpus_per_node else 0.0
+    n_engines = len(cfg.engine_url) and 0 or (
+        cfg.rollout_num_gpus // cfg.rollout_num_gpus_per_engine if cfg.rollout_num_gpus else cfg.num_engines)
+    total_cpus = int(ray.available_resources().get("CPU", 1))
+    if gpus_per_trainer:
+        bundles = [{"GPU": 1.0, "CPU": 1.0} for _ in range(world)]
+        engine_gpus = float(cfg.rollout_num_gpus_per_engine)
+        if not cfg.colocate:
+            bundles += [{"GPU": engine_gpus, "CPU": 1.0} for _ in range(n_engines)]
+        t_gpu, e_gpu = (0.5, 0.5) if cfg.colocate else (1.0, engine_gpus)
+    else:
+        # CPU: trainer ranks and engines share the node's cores; bundles only order the actors.
+        cpus = max(1.0, min(1.0, total_cpus / max(world + n_engines, 1)))
+        bundles = [{"CPU": cpus} for _ in range(world + (0 if cfg.colocate else n_engines))]
+        t_gpu = e_gpu = 0.0
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except Exception as exc:
+        raise RuntimeError(f"Ray could not reserve {bundles} (available: {ray.available_resources()}); "
+                           "lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes") from exc
+    trainer = [(pg, i) for i in range(world)]
+    if cfg.colocate:
+        engines = [(pg, i % world) for i in range(n_engines)]
+    else:
+        engines = [(pg, world + i) for i in range(n_engines)]
+    share = bundles[0].get("CPU", 1.0)
+    t_cpu = share / 2 if cfg.colocate else share
+    return Placement(trainer, engines, t_gpu, e_gpu, t_cpu, t_cpu)

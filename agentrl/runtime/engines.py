@@ -1,0 +1,199 @@
+"""Rollout engines for training: embedded engines as Ray actors, or SGLang servers already running.
+
+Either way the generate loop talks HTTP to them through :class:`~agentrl.engines.router.Router`,
+so the code path on a laptop and on a cluster is the same. What differs is how new weights get in:
+
+- embedded engines (:class:`EngineActor`) take the trainer's full weights straight from Ray's
+  object store (:meth:`EngineGroup.push_tensors`): shared memory on one node, no disk;
+- any engine can load a checkpoint folder (``/update_weights_from_disk``);
+- SGLang engines on GPUs receive an NCCL broadcast (``agentrl.runtime.weight_sync``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def tensors_to_numpy(named: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """CPU tensors as numpy arrays, so ``ray.put`` stores them zero-copy in shared memory.
+
+    bfloat16 has no numpy dtype: it travels as its raw int16 bits with a ``(array, "bfloat16")`` tag.
+    """
+    out: dict[str, Any] = {}
+    for name, t in named.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            out[name] = (t.view(torch.int16).numpy(), "bfloat16")
+        else:
+            out[name] = t.numpy()
+    return out
+
+
+def numpy_to_tensors(named: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`tensors_to_numpy` (arrays from the object store are read-only views)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, a in named.items():
+        if isinstance(a, torch.Tensor):
+            out[name] = a
+        elif isinstance(a, tuple):
+            arr, tag = a
+            out[name] = torch.from_numpy(np.array(arr)).view(getattr(torch, tag))
+        else:
+            # from_numpy on a read-only buffer warns; the engine copies into its own params anyway
+            out[name] = torch.from_numpy(np.array(a, copy=False)) if a.flags.writeable else torch.as_tensor(np.array(a))
+    return out
+
+
+class EngineServer:
+    """The embedded engine plus its HTTP server on a loopback port, in one process.
+
+    Ray wraps this class as an actor (:data:`EngineActor`). The server runs uvicorn in a thread
+    with its own event loop; actor methods hop onto that loop to reach the engine.
+    """
+
+    def __init__(self, checkpoint: str, *, host: str = "127.0.0.1", port: int | None = None,
+                 num_threads: int | None = None, tool_call_parser: str | None = "hermes", **engine_kwargs: Any):
+        import uvicorn
+
+        from agentrl.engines.local.engine import LocalEngine
+        from agentrl.engines.local.process import free_port
+        from agentrl.engines.local.server import build_app
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine = LocalEngine(checkpoint, **engine_kwargs)
+        app = build_app(self.engine, tool_parser=_tool_parser(tool_call_parser))
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, name="agentrl-engine-http", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(120) or not self._server.started:
+            raise RuntimeError(f"the embedded engine's HTTP server did not start on {self.url}")
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+
+        async def main() -> None:
+            task = asyncio.create_task(self._server.serve())
+            while not self._server.started and not task.done():
+                await asyncio.sleep(0.02)
+            self._ready.set()
+            await task
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            self._ready.set()
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def get_url(self) -> str:
+        return self.url
+
+    def update_weights_from_tensors(self, named: dict[str, Any], weight_version: str) -> dict:
+        """Load weights handed over by the object store (numpy arrays from :func:`tensors_to_numpy`)."""
+        tensors = numpy_to_tensors(named)
+        return self._call(self.engine.update_weights_from_tensors(tensors, weight_version))
+
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        asyncio.run(self.engine.close())
+
+
+def _tool_parser(name: str | None):
+    if not name or name == "none":
+        return None
+    from agentrl.parsing import get_parser
+
+    parser = get_parser(name)
+
+    def parse(text: str) -> tuple[str, list[dict]]:
+        content, calls, _ = parser.parse(text)
+        return content, [c.to_openai() for c in calls]
+
+    return parse
+
+
+class EngineGroup:
+    """The rollout engines of a run: ``urls`` for the generate loop, and weight updates.
+
+    ``EngineGroup.embedded(...)`` starts ``n`` embedded engines as Ray actors (each one CPU, or
+    ``num_gpus`` GPUs, optionally placed in a placement group's bundles);
+    ``EngineGroup.external(urls)`` wraps SGLang servers someone else runs.
+    """
+
+    def __init__(self, urls: Sequence[str], actors: Sequence[Any] = ()):
+        self.urls = list(urls)
+        self.actors = list(actors)
+
+    @classmethod
+    def embedded(cls, checkpoint: str | Path, n: int = 1, *, num_cpus: float = 1, num_gpus: float = 0,
+                 placement: Sequence[tuple[Any, int]] = (), num_threads: int | None = None,
+                 **engine_kwargs: Any) -> EngineGroup:
+        import ray
+
+        remote = ray.remote(EngineServer)
+        actors = []
+        for i in range(n):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+            if i < len(placement):
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                pg, bundle = placement[i]
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle)
+            if num_gpus:
+                engine_kwargs.setdefault("device", "cuda")
+            actors.append(remote.options(**opts).remote(str(checkpoint), num_threads=num_threads, **engine_kwargs))
+        urls = ray.get([a.get_url.remote() for a in actors])
+        return cls(urls, actors)
+
+    @classmethod
+    def external(cls, urls: Sequence[str]) -> EngineGroup:
+        return cls(urls)
+
+    @property
+    def supports_tensors(self) -> bool:
+        """Whether weights can go through the object store (embedded engines only)."""
+        return bool(self.actors)
+
+    def push_tensors(self, named_ref: Any, weight_version: str) -> None:
+        """Load the weights behind ``named_ref`` (``ray.put(tensors_to_numpy(...))``) into every engine."""
+        import ray
+
+        results = ray.get([a.update_weights_from_tensors.remote(named_ref, weight_version) for a in self.actors])
+        bad = [r for r in results if not r.get("success")]
+        if bad:
+            raise RuntimeError(f"weight update failed on {len(bad)} engine(s): {bad[0].get('message')}")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - best effort; the actor is killed next
+                pass
+            ray.kill(a)
+        self.actors = []

@@ -1,0 +1,286 @@
+"""The train loop: rollout -> advantages -> train step -> weight sync, synchronous or overlapped.
+
+One step (``rollout_id``) of the synchronous loop:
+
+1. draw ``rollout_batch_size`` groups: buffered groups first (if a buffer is configured), then new
+   task rows from the data source, generated with the current weights (``n_samples_per_prompt``
+   episodes each); with dynamic sampling, rejected groups are dropped and more prompts generated;
+2. keep what may be trained on: completed or truncated, token-exact, at least one sampled token,
+   not older than ``--max-staleness`` weight versions; everything else is counted in the metrics;
+3. old/reference log-probs from the trainer when an algorithm term needs them, then per-token
+   advantages (``agentrl.algo.advantages``);
+4. ``train_step`` on the trainer actors; weights go to the engines (version += 1);
+5. metrics line, rollout dump, checkpoint and eval at their intervals.
+
+``--async`` overlaps step 1 of rollout k+1 with steps 3-4 of rollout k (slime's ``train_async.py``):
+the engines keep generating while the trainer works, and take new weights between batches. Each
+sample's oldest ``weight_versions`` entry says how stale it is; stale samples are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from agentrl.algo.advantages import compute_advantages
+from agentrl.config import RunConfig
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.generate import generate_rollout
+from agentrl.runtime import checkpoints
+from agentrl.runtime.data import BufferedSource, Group, staleness
+from agentrl.trainer.base import TrainSample
+from agentrl.types import Sample, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One rollout's groups plus what happened while collecting them."""
+
+    groups: list[Group]
+    seconds: float
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+
+def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
+    """Completed or truncated, token-exact (unless allowed), with at least one sampled token."""
+    return (s.status in (Status.COMPLETED, Status.TRUNCATED) and (s.token_exact or allow_non_token_exact)
+            and s.response_length > 0 and bool(s.loss_mask) and sum(s.loss_mask) > 0
+            and s.rollout_log_probs is not None)
+
+
+class TrainLoop:
+    """Drives a run; every collaborator is passed in so tests can assemble a loop from real parts.
+
+    ``trainers`` is a :class:`~agentrl.runtime.trainer_group.TrainerGroup` (or anything with its
+    methods), ``sync_weights(version)`` pushes the trainer's weights to the engines, ``metrics`` a
+    :class:`~agentrl.metrics.MetricsLogger`, ``source`` a data source (optionally a
+    :class:`~agentrl.runtime.data.BufferedSource`).
+    """
+
+    def __init__(self, cfg: RunConfig, *, ctx: EpisodeContext, env_factory: Any, source: Any, trainers: Any,
+                 sync_weights: Callable[[int], Any], metrics: Any, args: Any = None, custom_generate: Any = None,
+                 custom_reward: Any = None, group_filter: Any = None, evaluator: Callable[[int], Any] | None = None,
+                 engine_memory: Any = None):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.env_factory = env_factory
+        self.source = source
+        self.trainers = trainers
+        self.sync_weights = sync_weights
+        self.metrics = metrics
+        self.args = args
+        self.custom_generate = custom_generate
+        self.custom_reward = custom_reward
+        self.group_filter = group_filter
+        self.evaluator = evaluator
+        self.engine_memory = engine_memory
+        self.version = 0  # number of weight updates the engines have received
+        self.start_step = 0
+        self.run_dir = Path(cfg.save) if cfg.save else None
+
+    # ------------------------------------------------------------------ rollout
+
+    async def collect(self, step: int) -> Batch:
+        """``rollout_batch_size`` groups for ``step`` (see the module docstring)."""
+        cfg, need = self.cfg, self.cfg.rollout_batch_size
+        t0 = time.monotonic()
+        counts = {"dropped_filter": 0, "buffer_reused": 0, "dynamic_rounds": 0}
+        groups: list[Group] = []
+        if isinstance(self.source, BufferedSource):
+            groups = self.source.take_buffered(need, self.version)
+            counts["buffer_reused"] = len(groups)
+        rounds = 0
+        while len(groups) < need:
+            if rounds >= cfg.max_dynamic_sampling_rounds:
+                log.warning("step %d: only %d/%d groups passed the dynamic sampling filter after %d rounds; "
+                            "training on those", step, len(groups), need, rounds)
+                break
+            per_round = cfg.over_sampling_batch_size or need - len(groups)
+            if self.group_filter is None:
+                per_round = need - len(groups)
+            rows = self.source.get_samples(per_round)
+            new = await self._generate(rows, step, rounds)
+            for g in new:
+                if self.group_filter is None or self.group_filter(self.args, g):
+                    groups.append(g)
+                else:
+                    counts["dropped_filter"] += 1
+            rounds += 1
+        counts["dynamic_rounds"] = rounds
+        surplus, groups = groups[need:], groups[:need]
+        if surplus and hasattr(self.source, "add_samples"):
+            self.source.add_samples(surplus)
+        return Batch(groups, time.monotonic() - t0, counts)
+
+    async def _generate(self, rows: list[dict[str, Any]], step: int, round_: int) -> list[Group]:
+        rc = self.ctx.config
+        seed = rc.rollout_seed + 1_000_003 * step + 7_919 * round_
+        ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(rc, rollout_seed=seed))
+        samples, _ = await generate_rollout(ctx, self.env_factory, rows, args=self.args,
+                                            custom_generate=self.custom_generate, custom_reward=self.custom_reward)
+        by_group: dict[int, Group] = {}
+        for s in samples:
+            by_group.setdefault(int(s.group_index or 0), []).append(s)
+        groups = []
+        for g, members in sorted(by_group.items()):
+            for s in members:
+                s.metadata["task"] = rows[g]
+                s.metadata["rollout_id"] = step
+                s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
+            groups.append(members)
+        return groups
+
+    # ------------------------------------------------------------------ train
+
+    def trainable(self, samples: list[Sample], counts: dict[str, int]) -> list[Sample]:
+        keep = []
+        counts.setdefault("dropped_stale", 0)
+        counts.setdefault("dropped_untrainable", 0)
+        for s in samples:
+            if not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
+                counts["dropped_untrainable"] += 1
+            elif staleness([s], self.version) > self.cfg.max_staleness:
+                counts["dropped_stale"] += 1
+            else:
+                keep.append(s)
+        # every optimizer step's global batch must split evenly over the trainer ranks
+        unit = self.cfg.trainer_world_size * self.cfg.train.num_steps_per_rollout
+        counts["dropped_uneven"] = len(keep) % unit
+        if counts["dropped_uneven"]:
+            keep = keep[: len(keep) - counts["dropped_uneven"]]
+        return keep
+
+    def needs_log_probs(self) -> tuple[bool, bool]:
+        """(old, ref): whether this configuration needs them before the update."""
+        t = self.cfg.train
+        ref = t.use_kl_loss or (t.advantage_estimator == "reinforce_plus_plus" and t.kl_coef > 0)
+        old = ref or t.use_tis or t.num_steps_per_rollout > 1
+        return old, ref
+
+    def advantages(self, samples: list[Sample], batch: list[TrainSample]) -> None:
+        """Fill ``advantages`` on ``batch`` (aligned with ``samples``)."""
+        t = self.cfg.train
+        kl = None
+        if batch and batch[0].ref_log_probs is not None and batch[0].old_log_probs is not None:
+            kl = [torch.tensor(b.old_log_probs) - torch.tensor(b.ref_log_probs) for b in batch]
+        per_turn = t.per_turn_credit
+        advs = compute_advantages(
+            t.advantage_estimator,
+            rewards=torch.tensor([float(s.reward or 0.0) for s in samples]),
+            group_ids=[int(s.group_index or 0) for s in samples],
+            loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+            turn_rewards=[list(s.metadata.get("turn_rewards", [])) for s in samples] if per_turn else None,
+            turn_spans=[[tuple(x) for x in s.metadata.get("turn_spans", [])] for s in samples] if per_turn else None,
+            kl=kl, gamma=t.gamma, kl_coef=t.kl_coef, std_normalize=not t.disable_grpo_std_normalization,
+            per_turn=per_turn,
+        )
+        for b, a in zip(batch, advs):
+            b.advantages = [float(x) for x in a]
+
+    async def train(self, samples: list[Sample]) -> tuple[dict[str, float], list[list[float]]]:
+        batch = [TrainSample(tokens=list(s.tokens), response_length=s.response_length, loss_mask=list(s.loss_mask),
+                             rollout_log_probs=list(s.rollout_log_probs)) for s in samples]
+        if not batch:
+            return {}, []
+        need_old, need_ref = self.needs_log_probs()
+        if need_old:
+            lp = await asyncio.to_thread(self.trainers.compute_log_probs, batch, ref=need_ref)
+            for b, old in zip(batch, lp.old):
+                b.old_log_probs = old
+            if lp.ref is not None:
+                for b, ref in zip(batch, lp.ref):
+                    b.ref_log_probs = ref
+        self.advantages(samples, batch)
+        metrics = await asyncio.to_thread(self.trainers.train_step, batch)
+        return metrics, [b.advantages for b in batch]
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Run steps ``start_step .. num_rollout-1``; return the metric lines written."""
+        cfg = self.cfg
+        lines: list[dict[str, Any]] = []
+        pending: asyncio.Task | None = None
+        for step in range(self.start_step, cfg.num_rollout):
+            batch = await pending if pending is not None else await self.collect(step)
+            pending = None
+            if cfg.async_mode and step + 1 < cfg.num_rollout:
+                pending = asyncio.create_task(self.collect(step + 1))  # overlaps this step's training
+            lines.append(await self.step(step, batch))
+        return lines
+
+    async def step(self, step: int, batch: Batch) -> dict[str, Any]:
+        from agentrl.metrics import dump_rollout, step_metrics
+
+        cfg = self.cfg
+        counts = dict(batch.counts)
+        samples = batch.samples
+        keep = self.trainable(samples, counts)
+        t0 = time.monotonic()
+        if self.engine_memory is not None:
+            await self.engine_memory.release()
+        train_metrics, advs = await self.train(keep)
+        train_seconds = time.monotonic() - t0
+        if self.engine_memory is not None:
+            await self.engine_memory.resume()
+        self.version += 1
+        t1 = time.monotonic()
+        if (step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout:
+            await asyncio.to_thread(self.sync_weights, self.version)
+        sync_seconds = time.monotonic() - t1
+        extra = {**counts, "weight_version": self.version, "train_samples": len(keep),
+                 "weight_sync_seconds": sync_seconds, "step_train_seconds": train_seconds}
+        line = step_metrics(samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
+        if self.run_dir is not None and cfg.dump_rollouts:
+            adv_by_id = {id(s): a for s, a in zip(keep, advs)}
+            dump_rollout(self.run_dir, step, samples, [adv_by_id.get(id(s), []) for s in samples])
+        if self.evaluator is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            line.update(await self.evaluator(step))
+        self.metrics.log(step, line)
+        if self.run_dir is not None and cfg.save_interval and ((step + 1) % cfg.save_interval == 0
+                                                              or step + 1 == cfg.num_rollout):
+            await asyncio.to_thread(self.save, step + 1)
+        return line
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, steps_done: int) -> Path:
+        """Write ``iter_<steps_done>`` (model, optimizer, RNG, data cursor) atomically."""
+        assert self.run_dir is not None
+        tmp = checkpoints.begin(self.run_dir, steps_done)
+        state = {"step": steps_done, "weight_version": self.version,
+                 "data": self.source.state_dict() if hasattr(self.source, "state_dict") else None,
+                 "python_random": repr(random.getstate())}
+        self.trainers.save(str(tmp), extra_state={"loop": state})
+        return checkpoints.commit(self.run_dir, steps_done, tmp, state)
+
+    def resume(self, load: str | Path) -> bool:
+        """Restore from the newest checkpoint under ``load``; False if there is none yet."""
+        path = checkpoints.latest_checkpoint(load)
+        if path is None:
+            return False
+        state = checkpoints.read_loop_state(path)
+        self.trainers.load(str(path))
+        if state.get("data") is not None and hasattr(self.source, "load_state_dict"):
+            self.source.load_state_dict(state["data"])
+        self.start_step = int(state["step"])
+        self.version = int(state.get("weight_version", self.start_step))
+        self.sync_weights(self.version)
+        if hasattr(self.metrics, "truncate_after"):
+            self.metrics.truncate_after(self.start_step)
+        log.warning("resumed from %s at step %d", path, self.start_step)
+        return True

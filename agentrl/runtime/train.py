@@ -1,0 +1,229 @@
+"""Assemble a training run from a :class:`~agentrl.config.RunConfig` and run it.
+
+``agentrl train`` calls :func:`train`. The order matters for the promise that a bad run fails
+before any work: the configuration is validated, the env, task files and user functions are
+loaded, and only then are Ray, the engines and the trainer started. The resolved configuration is
+written to ``<save>/config.json`` before the first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The configuration as plain JSON (nested rollout/train sections)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def _tasks(cfg: RunConfig, factory: Any) -> list[dict[str, Any]]:
+    from agentrl.rollout.generate import load_tasks, task_from_row
+
+    rc = cfg.rollout
+    if cfg.prompt_data:
+        return load_tasks(cfg.prompt_data, input_key=rc.input_key, label_key=rc.label_key)
+    source = getattr(factory, "tasks", None)
+    if source is None:
+        raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
+    return [task_from_row(r, input_key=rc.input_key, label_key=rc.label_key, where=f"{cfg.env}.tasks()")
+            for r in source()]
+
+
+def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
+    from agentrl.env import load_function
+    from agentrl.runtime.data import BufferedSource, DataSource, PromptSource
+
+    if cfg.data_source_path:
+        source = load_function(cfg.data_source_path)(args)
+        if not isinstance(source, DataSource):
+            raise TypeError(f"--data-source-path {cfg.data_source_path} must build an object with "
+                            "get_samples(num_samples) and add_samples(samples)")
+    else:
+        source = PromptSource(rows, shuffle=cfg.shuffle_prompts, seed=cfg.train.seed)
+    if cfg.buffer_filter_path or cfg.dynamic_sampling_filter_path or cfg.async_mode:
+        bf = load_function(cfg.buffer_filter_path) if cfg.buffer_filter_path else None
+        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=cfg.max_staleness)
+    return source
+
+
+def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
+    """Run ``cfg`` to the end; return the last metrics line (plus the run folder)."""
+    from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.env import load_env, load_function
+    from agentrl.rollout.generate import load_tasks
+    from agentrl.runtime import checkpoints
+    from agentrl.runtime.data import check_reward_nonzero_std
+
+    cfg.validate()
+    factory = load_env(cfg.env) if cfg.env else None
+    rows = _tasks(cfg, factory) if (factory is not None or cfg.prompt_data) else []
+    eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
+                 for name, path in cfg.eval_prompt_data}
+    custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
+    custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
+    group_filter = None
+    if cfg.dynamic_sampling_filter_path:
+        group_filter = (check_reward_nonzero_std if cfg.dynamic_sampling_filter_path == "default"
+                        else load_function(cfg.dynamic_sampling_filter_path))
+    args = args if args is not None else argparse_namespace(cfg)
+    source = _data_source(cfg, rows, args)
+    resume_from = checkpoints.latest_checkpoint(cfg.load) if cfg.load else None
+    resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
+    ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
+    cfg.hf_checkpoint = str(ckpt)
+    run_dir = Path(cfg.save) if cfg.save else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    with contextlib.ExitStack() as stack:
+        runtime = stack.enter_context(_Runtime(cfg, ckpt))
+        loop = runtime.build_loop(factory=factory, source=source, args=args, custom_generate=custom_generate,
+                                  custom_rm=custom_rm, group_filter=group_filter, eval_sets=eval_sets,
+                                  resume_step=resume_step)
+        if resume_from is not None:
+            loop.resume(resume_from)
+        t0 = time.monotonic()
+        lines = asyncio.run(_run(loop))
+        summary = dict(lines[-1]) if lines else {}
+        summary["wall_seconds"] = round(time.monotonic() - t0, 1)
+        summary["run_dir"] = str(run_dir) if run_dir else None
+        return summary
+
+
+async def _run(loop: Any) -> list[dict[str, Any]]:
+    try:
+        return await loop.run()
+    finally:
+        await loop.ctx.engine.close()
+
+
+def argparse_namespace(cfg: RunConfig) -> Any:
+    """A flat ``args`` object for slime-style user functions (``args.n_samples_per_prompt`` ...)."""
+    import argparse
+
+    flat = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rollout", "train")}
+    flat.update(dataclasses.asdict(cfg.rollout))
+    flat.update(dataclasses.asdict(cfg.train))
+    return argparse.Namespace(**flat)
+
+
+class _Runtime:
+    """Ray, engines and trainer actors for one run; torn down on exit, whatever happened."""
+
+    def __init__(self, cfg: RunConfig, checkpoint: Path):
+        self.cfg = cfg
+        self.checkpoint = checkpoint
+        self.engines: Any = None
+        self.trainers: Any = None
+        self.metrics: Any = None
+
+    def __enter__(self) -> _Runtime:
+        from agentrl.runtime.cluster import init_ray, plan_placement
+        from agentrl.runtime.engines import EngineGroup
+        from agentrl.runtime.trainer_group import TrainerGroup
+
+        cfg = self.cfg
+        init_ray(cfg.ray_address)
+        placement = plan_placement(cfg)
+        print(f"starting {cfg.trainer_world_size} trainer rank(s) and "
+              f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...", file=sys.stderr)
+        if cfg.engine_url:
+            self.engines = EngineGroup.external(cfg.engine_url)
+        else:
+            self.engines = EngineGroup.embedded(
+                self.checkpoint, len(placement.engines), num_cpus=placement.engine_cpus, num_gpus=placement.engine_gpus,
+                placement=placement.engines, max_running_requests=cfg.engine_max_running_requests,
+                seed=cfg.rollout.rollout_seed)
+        self.trainers = TrainerGroup(self.checkpoint, cfg.train, world_size=cfg.trainer_world_size,
+                                     num_cpus=placement.trainer_cpus, num_gpus=placement.trainer_gpus,
+                                     placement_group=placement.trainer[0][0])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        for part in (self.trainers, self.engines):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.shutdown()
+
+    def sync_mode(self) -> str:
+        cfg = self.cfg
+        if cfg.weight_sync != "auto":
+            return cfg.weight_sync
+        return "tensor" if self.engines.supports_tensors else "disk"
+
+    def sync_weights(self, version: int) -> None:
+        """Push the trainer's current weights to every engine as ``str(version)``."""
+        mode = self.sync_mode()
+        if mode == "tensor":
+            self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
+        elif mode == "disk":
+            self.trainers.push_weights_to_disk(self._sync_dir(), self.engines.urls, str(version))
+        else:
+            self.trainers.push_weights_nccl(self.engines.urls, str(version))
+
+    def _sync_dir(self) -> str:
+        base = Path(self.cfg.save) if self.cfg.save else Path.cwd() / ".agentrl"
+        return str(base / "weight_sync")
+
+    def build_loop(self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets,
+                   resume_step) -> Any:
+        from transformers import AutoTokenizer
+
+        from agentrl.chat import ChatTemplate
+        from agentrl.engines.http import SGLangEngine
+        from agentrl.engines.router import Router
+        from agentrl.metrics import MetricsLogger
+        from agentrl.rollout.episode import EpisodeContext
+        from agentrl.runtime.loop import TrainLoop
+
+        cfg = self.cfg
+        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
+        engine = Router([SGLangEngine(u) for u in self.engines.urls])
+        ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
+        args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, self.engines.urls
+        host, _, port = self.engines.urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
+        args.sglang_router_ip, args.sglang_router_port = host, int(port)
+        self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                                     wandb_project=cfg.wandb_project, config=config_dict(cfg),
+                                     total_steps=cfg.num_rollout, resume_step=resume_step)
+        evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
+        return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
+                         sync_weights=self.sync_weights, metrics=self.metrics, args=args,
+                         custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
+                         evaluator=evaluator)
+
+
+def _evaluator(cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_rm: Any, args: Any):
+    from agentrl.rollout.eval import evaluate
+
+    rc = cfg.rollout
+    if cfg.eval_temperature is not None:
+        rc = dataclasses.replace(rc, rollout_temperature=cfg.eval_temperature)
+    eval_ctx = dataclasses.replace(ctx, config=rc)
+
+    async def run(step: int) -> dict[str, float]:
+        results = await evaluate(eval_ctx, factory, eval_sets, n_samples=cfg.n_samples_per_eval_prompt,
+                                 custom_reward=custom_rm, args=args)
+        out: dict[str, float] = {}
+        for name, res in results.items():
+            for k, v in res.items():
+                if isinstance(v, (int, float)):
+                    out[f"eval/{name}/{k}"] = v
+        return out
+
+    return run
