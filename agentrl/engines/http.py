@@ -165,6 +165,81 @@ class SGLangEngine(Engine):
         if status >= 400 or not isinstance(body, dict) or not body.get("success", False):
             raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {str(body)[:300]}")
 
+    # ---- weight sync by broadcast (SGLang's io_struct.py request bodies, same names and defaults)
+
+    async def _post_checked(self, path: str, payload: dict[str, Any], *, once: bool = False) -> Any:
+        """POST ``payload``; raise ``EngineRequestError`` on an HTTP error or ``"success": false``.
+
+        ``once=True`` for requests that join a collective: a retry would join it a second time, so
+        a transport error is raised (as ``EngineError``) instead of retried.
+        """
+        if not once:
+            status, body = await self._post(path, payload)
+        else:
+            try:
+                async with self.session.post(self.url + path, json=payload) as resp:
+                    status, text = resp.status, await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise EngineError(f"{self.url}{path} failed: {exc!r}") from exc
+            try:
+                body = json.loads(text)
+            except ValueError:
+                body = text
+        if status >= 400 or (isinstance(body, dict) and body.get("success") is False):
+            raise EngineRequestError(f"{self.url}{path} failed (HTTP {status}): {str(body)[:500]}")
+        return body
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> None:
+        """``POST /init_weights_update_group``: the engine's GPUs join the trainer's broadcast group.
+
+        Engine GPU ``tp_rank`` becomes rank ``rank_offset + tp_rank`` of ``world_size``; the trainer
+        is rank 0 and must join concurrently (the call returns once every rank has joined).
+        """
+        await self._post_checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, once=True)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None, *,
+                                              abort_all_requests: bool = False) -> None:
+        """``POST /update_weights_from_distributed``: receive one bucket broadcast from rank 0 and load it.
+
+        ``dtypes`` may be ``torch.dtype`` or strings; they are sent as ``"bfloat16"`` etc. (as slime
+        does). The trainer must broadcast the tensors, in this order, while the request is open.
+        """
+        payload: dict[str, Any] = {
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
+            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._post_checked("/update_weights_from_distributed", payload, once=True)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """``POST /destroy_weights_update_group``."""
+        await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """``POST /release_memory_occupation`` (tags from ``weights``, ``kv_cache``, ``cuda_graph``; None = all).
+
+        Colocated training frees the engine's memory for the trainer; SGLang requires that no
+        request is running. The embedded engine frees its KV cache (see ``LocalEngine``).
+        """
+        await self._post_checked("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """``POST /resume_memory_occupation`` (same tags; slime resumes ``weights``, updates them, then ``kv_cache``)."""
+        await self._post_checked("/resume_memory_occupation", {"tags": tags})
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /get_server_info`` (SGLang: the server args, e.g. ``tp_size``)."""
+        async with self.session.get(self.url + "/get_server_info") as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

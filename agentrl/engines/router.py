@@ -8,8 +8,9 @@ when every engine has failed does the caller see :class:`EngineError`.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from agentrl.engines.http import EngineRequestError
@@ -79,6 +80,24 @@ class Router(Engine):
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         for e in self.engines:
             await e.update_weights_from_disk(model_path, weight_version)
+
+    # Weight sync by broadcast: each engine joins the group with its own rank offset, so
+    # ``init_weights_update_group`` is done per engine (``DistributedTransport(router.engines)``);
+    # the calls below go to every engine at once (concurrently: they all take part in one broadcast).
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
+                                              **kwargs: Any) -> None:
+        await asyncio.gather(*(e.update_weights_from_distributed(names, dtypes, shapes, **kwargs)
+                               for e in self.engines))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await asyncio.gather(*(e.destroy_weights_update_group(group_name) for e in self.engines))
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*(e.release_memory_occupation(tags) for e in self.engines))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
 
     async def close(self) -> None:
         for e in self.engines:

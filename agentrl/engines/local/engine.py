@@ -387,7 +387,8 @@ class LocalEngine:
         if "kv_cache" not in (tags or MEMORY_TAGS) or self._kv_released:
             return {"success": True, "freed_bytes": 0, "message": "nothing to release"}
         cache = self.runner.cache
-        freed = sum(b.nbytes for b in cache.k + cache.v) + sum(e.k.nbytes + e.v.nbytes for e in self.store._entries.values())
+        freed = sum(b.nbytes for b in cache.k + cache.v)
+        freed += sum(e.k.nbytes + e.v.nbytes for e in self.store._entries.values())
         n = len(self.store)
         self.store.clear()
         self.runner.cache = self._kv_cache_like(initial_capacity=1)

@@ -2,7 +2,10 @@
 
 Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``. OpenAI-compatible:
+``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``; the trainer's broadcast path
+``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group`` (see ``distributed.py``; gloo on CPU) and colocation's
+``/release_memory_occupation``, ``/resume_memory_occupation``. OpenAI-compatible:
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
 Choices worth knowing:
@@ -32,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from agentrl.chat import ChatTemplate
+from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME, WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
@@ -117,6 +121,8 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
                                                     abort_all_requests=bool(body.get("abort_all_requests")))
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
+    _weight_sync_routes(app, engine)
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         engine.flush_cache()
@@ -190,6 +196,75 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         return resp
 
     return app
+
+
+def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
+    """SGLang's broadcast weight update and memory release endpoints (same bodies and answers)."""
+    groups = WeightUpdateGroups()
+    app.state.weight_update_groups = groups
+
+    def answer(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json_body(request)
+        try:
+            args = (str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                    int(body["world_size"]), str(body.get("group_name", DEFAULT_GROUP_NAME)),
+                    str(body.get("backend", "nccl")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"master_address, master_port, rank_offset and world_size are required: {exc!r}")
+        return answer(*await run_in_thread(groups.init, *args))  # blocks until every rank joined
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json_body(request)
+        group = body.get("group_name", DEFAULT_GROUP_NAME)
+        try:
+            if body.get("load_format") is not None:
+                raise ValueError(f"load_format {body['load_format']!r} is not supported by the embedded engine")
+            meta = check_metadata(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        except ValueError as exc:
+            return answer(False, f"Failed to update parameter online: {exc}")
+        if group not in groups:
+            return answer(False, f"Group {group} not in the engine's groups. "
+                                 "Please call `init_weights_update_group` first.")
+        try:  # receive the whole bucket while the trainer broadcasts it, off the event loop
+            received = await run_in_thread(groups.receive, group, meta)
+        except Exception as exc:  # noqa: BLE001 - a broken group is a failed update
+            return answer(False, f"Failed to update parameter online: {exc}")
+        version = body.get("weight_version")
+        out = await engine.update_weights_from_tensors(
+            dict(received), None if version is None else str(version), partial=True,
+            abort_all_requests=bool(body.get("abort_all_requests")))
+        if not out["success"]:
+            return answer(False, f"Failed to update parameter online: {out['message']} The model is unchanged.")
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return answer(True, message)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await _json_body(request)
+        return answer(*await run_in_thread(groups.destroy, str(body.get("group_name", DEFAULT_GROUP_NAME))))
+
+    async def memory(request: Request, release: bool):
+        body = await _json_body(request) if await request.body() else {}
+        tags = body.get("tags")
+        out = await (engine.release_memory_occupation(tags) if release else engine.resume_memory_occupation(tags))
+        if not out["success"]:
+            return _error(out["message"])
+        return None  # SGLang answers 200 with a null body
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request):
+        return await memory(request, release=True)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request):
+        return await memory(request, release=False)
 
 
 def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
