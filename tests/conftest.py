@@ -34,3 +34,17 @@ def tiny_server(tiny_ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with local_server(tiny_ckpt, log_path=log, extra_args=["--seed", "0"], startup_timeout=120) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray cluster shared by the tests that start actors (started once: ~4 s)."""
+    from agentrl.runtime.cluster import init_ray
+
+    import ray
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -48,6 +48,15 @@ class Placement:
     engine_gpus: float
     trainer_cpus: float
     engine_cpus: float
+    group: Any = None
+
+    def release(self) -> None:
+        """Give the reserved bundles back to Ray (the actors in them must be gone)."""
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
 
 
 def plan_placement(cfg: RunConfig) -> Placement:
@@ -84,4 +93,4 @@ def plan_placement(cfg: RunConfig) -> Placement:
         engines = [(pg, world + i) for i in range(n_engines)]
     share = bundles[0].get("CPU", 1.0)
     t_cpu = share / 2 if cfg.colocate else share
-    return Placement(trainer, engines, t_gpu, e_gpu, t_cpu, t_cpu)
+    return Placement(trainer, engines, t_gpu, e_gpu, t_cpu, t_cpu, pg)

@@ -128,6 +128,7 @@ class _Runtime:
         self.engines: Any = None
         self.trainers: Any = None
         self.metrics: Any = None
+        self.placement: Any = None
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
@@ -136,7 +137,7 @@ class _Runtime:
 
         cfg = self.cfg
         init_ray(cfg.ray_address)
-        placement = plan_placement(cfg)
+        placement = self.placement = plan_placement(cfg)
         print(f"starting {cfg.trainer_world_size} trainer rank(s) and "
               f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...", file=sys.stderr)
         if cfg.engine_url:
@@ -158,6 +159,8 @@ class _Runtime:
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.shutdown()
+        if self.placement is not None:
+            self.placement.release()
 
     def sync_mode(self) -> str:
         cfg = self.cfg
