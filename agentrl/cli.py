@@ -1,4 +1,4 @@
-"""The ``agentrl`` command: ``train``, ``rollout``, ``serve``, ``check-env``.
+"""The ``agentrl`` command: ``train``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``.
 
 Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
 ``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-response-len``,
@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "hermes (default, the built-in tool template's format), qwen, llama3_json, none")
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
+    e = sub.add_parser("eval", help="mean reward and pass@k per eval set, against the embedded engine or any engine URL")
+    _add_rollout_args(e)
+    e.add_argument("--eval-prompt-data", nargs=2, action="append", default=[], metavar=("NAME", "PATH"),
+                   required=True, help="an eval set (repeatable)")
+    e.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    e.add_argument("--success-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
+    e.add_argument("--output", default=None, help="write the results as JSON here")
+
     t = sub.add_parser("train", help="GRPO-family training: rollout on engines, train on Ray actors, sync weights",
                        description="Flags follow slime's names; --config FILE.yaml|.toml holds the same keys "
                                    "(flags on the command line win).")
@@ -131,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "rollout":
             return cmd_rollout(args)
+        if args.command == "eval":
+            return cmd_eval(args)
         if args.command == "train":
             return cmd_train(args, argv)
         if args.command == "serve":
@@ -261,45 +271,98 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls = list(args.engine_url)
-        if not urls:
-            from agentrl.engines.local.process import local_server
-
-            from agentrl.checkpoint import cache_dir
-
-            engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
-            engine_log.parent.mkdir(parents=True, exist_ok=True)
-            print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
-            urls = [stack.enter_context(local_server(
-                ckpt, log_path=engine_log,
-                extra_args=["--max-running-requests", str(args.engine_max_running_requests)]))]
+        urls = _engine_urls(args, ckpt, stack)
         summary = asyncio.run(_rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm))
     print(json.dumps(summary, indent=2))
     return 0
 
 
-async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm) -> dict[str, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitStack) -> list[str]:
+    """``--engine-url`` values, or the URL of an embedded engine started for this command."""
+    urls = list(args.engine_url)
+    if urls:
+        return urls
+    from agentrl.checkpoint import cache_dir
+    from agentrl.engines.local.process import local_server
 
+    engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
+    engine_log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
+    return [stack.enter_context(local_server(
+        ckpt, log_path=engine_log, extra_args=["--max-running-requests", str(args.engine_max_running_requests)]))]
+
+
+# -- eval -------------------------------------------------------------------------------------------
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.env import load_env, load_function
+    from agentrl.rollout.generate import load_tasks
+
+    cfg = _config_from_args(args)
+    if args.n_samples_per_eval_prompt < 1:
+        raise ValueError("--n-samples-per-eval-prompt must be >= 1")
+    if not args.env:
+        raise ValueError("pass --env MODULE:CLASS")
+    factory = load_env(args.env)
+    datasets = {name: load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
+                for name, path in args.eval_prompt_data}
+    custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
+    ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
+    tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
+    with contextlib.ExitStack() as stack:
+        urls = _engine_urls(args, ckpt, stack)
+        results = asyncio.run(_eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm))
+    from agentrl.rollout.eval import format_eval
+
+    print(format_eval(results))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+async def _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm) -> dict[str, Any]:
+    from agentrl.rollout.eval import evaluate
+
+    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
+    try:
+        return await evaluate(ctx, factory, datasets, n_samples=args.n_samples_per_eval_prompt,
+                              success_threshold=args.success_threshold, custom_reward=custom_rm, args=args)
+    finally:
+        for close in closers:
+            await close()
+
+
+async def _context(args, cfg, urls, tokenizer, template_src):
+    """The episode context for ``urls`` (token-exact router, or chat completions with --engine-api chat)."""
     from agentrl.chat import ChatTemplate
     from agentrl.engines.http import ChatCompletionsClient, SGLangEngine, wait_healthy
     from agentrl.engines.router import Router
     from agentrl.rollout.episode import EpisodeContext
-    from agentrl.rollout.generate import generate_rollout
 
     engine = Router([SGLangEngine(u) for u in urls])
+    closers = [engine.close]
     chat = None
     if args.engine_api == "chat":
         chat = ChatCompletionsClient(urls[0], model=args.model, api_key=os.environ.get(args.api_key_env))
+        closers.append(chat.close)
+    else:
+        await wait_healthy(engine, timeout=60)
+    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
+    ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
+    args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
+    host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
+    args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
+    return ctx, closers
+
+
+async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentrl.rollout.generate import generate_rollout
+
+    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
     try:
-        if chat is None:
-            await wait_healthy(engine, timeout=60)
-        template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
-        ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
-        args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
-        # slime's custom generate functions reach the engine through its router address
-        host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
-        args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
         out_path = Path(args.output)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         total = len(tasks) * cfg.n_samples_per_prompt
@@ -328,9 +391,8 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
         result["output"] = str(out_path)
         return result
     finally:
-        await engine.close()
-        if chat is not None:
-            await chat.close()
+        for close in closers:
+            await close()
 
 
 if __name__ == "__main__":

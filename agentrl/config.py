@@ -104,6 +104,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     dtype: str = "auto"
     seed: int = 1234
+    logit_temperature: float = 1.0  # set from --rollout-temperature by the run, not a flag of its own
 
     @property
     def clip_high(self) -> float:
@@ -282,7 +283,7 @@ def add_config_flags(parser: Any) -> None:
 
     for cls in (RunConfig, RolloutConfig, TrainConfig):
         for f in dataclasses.fields(cls):
-            if f.name in ("rollout", "train"):
+            if f.name in ("rollout", "train", "logit_temperature"):
                 continue
             kind, typ = _flag_type(str(f.type))
             names = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, [])]
@@ -337,6 +338,7 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
                 parts[cls][f.name] = [tuple(x) for x in v] if f.name == "eval_prompt_data" else v
     cfg = RunConfig(rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]),
                     **parts[RunConfig])
+    cfg.train.logit_temperature = cfg.rollout.rollout_temperature
     if values.get("num_steps_per_rollout") is None:
         cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
     return cfg

@@ -77,7 +77,7 @@ def plan_placement(cfg: RunConfig) -> Placement:
         t_gpu, e_gpu = (0.5, 0.5) if cfg.colocate else (1.0, engine_gpus)
     else:
         # CPU: trainer ranks and engines share the node's cores; bundles only order the actors.
-        cpus = max(1.0, min(1.0, total_cpus / max(world + n_engines, 1)))
+        cpus = min(1.0, total_cpus / max(world + n_engines, 1))
         bundles = [{"CPU": cpus} for _ in range(world + (0 if cfg.colocate else n_engines))]
         t_gpu = e_gpu = 0.0
     pg = placement_group(bundles, strategy="PACK")

@@ -67,6 +67,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     from agentrl.runtime.data import check_reward_nonzero_std
 
     cfg.validate()
+    cfg.train.logit_temperature = cfg.rollout.rollout_temperature  # trainer log-probs match the engine's
     factory = load_env(cfg.env) if cfg.env else None
     rows = _tasks(cfg, factory) if (factory is not None or cfg.prompt_data) else []
     eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
@@ -173,10 +174,8 @@ class _Runtime:
         mode = self.sync_mode()
         if mode == "tensor":
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
-        elif mode == "disk":
-            self.trainers.push_weights_to_disk(self._sync_dir(), self.engines.urls, str(version))
         else:
-            self.trainers.push_weights_nccl(self.engines.urls, str(version))
+            self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
 
     def _sync_dir(self) -> str:
         base = Path(self.cfg.save) if self.cfg.save else Path.cwd() / ".agentrl"

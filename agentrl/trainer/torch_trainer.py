@@ -1,0 +1,431 @@
+"""The ``torch`` backend: any local Hugging Face causal LM, plain PyTorch, FSDP2 when world > 1.
+
+One :class:`TorchTrainer` per rank. A step is the textbook loop, with three RL-specific details:
+
+* **packing**: micro-batches are rows of whole samples packed to ``max_tokens_per_gpu`` tokens
+  (:mod:`agentrl.trainer.batching`), isolated from each other by restarting ``position_ids``;
+* **logits only where needed**: the LM head runs only at the positions that predict response
+  tokens (``logits_to_keep=positions``), and log-probs are ``z[target] - logsumexp(z)``, so no
+  ``[T, V]`` log-softmax of the prompt is ever built;
+* **global normalization**: :func:`agentrl.algo.loss.policy_loss` divides by the masked-token and
+  sample counts of the WHOLE optimizer step on ALL ranks, so gradient accumulation over micro-batches
+  and ranks gives exactly the single-batch gradient. FSDP averages gradients over ranks; the loss is
+  multiplied by ``world_size`` to turn that average back into the sum the normalization expects.
+
+Sharded ranks must run the same number of forward/backward passes (FSDP's collectives pair up
+across ranks), so a rank with fewer micro-batches than the busiest one runs empty ones.
+
+Precision: the trained weights, gradients and AdamW state are fp32; ``dtype`` (``auto`` = fp32 on
+CPU, bf16 on GPU) is the *compute* dtype, applied with autocast. Pure-bf16 weights would silently
+drop RL-sized updates (lr 1e-6 on a weight of 0.01 is below bf16's resolution). The frozen
+reference model is stored in the compute dtype. Checkpoints hold the fp32 weights, so a resume is
+exact. Dropout is switched off at load: an RL step must see ratio = 1 on its first pass.
+
+Checkpoint layout written by :meth:`TorchTrainer.save` (a loadable HF folder plus state)::
+
+    config.json, generation_config.json, tokenizer files   (copied from the source checkpoint)
+    model.safetensors                                      (full weights, tied copies once)
+    trainer_state.pt      {"step", "world_size", "extra_state"}                (rank 0)
+    optim_rank{r}.pt      {"optimizer": state_dict (local shards), "rng": ...}  (every rank)
+
+Resuming needs the same world size (optimizer shards are per rank).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.algo.loss import entropy_from_logits, policy_loss
+from agentrl.config import TrainConfig
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample
+from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
+_WRITTEN_BY_SAVE = ("config.json", "generation_config.json", "trainer_state.pt")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = fp32 on CPU (bf16 matmuls are >10x slower there), bf16 on an accelerator."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A local HF causal LM with dropout off (see the module docstring) and no KV cache.
+
+    Dropout rates are zeroed in the config BEFORE the model is built: modules copy them at init.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype, local_files_only=True)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.to(device)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (HF names their class in ``_no_split_modules``): FSDP's shard units."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = [block for name, mod in model.named_modules()
+                  if name.endswith("layers") and isinstance(mod, nn.ModuleList) for block in mod]
+    return layers
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank must call it), or the tensor itself."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class TorchTrainer(Trainer):
+    """HF transformers + AdamW (+ FSDP2 when ``world_size > 1``), one instance per rank.
+
+    With ``world_size > 1`` the process group must be initialised (the runtime's
+    :class:`~agentrl.runtime.trainer_group.TrainerGroup` does it), or ``MASTER_ADDR``/``MASTER_PORT``
+    must be set for ``env://`` (torchrun does that); this rank's samples are its shard.
+    """
+
+    def __init__(self, checkpoint_path: str | Path, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
+                 device: str | torch.device | None = None):
+        cfg.validate()
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.checkpoint_path = Path(checkpoint_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(cfg.dtype, self.device)  # compute dtype; trained weights stay fp32
+        torch.manual_seed(cfg.seed + rank)
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", rank=rank, world_size=world_size)
+        self.model = load_causal_lm(self.checkpoint_path, torch.float32, self.device)
+        self.explicit_mask = not _packing_is_isolated(self.model, self.device)
+        if cfg.gradient_checkpointing:
+            _enable_activation_checkpointing(self.model)
+        self.ref_model = None
+        if cfg.use_kl_loss:
+            self.ref_model = load_causal_lm(self.checkpoint_path, self.dtype, self.device).eval()
+            self.ref_model.requires_grad_(False)
+        if world_size > 1:
+            self._shard()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay, eps=1e-8)
+        self.step = 0
+
+    def _shard(self) -> None:
+        """FSDP2: each decoder layer is one all-gather unit, the root holds embeddings and head."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for model in filter(None, (self.model, self.ref_model)):
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _autocast(self):
+        """bf16/fp16 compute over fp32 master weights: a 1e-6 AdamW update vanishes in bf16 weights."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def _logits(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+        """Logits [N, V] at the positions that predict the batch's response tokens."""
+        mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
+        with self._autocast():
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
+                        use_cache=False, logits_to_keep=batch.logit_positions)
+        logits = out.logits[0]
+        # the engine's log-probs are log_softmax(logits / T) (SGLang); train on the same distribution
+        t = self.cfg.logit_temperature
+        return logits if t in (0.0, 1.0) else logits / t
+
+    def _dummy_pass(self, model: nn.Module, *, backward: bool) -> None:
+        """A one-token pass that contributes nothing, so FSDP collectives stay paired across ranks."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with self._autocast():
+            out = model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        if backward:
+            (out.logits.sum() * 0.0).backward()
+
+    def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch | None]:
+        """Packed micro-batches of this rank, padded with ``None`` (empty passes) to the busiest rank's count."""
+        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu)
+        n = len(groups)
+        if self.world_size > 1:
+            t = torch.tensor([n], dtype=torch.long, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            n = int(t.item())
+        batches: list[PackedBatch | None] = [pack_samples(samples, g, need_advantages=train) for g in groups]
+        return batches + [None] * (n - len(groups))
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
+        """Per-response-token log-probs under the current weights (and the reference model when ``ref``).
+
+        ``ref`` needs ``use_kl_loss`` (only then is a reference model loaded).
+        """
+        if ref and self.ref_model is None:
+            raise ValueError("reference log-probs need a reference model: set use_kl_loss=True")
+        self.model.eval()
+        old: list[list[float]] = [[] for _ in samples]
+        refs: list[list[float]] = [[] for _ in samples]
+        models = [(self.model, old)] + ([(self.ref_model, refs)] if ref else [])
+        for batch in self._micro_batches(samples, train=False):
+            for model, out in models:
+                if batch is None:
+                    self._dummy_pass(model, backward=False)
+                    continue
+                b = batch.to(self.device)
+                logp = _target_log_probs(self._logits(model, b), b.targets)
+                for i, values in zip(b.indices, b.split(logp)):
+                    out[i] = values
+        return LogProbs(old=old, ref=refs if ref else None)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps over ``samples`` cut into equal consecutive chunks.
+
+        Normally each chunk holds ``global_batch_size // world_size`` samples (this rank's shard of
+        one global batch). Metrics are step means, global over ranks; ``train_tokens`` counts the
+        masked response tokens trained on, ``tokens_per_s`` every token through the model.
+        """
+        t0 = time.perf_counter()
+        self.model.train()
+        n_steps = self.cfg.num_steps_per_rollout
+        bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
+        sums: dict[str, float] = defaultdict(float)
+        done = 0
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            m = self._optimizer_step(samples[lo:hi])
+            if m is not None:
+                done += 1
+                for k, v in m.items():
+                    sums[k] += v
+        self.model.eval()
+        seconds = time.perf_counter() - t0
+        tokens = self._sum_over_ranks([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
+        metrics = {k: v / max(done, 1) for k, v in sums.items()}
+        metrics.update(lr=self.optimizer.param_groups[0]["lr"], train_tokens=tokens[1], train_seconds=seconds,
+                       tokens_per_s=tokens[0] / max(seconds, 1e-9), steps=float(done))
+        return metrics
+
+    def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
+        """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
+        num_tokens, num_seqs = self._sum_over_ranks([sum(sum(s.loss_mask) for s in samples), len(samples)])
+        if num_seqs == 0:
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        for batch in self._micro_batches(samples, train=True):
+            if batch is None:
+                self._dummy_pass(self.model, backward=True)
+                continue
+            loss, metrics = self._micro_batch_loss(batch.to(self.device), num_tokens, num_seqs)
+            (loss * self.world_size).backward()
+            sums["loss"] += float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] += v
+        grad_norm = self._clip_grad()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        keys = self._metric_names(sums)
+        totals = self._sum_over_ranks([sums[k] for k in keys])  # each rank's share is globally normalized
+        return dict(zip(keys, totals), grad_norm=grad_norm)
+
+    def _micro_batch_loss(self, b: PackedBatch, num_tokens: float, num_seqs: float):
+        """Forward one packed micro-batch and return :func:`policy_loss`'s ``(loss, metrics)``."""
+        logits = self._logits(self.model, b)  # [N, V]
+        logp = _target_log_probs(logits, b.targets)  # [N]
+        if self.cfg.entropy_coef > 0:
+            entropy = entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach())
+        ref_logp = b.ref_log_probs
+        if self.cfg.use_kl_loss and ref_logp is None:
+            with torch.no_grad():
+                ref_logp = _target_log_probs(self._logits(self.ref_model, b), b.targets)
+        old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
+        return policy_loss(logp, old_logp, b.advantages, b.mask, b.seq_ids, self.cfg,
+                           num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp,
+                           rollout_logp=b.rollout_log_probs, entropy=entropy)
+
+    def _clip_grad(self) -> float:
+        """Clip to ``clip_grad`` (0 = off) and return the pre-clip global norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(_full(norm))
+
+    def _metric_names(self, sums: dict[str, float]) -> list[str]:
+        """The same sorted names on every rank (one that ran only empty passes has none of its own)."""
+        names = set(sums) | {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, sorted(names))
+            names = set().union(*gathered)
+        return sorted(names)
+
+    def _sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks (identity when unsharded)."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights in HF names, on this rank's device; tied weights once (the first name).
+
+        Sharded: a collective (each DTensor is all-gathered), so EVERY rank must iterate it in
+        lockstep, and every rank receives the full tensors.
+        """
+        seen: set[int] = set()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield name, _full(t)
+
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write the checkpoint layout of the module docstring. Sharded: every rank must call it."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        weights = {name: t.cpu().contiguous() for name, t in self.named_weights()}
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+            _save_hf_metadata(self.model, self.checkpoint_path, path, torch.float32)
+            torch.save({"step": self.step, "world_size": self.world_size, "extra_state": extra_state or {}},
+                       path / "trainer_state.pt")
+        del weights
+        self._barrier()
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state()}, path / f"optim_rank{self.rank}.pt")
+        self._barrier()
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"{path} was saved by {state['world_size']} ranks; resuming needs the same number "
+                             f"(this run has {self.world_size})")
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            full.update(load_file(str(f)))
+        self._load_full_weights(full)
+        ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
+        self.optimizer.load_state_dict(ranked["optimizer"])
+        _set_rng_state(ranked["rng"])
+        self.step = state["step"]
+        return state["extra_state"]
+
+    def _load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy full HF-named tensors into the (possibly sharded) model; tied copies may be absent."""
+        names = self.model.state_dict(keep_vars=True)
+        tied = {n for n, t in names.items() if sum(t is u for u in names.values()) > 1}
+        missing = set(names) - set(full) - tied
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            full = {k: v.to(self.device) for k, v in full.items() if k in names}
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.model.load_state_dict(full, strict=False)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def _target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(z)[y] = z_y - logsumexp(z), in fp32, without a [N, V] log-softmax copy. [N, V] -> [N]"""
+    logits = logits.float()
+    return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def _packing_is_isolated(model: nn.Module, device: torch.device) -> bool:
+    """Does this model keep packed samples apart given only restarting ``position_ids``?
+
+    Checked once at load on a row of two random sequences: its logits with the implicit mask must
+    match those with an explicit block-causal mask (same shapes, so the tolerance can be tight even
+    in bf16). Models that fail get the explicit mask on every forward instead.
+    """
+    g = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, 12), generator=g).to(device)
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
+    dtype = next(model.parameters()).dtype
+    implicit = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+    explicit = model(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, dtype),
+                     use_cache=False).logits[0].float()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    return bool((implicit - explicit).abs().max() <= tol * max(1.0, float(explicit.abs().max())))
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant: works with FSDP2 and frozen inputs)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _save_hf_metadata(model: nn.Module, source: Path, dest: Path, dtype: torch.dtype) -> None:
+    """config.json + generation_config.json from the model; tokenizer and other small files from ``source``."""
+    model.config.dtype = dtype
+    model.config.save_pretrained(dest)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(dest)
+    if source.resolve() == dest.resolve():
+        return
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WRITTEN_BY_SAVE \
+                and not f.name.startswith("optim_rank"):
+            shutil.copy2(f, dest / f.name)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+__all__ = ["TorchTrainer", "decoder_layers", "load_causal_lm", "resolve_dtype"]
