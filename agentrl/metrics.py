@@ -113,18 +113,19 @@ def rollout_path(run_dir: str | Path, step: int) -> Path:
 
 
 def dump_rollout(run_dir: str | Path, step: int, samples: Sequence[Sample],
-                 advantages: Sequence[Sequence[float]] | None = None) -> Path:
+                 advantages: Sequence[Sequence[float] | None] | None = None) -> Path:
     """Write one step's samples, one :meth:`Sample.to_json`-style line each, for ``agentrl view``.
 
     Each line is the sample's fields plus ``step`` and, when given, ``advantages`` (one value per
-    response token, aligned with ``loss_mask``). The file is written to a temporary name and
+    response token, aligned with ``loss_mask``; a ``None`` row, for a sample that was not trained
+    on, writes no ``advantages`` key). The file is written to a temporary name and
     renamed, so a viewer never reads half a rollout.
     """
     if advantages is not None:
         if len(advantages) != len(samples):
             raise ValueError(f"{len(advantages)} advantage rows for {len(samples)} samples")
         for s, adv in zip(samples, advantages):
-            if len(adv) != s.response_length:
+            if adv is not None and len(adv) != s.response_length:
                 raise ValueError(f"sample {s.index}: {len(adv)} advantages for response_length {s.response_length}")
     path = rollout_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +134,7 @@ def dump_rollout(run_dir: str | Path, step: int, samples: Sequence[Sample],
         for i, s in enumerate(samples):
             d = s.to_dict()
             d["step"] = step
-            if advantages is not None:
+            if advantages is not None and advantages[i] is not None:
                 d["advantages"] = [float(a) for a in advantages[i]]
             f.write(json.dumps(d, ensure_ascii=False, default=str) + "\n")
     os.replace(tmp, path)

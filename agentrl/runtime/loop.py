@@ -247,7 +247,7 @@ class TrainLoop:
         line = step_metrics(samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
         if self.run_dir is not None and cfg.dump_rollouts:
             adv_by_id = {id(s): a for s, a in zip(keep, advs)}
-            dump_rollout(self.run_dir, step, samples, [adv_by_id.get(id(s), []) for s in samples])
+            dump_rollout(self.run_dir, step, samples, [adv_by_id.get(id(s)) for s in samples])
         if self.evaluator is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             line.update(await self.evaluator(step))
         self.metrics.log(step, line)
