@@ -1,8 +1,16 @@
 """Arithmetic word problems that the calculator tool solves: the bundled starter environment.
 
-Reward: 1.0 when the last number in the model's final answer (a turn without a tool call) equals
-the label exactly, else 0.0. Tasks are generated locally (``Calculator.tasks()``) or read from a
-JSONL file with ``prompt`` and ``label`` keys (``envs/data/calculator.jsonl`` holds 64 of them).
+Reward, scored on the final answer (a turn without a tool call):
+
+- 1.0 when the last number in it equals the label exactly;
+- otherwise partial credit (shaping), so a small model that never gets the answer right still has
+  something to learn from: 0.2 for a concise numeric answer (a number within ``CONCISE_WORDS``
+  words) and 0.2 when the episode made at least one successful calculator call.
+
+Partial credit never reaches the 1.0 of a correct answer, so pass@k (reward >= 1) still counts only
+correct answers. Out of the box SmolLM2-135M rambles without calling the tool (reward ~0.05);
+GRPO first learns the concise format. Tasks are generated locally (``Calculator.tasks()``) or read
+from a JSONL file with ``prompt`` and ``label`` keys (``envs/data/calculator.jsonl`` holds 64).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import agentrl
 from tools.calculator import calculator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+CONCISE_WORDS = 12
 
 _TEMPLATES = [
     ("A shop has {a} apples and receives {b} boxes of {c} apples each. How many apples does it have now?",
@@ -50,11 +59,21 @@ class Calculator(agentrl.ToolEnv):
             rows.append({"prompt": text.format(a=a, b=b, c=c), "label": str(fn(a, b, c))})
         return rows
 
+    async def reset(self, *, seed=None, options=None):
+        self.successful_calls = 0
+        return await super().reset(seed=seed, options=options)
+
+    async def call_tools(self, action: agentrl.Action) -> list[dict]:
+        results = await super().call_tools(action)
+        self.successful_calls += sum(1 for m in results if not str(m.get("content", "")).startswith("Error"))
+        return results
+
     async def reward(self, action: agentrl.Action) -> float:
         numbers = _NUMBER.findall(action.text.replace(",", ""))
-        if not numbers:
-            return 0.0
         try:
-            return float(float(numbers[-1]) == float(self.task["label"]))
+            if numbers and float(numbers[-1]) == float(self.task["label"]):
+                return 1.0
         except (TypeError, ValueError):
-            return 0.0
+            pass
+        concise = bool(numbers) and len(action.text.split()) <= CONCISE_WORDS
+        return 0.2 * concise + 0.2 * (getattr(self, "successful_calls", 0) > 0)

@@ -310,7 +310,9 @@ def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
         assert m_group["train_tokens"] == m_single["train_tokens"]
         assert m_group["loss"] == pytest.approx(m_single["loss"], abs=1e-5)
         assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
-        weights = ray.get(group.named_weights_ref())
+        from agentrl.runtime.engines import numpy_to_tensors
+
+        weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
         expected = dict(single.named_weights())
         assert weights.keys() == expected.keys()
         for name, t in expected.items():
@@ -318,10 +320,10 @@ def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
         group.save(tmp_path / "ckpt", {"k": 1})
         assert (tmp_path / "ckpt" / "optim_rank1.pt").exists()
         group.train_step(samples[:4])
-        resumed = ray.get(group.named_weights_ref())
+        resumed = numpy_to_tensors(ray.get(group.named_weights_ref()))
         assert group.load(tmp_path / "ckpt") == {"k": 1}  # sharded weights + optimizer shards back
         group.train_step(samples[:4])
-        for name, t in ray.get(group.named_weights_ref()).items():
+        for name, t in numpy_to_tensors(ray.get(group.named_weights_ref())).items():
             torch.testing.assert_close(t, resumed[name], atol=1e-6, rtol=0)
     finally:
         group.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,17 +40,23 @@ def tensors_to_numpy(named: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def numpy_to_tensors(named: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`tensors_to_numpy` (arrays from the object store are read-only views)."""
+    """Inverse of :func:`tensors_to_numpy`, without copying.
+
+    Arrays from the object store are read-only views of shared memory; torch warns when it wraps
+    one, but the engine only reads them (it copies them into its own parameters), so the warning
+    is silenced instead of paying for another copy.
+    """
     out: dict[str, torch.Tensor] = {}
-    for name, a in named.items():
-        if isinstance(a, torch.Tensor):
-            out[name] = a
-        elif isinstance(a, tuple):
-            arr, tag = a
-            out[name] = torch.from_numpy(np.array(arr)).view(getattr(torch, tag))
-        else:
-            # from_numpy on a read-only buffer warns; the engine copies into its own params anyway
-            out[name] = torch.from_numpy(np.array(a, copy=False)) if a.flags.writeable else torch.as_tensor(np.array(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for name, a in named.items():
+            if isinstance(a, torch.Tensor):
+                out[name] = a
+            elif isinstance(a, tuple):
+                arr, tag = a
+                out[name] = torch.from_numpy(arr).view(getattr(torch, tag))
+            else:
+                out[name] = torch.from_numpy(a)
     return out
 
 

@@ -67,9 +67,15 @@ class TrainerActor:
         return self.trainer.train_step(samples)
 
     def full_weights(self) -> dict[str, Any] | None:
-        """Full CPU weights on rank 0, None elsewhere (every rank takes part in the gather)."""
+        """Full CPU weights on rank 0 as numpy arrays, None elsewhere (every rank takes part in the gather).
+
+        numpy, not torch tensors: Ray stores numpy arrays in shared memory with one copy and hands
+        readers zero-copy views, so an engine on the same node loads them with one more copy.
+        """
+        from agentrl.runtime.engines import tensors_to_numpy
+
         weights = {name: t.cpu() for name, t in self.trainer.named_weights()}
-        return weights if self.trainer.rank == 0 else None
+        return tensors_to_numpy(weights) if self.trainer.rank == 0 else None
 
     def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None) -> None:
         """Send the full weights to SGLang-compatible engines from rank 0 (``disk`` or ``nccl``).
@@ -162,7 +168,10 @@ class TrainerGroup:
         return results[0]
 
     def named_weights_ref(self) -> ray.ObjectRef:
-        """An ObjectRef to rank 0's ``{name: full CPU tensor}`` (HF names, tied weights once)."""
+        """An ObjectRef to rank 0's ``{name: full weights as numpy}`` (HF names, tied weights once).
+
+        :func:`agentrl.runtime.engines.numpy_to_tensors` turns it back into tensors without a copy.
+        """
         refs = [a.full_weights.remote() for a in self.actors]
         ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
         return refs[0]

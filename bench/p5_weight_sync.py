@@ -1,0 +1,97 @@
+"""P5: weight sync bytes/s (trainer actor -> embedded engine actor) / an in-memory copy of the same tensors.
+
+What is timed, interleaved A, B, A, B ... (median ratio reported; the machine is noisy):
+
+- **baseline**: ``dst.copy_(src)`` for every weight tensor, in one process (the floor any transport
+  that ends with the engine owning a copy must pay);
+- **object store**: what ``agentrl train`` does after each step with embedded engines — the
+  trainer actor gathers its full weights, Ray stores them in shared memory (numpy, one copy), the
+  engine actor maps them zero-copy and loads them into its model between batches
+  (``TrainerGroup.named_weights_ref`` -> ``EngineGroup.push_tensors``), until the engine answers;
+- **disk** (for reference): the same weights through ``--weight-sync disk`` (safetensors written by
+  the trainer, ``/update_weights_from_disk`` on the engine).
+
+    python bench/p5_weight_sync.py                # the default model (SmolLM2-135M, 540 MB fp32)
+    python bench/p5_weight_sync.py --model tiny   # a small local model (quick)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default", help="default | tiny | PATH to a HF checkpoint")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-disk", action="store_true")
+    a = ap.parse_args()
+
+    import ray
+    import torch
+
+    from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.config import TrainConfig
+    from agentrl.runtime.cluster import init_ray
+    from agentrl.runtime.engines import EngineGroup, numpy_to_tensors
+    from agentrl.runtime.trainer_group import TrainerGroup
+
+    tmp = Path(tempfile.mkdtemp(prefix="p5-"))
+    if a.model == "tiny":
+        from agentrl.tiny import build_model
+
+        ckpt = build_model(tmp / "model", hidden_size=512, num_layers=8)
+    else:
+        ckpt = resolve_hf_checkpoint(None if a.model == "default" else a.model)
+    init_ray(num_cpus=2)
+    trainers = TrainerGroup(ckpt, TrainConfig(), world_size=1, num_cpus=1, num_gpus=0)
+    engines = EngineGroup.embedded(ckpt, 1, num_cpus=1, max_running_requests=4)
+    src = numpy_to_tensors(ray.get(trainers.named_weights_ref()))
+    src = {k: v.clone() for k, v in src.items()}
+    dst = {k: torch.empty_like(v) for k, v in src.items()}
+    nbytes = sum(t.nbytes for t in src.values())
+    print(f"model {ckpt}: {len(src)} tensors, {nbytes / 2**20:.0f} MiB")
+
+    def baseline() -> float:
+        t0 = time.perf_counter()
+        for k, t in src.items():
+            dst[k].copy_(t)
+        return time.perf_counter() - t0
+
+    version = [0]
+
+    def object_store() -> float:
+        version[0] += 1
+        t0 = time.perf_counter()
+        engines.push_tensors(trainers.named_weights_ref(), str(version[0]))
+        return time.perf_counter() - t0
+
+    def disk() -> float:
+        version[0] += 1
+        t0 = time.perf_counter()
+        trainers.push_weights("disk", engines.urls, str(version[0]), folder=str(tmp / "sync"))
+        return time.perf_counter() - t0
+
+    baseline(), object_store()  # warm-up
+    rows = []
+    for _ in range(a.reps):
+        b, o = baseline(), object_store()
+        d = disk() if not a.no_disk else float("nan")
+        rows.append((b, o, d))
+        print(f"copy {nbytes / b / 1e9:6.2f} GB/s   object store {nbytes / o / 1e9:6.2f} GB/s   "
+              f"disk {nbytes / d / 1e9:6.2f} GB/s   ratio {b / o:.3f}")
+    ratio = statistics.median(b / o for b, o, _ in rows)
+    print(f"P5 object-store sync / in-memory copy (median of {a.reps}): {ratio:.3f}   (goal >= 0.5)")
+    if not a.no_disk:
+        print(f"   disk sync / in-memory copy: {statistics.median(b / d for b, _, d in rows):.3f}")
+    trainers.shutdown()
+    engines.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
