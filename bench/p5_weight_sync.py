@@ -4,10 +4,13 @@ What is timed, interleaved A, B, A, B ... (median ratio reported; the machine is
 
 - **baseline**: ``dst.copy_(src)`` for every weight tensor, in one process (the floor any transport
   that ends with the engine owning a copy must pay);
-- **object store**: what ``agentrl train`` does after each step with embedded engines — the
-  trainer actor gathers its full weights, Ray stores them in shared memory (numpy, one copy), the
-  engine actor maps them zero-copy and loads them into its model between batches
-  (``TrainerGroup.named_weights_ref`` -> ``EngineGroup.push_tensors``), until the engine answers;
+- **shared memory**: what ``agentrl train`` does after each step when the embedded engines share
+  the trainer's node: rank 0 writes its full weights into a ``/dev/shm`` slot (one copy) and the
+  engine re-points its parameters at it between batches, until the engine answers
+  (``TrainerGroup.write_shared_weights`` -> ``EngineGroup.push_shared``);
+- **object store**: the fallback for engines on other nodes — Ray stores the weights (numpy, one
+  copy), the engine maps them zero-copy and copies them into its model
+  (``TrainerGroup.named_weights_ref`` -> ``EngineGroup.push_tensors``);
 - **disk** (for reference): the same weights through ``--weight-sync disk`` (safetensors written by
   the trainer, ``/update_weights_from_disk`` on the engine).
 
@@ -70,24 +73,29 @@ def main() -> None:
         engines.push_tensors(trainers.named_weights_ref(), str(version[0]))
         return time.perf_counter() - t0
 
+    def shared() -> float:
+        version[0] += 1
+        t0 = time.perf_counter()
+        engines.push_shared(*trainers.write_shared_weights(), str(version[0]))
+        return time.perf_counter() - t0
+
     def disk() -> float:
         version[0] += 1
         t0 = time.perf_counter()
         trainers.push_weights("disk", engines.urls, str(version[0]), folder=str(tmp / "sync"))
         return time.perf_counter() - t0
 
-    baseline(), object_store()  # warm-up
+    baseline(), object_store(), shared(), shared()  # warm-up (both shared slots touched once)
     rows = []
     for _ in range(a.reps):
-        b, o = baseline(), object_store()
+        b, s, o = baseline(), shared(), object_store()
         d = disk() if not a.no_disk else float("nan")
-        rows.append((b, o, d))
-        print(f"copy {nbytes / b / 1e9:6.2f} GB/s   object store {nbytes / o / 1e9:6.2f} GB/s   "
-              f"disk {nbytes / d / 1e9:6.2f} GB/s   ratio {b / o:.3f}")
-    ratio = statistics.median(b / o for b, o, _ in rows)
-    print(f"P5 object-store sync / in-memory copy (median of {a.reps}): {ratio:.3f}   (goal >= 0.5)")
-    if not a.no_disk:
-        print(f"   disk sync / in-memory copy: {statistics.median(b / d for b, _, d in rows):.3f}")
+        rows.append((b, s, o, d))
+        print(f"copy {nbytes / b / 1e9:6.2f} GB/s   shared memory {nbytes / s / 1e9:6.2f} GB/s   "
+              f"object store {nbytes / o / 1e9:6.2f} GB/s   disk {nbytes / d / 1e9:6.2f} GB/s")
+    med = {name: statistics.median(r[0] / r[i] for r in rows) for i, name in ((1, "shared"), (2, "object"), (3, "disk"))}
+    print(f"P5 weight sync / in-memory copy, median of {a.reps} (goal >= 0.5): shared memory {med['shared']:.3f}   "
+          f"object store {med['object']:.3f}   disk {med['disk']:.3f}")
     trainers.shutdown()
     engines.shutdown()
     ray.shutdown()

@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -119,6 +118,18 @@ class EngineServer:
         tensors = numpy_to_tensors(named)
         return self._call(self.engine.update_weights_from_tensors(tensors, weight_version))
 
+    def update_weights_from_shared(self, path: str, layout: Any, weight_version: str) -> dict:
+        """Point the model's parameters at a shared-memory slot the trainer wrote (no copy)."""
+        from agentrl.runtime.shm_weights import open_weights
+
+        return self._call(self.engine.update_weights_from_tensors(open_weights(path, layout), weight_version,
+                                                                  assign=True))
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def weight_version(self) -> str:
         return self.engine.weight_version
 
@@ -185,11 +196,25 @@ class EngineGroup:
         """Whether weights can go through the object store (embedded engines only)."""
         return bool(self.actors)
 
+    def node_ids(self) -> list[str]:
+        import ray
+
+        return ray.get([a.node_id.remote() for a in self.actors])
+
+    def push_shared(self, path: str, layout: Any, weight_version: str) -> None:
+        """Have every engine switch to the weights in a shared-memory slot (same node only)."""
+        import ray
+
+        self._check(ray.get([a.update_weights_from_shared.remote(path, layout, weight_version) for a in self.actors]))
+
     def push_tensors(self, named_ref: Any, weight_version: str) -> None:
         """Load the weights behind ``named_ref`` (``ray.put(tensors_to_numpy(...))``) into every engine."""
         import ray
 
-        results = ray.get([a.update_weights_from_tensors.remote(named_ref, weight_version) for a in self.actors])
+        self._check(ray.get([a.update_weights_from_tensors.remote(named_ref, weight_version) for a in self.actors]))
+
+    @staticmethod
+    def _check(results: list[dict]) -> None:
         bad = [r for r in results if not r.get("success")]
         if bad:
             raise RuntimeError(f"weight update failed on {len(bad)} engine(s): {bad[0].get('message')}")

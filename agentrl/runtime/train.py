@@ -172,10 +172,25 @@ class _Runtime:
     def sync_weights(self, version: int) -> None:
         """Push the trainer's current weights to every engine as ``str(version)``."""
         mode = self.sync_mode()
+        if mode == "tensor" and self._use_shm():
+            try:
+                path, layout = self.trainers.write_shared_weights()
+            except OSError as exc:  # e.g. a small /dev/shm: the object store still works
+                log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
+                self._shm = False
+            else:
+                self.engines.push_shared(path, layout, str(version))
+                return
         if mode == "tensor":
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
         else:
             self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
+
+    def _use_shm(self) -> bool:
+        """Shared memory when every engine shares rank 0's node (decided once per run)."""
+        if getattr(self, "_shm", None) is None:
+            self._shm = set(self.engines.node_ids()) == {self.trainers.node_id()}
+        return self._shm
 
     def _sync_dir(self) -> str:
         base = Path(self.cfg.save) if self.cfg.save else Path.cwd() / ".agentrl"

@@ -77,6 +77,23 @@ class TrainerActor:
         weights = {name: t.cpu() for name, t in self.trainer.named_weights()}
         return tensors_to_numpy(weights) if self.trainer.rank == 0 else None
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def write_shared_weights(self) -> tuple[str, Any] | None:
+        """Rank 0 writes the full weights into the next shared-memory slot; returns (path, layout).
+
+        Every rank takes part in gathering the weights; other ranks return None.
+        """
+        from agentrl.runtime.shm_weights import SharedWeightsWriter
+
+        named = [(name, t) for name, t in self.trainer.named_weights()]
+        if self.trainer.rank != 0:
+            return None
+        if getattr(self, "_shm", None) is None:
+            self._shm = SharedWeightsWriter()
+        return self._shm.write(named)
+
     def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None) -> None:
         """Send the full weights to SGLang-compatible engines from rank 0 (``disk`` or ``nccl``).
 
@@ -106,6 +123,9 @@ class TrainerActor:
 
     def shutdown(self) -> None:
         import torch.distributed as dist
+
+        if getattr(self, "_shm", None) is not None:
+            self._shm.close()
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -175,6 +195,14 @@ class TrainerGroup:
         refs = [a.full_weights.remote() for a in self.actors]
         ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
         return refs[0]
+
+    def node_id(self) -> str:
+        """The Ray node of rank 0 (shared-memory weight sync reaches only engines on the same node)."""
+        return ray.get(self.actors[0].node_id.remote())
+
+    def write_shared_weights(self) -> tuple[str, Any]:
+        """Full weights into rank 0's next shared-memory slot: ``(path, layout)`` for the engines."""
+        return ray.get([a.write_shared_weights.remote() for a in self.actors])[0]
 
     def push_weights(self, kind: str, urls: Sequence[str], version: str, folder: str | None = None) -> None:
         """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``) or ``nccl`` broadcast."""

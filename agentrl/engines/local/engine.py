@@ -205,12 +205,13 @@ class LocalEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         with self._cv:
-            self._control.append(("update", (model_path, weight_version, fut, False)))
+            self._control.append(("update", (model_path, weight_version, fut, {})))
             self._cv.notify()
         return await fut
 
     async def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: str | None = None, *,
-                                          abort_all_requests: bool = False, partial: bool = False) -> dict:
+                                          abort_all_requests: bool = False, partial: bool = False,
+                                          assign: bool = False) -> dict:
         """Copy in-memory weights (HF names -> tensors or numpy arrays) into the running model.
 
         The same in-place, between-batches update as :meth:`update_weights_from_disk`, without the
@@ -218,12 +219,16 @@ class LocalEngine:
         ``partial=True`` loads whatever names arrive (one bucket of a broadcast update, as SGLang's
         ``load_weights`` does) instead of requiring every parameter; a ``weight_version`` of None then
         keeps the current version. Unknown names or wrong shapes still fail the whole update.
+        ``assign=True`` makes the model's parameters *be* the given tensors (no copy) where dtype and
+        device match: the shared-memory weight sync hands over views of a buffer the trainer writes,
+        and the caller promises not to write that buffer again while the engine uses it.
         """
         fut = asyncio.get_running_loop().create_future()
         if abort_all_requests:
             self.abort(abort_all=True)
         with self._cv:
-            self._control.append(("update", (dict(named_tensors), weight_version, fut, partial)))
+            self._control.append(("update", (dict(named_tensors), weight_version, fut,
+                                             {"partial": partial, "assign": assign})))
             self._cv.notify()
         return await fut
 
@@ -321,8 +326,8 @@ class LocalEngine:
             if kind == "flush":
                 self.store.clear()
             elif kind == "update" and self.num_running == 0:
-                path, version, fut, partial = arg
-                result = self._load_weights(path, version, partial=partial)
+                path, version, fut, opts = arg
+                result = self._load_weights(path, version, **opts)
                 fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
             elif kind in ("release", "resume") and self.num_running == 0:
                 tags, fut = arg
@@ -333,7 +338,8 @@ class LocalEngine:
             with self._cv:
                 self._control.remove(item)
 
-    def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False) -> dict:
+    def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False,
+                      assign: bool = False) -> dict:
         from safetensors.torch import load_file
 
         fail = {"success": False, "num_paused_requests": 0}
@@ -343,7 +349,7 @@ class LocalEngine:
                           for k, v in source.items()}
             except Exception as exc:  # noqa: BLE001 - a bad tensor is a failed update
                 return {**fail, "message": f"bad tensors: {exc}"}
-            return self._apply_weights(loaded, version, "tensors", partial=partial)
+            return self._apply_weights(loaded, version, "tensors", partial=partial, assign=assign)
         path = source
         folder = Path(path)
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
@@ -358,7 +364,7 @@ class LocalEngine:
         return self._apply_weights(loaded, version, f"checkpoint {path!r}")
 
     def _apply_weights(self, loaded: dict[str, torch.Tensor], version: str | None, what: str, *,
-                       partial: bool = False) -> dict:
+                       partial: bool = False, assign: bool = False) -> dict:
         fail = {"success": False, "num_paused_requests": 0}
         params = self.model.state_dict()
         unexpected = [k for k in loaded if k not in params and not k.endswith("rotary_emb.inv_freq")]
@@ -368,8 +374,11 @@ class LocalEngine:
         if unexpected or shapes or missing:
             return {**fail, "message": f"{what} does not match the model: unexpected={unexpected[:5]} "
                                        f"shape_mismatch={shapes[:5]} missing={missing[:5]}"}
+        live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())} if assign else {}
         for k, t in loaded.items():
-            if k in params:
+            if k in live and t.dtype == live[k].dtype and t.device == live[k].device:
+                live[k].data = t  # tied weights share one Parameter: re-pointing it serves both names
+            elif k in params:
                 params[k].copy_(t.to(params[k].dtype))
         self.store.clear()
         self._version_counter += 1

@@ -1,0 +1,219 @@
+"""P4: train tokens/s of agentrl's ``torch`` trainer / TRL's ``GRPOTrainer``, same samples, same run. Goal >= 1.5.
+
+    python bench/p4_train_throughput.py [--model tiny|default] [--samples 16] [--micro-batch 4] [--reps 3]
+
+Both sides train the SAME fixed samples (prompt 40-120 + response 20-200 tokens, random ids, response
+loss masks with 0-spans standing in for tool outputs, advantage +-1 per sample) from the SAME
+initial weights, one optimizer step per repetition: AdamW (same lr, betas, no weight decay), grad
+clip 1.0, fp32, no gradient checkpointing, no KL/reference model, sample-mean loss (agentrl's
+default; TRL ``loss_type="grpo"``), old log-probs = detached current ones on both sides (one
+pass per rollout). Same process, same ``torch`` threads; repetitions interleave A,B,A,B.
+
+  agentrl: ``TorchTrainer.train_step(samples)`` with ``global_batch_size = --samples``: the samples
+    are packed (first-fit decreasing) into micro-batches of at most ``max_tokens_per_gpu`` tokens,
+    no padding. Default budget = ``--micro-batch x (longest prompt + longest response)``, the worst
+    case of TRL's padded micro-batch: the same activation-memory bound on both sides.
+  TRL: GRPOTrainer's own training path with generation swapped out. A subclass overrides ONLY
+    ``_generate_and_score_completions`` to return the samples as that method would
+    (``prompt_ids`` left-padded, ``completion_ids`` right-padded over the whole generation batch,
+    ``completion_mask``, ``tool_mask`` = our loss mask, ``advantages`` [B], ``num_items_in_batch``);
+    TRL's ``_prepare_inputs`` then shuffles and splits it into ``--samples / --micro-batch``
+    micro-batches and ``training_step`` runs its ``compute_loss`` (fused LM head over completion
+    positions) + backward on each; then, as ``Trainer._run_epoch`` does, ``_clip_grad_norm``,
+    ``optimizer.step``, ``lr_scheduler.step``, ``zero_grad``. Not timed: TRL's dataloader, callbacks,
+    logging (and generation/reward scoring, which agentrl does outside ``train_step`` too).
+
+Tokens/s on both sides = (prompt + response tokens of the samples, no padding) / seconds of one
+optimizer step. Model loading and each side's first (warm-up) step are excluded.
+
+Offline-on-CPU workarounds for TRL (nothing else is patched): ``GRPOConfig(use_cpu=True, bf16=False,
+gradient_checkpointing=False, report_to=[])``, a zero reward function (never called), an in-memory
+``datasets.Dataset`` of placeholder prompts (never read), the model passed as an instance.
+
+``--model tiny`` builds a random-init Llama (hidden 256, 4 layers, vocab 400) in a temp dir;
+``--model default`` is SmolLM2-135M-Instruct (``resolve_hf_checkpoint``; ~20 s per step here,
+use ``--samples 8 --reps 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from agentrl.config import TrainConfig  # noqa: E402
+from agentrl.trainer.base import TrainSample  # noqa: E402
+
+PROMPT_LEN = (40, 120)
+RESPONSE_LEN = (20, 200)
+LR = 1e-6
+
+
+def make_samples(n: int, vocab: int, seed: int = 0) -> list[TrainSample]:
+    """``n`` samples of varied lengths; each response alternates policy turns (mask 1) and tool outputs (mask 0)."""
+    rng, ids = random.Random(seed), random.Random(seed + 1)  # lengths and masks do not depend on the vocab
+    out = []
+    for i in range(n):
+        p, r = rng.randint(*PROMPT_LEN), rng.randint(*RESPONSE_LEN)
+        tokens = [ids.randrange(3, vocab) for _ in range(p + r)]
+        mask: list[int] = []
+        on = 1
+        while len(mask) < r:
+            span = rng.randint(8, 40) if on else rng.randint(5, 25)
+            mask.extend([on] * min(span, r - len(mask)))
+            on ^= 1
+        adv = 1.0 if i % 2 == 0 else -1.0
+        out.append(TrainSample(tokens=tokens, response_length=r, loss_mask=mask, advantages=[adv] * r))
+    return out
+
+
+class AgentrlSide:
+    name = "agentrl"
+
+    def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int):
+        from agentrl.trainer.torch_trainer import TorchTrainer
+
+        cfg = TrainConfig(lr=LR, global_batch_size=len(samples), num_steps_per_rollout=1, max_tokens_per_gpu=max_tokens,
+                          dtype="float32", gradient_checkpointing=False, clip_grad=1.0, weight_decay=0.0)
+        self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
+        self.samples = samples
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.trainer.train_step(self.samples)
+        return time.perf_counter() - t0
+
+
+def _trl_batch(samples: list[TrainSample], pad_id: int) -> dict:
+    """The dict ``GRPOTrainer._generate_and_score_completions`` returns, for these samples."""
+    from trl.trainer.utils import pad
+
+    prompts = [torch.tensor(s.tokens[:s.prompt_length]) for s in samples]
+    completions = [torch.tensor(s.tokens[s.prompt_length:]) for s in samples]
+    tool_mask = pad([torch.tensor(s.loss_mask) for s in samples], padding_value=1, padding_side="right")
+    completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
+    return {
+        "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left"),
+        "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+        "completion_ids": pad(completions, padding_value=pad_id, padding_side="right"),
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([s.advantages[0] for s in samples]),
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
+        "tool_mask": tool_mask,
+    }
+
+
+class TrlSide:
+    name = "TRL"
+
+    def __init__(self, ckpt: Path, samples: list[TrainSample], micro_batch: int, out_dir: str):
+        from datasets import Dataset
+        from transformers import AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+
+        from agentrl.trainer.torch_trainer import load_causal_lm
+
+        class ReplayGRPOTrainer(GRPOTrainer):
+            """GRPOTrainer whose generation + scoring hands back pre-built samples."""
+
+            batch: dict = {}
+
+            def _generate_and_score_completions(self, inputs):
+                return dict(self.batch)
+
+        if len(samples) % micro_batch:
+            raise SystemExit("--samples must be a multiple of --micro-batch")
+        self.accum = len(samples) // micro_batch
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+        args = GRPOConfig(
+            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
+            per_device_train_batch_size=micro_batch, gradient_accumulation_steps=self.accum, num_generations=2,
+            loss_type="grpo", beta=0.0, learning_rate=LR, adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.0,
+            max_grad_norm=1.0, optim="adamw_torch", lr_scheduler_type="constant", disable_dropout=True,
+            max_completion_length=RESPONSE_LEN[1], save_strategy="no", logging_steps=10**9, seed=0)
+
+        def zero_reward(completions, **kwargs):
+            return [0.0] * len(completions)
+
+        model = load_causal_lm(ckpt, torch.float32, torch.device("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.trainer = ReplayGRPOTrainer(model=model, reward_funcs=zero_reward, args=args, processing_class=tok,
+                                             train_dataset=Dataset.from_dict({"prompt": ["placeholder"] * len(samples)}))
+        self.trainer.batch = _trl_batch(samples, tok.pad_token_id if tok.pad_token_id is not None else 0)
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
+
+    def step(self) -> float:
+        """One optimizer step as ``Trainer._run_epoch`` makes it (minus dataloader, callbacks, logging)."""
+        t, model = self.trainer, self.trainer.model
+        t.current_gradient_accumulation_steps = self.accum
+        t0 = time.perf_counter()
+        for i in range(self.accum):
+            t.accelerator.gradient_state._set_sync_gradients(i == self.accum - 1)
+            t.training_step(model, [], None)  # first call of a step "generates" (returns the batch), then splits it
+        t._clip_grad_norm(model)
+        t.optimizer.step()
+        t.lr_scheduler.step()
+        model.zero_grad()
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["tiny", "default"], default="tiny")
+    p.add_argument("--hf-checkpoint", default=None, help="any local HF checkpoint (overrides --model)")
+    p.add_argument("--samples", type=int, default=16, help="samples per optimizer step (both sides)")
+    p.add_argument("--micro-batch", type=int, default=4, help="TRL per_device_train_batch_size")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="agentrl packing budget (default: micro-batch x (max prompt + max response))")
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="p4_")
+    if a.hf_checkpoint:
+        ckpt = Path(a.hf_checkpoint)
+    elif a.model == "tiny":
+        from agentrl.tiny import build_model
+
+        ckpt = build_model(Path(tmp) / "tiny", hidden_size=256, num_layers=4)
+    else:
+        from agentrl.checkpoint import resolve_hf_checkpoint
+
+        ckpt = Path(resolve_hf_checkpoint(None))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(ckpt)).vocab_size
+    samples = make_samples(a.samples, vocab)
+    budget = a.max_tokens_per_gpu or a.micro_batch * (PROMPT_LEN[1] + RESPONSE_LEN[1])
+    tokens = sum(len(s.tokens) for s in samples)
+    padded = a.samples * (max(s.prompt_length for s in samples) + max(s.response_length for s in samples))
+    print(f"model {ckpt} (vocab {vocab}), torch threads {torch.get_num_threads()}; {a.samples} samples/step, "
+          f"{tokens} tokens ({padded} as TRL pads them); TRL micro-batch {a.micro_batch}, agentrl budget {budget}")
+
+    sides = [AgentrlSide(ckpt, samples, budget), TrlSide(ckpt, samples, a.micro_batch, tmp)]
+    for side in sides:  # warm-up (allocator, AdamW state), not counted
+        print(f"warm-up {side.name}: {side.step():.2f}s")
+    rates: dict[str, list[float]] = {s.name: [] for s in sides}
+    print(f"{'rep':>3} {'agentrl tok/s':>14} {'TRL tok/s':>10} {'ratio':>6}")
+    ratios = []
+    for r in range(a.reps):
+        order = sides if r % 2 == 0 else sides[::-1]  # A,B then B,A: neither side always runs first
+        for side in order:
+            rates[side.name].append(tokens / side.step())
+        ratios.append(rates["agentrl"][-1] / rates["TRL"][-1])
+        print(f"{r:>3} {rates['agentrl'][-1]:>14.1f} {rates['TRL'][-1]:>10.1f} {ratios[-1]:>6.2f}")
+    print(f"P4 train tokens/s (agentrl torch / TRL GRPOTrainer), median of {a.reps}: "
+          f"{statistics.median(ratios):.2f}  (goal >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()

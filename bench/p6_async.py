@@ -1,0 +1,128 @@
+"""P6: wall time of the synchronous train loop / the ``--async`` one, same run. Goal >= 1.6.
+
+    python bench/p6_async.py [--reps 2] [--num-rollout 8] [--hidden 384] [--layers 6]
+
+The real train loop (``agentrl.runtime.train.train(RunConfig)``: Ray, one embedded engine actor,
+one ``torch`` trainer actor, weight sync through the object store) runs the same configuration
+with ``async_mode`` off and on, interleaved sync, async, sync, async. The env (:class:`SleepEnv`,
+loaded as ``this_file.py:SleepEnv``) answers every assistant turn after ``await asyncio.sleep(0.2)``
+(a tool call or a remote service) for 3 turns; a tiny random-init Llama sized so that one
+rollout takes about as long as one train step (the async loop can at most hide the shorter of
+the two, so the ratio is bounded by ~2N/(N+1) for N steps even with perfect overlap).
+
+Wall time = the loop only (``summary["wall_seconds"]``: first rollout to last metrics line);
+Ray start, actor start and model loading are excluded on both sides. Per run it also prints
+the medians over steps of ``rollout_seconds``, ``step_train_seconds`` and
+``weight_sync_seconds`` from ``<save>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import agentrl  # noqa: E402
+from agentrl.config import TrainConfig  # noqa: E402
+
+SLEEP_S = 0.2
+
+
+class SleepEnv(agentrl.Env):
+    """Every step waits 200 ms (a slow tool), then asks for more; ``options["turns"]`` turns per episode.
+
+    Reward: the fraction of digits in each reply, over the turns (as ``envs.digits``).
+    """
+
+    async def reset(self, *, seed=None, options=None):
+        options = options or {}
+        self.turn, self.turns = 0, int(options.get("turns", 3))
+        return [{"role": "user", "content": options.get("prompt", "Count.")}], {}
+
+    async def step(self, action: agentrl.Action):
+        await asyncio.sleep(SLEEP_S)
+        self.turn += 1
+        chars = [c for c in action.text if not c.isspace()]
+        score = sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+        done = self.turn >= self.turns
+        obs = [] if done else [{"role": "user", "content": f"Tool output {self.turn}: 3 more baskets. Go on."}]
+        return obs, score / self.turns, done, False, {}
+
+
+def write_tasks(path: Path, turns: int, n: int = 256) -> Path:
+    """The task file: ``n`` prompts, each asking for ``turns`` turns."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"Count the apples in basket {i}. Answer with numbers.", "turns": turns}) + "\n")
+    return path
+
+
+def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_mode: bool) -> dict:
+    from agentrl.config import RolloutConfig, RunConfig
+    from agentrl.runtime.train import train
+
+    n = a.rollout_batch_size * a.n_samples_per_prompt
+    cfg = RunConfig(
+        env=f"{Path(__file__).resolve()}:SleepEnv", prompt_data=str(tasks), hf_checkpoint=str(ckpt),
+        num_rollout=a.num_rollout,
+        rollout_batch_size=a.rollout_batch_size, save=str(save), async_mode=async_mode, dump_rollouts=False,
+        rollout=RolloutConfig(n_samples_per_prompt=a.n_samples_per_prompt, max_turns=a.turns,
+                              rollout_max_response_len=a.max_response_len, rollout_seed=7),
+        train=TrainConfig(lr=1e-5, global_batch_size=n, seed=7, max_tokens_per_gpu=a.max_tokens_per_gpu),
+    )
+    summary = train(cfg)
+    lines = [json.loads(line) for line in open(save / "metrics.jsonl")]
+
+    def med(key: str) -> float:
+        return statistics.median(float(x.get(key) or 0.0) for x in lines)
+
+    return {"wall": float(summary["wall_seconds"]), "rollout": med("rollout_seconds"),
+            "train": med("step_train_seconds"), "sync": med("weight_sync_seconds"),
+            "stale": sum(int(x.get("dropped_stale") or 0) for x in lines), "steps": len(lines)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=2, help="sync/async pairs")
+    p.add_argument("--num-rollout", type=int, default=8)
+    p.add_argument("--rollout-batch-size", type=int, default=8)
+    p.add_argument("--n-samples-per-prompt", type=int, default=4)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-response-len", type=int, default=24)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=TrainConfig.max_tokens_per_gpu)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=6)
+    a = p.parse_args()
+    logging.getLogger("agentrl").setLevel(logging.ERROR)
+
+    from agentrl.tiny import build_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="p6_"))
+    ckpt = build_model(tmp / "model", hidden_size=a.hidden, num_layers=a.layers)
+    tasks = write_tasks(tmp / "tasks.jsonl", a.turns)
+    print(f"tiny Llama hidden {a.hidden} x {a.layers} layers; {a.num_rollout} steps of "
+          f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s")
+    ratios = []
+    for r in range(a.reps):
+        res = {}
+        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+            res[mode] = x = run_once(a, ckpt, tasks, tmp / f"run{r}_{'async' if mode else 'sync'}", mode)
+            print(f"rep {r} {'async' if mode else 'sync '}: wall {x['wall']:.1f}s over {x['steps']} steps; per step "
+                  f"(median) rollout {x['rollout']:.2f}s, train {x['train']:.2f}s, weight sync {x['sync']:.2f}s; "
+                  f"stale samples dropped {x['stale']}", flush=True)
+        ratios.append(res[False]["wall"] / res[True]["wall"])
+        print(f"rep {r}: sync/async wall = {ratios[-1]:.2f}", flush=True)
+    bound = 2 * a.num_rollout / (a.num_rollout + 1)
+    print(f"P6 wall time (sync / async), median of {a.reps}: {statistics.median(ratios):.2f}  (goal >= 1.6; "
+          f"perfect overlap of equal rollout and train times would give {bound:.2f})")
+
+
+if __name__ == "__main__":
+    main()
