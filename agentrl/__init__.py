@@ -2,12 +2,15 @@
 
 Write an environment (:class:`Env`, or :class:`ToolEnv` with :func:`tool` functions); the SDK's
 generate loop drives token-exact multi-turn episodes against SGLang-compatible engines and hands
-out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards.
+out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards;
+:func:`train` (``agentrl train``) runs GRPO-family training on them with a :class:`RunConfig`.
 """
 
 from agentrl.check import check_env
+from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 from agentrl.env import Env, ToolEnv, load_env, make, register
 from agentrl.tool import Tool, ToolError, ToolResult, tool
+from agentrl.runtime.train import train
 from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
 
 
@@ -16,6 +19,8 @@ __all__ = [
     "Env",
     "Message",
     "ParseError",
+    "RolloutConfig",
+    "RunConfig",
     "Sample",
     "Status",
     "Tool",
@@ -23,11 +28,13 @@ __all__ = [
     "ToolEnv",
     "ToolError",
     "ToolResult",
+    "TrainConfig",
     "check_env",
     "load_env",
     "make",
     "register",
     "tool",
+    "train",
 ]
 
 __version__ = "0.1.0"

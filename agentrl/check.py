@@ -101,10 +101,13 @@ def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[
         if props:
             out.append((f"wrong argument types for {t.name}", _call_text(t.name, {k: _wrong_value(v) for k, v in props.items()})))
             out.append((f"missing arguments for {t.name}", _call_text(t.name, {})))
+    if env.tools:  # an env without tools need not answer tool-call text with tool messages
+        out += [
+            ("broken JSON tool call", _call_text("calc", {"x": 1})[:-9] + "{</tool_call>"),
+            ("unclosed tool call", _call_text("calc", {})[:14]),
+            ("unknown tool", _call_text("no_such_tool", {"a": 1})),
+        ]
     out += [
-        ("broken JSON tool call", _call_text("calc", {"x": 1})[:-9] + "{</tool_call>"),
-        ("unclosed tool call", _call_text("calc", {})[:14]),
-        ("unknown tool", _call_text("no_such_tool", {"a": 1})),
         ("empty text", ""),
         ("huge text", "lorem ipsum " * 20000),
         ("random text", "".join(rng.choice(string.printable + "éü中🙂") for _ in range(300))),

@@ -141,16 +141,17 @@ class _Runtime:
         placement = self.placement = plan_placement(cfg)
         print(f"starting {cfg.trainer_world_size} trainer rank(s) and "
               f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...", file=sys.stderr)
+        t_threads, e_threads = _threads(cfg, placement)
         if cfg.engine_url:
             self.engines = EngineGroup.external(cfg.engine_url)
         else:
             self.engines = EngineGroup.embedded(
                 self.checkpoint, len(placement.engines), num_cpus=placement.engine_cpus, num_gpus=placement.engine_gpus,
                 placement=placement.engines, max_running_requests=cfg.engine_max_running_requests,
-                seed=cfg.rollout.rollout_seed)
+                seed=cfg.rollout.rollout_seed, num_threads=e_threads)
         self.trainers = TrainerGroup(self.checkpoint, cfg.train, world_size=cfg.trainer_world_size,
                                      num_cpus=placement.trainer_cpus, num_gpus=placement.trainer_gpus,
-                                     placement_group=placement.trainer[0][0])
+                                     placement_group=placement.trainer[0][0], num_threads=t_threads)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -223,6 +224,21 @@ class _Runtime:
                          sync_weights=self.sync_weights, metrics=self.metrics, args=args,
                          custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
                          evaluator=evaluator)
+
+
+def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:
+    """torch threads for trainer ranks and engines on CPU: a synchronous loop runs one phase at a
+    time, so each phase gets every core; in async mode they run together and split the cores."""
+    import os
+
+    if placement.trainer_gpus or placement.engine_gpus:
+        return None, None
+    cores = os.cpu_count() or 1
+    world, engines = cfg.trainer_world_size, max(len(placement.engines), 1)
+    if cfg.async_mode:
+        share = max(1, cores // (world + engines))
+        return share, share
+    return max(1, cores // world), max(1, cores // engines)
 
 
 def _evaluator(cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_rm: Any, args: Any):

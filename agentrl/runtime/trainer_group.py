@@ -134,18 +134,19 @@ class TrainerActor:
 class TrainerGroup:
     """``world_size`` trainer ranks as Ray actors, with the :class:`~agentrl.trainer.base.Trainer` verbs.
 
-    ``num_cpus`` per actor also sets its torch/OMP thread count. On a GPU machine each actor asks
+    ``num_cpus`` per actor also sets its torch/OMP thread count unless ``num_threads`` is given (the
+    synchronous loop lets training use every core, since the engines idle meanwhile). On a GPU machine each actor asks
     for one GPU (``num_gpus=1``, or ``num_gpus`` if given). ``placement_group`` (optional) pins
     rank ``r`` to its bundle ``bundle_indices[r]`` (default: bundle ``r``).
     """
 
     def __init__(self, checkpoint: str | Path, cfg: TrainConfig, *, world_size: int = 1, num_cpus: float = 1,
                  num_gpus: float | None = None, placement_group: Any | None = None,
-                 bundle_indices: Sequence[int] | None = None):
+                 bundle_indices: Sequence[int] | None = None, num_threads: int | None = None):
         if num_gpus is None:
             num_gpus = 1 if _cluster_has_gpus() else 0
         self.cfg, self.world_size = cfg, world_size
-        threads = max(1, int(num_cpus))
+        threads = num_threads or max(1, int(num_cpus))
         remote = ray.remote(TrainerActor)
         self.actors = []
         for rank in range(world_size):
