@@ -4,12 +4,13 @@ Reward, scored on the final answer (a turn without a tool call):
 
 - 1.0 when the last number in it equals the label exactly;
 - otherwise partial credit (shaping), so a small model that never gets the answer right still has
-  something to learn from: 0.2 for a concise numeric answer (a number within ``CONCISE_WORDS``
-  words) and 0.2 when the episode made at least one successful calculator call.
+  something to learn from: up to 0.3 for a short numeric answer (0.3 for a bare number, falling
+  linearly to 0 at ``BREVITY_WORDS`` words) and 0.2 when the episode made at least one successful
+  calculator call.
 
 Partial credit never reaches the 1.0 of a correct answer, so pass@k (reward >= 1) still counts only
-correct answers. Out of the box SmolLM2-135M rambles without calling the tool (reward ~0.05);
-GRPO first learns the concise format. Tasks are generated locally (``Calculator.tasks()``) or read
+correct answers. Out of the box SmolLM2-135M rambles without calling the tool and is rarely right
+(reward ~0.03, most groups all-zero); GRPO first learns the short answer format. Tasks are generated locally (``Calculator.tasks()``) or read
 from a JSONL file with ``prompt`` and ``label`` keys (``envs/data/calculator.jsonl`` holds 64).
 """
 
@@ -22,7 +23,7 @@ import agentrl
 from tools.calculator import calculator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-CONCISE_WORDS = 12
+BREVITY_WORDS = 60
 
 _TEMPLATES = [
     ("A shop has {a} apples and receives {b} boxes of {c} apples each. How many apples does it have now?",
@@ -75,5 +76,6 @@ class Calculator(agentrl.ToolEnv):
                 return 1.0
         except (TypeError, ValueError):
             pass
-        concise = bool(numbers) and len(action.text.split()) <= CONCISE_WORDS
-        return 0.2 * concise + 0.2 * (getattr(self, "successful_calls", 0) > 0)
+        words = len(action.text.split())
+        brevity = max(0.0, 1.0 - (words - 1) / BREVITY_WORDS) if numbers else 0.0
+        return 0.3 * brevity + 0.2 * (getattr(self, "successful_calls", 0) > 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import agentrl
 from envs.calculator import Calculator
 
@@ -23,8 +25,9 @@ async def test_exact_answer_scores_one():
 
 
 async def test_shaping_credit_for_concise_answers_and_tool_use():
-    assert await _final_reward("It is 41.") == 0.2
-    assert await _final_reward("It is 41.", call=True) == 0.4
-    rambling = "Let us think about this very carefully step by step because numbers like 41 are tricky to get"
-    assert await _final_reward(rambling) == 0.0
-    assert await _final_reward("I do not know.") == 0.0
+    assert await _final_reward("41") == pytest.approx(0.3)  # a bare number: full brevity credit
+    assert await _final_reward("It is 41.") == pytest.approx(0.3 * (1 - 2 / 60))
+    assert await _final_reward("It is 41.", call=True) == pytest.approx(0.3 * (1 - 2 / 60) + 0.2)
+    assert await _final_reward(" ".join(["word"] * 80) + " 41") == 0.0  # past BREVITY_WORDS
+    assert await _final_reward("I do not know.") == 0.0  # no number, no credit
+    assert await _final_reward("I do not know.", call=True) == pytest.approx(0.2)
