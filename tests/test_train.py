@@ -206,3 +206,51 @@ def test_weight_sync_modes_reach_the_engine(tiny_ckpt, tmp_path, ray_local, sync
     assert set(used) == ({sync} if sync in ("shared_memory", "object_store") else set())
     versions = {v for s in _dump(save, 1) for v in s["weight_versions"]}
     assert versions == {"1"}, versions  # step 1 was sampled with the weights trained at step 0
+
+
+def test_group_rm_and_colocate(tiny_ckpt, tmp_path, ray_local, monkeypatch):
+    from agentrl.engines.router import Router
+    from agentrl.runtime.train import train
+
+    (tmp_path / "group_rm.py").write_text(
+        "def rank_bonus(args, samples):\n"
+        "    assert len(samples) == args.n_samples_per_prompt\n"
+        "    return [0.01 * i for i in range(len(samples))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    memory_calls = []
+    real_release, real_resume = Router.release_memory_occupation, Router.resume_memory_occupation
+
+    async def release(self, tags=None):
+        memory_calls.append(("release", tags))
+        await real_release(self, tags)
+
+    async def resume(self, tags=None):
+        memory_calls.append(("resume", tags))
+        await real_resume(self, tags)
+
+    monkeypatch.setattr(Router, "release_memory_occupation", release)
+    monkeypatch.setattr(Router, "resume_memory_occupation", resume)
+    save = tmp_path / "run"
+    train(_cfg(tiny_ckpt, save, custom_rm_path="group_rm:rank_bonus", group_rm=True, colocate=True))
+    samples = [s for s in _dump(save, 0) if s["status"] in ("completed", "truncated")]
+    assert samples and all("rm_reward" in s["metadata"] for s in samples)
+    assert {round(s["metadata"]["rm_reward"], 2) for s in samples} <= {0.0, 0.01, 0.02, 0.03}
+    for s in samples:
+        assert s["reward"] == pytest.approx(sum(s["metadata"]["turn_rewards"]) + s["metadata"]["rm_reward"])
+    # colocated: engines release their KV cache around every train step and get it back
+    assert memory_calls == [("release", ["kv_cache"]), ("resume", ["kv_cache"])] * 2
+
+
+def test_eval_command_reports_pass_at_k(tiny_ckpt, tiny_server, tmp_path, capsys):
+    evalset = tmp_path / "eval.jsonl"
+    evalset.write_text("".join(json.dumps({"prompt": f"How many apples? {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--env", "envs.digits:Digits", "--hf-checkpoint", str(tiny_ckpt), "--engine-url", tiny_server,
+               "--eval-prompt-data", "digits", str(evalset), "--n-samples-per-eval-prompt", "4",
+               "--success-threshold", "0.01", "--rollout-max-response-len", "8", "--output", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "pass@4" in table and "digits" in table
+    res = json.loads(out.read_text())["digits"]
+    assert res["num_prompts"] == 3 and res["num_samples"] == 12
+    assert 0.0 <= res["pass@1"] <= res["pass@2"] <= res["pass@4"] <= 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from agentrl.view import find_run_checkpoint, render_html, token_table, write_vi
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_browser = pytest.mark.skipif(CHROMIUM is None, reason="no chromium/chrome binary on PATH for the headless DOM checks")
+# CI installs chromium and sets AGENTRL_REQUIRE_BROWSER=1, so there a missing browser fails instead of skipping.
+needs_browser = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("AGENTRL_REQUIRE_BROWSER"),
+                                   reason="no chromium/chrome binary on PATH for the headless DOM checks")
 
 PWN = "<script>document.body.setAttribute('data-pwned','1')</script><img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">"
 

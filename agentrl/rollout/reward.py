@@ -1,4 +1,5 @@
-"""Rewards on top of the environment's: slime's ``--custom-rm-path`` reward function.
+"""Rewards on top of the environment's: slime's ``--custom-rm-path`` reward function (per sample,
+or per group with ``--group-rm``).
 
 ``async def reward_func(args, sample) -> float`` (sync functions work too) is called once per
 finished sample; its score is *added* to the sum of the env's per-turn rewards and recorded in
@@ -34,3 +35,31 @@ async def apply_custom_reward(fn: RewardFn, args: Any, sample: Sample) -> Sample
     sample.metadata["rm_reward"] = float(score)
     sample.reward = float(sample.reward or 0.0) + float(score)
     return sample
+
+
+async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, samples: list[Sample]) -> list[Sample]:
+    """slime's ``--group-rm``: ``fn(args, samples) -> list[float]`` scores a whole group in one call.
+
+    Each score is added to its sample's reward (completed/truncated samples only, as with
+    :func:`apply_custom_reward`). A function that raises or returns the wrong number of finite
+    scores fails every sample of the group (``reward_error``).
+    """
+    live = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
+    if not live:
+        return samples
+    try:
+        scores = list(await maybe_await(fn(args, live)))
+        if len(scores) != len(live) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores):
+            raise TypeError(f"the group reward function returned {scores!r}; expected {len(live)} finite numbers")
+    except Exception as exc:
+        error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+        for s in live:
+            s.status = Status.FAILED
+            s.metadata["status_reason"] = "reward_error"
+            s.metadata["error"] = error
+        return samples
+    for s, score in zip(live, scores):
+        s.metadata["rm_reward"] = float(score)
+        s.reward = float(s.reward or 0.0) + float(score)
+    return samples

@@ -34,6 +34,7 @@ from agentrl.algo.advantages import compute_advantages
 from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
+from agentrl.rollout.reward import apply_group_reward
 from agentrl.runtime import checkpoints
 from agentrl.runtime.data import BufferedSource, Group, staleness
 from agentrl.trainer.base import TrainSample
@@ -130,8 +131,10 @@ class TrainLoop:
         rc = self.ctx.config
         seed = rc.rollout_seed + 1_000_003 * step + 7_919 * round_
         ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(rc, rollout_seed=seed))
+        group_rm = self.cfg.group_rm and self.custom_reward is not None
         samples, _ = await generate_rollout(ctx, self.env_factory, rows, args=self.args,
-                                            custom_generate=self.custom_generate, custom_reward=self.custom_reward)
+                                            custom_generate=self.custom_generate,
+                                            custom_reward=None if group_rm else self.custom_reward)
         by_group: dict[int, Group] = {}
         for s in samples:
             by_group.setdefault(int(s.group_index or 0), []).append(s)
@@ -141,6 +144,8 @@ class TrainLoop:
                 s.metadata["task"] = rows[g]
                 s.metadata["rollout_id"] = step
                 s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
+            if group_rm:
+                await apply_group_reward(self.custom_reward, self.args, members)
             groups.append(members)
         return groups
 

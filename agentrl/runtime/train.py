@@ -223,7 +223,20 @@ class _Runtime:
         return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
                          sync_weights=self.sync_weights, metrics=self.metrics, args=args,
                          custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
-                         evaluator=evaluator)
+                         evaluator=evaluator, engine_memory=_EngineMemory(engine) if cfg.colocate else None)
+
+
+class _EngineMemory:
+    """``--colocate``: engines give back their KV cache while the trainer uses the shared devices."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    async def release(self) -> None:
+        await self.engine.release_memory_occupation(["kv_cache"])
+
+    async def resume(self) -> None:
+        await self.engine.resume_memory_occupation(["kv_cache"])
 
 
 def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:
