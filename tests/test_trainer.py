@@ -330,3 +330,22 @@ def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
         if started:
             ray.shutdown()
     print(f"ray fsdp2 test body: {time.perf_counter() - t0:.1f}s")
+
+
+def test_packed_attention_matches_separate_forwards_and_falls_back(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer import packed_attention
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    assert packed_attention.enable(packed)  # the tiny model uses grouped-query attention (4 heads, 2 kv)
+    lens = [7, 12, 5]
+    ids = torch.randint(0, 300, (1, sum(lens)), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with packed_attention.segments(pos):
+        out = packed(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    alone = torch.cat([plain(input_ids=part, use_cache=False).logits[0] for part in ids.split(lens, dim=1)])
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
+    # outside a segments block it is plain SDPA (here: one causal sequence)
+    torch.testing.assert_close(packed(input_ids=ids, use_cache=False).logits, plain(input_ids=ids, use_cache=False).logits)

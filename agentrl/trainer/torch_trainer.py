@@ -33,6 +33,7 @@ Resuming needs the same world size (optimizer shards are per rank).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import time
@@ -47,6 +48,7 @@ from torch import nn
 
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
+from agentrl.trainer import packed_attention
 from agentrl.trainer.base import LogProbs, Trainer, TrainSample
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 
@@ -115,13 +117,17 @@ class TorchTrainer(Trainer):
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", rank=rank, world_size=world_size)
         self.model = load_causal_lm(self.checkpoint_path, torch.float32, self.device)
-        self.explicit_mask = not _packing_is_isolated(self.model, self.device)
+        # per-sample attention inside packed rows (no cross-sample T x T work), where transformers allows
+        self.packed_attention = packed_attention.enable(self.model)
+        self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.ref_model = None
         if cfg.use_kl_loss:
             self.ref_model = load_causal_lm(self.checkpoint_path, self.dtype, self.device).eval()
             self.ref_model.requires_grad_(False)
+            if self.packed_attention and not packed_attention.enable(self.ref_model):
+                self.packed_attention, self.explicit_mask = False, not _packing_is_isolated(self.model, self.device)
         if world_size > 1:
             self._shard()
         self.optimizer = torch.optim.AdamW(
@@ -146,10 +152,14 @@ class TorchTrainer(Trainer):
         """bf16/fp16 compute over fp32 master weights: a 1e-6 AdamW update vanishes in bf16 weights."""
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
+    def _segments(self, batch: PackedBatch):
+        """Announce the row's samples to the per-sample attention (re-entering it is harmless)."""
+        return packed_attention.segments(batch.position_ids) if self.packed_attention else contextlib.nullcontext()
+
     def _logits(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
         """Logits [N, V] at the positions that predict the batch's response tokens."""
         mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
-        with self._autocast():
+        with self._autocast(), self._segments(batch):
             out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
                         use_cache=False, logits_to_keep=batch.logit_positions)
         logits = out.logits[0]
@@ -239,8 +249,10 @@ class TorchTrainer(Trainer):
             if batch is None:
                 self._dummy_pass(self.model, backward=True)
                 continue
-            loss, metrics = self._micro_batch_loss(batch.to(self.device), num_tokens, num_seqs)
-            (loss * self.world_size).backward()
+            batch = batch.to(self.device)
+            with self._segments(batch):  # activation checkpointing recomputes the forward in backward
+                loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs)
+                (loss * self.world_size).backward()
             sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] += v
