@@ -35,6 +35,7 @@ import torch
 
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, sample_batch
+from agentrl.engines.local.weights import WeightUpdateError, apply_weights, read_source
 
 log = logging.getLogger(__name__)
 
@@ -340,46 +341,11 @@ class LocalEngine:
 
     def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False,
                       assign: bool = False) -> dict:
-        from safetensors.torch import load_file
-
-        fail = {"success": False, "num_paused_requests": 0}
-        if isinstance(source, dict):
-            try:
-                loaded = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-                          for k, v in source.items()}
-            except Exception as exc:  # noqa: BLE001 - a bad tensor is a failed update
-                return {**fail, "message": f"bad tensors: {exc}"}
-            return self._apply_weights(loaded, version, "tensors", partial=partial, assign=assign)
-        path = source
-        folder = Path(path)
-        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-        if not files:
-            return {**fail, "message": f"no *.safetensors files in {path!r}"}
         try:
-            loaded: dict[str, torch.Tensor] = {}
-            for f in files:
-                loaded.update(load_file(str(f)))
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a failed update
-            return {**fail, "message": f"failed to read {path!r}: {exc}"}
-        return self._apply_weights(loaded, version, f"checkpoint {path!r}")
-
-    def _apply_weights(self, loaded: dict[str, torch.Tensor], version: str | None, what: str, *,
-                       partial: bool = False, assign: bool = False) -> dict:
-        fail = {"success": False, "num_paused_requests": 0}
-        params = self.model.state_dict()
-        unexpected = [k for k in loaded if k not in params and not k.endswith("rotary_emb.inv_freq")]
-        shapes = [k for k in loaded if k in params and loaded[k].shape != params[k].shape]
-        given = {params[k].data_ptr() for k in loaded if k in params}
-        missing = [] if partial else [k for k in params if k not in loaded and params[k].data_ptr() not in given]
-        if unexpected or shapes or missing:
-            return {**fail, "message": f"{what} does not match the model: unexpected={unexpected[:5]} "
-                                       f"shape_mismatch={shapes[:5]} missing={missing[:5]}"}
-        live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())} if assign else {}
-        for k, t in loaded.items():
-            if k in live and t.dtype == live[k].dtype and t.device == live[k].device:
-                live[k].data = t  # tied weights share one Parameter: re-pointing it serves both names
-            elif k in params:
-                params[k].copy_(t.to(params[k].dtype))
+            loaded, what = read_source(source)
+            apply_weights(self.model, loaded, what, partial=partial, assign=assign)
+        except WeightUpdateError as exc:
+            return {"success": False, "message": str(exc), "num_paused_requests": 0}
         self.store.clear()
         self._version_counter += 1
         if version is not None or not partial:
