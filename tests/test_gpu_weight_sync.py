@@ -26,8 +26,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang"),
 ]
 
-PROMPT = [5, 17, 42, 99, 7, 120, 33, 64]
-N_NEW = 6
+from tests.test_weight_sync import N_NEW, PROMPT, reference  # the same greedy reference as the CPU test
 
 
 def _free_port() -> int:
@@ -92,17 +91,6 @@ def dominated(model, base: dict, token: int) -> dict:
     state = {k: v.clone() for k, v in base.items()}
     state["lm_head.weight"][token] = 40.0 * hbar / hbar.dot(hbar)
     return state
-
-
-def reference(model, state: dict) -> tuple[list[int], list[float]]:
-    model.load_state_dict(state)
-    ids, lps = list(PROMPT), []
-    with torch.no_grad():
-        for _ in range(N_NEW):
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            ids.append(int(logp.argmax()))
-            lps.append(float(logp[ids[-1]]))
-    return ids[len(PROMPT):], lps
 
 
 def generate(url: str) -> tuple[list[int], list[float]]:
