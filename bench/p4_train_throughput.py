@@ -1,6 +1,7 @@
 """P4: train tokens/s of agentrl's ``torch`` trainer / TRL's ``GRPOTrainer``, same samples, same run. Goal >= 1.5.
 
-    python bench/p4_train_throughput.py [--model tiny|default] [--samples 16] [--micro-batch 4] [--reps 3]
+    python bench/p4_train_throughput.py [--model tiny|default] [--samples 16] [--micro-batch 4] [--reps 5]
+                                        [--max-tokens-per-gpu 1280,4096] [--threads N]
 
 Both sides train the SAME fixed samples (prompt 40-120 + response 20-200 tokens, random ids, response
 loss masks with 0-spans standing in for tool outputs, advantage +-1 per sample) from the SAME
@@ -11,8 +12,12 @@ pass per rollout). Same process, same ``torch`` threads; repetitions interleave 
 
   agentrl: ``TorchTrainer.train_step(samples)`` with ``global_batch_size = --samples``: the samples
     are packed (first-fit decreasing) into micro-batches of at most ``max_tokens_per_gpu`` tokens,
-    no padding. Default budget = ``--micro-batch x (longest prompt + longest response)``, the worst
-    case of TRL's padded micro-batch: the same activation-memory bound on both sides.
+    no padding. Two budgets by default, each its own column: ``--micro-batch x L`` = 1280 tokens
+    (L = 320 = the longest possible sample: the worst case of TRL's padded micro-batch, so the
+    same activation-memory bound on both sides) and TrainConfig's default 4096. Attention inside a
+    packed row runs per sample (``agentrl.trainer.packed_attention``); before that, CPU SDPA with
+    the block-diagonal mask computed all T x T scores of the row and a 1280-token row cost the tiny
+    model everything packing saved (ratio 1.01 there, 1.61 with 320-token rows).
   TRL: GRPOTrainer's own training path with generation swapped out. A subclass overrides ONLY
     ``_generate_and_score_completions`` to return the samples as that method would
     (``prompt_ids`` left-padded, ``completion_ids`` right-padded over the whole generation batch,
@@ -31,14 +36,16 @@ gradient_checkpointing=False, report_to=[])``, a zero reward function (never cal
 ``datasets.Dataset`` of placeholder prompts (never read), the model passed as an instance.
 
 ``--model tiny`` builds a random-init Llama (hidden 256, 4 layers, vocab 400) in a temp dir;
-``--model default`` is SmolLM2-135M-Instruct (``resolve_hf_checkpoint``; ~20 s per step here,
-use ``--samples 8 --reps 2``).
+``--model default`` is SmolLM2-135M-Instruct (``resolve_hf_checkpoint``; 20-70 s per step and
+side here: use ``--reps 2``). On a shared 2-core machine, ``--threads 1`` keeps both sides from
+oversubscribing the cores when another job runs (2 OpenMP threads on 1 free core run ~10x slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,9 +84,8 @@ def make_samples(n: int, vocab: int, seed: int = 0) -> list[TrainSample]:
 
 
 class AgentrlSide:
-    name = "agentrl"
-
     def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int):
+        self.name = f"agentrl@{max_tokens}"
         from agentrl.trainer.torch_trainer import TorchTrainer
 
         cfg = TrainConfig(lr=LR, global_batch_size=len(samples), num_steps_per_rollout=1, max_tokens_per_gpu=max_tokens,
@@ -147,8 +153,9 @@ class TrlSide:
         model = load_causal_lm(ckpt, torch.float32, torch.device("cpu"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            placeholder = Dataset.from_dict({"prompt": ["placeholder"] * len(samples)})
             self.trainer = ReplayGRPOTrainer(model=model, reward_funcs=zero_reward, args=args, processing_class=tok,
-                                             train_dataset=Dataset.from_dict({"prompt": ["placeholder"] * len(samples)}))
+                                             train_dataset=placeholder)
         self.trainer.batch = _trl_batch(samples, tok.pad_token_id if tok.pad_token_id is not None else 0)
         self.trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
 
@@ -173,10 +180,14 @@ def main() -> None:
     p.add_argument("--hf-checkpoint", default=None, help="any local HF checkpoint (overrides --model)")
     p.add_argument("--samples", type=int, default=16, help="samples per optimizer step (both sides)")
     p.add_argument("--micro-batch", type=int, default=4, help="TRL per_device_train_batch_size")
-    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
-                   help="agentrl packing budget (default: micro-batch x (max prompt + max response))")
+    p.add_argument("--max-tokens-per-gpu", default=None,
+                   help="agentrl packing budget(s), comma-separated (default: micro-batch x L, L = longest "
+                        "possible sample = 320, and TrainConfig's default 4096)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     tmp = tempfile.mkdtemp(prefix="p4_")
     if a.hf_checkpoint:
@@ -193,27 +204,35 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(str(ckpt)).vocab_size
     samples = make_samples(a.samples, vocab)
-    budget = a.max_tokens_per_gpu or a.micro_batch * (PROMPT_LEN[1] + RESPONSE_LEN[1])
+    longest = PROMPT_LEN[1] + RESPONSE_LEN[1]
+    budgets = [int(b) for b in a.max_tokens_per_gpu.split(",")] if a.max_tokens_per_gpu else \
+        [a.micro_batch * longest, TrainConfig.max_tokens_per_gpu]
     tokens = sum(len(s.tokens) for s in samples)
     padded = a.samples * (max(s.prompt_length for s in samples) + max(s.response_length for s in samples))
     print(f"model {ckpt} (vocab {vocab}), torch threads {torch.get_num_threads()}; {a.samples} samples/step, "
-          f"{tokens} tokens ({padded} as TRL pads them); TRL micro-batch {a.micro_batch}, agentrl budget {budget}")
+          f"{tokens} tokens, {padded} as TRL pads them (x{padded / tokens:.2f}: the ceiling of packing's gain "
+          f"at equal per-token cost); TRL micro-batch {a.micro_batch}, agentrl budgets {budgets} tokens")
 
-    sides = [AgentrlSide(ckpt, samples, budget), TrlSide(ckpt, samples, a.micro_batch, tmp)]
+    sides = [AgentrlSide(ckpt, samples, b) for b in budgets] + [TrlSide(ckpt, samples, a.micro_batch, tmp)]
     for side in sides:  # warm-up (allocator, AdamW state), not counted
-        print(f"warm-up {side.name}: {side.step():.2f}s")
-    rates: dict[str, list[float]] = {s.name: [] for s in sides}
-    print(f"{'rep':>3} {'agentrl tok/s':>14} {'TRL tok/s':>10} {'ratio':>6}")
-    ratios = []
+        print(f"warm-up {side.name}: {side.step():.2f}s", flush=True)
+    names = [s.name for s in sides]
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names[:-1]}
+    print("rep " + " ".join(f"{n + ' tok/s':>22}" for n in names) + " " + " ".join(f"{'ratio@' + str(b):>11}"
+                                                                                    for b in budgets))
     for r in range(a.reps):
         order = sides if r % 2 == 0 else sides[::-1]  # A,B then B,A: neither side always runs first
         for side in order:
             rates[side.name].append(tokens / side.step())
-        ratios.append(rates["agentrl"][-1] / rates["TRL"][-1])
-        print(f"{r:>3} {rates['agentrl'][-1]:>14.1f} {rates['TRL'][-1]:>10.1f} {ratios[-1]:>6.2f}")
-    print(f"P4 train tokens/s (agentrl torch / TRL GRPOTrainer), median of {a.reps}: "
-          f"{statistics.median(ratios):.2f}  (goal >= 1.5)")
-
+        for n in ratios:
+            ratios[n].append(rates[n][-1] / rates["TRL"][-1])
+        print(f"{r:>3} " + " ".join(f"{rates[n][-1]:>22.1f}" for n in names) + " "
+              + " ".join(f"{ratios[n][-1]:>11.2f}" for n in ratios), flush=True)
+    for b, n in zip(budgets, ratios):
+        print(f"P4 train tokens/s (agentrl torch, {b}-token micro-batches / TRL GRPOTrainer, micro-batch "
+              f"{a.micro_batch}), median of {a.reps}: {statistics.median(ratios[n]):.2f}  (goal >= 1.5)")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 if __name__ == "__main__":
     main()
