@@ -148,6 +148,9 @@ def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_loca
     from agentrl.runtime.train import train
 
     (tmp_path / "my_source.py").write_text(
+        "from envs.digits import Digits\n"
+        "class NoTaskDigits(Digits):\n"
+        "    tasks = None  # prompts come only from the data source\n"
         "class Source:\n"
         "    def __init__(self, args):\n"
         "        self.n = 0\n"
@@ -161,7 +164,8 @@ def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_loca
     evalset = tmp_path / "eval.jsonl"
     evalset.write_text("".join(json.dumps({"prompt": f"eval {i}"}) + "\n" for i in range(2)))
     save = tmp_path / "run"
-    train(_cfg(tiny_ckpt, save, data_source_path="my_source:Source", eval_prompt_data=[("held", str(evalset))],
+    train(_cfg(tiny_ckpt, save, env="my_source:NoTaskDigits", data_source_path="my_source:Source",
+               eval_prompt_data=[("held", str(evalset))],
                eval_interval=1, n_samples_per_eval_prompt=2))
     assert all(s["metadata"]["task"]["prompt"].startswith("custom prompt") for s in _dump(save, 0))
     line = _lines(save)[0]

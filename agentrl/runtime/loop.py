@@ -220,12 +220,16 @@ class TrainLoop:
         cfg = self.cfg
         lines: list[dict[str, Any]] = []
         pending: asyncio.Task | None = None
-        for step in range(self.start_step, cfg.num_rollout):
-            batch = await pending if pending is not None else await self.collect(step)
-            pending = None
-            if cfg.async_mode and step + 1 < cfg.num_rollout:
-                pending = asyncio.create_task(self.collect(step + 1))  # overlaps this step's training
-            lines.append(await self.step(step, batch))
+        try:
+            for step in range(self.start_step, cfg.num_rollout):
+                batch = await pending if pending is not None else await self.collect(step)
+                pending = None
+                if cfg.async_mode and step + 1 < cfg.num_rollout:
+                    pending = asyncio.create_task(self.collect(step + 1))  # overlaps this step's training
+                lines.append(await self.step(step, batch))
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()  # a failed step must not leave a rollout running against the engines
         return lines
 
     async def step(self, step: int, batch: Batch) -> dict[str, Any]:

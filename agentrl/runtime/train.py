@@ -69,7 +69,8 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     cfg.validate()
     cfg.train.logit_temperature = cfg.rollout.rollout_temperature  # trainer log-probs match the engine's
     factory = load_env(cfg.env) if cfg.env else None
-    rows = _tasks(cfg, factory) if (factory is not None or cfg.prompt_data) else []
+    # a user data source (--data-source-path) brings its own prompts
+    rows = _tasks(cfg, factory) if not cfg.data_source_path and (factory is not None or cfg.prompt_data) else []
     eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
                  for name, path in cfg.eval_prompt_data}
     custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
