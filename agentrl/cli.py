@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "eval":
             return cmd_eval(args)
         if args.command == "train":
-            return cmd_train(args, argv)
+            return cmd_train(args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "check-env":
@@ -172,21 +172,10 @@ def _exit_when_stdin_closes() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.engines.local.server import serve
+    from agentrl.engines.local.server import openai_tool_parser, serve
 
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
-    tool_parser = None
-    if args.tool_call_parser and args.tool_call_parser != "none":
-        from agentrl.parsing import get_parser
-
-        parser = get_parser(args.tool_call_parser)
-
-        def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-            content, calls, _ = parser.parse(text)
-            return content, [c.to_openai() for c in calls]
-
-        tool_parser = parse_tool_calls
-
+    tool_parser = openai_tool_parser(args.tool_call_parser)
     if args.exit_with_stdin:
         _exit_when_stdin_closes()
     serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
@@ -196,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # -- train ----------------------------------------------------------------------------------------
 
-def cmd_train(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     from agentrl.config import load_config_file, run_config_from_values
     from agentrl.runtime.train import train
 
@@ -232,19 +221,10 @@ def cmd_check_env(args: argparse.Namespace) -> int:
 # -- rollout ----------------------------------------------------------------------------------------
 
 def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
-    from agentrl.rollout.generate import load_tasks, task_from_row
+    from agentrl.rollout.generate import task_rows
 
-    if args.prompt_data:
-        rows = load_tasks(args.prompt_data, input_key=args.input_key, label_key=args.label_key)
-    else:
-        source = getattr(factory, "tasks", None)
-        if source is None:
-            raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
-        rows = [task_from_row(r, input_key=args.input_key, label_key=args.label_key, where=f"{args.env}.tasks()")
-                for r in source()]
-    if getattr(args, "num_tasks", None):
-        rows = rows[: args.num_tasks]
-    return rows
+    rows = task_rows(factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key, env_name=args.env)
+    return rows[: args.num_tasks] if getattr(args, "num_tasks", None) else rows
 
 
 def _load_tokenizer(path: Path, chat_template_file: str | None):
@@ -339,6 +319,7 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     from agentrl.engines.http import ChatCompletionsClient, SGLangEngine, wait_healthy
     from agentrl.engines.router import Router
     from agentrl.rollout.episode import EpisodeContext
+    from agentrl.rollout.generate import bind_engine_args
 
     engine = Router([SGLangEngine(u) for u in urls])
     closers = [engine.close]
@@ -350,9 +331,7 @@ async def _context(args, cfg, urls, tokenizer, template_src):
         await wait_healthy(engine, timeout=60)
     template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
     ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
-    args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
-    host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
-    args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
+    bind_engine_args(args, engine, tokenizer, template, urls)
     return ctx, closers
 
 

@@ -68,6 +68,28 @@ def task_from_row(row: dict[str, Any], *, input_key: str = "prompt", label_key: 
     return task
 
 
+def task_rows(factory: Any, prompt_data: str | Path | None, *, input_key: str = "prompt", label_key: str = "label",
+              env_name: str | None = None) -> list[dict[str, Any]]:
+    """The tasks of a run: ``prompt_data`` (JSONL) if given, else the env class's own ``tasks()``."""
+    if prompt_data:
+        return load_tasks(prompt_data, input_key=input_key, label_key=label_key)
+    source = getattr(factory, "tasks", None)
+    if source is None:
+        raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
+    return [task_from_row(r, input_key=input_key, label_key=label_key, where=f"{env_name}.tasks()") for r in source()]
+
+
+def bind_engine_args(args: Any, engine: Any, tokenizer: Any, template: Any, urls: list[str]) -> None:
+    """Give slime-style user functions what they reach for on ``args``.
+
+    ``args.engine``, ``args.tokenizer``, ``args.chat_template_obj``, ``args.engine_urls``, and slime's
+    ``args.sglang_router_ip``/``sglang_router_port`` (the first engine's address).
+    """
+    args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
+    host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
+    args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
+
+
 @dataclass
 class RolloutSummary:
     """Counts and means over a rollout, printed at the end and written by the CLI."""

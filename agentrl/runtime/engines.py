@@ -72,7 +72,7 @@ class EngineServer:
 
         from agentrl.engines.local.engine import LocalEngine
         from agentrl.engines.local.process import free_port
-        from agentrl.engines.local.server import build_app
+        from agentrl.engines.local.server import build_app, openai_tool_parser
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -81,7 +81,7 @@ class EngineServer:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine = LocalEngine(checkpoint, **engine_kwargs)
-        app = build_app(self.engine, tool_parser=_tool_parser(tool_call_parser))
+        app = build_app(self.engine, tool_parser=openai_tool_parser(tool_call_parser))
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="agentrl-engine-http", daemon=True)
@@ -137,20 +137,6 @@ class EngineServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         asyncio.run(self.engine.close())
-
-
-def _tool_parser(name: str | None):
-    if not name or name == "none":
-        return None
-    from agentrl.parsing import get_parser
-
-    parser = get_parser(name)
-
-    def parse(text: str) -> tuple[str, list[dict]]:
-        content, calls, _ = parser.parse(text)
-        return content, [c.to_openai() for c in calls]
-
-    return parse
 
 
 class EngineGroup:

@@ -110,9 +110,8 @@ class TrainLoop:
                 log.warning("step %d: only %d/%d groups passed the dynamic sampling filter after %d rounds; "
                             "training on those", step, len(groups), need, rounds)
                 break
-            per_round = cfg.over_sampling_batch_size or need - len(groups)
-            if self.group_filter is None:
-                per_round = need - len(groups)
+            # over-sampling only pays when a filter may reject groups
+            per_round = (cfg.over_sampling_batch_size if self.group_filter is not None else None) or need - len(groups)
             rows = self.source.get_samples(per_round)
             new = await self._generate(rows, step, rounds)
             for g in new:

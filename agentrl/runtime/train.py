@@ -28,19 +28,6 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
-def _tasks(cfg: RunConfig, factory: Any) -> list[dict[str, Any]]:
-    from agentrl.rollout.generate import load_tasks, task_from_row
-
-    rc = cfg.rollout
-    if cfg.prompt_data:
-        return load_tasks(cfg.prompt_data, input_key=rc.input_key, label_key=rc.label_key)
-    source = getattr(factory, "tasks", None)
-    if source is None:
-        raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
-    return [task_from_row(r, input_key=rc.input_key, label_key=rc.label_key, where=f"{cfg.env}.tasks()")
-            for r in source()]
-
-
 def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
     from agentrl.env import load_function
     from agentrl.runtime.data import BufferedSource, DataSource, PromptSource
@@ -62,7 +49,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     """Run ``cfg`` to the end; return the last metrics line (plus the run folder)."""
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.env import load_env, load_function
-    from agentrl.rollout.generate import load_tasks
+    from agentrl.rollout.generate import load_tasks, task_rows
     from agentrl.runtime import checkpoints
     from agentrl.runtime.data import check_reward_nonzero_std
 
@@ -70,7 +57,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     cfg.train.logit_temperature = cfg.rollout.rollout_temperature  # trainer log-probs match the engine's
     factory = load_env(cfg.env) if cfg.env else None
     # a user data source (--data-source-path) brings its own prompts
-    rows = _tasks(cfg, factory) if not cfg.data_source_path and (factory is not None or cfg.prompt_data) else []
+    rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
+                      env_name=cfg.env)
+            if not cfg.data_source_path and (factory is not None or cfg.prompt_data) else [])
     eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
                  for name, path in cfg.eval_prompt_data}
     custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
@@ -207,6 +196,7 @@ class _Runtime:
         from agentrl.engines.router import Router
         from agentrl.metrics import MetricsLogger
         from agentrl.rollout.episode import EpisodeContext
+        from agentrl.rollout.generate import bind_engine_args
         from agentrl.runtime.loop import TrainLoop
 
         cfg = self.cfg
@@ -214,9 +204,7 @@ class _Runtime:
         template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
         engine = Router([SGLangEngine(u) for u in self.engines.urls])
         ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
-        args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, self.engines.urls
-        host, _, port = self.engines.urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
-        args.sglang_router_ip, args.sglang_router_port = host, int(port)
+        bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                      wandb_project=cfg.wandb_project, config=config_dict(cfg),
                                      total_steps=cfg.num_rollout, resume_step=resume_step)

@@ -64,6 +64,21 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+def openai_tool_parser(name: str | None) -> ToolParser | None:
+    """``--tool-call-parser NAME`` as the server's hook: text -> (content, OpenAI ``tool_calls``); None for none."""
+    if not name or name == "none":
+        return None
+    from agentrl.parsing import get_parser
+
+    parser = get_parser(name)
+
+    def parse(text: str) -> tuple[str, list[dict]]:
+        content, calls, _ = parser.parse(text)
+        return content, [c.to_openai() for c in calls]
+
+    return parse
+
+
 def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path)."""
     app = FastAPI(title="agentrl embedded engine")
