@@ -258,3 +258,15 @@ def test_eval_command_reports_pass_at_k(tiny_ckpt, tiny_server, tmp_path, capsys
     res = json.loads(out.read_text())["digits"]
     assert res["num_prompts"] == 3 and res["num_samples"] == 12
     assert 0.0 <= res["pass@1"] <= res["pass@2"] <= res["pass@4"] <= 1.0
+
+
+def test_placement_reserves_bundles_only_for_actors_it_starts(ray_local):
+    from agentrl.runtime.cluster import plan_placement
+
+    for kw, engines in (({}, 2), ({"engine_url": ["http://127.0.0.1:9"]}, 0)):
+        placement = plan_placement(RunConfig(env="envs.digits:Digits", num_engines=2, **kw))
+        try:
+            assert len(placement.trainer) == 1 and len(placement.engines) == engines
+            assert len(placement.group.bundle_specs) == 1 + engines
+        finally:
+            placement.release()

@@ -66,9 +66,13 @@ def plan_placement(cfg: RunConfig) -> Placement:
 
     world = cfg.trainer_world_size
     gpus_per_trainer = 1.0 if cfg.actor_num_gpus_per_node else 0.0
-    n_engines = len(cfg.engine_url) and 0 or (
-        cfg.rollout_num_gpus // cfg.rollout_num_gpus_per_engine if cfg.rollout_num_gpus else cfg.num_engines)
-    total_cpus = int(ray.available_resources().get("CPU", 1))
+    if cfg.engine_url:
+        n_engines = 0  # engines someone else runs need no bundles
+    elif cfg.rollout_num_gpus:
+        n_engines = cfg.rollout_num_gpus // cfg.rollout_num_gpus_per_engine
+    else:
+        n_engines = cfg.num_engines
+    total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
     if gpus_per_trainer:
         bundles = [{"GPU": 1.0, "CPU": 1.0} for _ in range(world)]
         engine_gpus = float(cfg.rollout_num_gpus_per_engine)
