@@ -64,6 +64,14 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--custom-rm-path", default=None, help="module:fn, slime's reward_func(args, sample) added to env rewards")
     p.add_argument("--engine-max-running-requests", type=int, default=32, help="embedded engine batch size")
     p.add_argument("--engine-log", default=None, help="file for the embedded engine's log")
+    p.add_argument("--sandbox", default=d.sandbox, choices=["auto", "docker", "local", "process"],
+                   help="where sandboxed tools run model code: docker, local (bubblewrap), process (weak), "
+                        "auto (docker if an engine answers, else local)")
+    p.add_argument("--sandbox-image", default=d.sandbox_image, help="docker image (build the default: agentrl sandbox build)")
+    p.add_argument("--sandbox-memory-mb", type=int, default=d.sandbox_memory_mb)
+    p.add_argument("--sandbox-timeout", type=float, default=d.sandbox_timeout, help="default seconds per sandboxed call")
+    p.add_argument("--sandbox-max-concurrency", type=int, default=d.sandbox_max_concurrency,
+                   help="sandboxes alive at once (episodes wait for one)")
 
 
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
@@ -74,8 +82,13 @@ def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
         rollout_stop=list(a.rollout_stop), rollout_stop_token_ids=list(a.rollout_stop_token_ids),
         rollout_seed=a.rollout_seed, rollout_concurrency=a.rollout_concurrency, env_step_timeout=a.env_step_timeout,
         input_key=a.input_key, label_key=a.label_key, tool_parser=a.tool_parser, tool_template=a.tool_template,
+        sandbox=a.sandbox, sandbox_image=a.sandbox_image, sandbox_memory_mb=a.sandbox_memory_mb,
+        sandbox_timeout=a.sandbox_timeout, sandbox_max_concurrency=a.sandbox_max_concurrency,
     )
     cfg.validate()
+    from agentrl import sandbox
+
+    sandbox.configure(cfg.sandbox_config())
     return cfg
 
 
@@ -124,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-tasks", type=int, default=3)
     c.add_argument("--step-timeout", type=float, default=30.0)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--sandbox", default="auto", choices=["auto", "docker", "local", "process"],
+                   help="backend for the env's sandboxed tools")
 
     v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
     v.add_argument("samples", help="JSONL of Samples (agentrl rollout output or a training rollout dump)")
@@ -206,6 +221,9 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from agentrl.check import check_env
     from agentrl.env import load_env
 
+    from agentrl import sandbox
+
+    sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
     factory = load_env(args.env)
     try:
         tasks = _load_task_rows(args, factory)

