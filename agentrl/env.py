@@ -239,6 +239,8 @@ def _registered(spec: str) -> EnvSpec | None:
     """
     if spec in registry:
         return registry[spec]
+    if spec.startswith(("gym:", "openenv:")):  # adapter specs (load_env), never a module named gym/openenv
+        return None
     module_name, sep, env_id = spec.partition(":")
     if sep and "/" in env_id:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
@@ -259,9 +261,15 @@ def load_env(spec: str | type[Env]) -> Callable[[], Env]:
 
     The factory builds one fresh env per episode, so episodes never share state. Attributes of the
     class (``tasks()``, ``tools``) stay reachable on the returned factory for registered ids too.
+    Environments of other frameworks run unchanged through :mod:`agentrl.adapters`:
+    ``gym:<gymnasium id>`` (optionally ``gym:module:<id>``) and ``openenv:<http://host:port>``.
     """
     if isinstance(spec, type):
         return spec
+    if spec.startswith(("gym:", "openenv:")):
+        from agentrl.adapters import adapter_factory
+
+        return adapter_factory(spec)
     reg = _registered(spec)
     if reg is not None:
         target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
@@ -270,7 +278,8 @@ def load_env(spec: str | type[Env]) -> Callable[[], Env]:
         return functools.partial(target, **reg.kwargs)
     if ":" not in spec:
         known = ", ".join(sorted(registry)) or "none"
-        raise ValueError(f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS nor a registered env id (known: {known})")
+        raise ValueError(f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
+                         f"nor a registered env id (known: {known})")
     target = _import_object(spec)
     if not callable(target):
         raise TypeError(f"{spec!r} is not a class or factory")
