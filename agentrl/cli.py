@@ -44,7 +44,8 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name sent to a chat-completions API (default: the first of /v1/models)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the chat API key")
     p.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt)
-    p.add_argument("--max-turns", type=int, default=d.max_turns)
+    p.add_argument("--max-turns", type=int, default=d.max_turns,
+                   help="assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)")
     p.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
                    help="max new tokens per assistant turn")
     p.add_argument("--rollout-max-context-len", type=int, default=d.rollout_max_context_len,
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", default=None, help="HTML file to write (default: SAMPLES with .html)")
     _add_model_args(v)
     v.add_argument("--limit", type=int, default=None, help="show only the first N samples")
+    _add_sandbox_parser(sub)
     return parser
 
 
@@ -166,10 +168,63 @@ def main(argv: Sequence[str] | None = None) -> int:
             from agentrl.view import cmd_view
 
             return cmd_view(args)
+        if args.command == "sandbox":
+            return cmd_sandbox(args)
     except (ValueError, FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+# -- sandbox ----------------------------------------------------------------------------------------
+
+def _add_sandbox_parser(sub: Any) -> None:
+    from agentrl.sandbox.base import DEFAULT_IMAGE
+
+    sb = sub.add_parser("sandbox", help="the Docker sandbox: build its image, remove leftover containers, audit it")
+    actions = sb.add_subparsers(dest="sandbox_action", required=True)
+    b = actions.add_parser("build", help="build the sandbox image from this host's Debian Python (no registry needed)")
+    b.add_argument("--image", default=DEFAULT_IMAGE, help="name:tag to build")
+    b.add_argument("--python", default="/usr/bin/python3.11", help="the host's Debian Python interpreter to copy")
+    r = actions.add_parser("reap", help="remove sandbox containers of dead or expired runs (--all: every one)")
+    r.add_argument("--all", action="store_true", help="remove every agentrl sandbox container, live runs' too")
+    # every argument after "check" (options included) belongs to the audit: no '-' options here
+    c = actions.add_parser("check", help="run hostile programs against a backend (agentrl sandbox check --help)",
+                           add_help=False, prefix_chars="\x01")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    """``agentrl sandbox build|reap|check``; check hands its arguments to ``agentrl.sandbox.audit.main``."""
+    import importlib.util
+
+    from agentrl.sandbox.base import SandboxError
+
+    try:
+        if args.sandbox_action == "check":
+            if importlib.util.find_spec("agentrl.sandbox.audit") is None:
+                print("agentrl sandbox check: not available in this version", file=sys.stderr)
+                return 2
+            from agentrl.sandbox import audit
+
+            return int(audit.main(list(args.rest)) or 0)
+        from agentrl.sandbox import docker as docker_backend
+
+        reason = docker_backend.unavailable_reason()
+        if reason:
+            raise SandboxError(reason)
+        if args.sandbox_action == "build":
+            from agentrl.sandbox.image import build_image
+
+            logging.getLogger("agentrl.sandbox").setLevel(logging.INFO)
+            print(build_image(args.image, python=args.python))
+            return 0
+        removed = docker_backend.reap(everything=args.all)
+        print(f"removed {removed} sandbox container(s)")
+        return 0
+    except SandboxError as exc:
+        print(f"agentrl sandbox {args.sandbox_action}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 # -- serve ------------------------------------------------------------------------------------------

@@ -16,12 +16,16 @@ from agentrl.engines.base import SamplingParams
 from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
 
 
+DEFAULT_MAX_TURNS = 4
+"""Assistant turns per episode when neither ``--max-turns`` nor the env's ``max_turns`` says."""
+
+
 @dataclass
 class RolloutConfig:
     """Everything that shapes how episodes are generated."""
 
     n_samples_per_prompt: int = 1
-    max_turns: int = 4
+    max_turns: int | None = None  # None: the env's own max_turns, else DEFAULT_MAX_TURNS; both set: the smaller
     rollout_max_response_len: int = 256
     rollout_max_context_len: int | None = None
     rollout_temperature: float = 1.0
@@ -42,6 +46,15 @@ class RolloutConfig:
     sandbox_timeout: float = 10.0
     sandbox_max_concurrency: int = 8
 
+    def turn_limit(self, env_max_turns: int | None) -> int:
+        """Assistant turns allowed in an episode of an env whose own limit is ``env_max_turns``.
+
+        The env's limit belongs to the game (Wordle has 6 guesses), so it applies unless
+        ``--max-turns`` asks for fewer; with neither set, :data:`DEFAULT_MAX_TURNS`.
+        """
+        limits = [n for n in (self.max_turns, env_max_turns) if n]
+        return min(limits) if limits else DEFAULT_MAX_TURNS
+
     def sandbox_config(self) -> SandboxConfig:
         """The limits of the sandboxes that sandboxed tools and envs get (see :mod:`agentrl.sandbox`)."""
         return SandboxConfig(backend=self.sandbox, image=self.sandbox_image, memory_mb=self.sandbox_memory_mb,
@@ -55,7 +68,7 @@ class RolloutConfig:
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
             (self.sandbox_max_concurrency >= 1, "--sandbox-max-concurrency must be >= 1"),
             (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
-            (self.max_turns >= 1, "--max-turns must be >= 1"),
+            (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
             (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
             (self.rollout_max_context_len is None or self.rollout_max_context_len >= 2,
              "--rollout-max-context-len must be >= 2"),
@@ -262,6 +275,7 @@ class RunConfig:
 
 FLAG_ALIASES = {"async_mode": ["--async"]}
 FLAG_HELP = {
+    "max_turns": "assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)",
     "sandbox": "where sandboxed tools run model code: auto (docker if an engine answers, else bubblewrap), "
                "docker, local (bubblewrap), process (weak isolation)",
     "sandbox_image": "docker image of the sandboxes (build the default with `agentrl sandbox build`)",

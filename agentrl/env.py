@@ -40,7 +40,7 @@ class Env:
     """Base class for multi-turn text environments (async; sync overrides also work).
 
     Class attributes tune the episode loop: ``tools`` are offered to the model through the chat
-    template; ``max_turns`` caps assistant turns (None: the run's ``--max-turns``);
+    template; ``max_turns`` caps assistant turns (the run's ``--max-turns`` may lower it);
     ``step_timeout`` fails a sample whose ``reset``/``step`` takes longer (None: the run's
     ``--env-step-timeout``); ``tool_parser`` names the wire format tool calls are parsed from.
     """

@@ -176,7 +176,7 @@ async def run_episode(
     status, reason = Status.TRUNCATED, "max_turns"
     try:
         env = _construct(env_factory)
-        max_turns = min(cfg.max_turns, env.max_turns) if env.max_turns else cfg.max_turns
+        max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
         obs, info = check_reset(await _timed(call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor), step_timeout, "reset()"))
