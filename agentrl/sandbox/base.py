@@ -54,7 +54,8 @@ class SandboxConfig:
     ``process`` (the weak fallback, explicitly). ``timeout`` is the default wall limit of one call;
     the whole process tree is killed when it passes. ``max_output_bytes`` caps each of stdout and
     stderr as the caller receives them (the program may write more; the rest is counted and dropped).
-    ``scratch_mb`` caps the scratch directory, ``file_size_mb`` any single file a program writes.
+    ``scratch_mb`` caps the scratch directory, ``file_size_mb`` any single file a program writes
+    (on docker scratch and /tmp are memory-backed and count toward ``memory_mb`` as well).
     ``max_concurrency`` is how many sandboxes may be alive at once (callers wait for a free one);
     ``create_rate`` how many may be created per second (engines fall over under creation storms).
     ``ttl`` bounds a sandbox's life even if its owner is SIGKILLed (the reaper removes expired ones).
@@ -209,6 +210,9 @@ class Sandbox(abc.ABC):
         ``command``: a shell string (``/bin/sh -c``) or an argv list; ``code``: Python source run by
         the sandbox's ``python3`` (exactly one of the two). ``files`` are written into scratch first
         (relative paths). ``env`` adds variables; nothing of the host's environment is passed.
+        No process started by a call outlives it (background and ``setsid`` children are killed
+        when it returns): a program that must keep running between calls is a :meth:`session`.
+        Calls on one sandbox must not overlap (the episode's lock in ToolEnv ensures it).
         """
 
     @abc.abstractmethod
