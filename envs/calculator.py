@@ -13,7 +13,7 @@ learns the short answer format.
 
 Tasks are generated locally (``Calculator.tasks()``, each row also carries the ``expression`` that
 computes the label, for scripted solvers) or read from a JSONL file with ``prompt`` and ``label``
-keys (``envs/data/calculator.jsonl`` holds 64). :func:`scripted_policy` (calls the tool, then
+keys (``envs/data/calculator.jsonl`` holds 64). :func:`solver_policy` (calls the tool, then
 answers with its result) and :func:`random_policy` show the reward is earnable and not free.
 """
 
@@ -99,7 +99,7 @@ class ShapedCalculator(Calculator):
         return 0.3 * brevity + 0.2 * (getattr(self, "successful_calls", 0) > 0)
 
 
-def scripted_policy(messages: list[dict], task: dict) -> str:
+def solver_policy(messages: list[dict], task: dict) -> str:
     """Call the calculator on the task's expression, then answer with the tool's result."""
     if messages and messages[-1].get("role") == "tool":
         return f"The answer is {messages[-1]['content']}."

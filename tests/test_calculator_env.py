@@ -6,7 +6,7 @@ import pytest
 
 import agentrl
 from agentrl.rollout.scripted import play
-from envs.calculator import Calculator, ShapedCalculator, random_policy, scripted_policy
+from envs.calculator import Calculator, ShapedCalculator, random_policy, solver_policy
 
 
 async def _final_reward(text: str, *, call: bool = False, env_cls=ShapedCalculator) -> float:
@@ -34,7 +34,7 @@ async def test_plain_calculator_scores_only_the_exact_answer():
 
 async def test_scripted_solver_earns_the_reward_and_random_guessing_does_not():
     tasks = Calculator.tasks(40, seed=5)
-    solved = await play(Calculator, scripted_policy, tasks)
+    solved = await play(Calculator, solver_policy, tasks)
     assert all(r.error is None for r in solved)
     assert all(r.turns == 2 for r in solved)  # one calculator call, then the answer
     assert sum(r.reward for r in solved) / len(solved) >= 0.95
