@@ -89,7 +89,8 @@ class SandboxConfig:
 
 @dataclass
 class ExecResult:
-    """What one call produced. ``exit_code`` is None when the process was killed (timeout, limits).
+    """What one call produced. ``exit_code`` is None when the sandbox killed the program (timeout,
+    out of memory: stderr then says which); other deaths by a signal N report 128+N, as a shell does.
 
     ``truncated`` says some of stdout or stderr was dropped (the text then ends with a marker the
     model can read); ``duration`` is wall seconds of the call as the caller saw it.
