@@ -4,6 +4,9 @@ Write an environment (:class:`Env`, or :class:`ToolEnv` with :func:`tool` functi
 generate loop drives token-exact multi-turn episodes against SGLang-compatible engines and hands
 out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards;
 :func:`train` (``agentrl train``) runs GRPO-family training on them with a :class:`RunConfig`.
+Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
+frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
+runs an env with a scripted policy.
 """
 
 from agentrl.check import check_env
@@ -12,16 +15,24 @@ from agentrl.env import Env, ToolEnv, load_env, make, register
 from agentrl.tool import Tool, ToolError, ToolResult, tool
 from agentrl.runtime.train import train
 from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
+from agentrl.sandbox import ExecResult, Sandbox, SandboxConfig, create_sandbox
+from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
+from agentrl.rollout.scripted import play
 
 
 __all__ = [
     "Action",
     "Env",
+    "ExecResult",
+    "GymnasiumEnv",
     "Message",
+    "OpenEnvEnv",
     "ParseError",
     "RolloutConfig",
     "RunConfig",
     "Sample",
+    "Sandbox",
+    "SandboxConfig",
     "Status",
     "Tool",
     "ToolCall",
@@ -30,8 +41,10 @@ __all__ = [
     "ToolResult",
     "TrainConfig",
     "check_env",
+    "create_sandbox",
     "load_env",
     "make",
+    "play",
     "register",
     "tool",
     "train",
