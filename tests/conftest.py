@@ -54,7 +54,7 @@ def ray_local():
 # Tests that need a backend skip with the reason only when it cannot exist on this machine; CI sets
 # AGENTRL_REQUIRE_DOCKER=1 / AGENTRL_REQUIRE_BWRAP=1 so a missing engine fails there instead.
 
-SANDBOX_BACKENDS = ["docker", "bubblewrap", "process"]
+SANDBOX_BACKENDS = [pytest.param("docker", marks=pytest.mark.docker), "bubblewrap", "process"]
 
 
 def _need(reason: str | None, env_var: str) -> None:
