@@ -273,10 +273,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 # -- check-env --------------------------------------------------------------------------------------
 
 def cmd_check_env(args: argparse.Namespace) -> int:
-    from agentrl.check import check_env
-    from agentrl.env import load_env
-
     from agentrl import sandbox
+    from agentrl.env import load_env
 
     sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
     factory = load_env(args.env)
@@ -286,9 +284,19 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         if args.prompt_data:
             raise
         tasks = []  # no task source: check_env plays a generic arithmetic task
-    report = asyncio.run(check_env(factory, tasks[: args.num_tasks], step_timeout=args.step_timeout))
+    report = asyncio.run(_check_env(factory, tasks[: args.num_tasks], args.step_timeout))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.ok else 1
+
+
+async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: float) -> Any:
+    from agentrl.check import check_env
+    from agentrl.sandbox import close_default_pool
+
+    try:
+        return await check_env(factory, tasks, step_timeout=step_timeout)
+    finally:
+        await close_default_pool()
 
 
 # -- rollout ----------------------------------------------------------------------------------------
@@ -395,7 +403,9 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     from agentrl.rollout.generate import bind_engine_args
 
     engine = Router([SGLangEngine(u) for u in urls])
-    closers = [engine.close]
+    from agentrl.sandbox import close_default_pool
+
+    closers = [engine.close, close_default_pool]
     chat = None
     if args.engine_api == "chat":
         chat = ChatCompletionsClient(urls[0], model=args.model, api_key=os.environ.get(args.api_key_env))

@@ -96,10 +96,13 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
 
 
 async def _run(loop: Any) -> list[dict[str, Any]]:
+    from agentrl.sandbox import close_default_pool
+
     try:
         return await loop.run()
     finally:
         await loop.ctx.engine.close()
+        await close_default_pool()
 
 
 def argparse_namespace(cfg: RunConfig) -> Any:

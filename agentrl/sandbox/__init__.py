@@ -37,6 +37,7 @@ __all__ = [
     "check_relative_path",
     "configure",
     "create_sandbox",
+    "close_default_pool",
     "default_pool",
     "resolve_backend",
     "truncate_output",
@@ -119,3 +120,14 @@ def default_pool() -> SandboxPool:
         pool = SandboxPool(lambda: create_sandbox(config), config)
         _pools[loop] = pool
     return pool
+
+
+async def close_default_pool() -> None:
+    """Destroy the running loop's default pool (its idle sandboxes); commands call it when done.
+
+    Without it idle sandboxes would live until the process exits (containers are then removed by
+    the exit reaper, local sandboxes by the next process's reaper).
+    """
+    pool = _pools.pop(asyncio.get_running_loop(), None)
+    if pool is not None:
+        await pool.close()
