@@ -32,6 +32,7 @@ __all__ = [
     "SandboxError",
     "Session",
     "check_relative_path",
+    "normalize_files",
     "truncate_output",
 ]
 
@@ -155,6 +156,27 @@ def check_relative_path(path: str) -> str:
     if norm == ".." or norm.startswith("../") or "\x00" in norm:
         raise ValueError(f"path {path!r} leaves the scratch directory")
     return norm
+
+
+def normalize_files(files: Mapping[str, str | bytes]) -> list[tuple[str, bytes]]:
+    """``write_files``' argument as ``(relative path, bytes)`` pairs, checked before anything is written.
+
+    Raises ``TypeError`` for a non-mapping or non-text/bytes content and ``ValueError`` for paths
+    outside scratch (or scratch itself), so a bad batch writes nothing.
+    """
+    if not isinstance(files, Mapping):
+        raise TypeError(f"files must be a mapping of relative path -> str | bytes, got {type(files).__name__}")
+    items = []
+    for path, content in files.items():
+        rel = check_relative_path(path)
+        if rel == ".":
+            raise ValueError(f"path {path!r} is the scratch directory itself; name a file in it")
+        if isinstance(content, str):
+            content = content.encode()
+        if not isinstance(content, (bytes, bytearray, memoryview)):
+            raise TypeError(f"file {path!r}: content must be str or bytes, got {type(content).__name__}")
+        items.append((rel, bytes(content)))
+    return items
 
 
 class Session(abc.ABC):

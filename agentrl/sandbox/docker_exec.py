@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from agentrl.sandbox.base import SandboxError, Session, check_relative_path, truncate_output
+from agentrl.sandbox.base import SandboxError, Session, normalize_files, truncate_output
 from agentrl.sandbox.image import SANDBOX_UID
 
 __all__ = ["CALL", "KILL", "OOM_MARK", "PID1", "READ", "RESET", "SESSION", "Capped", "DockerSession", "ExecStream",
@@ -322,25 +322,17 @@ def program_argv(command: str | Sequence[str] | None, code: str | None) -> list[
 
 def scratch_tar(files: Mapping[str, str | bytes]) -> bytes:
     """A tar of ``files`` under scratch, owned by the sandbox user (parent dirs included)."""
-    if not isinstance(files, Mapping):
-        raise TypeError(f"files must be a mapping of relative path -> str | bytes, got {type(files).__name__}")
+    items = normalize_files(files)
     buf, now, dirs = io.BytesIO(), int(time.time()), set()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for path, content in files.items():
-            rel = check_relative_path(path)
-            if rel == ".":
-                raise ValueError(f"path {path!r} is the scratch directory itself; name a file in it")
-            if isinstance(content, str):
-                content = content.encode()
-            if not isinstance(content, (bytes, bytearray, memoryview)):
-                raise TypeError(f"file {path!r}: content must be str or bytes, got {type(content).__name__}")
+        for rel, content in items:
             parts = rel.split("/")
             for i in range(1, len(parts)):
                 d = "/".join(parts[:i])
                 if d not in dirs:
                     dirs.add(d)
                     tar.addfile(_tar_info(d, tarfile.DIRTYPE, 0o755, 0, now))
-            tar.addfile(_tar_info(rel, tarfile.REGTYPE, 0o644, len(content), now), io.BytesIO(bytes(content)))
+            tar.addfile(_tar_info(rel, tarfile.REGTYPE, 0o644, len(content), now), io.BytesIO(content))
     return buf.getvalue()
 
 
