@@ -72,7 +72,8 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sandbox-memory-mb", type=int, default=d.sandbox_memory_mb)
     p.add_argument("--sandbox-timeout", type=float, default=d.sandbox_timeout, help="default seconds per sandboxed call")
     p.add_argument("--sandbox-max-concurrency", type=int, default=d.sandbox_max_concurrency,
-                   help="sandboxes alive at once (episodes wait for one)")
+                   help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for "
+                        "a free one and the wait counts against --env-step-timeout")
 
 
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
@@ -196,15 +197,10 @@ def _add_sandbox_parser(sub: Any) -> None:
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
     """``agentrl sandbox build|reap|check``; check hands its arguments to ``agentrl.sandbox.audit.main``."""
-    import importlib.util
-
     from agentrl.sandbox.base import SandboxError
 
     try:
         if args.sandbox_action == "check":
-            if importlib.util.find_spec("agentrl.sandbox.audit") is None:
-                print("agentrl sandbox check: not available in this version", file=sys.stderr)
-                return 2
             from agentrl.sandbox import audit
 
             return int(audit.main(list(args.rest)) or 0)

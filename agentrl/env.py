@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from agentrl.parsing import format_tool_error
 from agentrl.sandbox import Sandbox, SandboxPool, default_pool
-from agentrl.tool import Tool, call_tool, find_tool
+from agentrl.tool import Tool, ToolResult, call_tool, find_tool
 from agentrl.types import Action, Message
 
 StepResult = tuple[list[Message], float, bool, bool, dict]
@@ -79,11 +79,20 @@ class ToolEnv(Env):
 
     Tools with ``sandboxed = True`` share the episode's sandbox, taken from ``sandbox_pool`` (None:
     the process's :func:`agentrl.sandbox.default_pool`) on first use and returned, reset, by
-    :meth:`close`. ``await self.sandbox()`` gives it to the subclass too (e.g. to run hidden tests).
+    :meth:`release_sandbox` (called by :meth:`close`, and by the episode loop after ``close`` even
+    when a subclass forgets ``super().close()``). ``await self.sandbox()`` gives it to the subclass
+    too (e.g. to run hidden tests).
+
+    ``turn_budget`` (seconds) bounds all tool calls of one turn together: each call's limit is cut
+    to what is left, and calls past it get an error. Keep it below ``--env-step-timeout``: a turn
+    that runs out the *step* timeout fails its sample, which is dropped from training, so a model
+    that could run tools past it would learn to hide its bad samples; a tool timeout is instead an
+    error the model reads and is scored for.
     """
 
     system_prompt: str | None = None
     tool_timeout: float = 30.0
+    turn_budget: float = 50.0
     sandbox_pool: SandboxPool | None = None
 
     def __init__(self) -> None:
@@ -101,11 +110,15 @@ class ToolEnv(Env):
             self._sandbox_pool = pool
         return self._sandbox
 
-    async def close(self) -> None:
-        """Return the episode's sandbox to its pool (reset there); subclasses call ``super().close()``."""
+    async def release_sandbox(self) -> None:
+        """Return the episode's sandbox to its pool, which resets it. Idempotent."""
         sandbox, self._sandbox = getattr(self, "_sandbox", None), None
         if sandbox is not None and getattr(self, "_sandbox_pool", None) is not None:
             await self._sandbox_pool.release(sandbox)
+
+    async def close(self) -> None:
+        """Release the episode's sandbox; subclasses that override this call ``super().close()``."""
+        await self.release_sandbox()
 
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
         self.task = dict(options or {})
@@ -134,13 +147,15 @@ class ToolEnv(Env):
     async def call_tools(self, action: Action) -> list[Message]:
         """Run the turn's tool calls concurrently; one ``tool`` message per call or parse error."""
 
+        deadline = asyncio.get_running_loop().time() + self.turn_budget
+
         async def one(call) -> Message:
             tool = find_tool(self.tools, call.name)
             if tool is None:
                 known = ", ".join(t.name for t in self.tools) or "none"
                 content = f"Error: unknown tool '{call.name}'. Available tools: {known}."
             else:
-                result = await self._call(tool, call.arguments)
+                result = await self._call(tool, call.arguments, deadline)
                 content = result.content  # errors arrive as "Error: ..." text the model reads
             return {"role": "tool", "name": call.name, "tool_call_id": call.id, "content": content}
 
@@ -150,12 +165,18 @@ class ToolEnv(Env):
         return results
 
 
-    async def _call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
+    async def _call(self, tool: Tool, arguments: dict[str, Any], deadline: float) -> ToolResult:
         if not getattr(tool, "sandboxed", False):
-            return await call_tool(tool, arguments, timeout=self.tool_timeout)
+            return await call_tool(tool, arguments, timeout=self.tool_timeout, max_time=self._left(deadline))
         lock = self.__dict__.setdefault("_sandbox_lock", asyncio.Lock())
         async with lock:  # one program at a time in the episode's sandbox
-            return await call_tool(tool, arguments, timeout=self.tool_timeout, sandbox=await self.sandbox())
+            sandbox = await self.sandbox()
+            return await call_tool(tool, arguments, timeout=self.tool_timeout, sandbox=sandbox,
+                                   max_time=self._left(deadline))
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 async def maybe_await(value: Any) -> Any:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from typing import Any
 
 from agentrl.types import ParseError, ToolCall
 
 __all__ = [
     "PARSERS", "HermesParser", "Llama3JsonParser", "OpenAIToolCallsParser", "ToolCallParser",
-    "format_tool_error", "get_parser",
+    "format_tool_error", "get_parser", "last_tag",
 ]
 
 ParseResult = tuple[str, list[ToolCall], list[ParseError]]
@@ -334,6 +335,16 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "openai": OpenAIToolCallsParser,
 }
 """Parser classes by name; add your own subclass here to make ``get_parser`` (and configs) find it."""
+
+
+def last_tag(text: str, tag: str) -> str | None:
+    """The stripped content of the last ``<tag>...</tag>`` in ``text`` (case-insensitive), or None.
+
+    Envs read final answers this way (``<answer>``, ``<guess>``): the *last* tag counts, so a model
+    that drafts and then corrects itself is scored on its correction.
+    """
+    found = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, re.IGNORECASE | re.DOTALL)
+    return found[-1].strip() if found else None
 
 
 def get_parser(name: str) -> ToolCallParser:

@@ -239,7 +239,7 @@ def _check_object(value: dict[str, Any], schema: dict[str, Any], path: str, top:
 
 
 async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | None,
-                    sandbox: Any = None) -> ToolResult:
+                    sandbox: Any = None, max_time: float | None = None) -> ToolResult:
     """Validate, call and time-limit one tool call; raises only ``CancelledError`` and ``SandboxError``.
 
     ``timeout`` is the environment's default; the tool's own ``timeout`` wins when set. Every
@@ -247,6 +247,9 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
     what the model should see: a :class:`ToolError`'s message as is; any other exception as its type
     and text (no traceback); a timeout as ``"tool 'x' timed out after Ns"``. A sync tool that times
     out keeps running in its thread (Python cannot kill threads); put such tools in a sandbox.
+
+    ``max_time`` caps the limit whatever its source (the caller's budget left for the turn); with
+    nothing left the tool is not called and the model reads why.
 
     ``sandbox`` is passed to tools with ``sandboxed = True``. A :class:`agentrl.sandbox.SandboxError`
     (the sandbox itself broke: engine gone, image missing) is raised, not shown to the model: it is
@@ -260,6 +263,11 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
     except Exception as e:  # a broken custom validate() must not kill the episode either
         return _error(f"tool '{name}' could not validate its arguments: {type(e).__name__}: {e}", "validation")
     limit = tool.timeout if tool.timeout is not None else timeout
+    if max_time is not None:
+        if max_time <= 0:
+            return _error(f"tool '{name}' was not run: this turn's time for tool calls is used up; "
+                          "make fewer or faster calls", "timeout")
+        limit = max_time if limit is None else min(limit, max_time)
     try:
         if getattr(tool, "sandboxed", False):
             if sandbox is None:
@@ -267,7 +275,7 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
             validated = {**validated, "sandbox": sandbox}
         return await asyncio.wait_for(_invoke(tool, name, validated), limit)
     except (asyncio.TimeoutError, TimeoutError):  # only wait_for's own: _invoke catches the tool's exceptions
-        return _error(f"tool '{name}' timed out after {limit:g}s", "timeout")
+        return _error(f"tool '{name}' timed out after {limit:.3g}s", "timeout")
 
 
 async def _invoke(tool: Tool, name: str, arguments: dict[str, Any]) -> ToolResult:

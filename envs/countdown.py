@@ -35,13 +35,13 @@ from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import agentrl
+from agentrl.parsing import last_tag
 
 FORMAT_CREDIT = 0.1
 MAX_ANSWER_CHARS = 200
 """Longer answers are refused before parsing: six numbers need ~40 characters, and a cap keeps a
 model's runaway parentheses from costing the verifier time or recursion depth."""
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/()\s]*")
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _LARGE = (25, 50, 75, 100)
@@ -63,8 +63,7 @@ class Verdict:
 
 def extract_answer(text: str) -> str | None:
     """The content of the last ``<answer>...</answer>`` tag, or None when there is none."""
-    found = _ANSWER.findall(text)
-    return found[-1].strip() if found else None
+    return last_tag(text, "answer")
 
 
 def evaluate(expression: str, numbers: Sequence[int]) -> Fraction:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import agentrl
+from agentrl.rollout.generate import load_tasks
 from tools.python import python
 
 DATA = Path(__file__).resolve().parent / "data" / "python_code.jsonl"
@@ -172,7 +173,7 @@ class PythonCode(agentrl.ToolEnv):
     @staticmethod
     def tasks(n: int | None = None) -> list[dict]:
         """The shipped tasks (``envs/data/python_code.jsonl``)."""
-        rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = load_tasks(DATA)
         return rows[:n] if n is not None else rows
 
     async def step(self, action: agentrl.Action):

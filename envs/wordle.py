@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import agentrl
+from agentrl.parsing import last_tag
 
 WORDS_PATH = Path(__file__).parent / "data" / "wordle_words.txt"
 MAX_GUESSES = 6
@@ -50,7 +51,6 @@ SOLVE_REWARD = 0.8
 SOLVE_DECAY = 0.08
 FIRST_GUESS = "slate"
 
-_GUESS = re.compile(r"<guess>(.*?)</guess>", re.IGNORECASE | re.DOTALL)
 _FEEDBACK = re.compile(r"Guess \d+ of \d+: ([A-Z]{5}) -> ([GY-](?: [GY-]){4})")
 
 PROMPT = (
@@ -91,10 +91,10 @@ def feedback(guess: str, secret: str) -> str:
 
 def parse_guess(text: str, allowed: frozenset[str]) -> tuple[str | None, str | None]:
     """``(word, None)`` for a valid guess in ``text``, else ``(None, error message for the model)``."""
-    found = _GUESS.findall(text)
-    if not found:
+    found = last_tag(text, "guess")
+    if found is None:
         return None, "No guess found. Write your guess as <guess>word</guess>."
-    word = found[-1].strip().lower()
+    word = found.lower()
     shown = word[:20] + ("..." if len(word) > 20 else "")
     if len(word) != 5 or not word.isascii() or not word.isalpha():
         return None, f"{shown!r} is not a 5-letter word."

@@ -108,3 +108,32 @@ def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
         agentrl.load_env("envs.calculator:Nope")
     with pytest.raises(FileNotFoundError):
         agentrl.load_env(f"{tmp_path}/missing.py:X")
+
+
+async def test_turn_budget_cuts_slow_tool_calls_to_an_error_the_model_reads():
+    import asyncio as aio
+
+    @agentrl.tool
+    async def slow(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        await aio.sleep(seconds)
+        return "woke up"
+
+    class Budgeted(agentrl.ToolEnv):
+        tools = [slow]
+        turn_budget = 0.3
+
+    env = Budgeted()
+    await env.reset(options={"prompt": "go"})
+    calls = [agentrl.ToolCall("slow", {"seconds": 5}, "a"), agentrl.ToolCall("slow", {"seconds": 0.01}, "b")]
+    obs, _, done, _, _ = await aio.wait_for(env.step(agentrl.Action(text="", tool_calls=calls)), 3)
+    assert not done
+    assert "timed out after 0.3s" in obs[0]["content"] and obs[1]["content"] == "woke up"
+    from agentrl.tool import call_tool
+
+    spent = await call_tool(slow, {"seconds": 0.01}, timeout=30, max_time=0)
+    assert spent.is_error and "time for tool calls is used up" in spent.content

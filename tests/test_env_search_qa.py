@@ -92,6 +92,23 @@ async def test_reward_is_f1_and_info_records_exact_match():
     assert (await final("<answer>x</answer>", label=["1642", "x"]))[0] == 1.0  # a list of accepted answers
 
 
+async def test_exact_match_metric_pays_nothing_for_a_hedge():
+    class StrictSearchQA(SearchQA):
+        reward_metric = "exact_match"
+
+    async def final(env_cls, text: str):
+        env = env_cls()
+        await env.reset(options={"prompt": "When?", "label": "1642"})
+        _, reward, _, _, info = await env.step(agentrl.Action(text=text))
+        return reward, info
+
+    hedge = "<answer>1642 1700</answer>"
+    assert (await final(SearchQA, hedge))[0] == pytest.approx(2 / 3)  # F1 partly pays a hedge
+    reward, info = await final(StrictSearchQA, hedge)
+    assert reward == 0.0 and info["f1"] == pytest.approx(2 / 3)
+    assert (await final(StrictSearchQA, "<answer>1642</answer>"))[0] == 1.0
+
+
 async def test_search_tool_answers_inside_an_episode():
     env = SearchQA()
     task = SearchQA.tasks(1)[0]

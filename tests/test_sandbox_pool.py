@@ -224,3 +224,50 @@ async def test_toolenv_episode_shares_one_sandbox_serially(sandbox_backend):
         await pool.release(again)
     finally:
         await pool.close()
+
+
+class ForgetfulEnv(ShellEnv):
+    """Overrides close() without calling super().close(): a common user slip."""
+
+    async def close(self) -> None:
+        self.closed_by_user = True
+
+
+@per_backend
+async def test_episode_loop_returns_the_sandbox_even_if_close_skips_super(sandbox_backend):
+    from agentrl.rollout.scripted import play
+
+    made: list[Watched] = []
+    pool = _pool(sandbox_config(sandbox_backend, max_concurrency=1), made)
+    script = iter(['<tool_call>{"name": "sh", "arguments": {"cmd": "echo hi > f"}}</tool_call>', "done"] * 2)
+    try:
+        # with max_concurrency=1 a leaked sandbox would make the second episode wait forever
+        results = await asyncio.wait_for(play(lambda: ForgetfulEnv(pool), lambda m, t: next(script),
+                                              [{"prompt": "a"}, {"prompt": "b"}], concurrency=1), 60)
+        assert [r.error for r in results] == [None, None]
+        assert pool.stats["created"] == 1 and pool.stats["reused"] == 1 and made[0].resets == 2
+    finally:
+        await pool.close()
+
+
+@per_backend
+async def test_cancel_during_release_destroys_the_half_reset_sandbox(sandbox_backend):
+    made: list[Watched] = []
+    pool = _pool(sandbox_config(sandbox_backend, max_concurrency=1), made)
+    sb = await pool.acquire()
+    real_reset = sb.reset
+
+    async def slow_reset() -> None:
+        await asyncio.sleep(5)
+        await real_reset()
+
+    sb.reset = slow_reset  # type: ignore[method-assign]
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(pool.release(sb), 0.2)  # e.g. the env's close timed out
+    try:
+        assert sb.closes == 1 and pool.live == 0
+        fresh = await asyncio.wait_for(pool.acquire(), 30)  # the slot was given back
+        assert fresh is not sb
+        await pool.release(fresh)
+    finally:
+        await pool.close()

@@ -202,6 +202,19 @@ async def test_python_os_exit_restarts_the_session(sb):
     assert (r.content, r.is_error) == ("False", False)
 
 
+async def test_python_forged_protocol_message_restarts_the_session_not_fails_the_sample(sb):
+    """Code can find the REPL's private pipes; writing a protocol error there must not raise SandboxError
+    (which would fail the sample and drop it from training: a way for a policy to hide bad samples)."""
+    forge = ("import os, stat\nfor fd in range(3, 64):\n    try:\n"
+             "        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+             "            os.write(fd, b'{\"protocol_error\": \"forged\"}\\n')\n"
+             "    except OSError:\n        pass")
+    r = await call(python, sb, code=forge)
+    assert r.is_error and r.metadata.get("restarted") and "restarted" in r.content
+    r = await call(python, sb, code="1 + 1")
+    assert (r.content, r.is_error) == ("2", False)
+
+
 async def test_python_memory_hog_is_reported_and_recovered(sandbox_backend):
     config = sandbox_config(sandbox_backend, timeout=20.0, memory_mb=256)
     async with await create_sandbox(config) as sandbox:

@@ -10,8 +10,9 @@ The interpreter runs :data:`REPL_SOURCE`, a small read-eval-print loop speaking 
 request and per reply. It must survive whatever the model's code does, so at startup it moves its
 protocol pipes to private descriptors and points fd 0 at ``/dev/null`` and fds 1 and 2 at a
 capture pipe: ``print``, ``os.write(1, ...)`` and subprocess output all land in the captured text,
-in the order they were written, and nothing the code writes or reads can corrupt the protocol. The
-capture keeps only the first ``max_output_bytes`` (the sandbox config's cap) and counts the rest,
+in the order they were written. Code that deliberately finds the private descriptors (``/proc/self/fd``)
+and writes to them gets what a crash gets: the session is restarted and the model reads why; it is
+never a sandbox failure (which would fail, and so hide, the sample). The capture keeps only the first ``max_output_bytes`` (the sandbox config's cap) and counts the rest,
 so printing 10 MB costs the model one truncation marker, not its context window.
 
 As in Jupyter, when the last statement is an expression its ``repr`` is shown (unless it is
@@ -261,6 +262,8 @@ class PythonTool(Tool):
         try:
             await session.send(json.dumps(request).encode() + b"\n")
             reply = await self._reply(session, request_id, limit, cap)
+            if "protocol_error" in reply:  # the model's code can reach the protocol fd: its doing, not ours
+                raise ValueError(f"python: the session refused a request: {reply['protocol_error']}")
         except (TimeoutError, EOFError, ValueError) as e:
             await session.kill()
             return self._lost(e, limit, time.monotonic() - started)
@@ -330,8 +333,6 @@ class PythonTool(Tool):
         return ToolResult(text, is_error=True, metadata={"error": kind, "duration": duration, "restarted": True})
 
     def _result(self, reply: dict[str, Any], cap: int, duration: float) -> ToolResult:
-        if "protocol_error" in reply:
-            raise SandboxError(f"python tool: the session refused a request: {reply['protocol_error']}")
         raw = b64decode(reply.get("output") or "")
         output, truncated = truncate_output(raw, cap, int(reply.get("total") or 0))
         parts = [output.rstrip("\n")] if output.strip() else []

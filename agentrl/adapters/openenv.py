@@ -95,7 +95,8 @@ class OpenEnvEnv(Env):
     ``observation_to_text(observation) -> str`` writes the user message (default
     :func:`default_observation_text`). ``timeout`` bounds each answer from the server;
     ``connect_timeout`` the WebSocket handshake; ``capacity_wait`` how long a full server is retried.
-    ``reset`` sends the task row's ``seed`` (else the episode seed) and the row's ``options`` dict
+    Both default below ``--env-step-timeout`` (60 s) so their errors, which name the cause, are the
+    ones a failed sample reports. ``reset`` sends the task row's ``seed`` (else the episode seed) and the row's ``options`` dict
     as reset keyword arguments. The step's ``info`` carries the raw observation dict.
     """
 
@@ -106,9 +107,9 @@ class OpenEnvEnv(Env):
         action_from_text: Callable[[str], dict[str, Any]] | None = None,
         observation_to_text: Callable[[dict[str, Any]], str] | None = None,
         system_prompt: str | None = None,
-        timeout: float = 60.0,
+        timeout: float = 45.0,
         connect_timeout: float = 10.0,
-        capacity_wait: float = 60.0,
+        capacity_wait: float = 45.0,
     ) -> None:
         self.http_url, self.ws_url = session_urls(base_url)
         self.action_from_text = action_from_text

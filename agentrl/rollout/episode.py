@@ -288,6 +288,20 @@ async def _close_env(env: Env, meta: dict[str, Any], timeout: float, executor: E
         raise
     except BaseException as exc:  # a failing close is reported, not fatal: the episode's data is kept
         meta["close_error"] = f"{type(exc).__name__}: {exc}"
+    await release_sandbox(env, meta)
+
+
+async def release_sandbox(env: Env, meta: dict[str, Any]) -> None:
+    """Give back a ToolEnv's sandbox even if its ``close`` override skipped ``super().close()``."""
+    release = getattr(env, "release_sandbox", None)
+    if release is None:
+        return
+    try:
+        await release()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the pool destroyed it; the episode's data is kept
+        meta.setdefault("close_error", f"sandbox release: {type(exc).__name__}: {exc}")
 
 
 def _finish(sample: Sample, ledger: TokenLedger | None, ctx: EpisodeContext, status: Status, reason: str, seconds: float) -> Sample:

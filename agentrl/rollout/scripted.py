@@ -16,6 +16,8 @@ from typing import Any
 
 from agentrl.env import Env, call_env, maybe_await
 from agentrl.parsing import get_parser
+from agentrl.rollout.episode import check_reset, check_step, release_sandbox
+from agentrl.sandbox import close_default_pool
 from agentrl.types import Action, Message
 
 __all__ = ["PlayResult", "Policy", "play", "play_sync"]
@@ -46,19 +48,20 @@ class PlayResult:
 
 async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int,
                    max_turns: int) -> PlayResult:
-    env = make_env()
     result = PlayResult(task=task)
-    parser = get_parser(getattr(env, "tool_parser", "hermes"))
+    env: Env | None = None
     try:
-        obs, _ = await call_env(env.reset, seed=seed, options=dict(task))
+        env = make_env()
+        parser = get_parser(getattr(env, "tool_parser", "hermes"))
+        obs, _ = check_reset(await call_env(env.reset, seed=seed, options=dict(task)))
         result.messages.extend(obs)
-        limit = getattr(env, "max_turns", None) or max_turns
-        for _ in range(limit):
+        env_limit = getattr(env, "max_turns", None)
+        for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
             text = await maybe_await(policy(list(result.messages), task))
             _, calls, errors = parser.parse(text)
             action = Action(text=text, tool_calls=calls, errors=errors)
             result.messages.append(action.as_message())
-            obs, reward, terminated, truncated, _ = await call_env(env.step, action)
+            obs, reward, terminated, truncated, _ = check_step(await call_env(env.step, action))
             result.rewards.append(float(reward))
             result.messages.extend(obs)
             if terminated or truncated:
@@ -69,13 +72,23 @@ async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, 
     except Exception as e:  # reported per episode, like a failed sample in a rollout
         result.error = f"{type(e).__name__}: {e}"
     finally:
-        await call_env(env.close)
+        if env is not None:
+            meta: dict[str, Any] = {}
+            try:
+                await call_env(env.close)
+            except Exception as e:
+                meta["close_error"] = f"{type(e).__name__}: {e}"
+            await release_sandbox(env, meta)
+            result.error = result.error or meta.get("close_error")
     return result
 
 
 async def play(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict[str, Any]], *,
                seed: int = 0, max_turns: int = 10, concurrency: int = 8) -> list[PlayResult]:
-    """Run one episode per task with ``policy``; results in task order. Env errors are recorded, not raised."""
+    """Run one episode per task with ``policy``; results in task order. Env errors are recorded, not raised.
+
+    ``max_turns`` caps every episode; an env's own ``max_turns`` lowers it (as in a rollout).
+    """
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int, task: dict[str, Any]) -> PlayResult:
@@ -87,4 +100,10 @@ async def play(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict
 
 def play_sync(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict[str, Any]], **kwargs: Any) -> list[PlayResult]:
     """:func:`play` from synchronous code (scripts, notebooks without a running loop)."""
-    return asyncio.run(play(make_env, policy, tasks, **kwargs))
+    async def run() -> list[PlayResult]:
+        try:
+            return await play(make_env, policy, tasks, **kwargs)
+        finally:
+            await close_default_pool()
+
+    return asyncio.run(run())

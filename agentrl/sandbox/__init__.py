@@ -104,11 +104,14 @@ async def create_sandbox(config: SandboxConfig | None = None) -> Sandbox:
 
 
 def configure(config: SandboxConfig) -> None:
-    """Set the process-wide sandbox config used by :func:`default_pool` (validated now)."""
+    """Set the process-wide sandbox config used by :func:`default_pool` (validated now).
+
+    Call it before a command's event loop starts; pools already made keep their config until
+    :func:`close_default_pool`.
+    """
     global _config
     config.validate()
     _config = config
-    _pools.clear()
 
 
 def default_pool() -> SandboxPool:

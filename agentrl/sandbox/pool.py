@@ -23,6 +23,12 @@ __all__ = ["SandboxPool"]
 log = logging.getLogger(__name__)
 
 
+def _close_orphan(task: "asyncio.Future[Sandbox]") -> None:
+    """Close a sandbox whose creation finished after its caller was cancelled."""
+    if not task.cancelled() and task.exception() is None:
+        asyncio.ensure_future(task.result().close())
+
+
 class SandboxPool:
     """Hands out reset sandboxes made by ``factory``; see the module docstring.
 
@@ -63,7 +69,13 @@ class SandboxPool:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 self._next_create = time.monotonic() + 1.0 / self.config.create_rate
-            sandbox = await self.factory()
+            # shielded: a cancel while the backend creates it must not orphan the new sandbox
+            creating = asyncio.ensure_future(self.factory())
+            try:
+                sandbox = await asyncio.shield(creating)
+            except asyncio.CancelledError:
+                creating.add_done_callback(_close_orphan)
+                raise
             self._live += 1
             self.stats["created"] += 1
             return sandbox
@@ -83,6 +95,12 @@ class SandboxPool:
             except Exception as e:  # a broken sandbox is never handed out again
                 self.stats["reset_failed"] += 1
                 log.warning("sandbox reset failed (%s: %s); destroying it", type(e).__name__, e)
+                await self._destroy(sandbox)
+                return
+            except BaseException:  # cancelled mid-reset (e.g. the env's close timed out): half reset, destroy it
+                await asyncio.shield(self._destroy(sandbox))
+                raise
+            if self._closed:  # the pool closed while it was being reset
                 await self._destroy(sandbox)
                 return
             self._idle.append(sandbox)
