@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -258,6 +259,15 @@ async def test_bad_calls_get_clear_errors(sb):
     big = await sb.run(code="x = 1\n" * 20000 + "print('big ok')")  # 120 kB: more than one argv string holds
     assert big.stdout == "big ok\n", big
     assert (await sb.run("cat", stdin="piped")).stdout == "piped"
+    with pytest.raises(TypeError, match="list of str"):  # as on docker
+        await sb.run(["echo", 1])
+    with pytest.raises(TypeError, match="list of str"):
+        await sb.session("s", [])
+    assert (await sb.run("mkdir -p adir")).ok
+    with pytest.raises(IsADirectoryError):  # as on docker: the tools then suggest listing it
+        await sb.read_file("adir")
+    with pytest.raises(IsADirectoryError):
+        await sb.write_files({"adir": "x"})
 
 
 @needs_root
@@ -282,6 +292,42 @@ async def test_close_removes_everything_and_is_idempotent(sb):
     assert not root.exists() and not session.alive and host_pids_with("sleep 93.5") == []
     with pytest.raises(SandboxError, match="closed"):
         await sb.run("true")
+
+
+@needs_root
+async def test_close_frees_the_cgroup_and_uid_even_when_its_dir_cannot_be_removed():
+    sandbox = await make("process")
+    blocker = sandbox.root / "blocker"
+    blocker.mkdir()
+    jail.mount_tmpfs(str(blocker), 1)  # a mount point: the wipe cannot delete it, so the root dir stays
+    lock = os.open(jail.runtime_dir() / "uids" / str(sandbox._lease.uid), os.O_RDWR)
+    try:
+        await sandbox.close()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the uid's lock was released
+        assert os.pread(lock, 1, 0) == b"" and sandbox.root.exists()
+        if sandbox._cgroup is not None:
+            assert not any(os.path.exists(d) for d in sandbox._cgroup.dirs.values())
+    finally:
+        os.close(lock)
+        jail.umount(str(blocker))
+        shutil.rmtree(sandbox.root, ignore_errors=True)
+
+
+async def test_a_reaped_leaders_pid_taken_by_another_group_is_not_killed():
+    """Without a cgroup the fallback kills a call's process group after its leader was reaped; if that
+    pid now belongs to a live process (another call's new group), that group must be spared."""
+    sandbox = await make("process")
+    other = subprocess.Popen(["sleep", "89.25"], start_new_session=True)  # its own group, pgid == pid
+    try:
+        reaped = asyncio.get_running_loop().create_future()
+        reaped.set_result(None)
+        await sandbox._kill(other.pid, reaped, None)  # as if ``other.pid`` were a reaped leader's
+        await asyncio.sleep(0.1)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        await sandbox.close()
 
 
 CHILD = """
@@ -318,8 +364,14 @@ async def test_stale_sandboxes_of_a_killed_owner_are_reaped():
 
 
 UNPRIVILEGED = """
-import asyncio, json, sys
+import asyncio, json, os, sys
 from agentrl.sandbox.base import SandboxConfig
+MARK = 95 + 0.5  # not spelled out: this script is in our own command line
+def cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
 from agentrl.sandbox.local import LocalSandbox
 async def main():
     out = {}
@@ -331,11 +383,13 @@ async def main():
              "net": (await sb.run("tail -n +3 /proc/net/dev | cut -d: -f1")).stdout.split(),
              "fill": (await sb.run("dd if=/dev/zero of=big bs=1M count=12 2>/dev/null; echo done")).stderr,
              "after_fill": (await sb.run("ls -A")).stdout}
+        r["bg"] = (await sb.run(f"sleep {MARK} > /dev/null 2>&1 & echo started")).stdout
         await sb.run("mkdir -p d/e && touch d/e/f .h && chmod 000 d")
         await sb.reset()
         r["after_reset"] = (await sb.run("ls -A")).stdout
         await sb.close()
         r["closed"] = not sb.root.exists()
+        r["leftover"] = [p for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == f"sleep\\0{MARK}\\0".encode()]
         out[backend] = r
     print(json.dumps(out))
 asyncio.run(main())
@@ -345,7 +399,8 @@ asyncio.run(main())
 @needs_root
 def test_the_unprivileged_path_as_a_normal_user():
     """As a normal user (nobody, the host's own /usr/bin/python3): no uid switch, no cgroups, no tmpfs,
-    so rlimits carry the limits and the scratch cap is checked after each call."""
+    so rlimits carry the limits, the scratch cap is checked after each call, and a call's background
+    processes die with its process group."""
     import json
     import shutil
     import tempfile
@@ -376,3 +431,4 @@ def test_the_unprivileged_path_as_a_normal_user():
         assert "Max processes             50" in r["limits"] and str(256 << 20) in r["limits"], (backend, r)
         assert "scratch exceeded 8 MB and was wiped" in r["fill"] and r["after_fill"] == "", (backend, r)
         assert r["after_reset"] == "" and r["closed"], (backend, r)
+        assert r["bg"] == "started\n" and r["leftover"] == [], (backend, r)  # no cgroup: its group was killed

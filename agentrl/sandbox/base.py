@@ -245,7 +245,8 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """Read a file from scratch (at most ``max_bytes``). ``FileNotFoundError`` if missing,
-        ``ValueError`` for paths outside scratch."""
+        ``IsADirectoryError`` for a directory, ``ValueError`` for paths outside scratch (symlinks a
+        program planted included)."""
 
     @abc.abstractmethod
     async def session(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Session:

@@ -98,11 +98,12 @@ def start_time(pid: int) -> str | None:
 class UidLease:
     """A uid held by this process (an flock on ``uids/<uid>``; the kernel frees it if we die)."""
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: Path | None = None) -> None:
+        """``runtime``: the :func:`runtime_dir` the caller already has (made and checked once)."""
         self.uid, self._fd, self.dirty = os.getuid(), -1, False
         if not privileged():
             return
-        locks = runtime_dir() / "uids"
+        locks = (runtime or runtime_dir()) / "uids"
         locks.mkdir(mode=0o700, exist_ok=True)
         start = _uid_cursor[0] + 1  # round robin: a just-freed uid may still have dying processes
         for uid in (UID_BASE + (start + i) % UID_COUNT for i in range(UID_COUNT)):
@@ -130,10 +131,12 @@ class UidLease:
     def release(self, *, clean: bool = False) -> None:
         """Free the uid; ``clean``: none of its processes is left (the next owner need not kill any)."""
         if self._fd >= 0:
-            if clean:
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1
+            try:
+                if clean:
+                    os.ftruncate(fd, 0)
+            finally:  # the lock must go even if marking it clean failed (the next owner then kills)
+                os.close(fd)
 
 
 async def kill_uid(uid: int) -> None:
@@ -184,11 +187,15 @@ class Cgroup:
                              ("memory.memsw.limit_in_bytes", config.memory_mb * MB)],
                   "pids": [("pids.max", config.pids)],
                   "cpu": [("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", max(1000, int(config.cpus * 1e5)))]}
-        for c, path in group.dirs.items():
-            os.makedirs(path, exist_ok=True)
-            for file, value in limits[c]:
-                if os.path.exists(f"{path}/{file}"):
-                    Path(path, file).write_text(str(value))
+        try:
+            for c, path in group.dirs.items():
+                os.makedirs(path, exist_ok=True)
+                for file, value in limits[c]:
+                    if os.path.exists(f"{path}/{file}"):
+                        Path(path, file).write_text(str(value))
+        except BaseException:
+            group.remove()  # the caller never gets it, so nobody else would
+            raise
         return group
 
     def child(self, name: str) -> Cgroup:
@@ -388,7 +395,10 @@ def write_etc(etc: Path, uid: int) -> None:
 
 
 def open_beneath(root: str, rel: str, *, create: bool, owner: int | None) -> int:
-    """Open ``rel`` under ``root`` one component at a time, never following a symlink (ValueError)."""
+    """Open ``rel`` under ``root`` one component at a time, never following a symlink (ValueError).
+
+    A directory raises ``IsADirectoryError``, as the docker backend does, so callers tell the model
+    to list it instead."""
     parts = rel.split("/")
     dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -409,12 +419,15 @@ def open_beneath(root: str, rel: str, *, create: bool, owner: int | None) -> int
             raise ValueError(f"path {rel!r} goes through a symbolic link or a non-regular file; "
                              "refusing to follow it outside scratch") from None
         if e.errno == errno.EISDIR:
-            raise ValueError(f"path {rel!r} is a directory") from None
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", rel) from None
         raise
     finally:
         os.close(dfd)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
+        if stat.S_ISDIR(mode):  # O_RDONLY opens a directory without EISDIR
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", rel)
         raise ValueError(f"path {rel!r} is not a regular file")
     if create and owner is not None:
         os.fchown(fd, owner, owner)

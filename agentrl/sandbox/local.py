@@ -111,9 +111,24 @@ def _argv(command: str | Sequence[str] | None, code: str | None) -> list[str]:
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
     argv = list(command)  # type: ignore[arg-type]
-    if not argv or not all(isinstance(a, str) for a in argv):
-        raise ValueError(f"command must be a shell string or a non-empty list of strings, got {command!r}")
+    if not argv or not all(isinstance(a, str) for a in argv):  # TypeError, as the docker backend raises
+        raise TypeError(f"command must be a shell string or a non-empty list of str (an argv), got {command!r}")
     return argv
+
+
+@functools.cache
+def _have_prlimit() -> bool:
+    """Whether ``prlimit`` exists (looked up once, not on every call)."""
+    return shutil.which("prlimit") is not None
+
+
+def _claim(bubblewrap: bool) -> tuple[Path, UidLease]:
+    """The blocking first half of :meth:`LocalSandbox.create`: the (cached) trial run, the runtime
+    dir (made and checked once per sandbox) and a uid lease."""
+    if reason := (bubblewrap_unavailable_reason() if bubblewrap else process_unavailable_reason()):
+        raise SandboxError(f"{'bubblewrap' if bubblewrap else 'process'} sandbox unavailable: {reason}")
+    runtime = runtime_dir()
+    return runtime, UidLease(runtime)
 
 
 class _LocalSession(Session):
@@ -188,30 +203,30 @@ class LocalSandbox(Sandbox):
     async def create(cls, config: SandboxConfig, *, bubblewrap: bool) -> LocalSandbox:
         """A new sandbox (reaps dead owners' leftovers first, once per process). Close it when done."""
         config.validate()
-        if reason := (bubblewrap_unavailable_reason() if bubblewrap else process_unavailable_reason()):
-            raise SandboxError(f"{'bubblewrap' if bubblewrap else 'process'} sandbox unavailable: {reason}")
-        runtime = runtime_dir()
-        if not _reaped:
-            _reaped.append(True)
-            await reap_stale(runtime)
-        lease = UidLease()
-        name = f"{os.getpid()}-{next(_ids)}"
-        self = cls(config, bubblewrap, runtime / name, lease)
+        runtime, lease = await asyncio.to_thread(_claim, bubblewrap)
+        self = cls(config, bubblewrap, runtime / f"{os.getpid()}-{next(_ids)}", lease)
         try:
-            if lease.dirty:
-                await kill_uid(lease.uid)  # whatever a dead owner of this uid left running
-            self.root.mkdir(mode=0o711)
-            (self.root / "owner").write_text(f"{os.getpid()} {start_time(os.getpid())} {lease.uid}")
-            write_etc(self.root / "etc", lease.uid)
-            (self.root / "data").mkdir(mode=0o711)
-            self._fresh_data()
-            self._cgroup = Cgroup.for_sandbox(f"agentrl-{name}", config)
-            if bubblewrap:
-                self._bwrap = self._bwrap_argv()
+            if not _reaped:  # before our dir exists: a dead owner with our (recycled) pid left one of our name
+                _reaped.append(True)
+                await reap_stale(runtime)
+            if lease.dirty:  # before our dirs exist: whatever a dead owner of this uid left running
+                await kill_uid(lease.uid)
+            await asyncio.to_thread(self._build)
         except BaseException:
             await self.close()
             raise
         return self
+
+    def _build(self) -> None:
+        """The blocking second half of :meth:`create`: dirs, ``/etc``, scratch, cgroup, bwrap's argv."""
+        self.root.mkdir(mode=0o711)
+        (self.root / "owner").write_text(f"{os.getpid()} {start_time(os.getpid())} {self._lease.uid}")
+        write_etc(self.root / "etc", self._lease.uid)
+        (self.root / "data").mkdir(mode=0o711)
+        self._fresh_data()
+        self._cgroup = Cgroup.for_sandbox(f"agentrl-{self.root.name}", self.config)
+        if self.bubblewrap:
+            self._bwrap = self._bwrap_argv()
 
     def _bwrap_argv(self) -> list[str]:
         argv = bwrap_base() + ["--ro-bind", str(self.root / "etc"), "/etc"]
@@ -253,7 +268,7 @@ class LocalSandbox(Sandbox):
         limits = rlimits(self.config, cpu_seconds=cpu_seconds, nproc=self._lease.distinct or not self.bubblewrap,
                          memory=group is None or "memory" not in group.dirs)
         environment = self._environment(env)
-        if self.bubblewrap and not self._lease.distinct and shutil.which("prlimit"):
+        if self.bubblewrap and not self._lease.distinct and _have_prlimit():
             argv = ["prlimit", f"--nproc={self.config.pids}", "--"] + argv  # counted in bwrap's user namespace
         if self.bubblewrap:  # pid 1 ignores SIGKILL from inside: a shell is init, the program its child
             argv = ["/bin/sh", "-c", '"$@"; exit $?', "sh"] + argv
@@ -284,7 +299,10 @@ class LocalSandbox(Sandbox):
             await group.kill(spare=pid, deadline=0.2)  # again: bwrap may not have made its child yet
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(exited), 0.01)
-        if not exited.done() or (group is None and not self.bubblewrap):
+        if not exited.done() or (group is None and not self.bubblewrap and not os.path.exists(f"/proc/{pid}")):
+            # Unreaped, ``pid`` still names this call's group. Once reaped (only the fallback without a
+            # cgroup has survivors to kill then), survivors keep it reserved as their pgid, so no process
+            # has it as its pid; one that does got the number after the group emptied: not ours to kill.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         if group is not None:  # also what left the process group
@@ -334,10 +352,18 @@ class LocalSandbox(Sandbox):
                 with contextlib.suppress(TimeoutError):  # process may hold them open (no cgroup)
                     await asyncio.wait_for(asyncio.shield(waiting), 1.0)
             transport.close()
-        return self._result(transport.get_returncode(), call.out, call.err, timed_out, oom=oom,
+        wiped = not privileged() and await asyncio.to_thread(self._cap_scratch)
+        return self._result(transport.get_returncode(), call.out, call.err, timed_out, oom=oom, wiped=wiped,
                             duration=time.monotonic() - started)
 
-    def _result(self, rc: int | None, out: _Capture, err: _Capture, timed_out: bool, *, oom: bool,
+    def _cap_scratch(self) -> bool:
+        """As a normal user (no tmpfs caps it): scratch and /tmp over ``scratch_mb`` are wiped (True)."""
+        if usage_bytes(str(self.root / "data")) <= self.config.scratch_mb * MB:
+            return False
+        self._fresh_data()
+        return True
+
+    def _result(self, rc: int | None, out: _Capture, err: _Capture, timed_out: bool, *, oom: bool, wiped: bool,
                 duration: float) -> ExecResult:
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
@@ -346,8 +372,7 @@ class LocalSandbox(Sandbox):
         notes = []
         if oom:
             notes.append(f"[killed: out of memory (limit {self.config.memory_mb} MB)]")
-        if not privileged() and usage_bytes(str(self.root / "data")) > self.config.scratch_mb * MB:
-            self._fresh_data()  # no tmpfs to cap it as a normal user: checked after the fact
+        if wiped:
             notes.append(f"[scratch exceeded {self.config.scratch_mb} MB and was wiped]")
         if notes:
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
@@ -435,11 +460,19 @@ class LocalSandbox(Sandbox):
         self._closed, clean = True, False
         try:
             clean = await self._kill_all()
-        finally:
-            umount(str(self.root / "data"))
-            if self.root.exists():
-                await asyncio.to_thread(wipe, str(self.root))
+        finally:  # nested: whatever fails, the cgroup and the uid (its lock fd) are still freed
+            try:
+                await asyncio.to_thread(self._remove_dirs)
+            finally:
+                try:
+                    if self._cgroup is not None:
+                        self._cgroup.remove()
+                finally:
+                    self._lease.release(clean=clean)
+
+    def _remove_dirs(self) -> None:
+        umount(str(self.root / "data"))
+        if self.root.exists():
+            wipe(str(self.root))
+            with contextlib.suppress(OSError):  # something wipe could not remove (a mount): left for good
                 self.root.rmdir()
-            if self._cgroup is not None:
-                self._cgroup.remove()
-            self._lease.release(clean=clean)
