@@ -17,12 +17,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from agentrl.sandbox import SandboxConfig, SandboxError, SandboxPool
 from agentrl.sandbox import docker as docker_backend
+from agentrl.sandbox import image as image_module
 from agentrl.sandbox.docker import DockerSandbox, docker_client, reap, run_id
 from agentrl.sandbox.image import DEFAULT_IMAGE, SANDBOX_UID, build_image, ensure_image, rootfs_paths, write_rootfs
 
@@ -117,6 +119,29 @@ def test_cli_build_and_reap(docker_image):
         subprocess.run(["docker", "rmi", "-f", f"{name}-derived", name], capture_output=True)
 
 
+def test_concurrent_first_uses_build_the_image_once(docker_image, monkeypatch):
+    name = "agentrl-sandbox-locktest:1"  # stands for the default image, which other tests are using
+    monkeypatch.setattr(image_module, "DEFAULT_IMAGE", name)
+    builds: list[str] = []
+    real_build = image_module.build_image
+
+    def counted(n: str) -> str:
+        builds.append(n)
+        return real_build(n)
+
+    monkeypatch.setattr(image_module, "build_image", counted)
+    subprocess.run(["docker", "rmi", "-f", name], capture_output=True)
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(4) as threads:  # what a pool's first creates do (asyncio.to_thread)
+            assert list(threads.map(lambda _: ensure_image(name), range(4))) == [name] * 4
+        assert builds == [name], f"{len(builds)} builds of one image"
+        assert docker_client().images.get(name).labels["agentrl.rootfs.sha256"]
+        print(f"\nimage built once for 4 concurrent callers in {time.monotonic() - t0:.1f} s")
+    finally:
+        subprocess.run(["docker", "rmi", "-f", name], capture_output=True)
+
+
 def test_unavailable_reason_names_the_engine_and_what_to_do(docker_image, monkeypatch, tmp_path):
     sock = tmp_path / "nothing.sock"
     monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
@@ -193,8 +218,11 @@ async def test_files_belong_to_the_sandbox_user_and_env_is_exact(sb):
         await sb.read_file("locked")
 
 
+REVERSER = ["python3", "-u", "-c", "import sys\nfor l in sys.stdin: print(l.strip()[::-1], flush=True)"]
+
+
 async def test_timeout_kills_the_call_but_spares_live_sessions(sb):
-    s = await sb.session("keep", ["python3", "-u", "-c", "import sys\nfor l in sys.stdin: print(l.strip()[::-1], flush=True)"])
+    s = await sb.session("keep", REVERSER)
     t0 = time.monotonic()
     r = await sb.run("sleep 60 & setsid sleep 61 & (sleep 62 &) ; sleep 63", timeout=0.5)
     assert r.timed_out and r.exit_code is None and time.monotonic() - t0 < 3.0
@@ -205,6 +233,110 @@ async def test_timeout_kills_the_call_but_spares_live_sessions(sb):
     r = await sb.run("sleep 30 & echo started")  # a normal end also kills what the call left behind
     assert r.ok and r.duration < 1.5, r
     assert "sleep 30" not in (await sb.run("ps -eo args=")).stdout
+
+
+GROW = "while :; do echo x >> grow.txt; sleep 0.05; done"
+
+
+async def _still_growing(box: DockerSandbox, paths: list[str]) -> list[str]:
+    """Which of ``paths`` keep growing (read_file runs no call, so it kills nothing itself)."""
+    async def sizes() -> dict[str, int]:
+        out = {}
+        for p in paths:
+            try:
+                out[p] = len(await box.read_file(p))
+            except FileNotFoundError:
+                pass
+        return out
+
+    before = await sizes()
+    await asyncio.sleep(0.6)
+    after = await sizes()
+    return [p for p in after if after[p] != before.get(p)]
+
+
+async def test_a_cancelled_call_kills_its_program_before_the_next_call(sb):
+    s = await sb.session("keep", REVERSER)
+    took = []
+    for delay in (0.5, 0.001, 0.005, 0.02, 0.05):  # mid-program, and while the exec is being started
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):  # what call_tool's wait_for does when the tool's timeout is shorter
+            await asyncio.wait_for(sb.run(GROW, timeout=30), delay)
+        took.append(time.monotonic() - t0 - delay)
+    assert await sb.read_file("grow.txt"), "the program never ran"
+    assert await _still_growing(sb, ["grow.txt"]) == [], "a cancelled call's program kept running"
+    assert "grow.txt" not in (await sb.run("ps -eo args=")).stdout
+    await s.send(b"abc\n")  # the live session was spared
+    assert await s.readline(timeout=5) == b"cba\n" and s.alive
+    assert (await sb.run("echo next")).stdout == "next\n"
+    print(f"\ncancel cleanup {min(took) * 1000:.0f}-{max(took) * 1000:.0f} ms")
+
+
+async def test_a_cancelled_session_start_leaves_no_process(sb):
+    files, started = [], 0
+    for i, delay in enumerate((0.001, 0.003, 0.006, 0.01, 0.02, 0.04, 0.08)):
+        files.append(f"s{i}.txt")
+        argv = ["sh", "-c", GROW.replace("grow.txt", files[-1])]
+        try:
+            s = await asyncio.wait_for(sb.session(f"s{i}", argv), delay)
+        except TimeoutError:
+            continue
+        started += 1  # it started in time: a live session, killed as its tool would
+        await s.kill()
+    assert await _still_growing(sb, files) == [], "a session whose start was cancelled kept running"
+    ps = (await sb.run("ps -eo args=")).stdout
+    assert ".txt" not in ps, ps
+    assert started < len(files), "no start was cancelled: the test tested nothing"
+
+
+async def test_a_session_that_exits_is_seen_dead_without_asking_the_engine(sb):
+    s = await sb.session("short", ["sh", "-c", "echo one; echo two; read x; exit 3"])
+    await asyncio.sleep(0.3)
+    assert s.alive  # the pending output was read to look for the end of the stream, and kept:
+    assert [await s.readline(timeout=5), await s.readline(timeout=5)] == [b"one\n", b"two\n"]
+    assert await sb.session("short", ["true"]) is s
+    await s.send(b"bye\n")
+    deadline = time.monotonic() + 5
+    while s.alive:
+        assert time.monotonic() < deadline, "the session exited but still looks alive"
+        await asyncio.sleep(0.02)
+    s2 = await sb.session("short", ["sh", "-c", "read x"])
+    assert s2 is not s and s2.alive
+    t0 = time.monotonic()
+    for _ in range(200):
+        assert await sb.session("short", ["true"]) is s2
+    print(f"\nsession lookup {(time.monotonic() - t0) / 200 * 1e6:.0f} us")
+
+
+async def test_a_fork_bomb_that_times_out_comes_back_as_a_result(docker_image):
+    async with await DockerSandbox.create(cfg(pids=40)) as box:
+        # one that keeps forking (dash exits when a fork fails), and one that holds every pid
+        holder = "import os, time\nfor _ in range(100):\n    try: os.fork()\n    except OSError: break\ntime.sleep(100)"
+        for bomb in ("b() { b | b & }; b; sleep 100", ["python3", "-c", holder]):
+            t0 = time.monotonic()
+            r = await box.run(bomb, timeout=1.0)  # no SandboxError: it is the program's doing
+            assert r.timed_out and r.exit_code is None and time.monotonic() - t0 < 20, r
+            r = await box.run("ps -e | wc -l")
+            assert r.ok and int(r.stdout) < 8, r
+
+
+async def test_when_no_exec_can_kill_a_timed_out_program_pid_1_does(sb, monkeypatch):
+    real = sb._exec_quiet
+
+    async def kill_exec_fails(argv, timeout=30.0):  # what the engine does when the pids limit is hit
+        if "agentrl-kill" not in argv:
+            return await real(argv, timeout)
+        if failure == "raise":
+            raise SandboxError("starting the kill: the Docker engine failed: 500 Server Error")
+        return 126, b"OCI runtime exec failed: exec failed: resource temporarily unavailable", b""
+
+    monkeypatch.setattr(sb, "_exec_quiet", kill_exec_fails)
+    for failure in ("raise", "126"):
+        s = await sb.session("s", ["python3", "-u", "-c", "import sys\nfor l in sys.stdin: print(l, end='')"])
+        r = await sb.run("sleep 60 & setsid sleep 61 & sleep 62", timeout=0.5)
+        assert r.timed_out and r.exit_code is None and r.duration < 3, r  # a result, not a SandboxError
+        assert not s.alive  # pid 1 killed everything, the sessions too (and says so)
+        assert "sleep 6" not in (await sb.run("ps -eo args=")).stdout
 
 
 async def test_oom_is_reported_and_the_sandbox_stays_usable(docker_image):

@@ -20,14 +20,16 @@ process's own run (``agentrl sandbox reap [--all]`` runs it by hand).
 
 How programs run inside (supervised calls that never leave processes behind, timeouts, sessions,
 the exec streams) is :mod:`agentrl.sandbox.docker_exec`. Calls on one sandbox run one at a time (a
-lock), as a call's cleanup kills every other process but pid 1 and the live sessions. Blocking
-engine calls run in threads (``asyncio.to_thread``); a running program holds no thread.
+lock), as a call's cleanup kills every other process but pid 1 and the live sessions; a cancelled
+call (a tool's shorter timeout) kills its program before it lets go of the lock. Blocking engine
+calls run in threads (``asyncio.to_thread``); a running program holds no thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -37,13 +39,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from agentrl.sandbox.base import SCRATCH, ExecResult, Sandbox, SandboxConfig, SandboxError, check_relative_path
 from agentrl.sandbox.docker_exec import (CALL, KILL, OOM_MARK, PID1, READ, RESET, SESSION, Capped, DockerSession, ExecStream,
-                                         SandboxGone, container_gone, engine_error, env_prefix, open_exec,
-                                         program_argv, scratch_tar)
+                                         SandboxGone, container_gone, engine_error, env_prefix, exit_code,
+                                         open_exec, program_argv, scratch_tar, settle)
 from agentrl.sandbox.image import SANDBOX_UID, ensure_image
 
 __all__ = ["DockerSandbox", "DockerSession", "docker_client", "reap", "run_id", "unavailable_reason"]
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 USER = f"{SANDBOX_UID}:{SANDBOX_UID}"
 LABEL = "agentrl.sandbox"
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8"}
+Ender = Callable[[ExecStream], Awaitable[object]]  # stops what a started exec runs
 
 # -- engine connection ---------------------------------------------------------------------------
 
@@ -269,56 +272,76 @@ class DockerSandbox(Sandbox):
 
     # -- execs --
 
-    async def _start(self, argv: list[str], *, stdin: bool) -> ExecStream:
+    async def _start(self, argv: list[str], *, stdin: bool, end: Ender | None = None) -> ExecStream:
+        """Start an exec. Cancelled meanwhile, it starts anyway (a thread cannot be stopped): ``end``
+        then stops what it runs (helpers that end by themselves need none) before the cancel goes on."""
         if self._closed:
             raise SandboxError("the sandbox is closed")
+        opening = asyncio.ensure_future(asyncio.to_thread(open_exec, docker_client().api, self.container.id, argv,
+                                                          stdin=stdin, user=USER, workdir=SCRATCH))
         try:
-            return await asyncio.to_thread(open_exec, docker_client().api, self.container.id, argv,
-                                           stdin=stdin, user=USER, workdir=SCRATCH)
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            await settle(self._abandon(opening, end))
+            raise
         except SandboxError:
             raise
         except Exception as e:
             raise engine_error(e, f"starting {argv[-1][:40]!r}") from None
 
-    async def _exit_code(self, exec_id: str) -> int | None:
-        api = docker_client().api
-        for _ in range(50):
-            info = await asyncio.to_thread(api.exec_inspect, exec_id)
-            if not info.get("Running"):
-                return info.get("ExitCode")
-            await asyncio.sleep(0.02)
-        return None
-
-    async def _pump(self, ex: ExecStream, out: Capped, err: Capped, stdin: bytes | None) -> None:
-        writer = None
-        if stdin is not None:
-            writer = asyncio.ensure_future(self._feed(ex, stdin))
-        try:
-            while (frame := await ex.frame()) is not None:
-                (out if frame[0] == 1 else err).add(frame[1])
-        finally:
-            if writer is not None:
-                writer.cancel()
-
     @staticmethod
-    async def _feed(ex: ExecStream, data: bytes) -> None:
-        try:
-            await ex.send(data, close=True)
-        except OSError:
-            pass  # the program exited without reading all of its stdin
+    async def _abandon(opening: asyncio.Future[ExecStream], end: Ender | None) -> None:
+        with contextlib.suppress(Exception):  # it never started, or the container is gone (its processes with it)
+            ex = await opening
+            try:
+                if end is not None:
+                    await end(ex)
+            finally:
+                ex.close()
 
     async def _exec_quiet(self, argv: list[str], timeout: float = 30.0) -> tuple[int | None, bytes, bytes]:
         """Run a helper (as the sandbox user) to the end: exit code, stdout, stderr (4 KiB each)."""
         ex = await self._start(argv, stdin=False)
         out, err = Capped(4096), Capped(4096)
         try:
-            await asyncio.wait_for(self._pump(ex, out, err, None), timeout)
+            await asyncio.wait_for(ex.pump(out, err), timeout)
         finally:
             ex.close()
-        return await self._exit_code(ex.id), bytes(out.head), bytes(err.head)
+        return await exit_code(docker_client().api, ex.id), bytes(out.head), bytes(err.head)
 
     async def _kill_sid(self, sid: int) -> None:
         await self._exec_quiet(["/bin/sh", "-c", KILL, "agentrl-kill", "only", str(sid)])
+
+    async def _stop(self, ex: ExecStream, out: Capped, err: Capped) -> None:
+        """End a call early: kill its whole tree (all but pid 1 and the live sessions), read its stream to
+        the end. When no exec can (a fork bomb holds every pid, or keeps forking), pid 1 kills everything
+        on SIGUSR1, and the sessions are lost too."""
+        try:
+            rc, _, _ = await self._exec_quiet(["/bin/sh", "-c", KILL, "agentrl-kill", "except", f"1 {self._keep()}"])
+        except SandboxGone:
+            raise
+        except (SandboxError, TimeoutError):
+            rc = None
+        # 137: the call's own supervisor, woken by its program's death, killed this helper while reaping the rest
+        if rc in (0, 137) and (await self._drain(ex, out, err) or rc == 0):
+            return
+        for s in self._sessions.values():
+            s.mark_killed()
+        self._sessions.clear()
+        try:
+            await asyncio.to_thread(self.container.kill, "SIGUSR1")
+        except Exception as e:
+            raise engine_error(e, "killing a timed-out program") from None
+        await self._drain(ex, out, err)
+
+    @staticmethod
+    async def _drain(ex: ExecStream, out: Capped, err: Capped) -> bool:
+        """Read a killed call's stream to its end (2 s at most); whether it ended."""
+        try:
+            await asyncio.wait_for(ex.pump(out, err), 2.0)
+            return True
+        except TimeoutError:
+            return False
 
     def _keep(self) -> str:
         return " ".join(str(s.sid) for s in self._sessions.values() if s.alive and s.sid > 1)
@@ -341,28 +364,25 @@ class DockerSandbox(Sandbox):
 
     async def _call(self, argv: list[str], prefix: list[str], data: bytes | None, limit: float) -> ExecResult:
         started = time.monotonic()
-        ex = await self._start([*prefix, "/bin/sh", "-c", CALL, "sh", self._keep(), *argv],
-                               stdin=data is not None)
         out, err = Capped(self.config.max_output_bytes), Capped(self.config.max_output_bytes)
+        ex = await self._start([*prefix, "/bin/sh", "-c", CALL, "sh", self._keep(), *argv],
+                               stdin=data is not None, end=lambda ex: self._stop(ex, out, err))
         timed_out = False
         try:
-            await asyncio.wait_for(self._pump(ex, out, err, data), limit)
-        except TimeoutError:
-            timed_out = True
-        duration = time.monotonic() - started
-        try:
-            if timed_out:  # kill the call's whole tree (all but pid 1 and the live sessions)
-                try:
-                    await self._exec_quiet(["/bin/sh", "-c", KILL, "agentrl-kill", "except", f"1 {self._keep()}"])
-                except TimeoutError:
-                    raise SandboxError("the sandbox did not kill a timed-out program within 30 s") from None
-                try:
-                    await asyncio.wait_for(self._pump(ex, out, err, None), 2.0)
-                except TimeoutError:
-                    pass
+            try:
+                await asyncio.wait_for(ex.pump(out, err, data), limit)
+            except TimeoutError:
+                timed_out = True
+            except BaseException:  # cancelled: the program must not outlive the call (nor overlap the next)
+                with contextlib.suppress(Exception):
+                    await settle(self._stop(ex, out, err))
+                raise
+            duration = time.monotonic() - started
+            if timed_out:
+                await settle(self._stop(ex, out, err))
         finally:
             ex.close()
-        rc = None if timed_out else await self._exit_code(ex.id)
+        rc = None if timed_out else await exit_code(docker_client().api, ex.id)
         if rc == 126 and out.head.startswith(b"OCI runtime exec failed"):  # the engine could not start it
             raise SandboxError(f"the sandbox cannot start programs (memory or pids used up?): {out.head.decode()[:300]}")
         return self._result(rc, out, err, timed_out, duration)
@@ -409,12 +429,12 @@ class DockerSandbox(Sandbox):
             ex = await self._start(["/bin/sh", "-c", READ, "agentrl-read", rel,
                                     "all" if max_bytes is None else str(int(max_bytes))], stdin=False)
             try:
-                await asyncio.wait_for(self._pump(ex, out, err, None), max(60.0, self.config.timeout))
+                await asyncio.wait_for(ex.pump(out, err), max(60.0, self.config.timeout))
             except TimeoutError:
                 raise OSError(f"{path}: reading it timed out (a fifo?)") from None
             finally:
                 ex.close()
-            rc = await self._exit_code(ex.id)
+            rc = await exit_code(docker_client().api, ex.id)
         if rc == 0:
             return bytes(out.head)
         errors = {3: FileNotFoundError, 4: IsADirectoryError, 5: PermissionError}
@@ -423,25 +443,24 @@ class DockerSandbox(Sandbox):
 
     async def session(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> DockerSession:
         s = self._sessions.get(name)
-        if s is not None and s.alive and await self._running(s):
+        if s is not None and s.alive:
             return s
         if s is not None:
             await s.kill()
         argv = program_argv(list(argv), None)
         ex = await self._start([*env_prefix(self._env, self.config.env, env), "/bin/sh", "-c", SESSION, "sh", *argv],
-                               stdin=True)
+                               stdin=True, end=lambda ex: DockerSession(ex, self._kill_sid).discard())
         s = DockerSession(ex, self._kill_sid)
         try:
             await s._start(timeout=30.0)
         except (TimeoutError, EOFError, ValueError) as e:
-            ex.close()
+            await s.kill()
             raise SandboxError(f"session {name!r} ({shlex.join(argv)[:80]}) did not start: {type(e).__name__} {e}") from None
+        except BaseException:  # cancelled: a session nobody holds would run until the reset
+            await settle(s.discard())
+            raise
         self._sessions[name] = s
         return s
-
-    async def _running(self, s: DockerSession) -> bool:
-        info = await asyncio.to_thread(docker_client().api.exec_inspect, s._ex.id)
-        return bool(info.get("Running"))
 
     async def reset(self) -> None:
         for s in self._sessions.values():

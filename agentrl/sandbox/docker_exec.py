@@ -6,7 +6,8 @@ every exec a session leader (its session id is its pid). That gives the kill rul
 
 - a call (:data:`CALL`) runs the program as a child, then kills every process of the sandbox user
   except pid 1 and the live sessions' session ids, so backgrounded children and ``setsid``
-  escapees never outlive their call; a timeout does the same from a separate exec (:data:`KILL`);
+  escapees never outlive their call; a timeout or a cancelled call does the same from a separate
+  exec (:data:`KILL`; it exits 1 when processes keep appearing, and pid 1 then kills everything);
 - a session is killed by its session id (``KILL only SID``);
 - a reset (:data:`RESET`) kills everything but pid 1 (``kill -9 -1``) and wipes scratch, ``/tmp``
   and ``/dev/shm``, hidden files and ``chmod 000`` dirs included.
@@ -14,7 +15,8 @@ every exec a session leader (its session id is its pid). That gives the kill rul
 The kill loops use shell builtins only (``/proc/*/stat``, ``kill``): no fork, so they work while a
 fork bomb holds every pid. Output comes back on the exec's hijacked socket in frames with an
 8-byte header (stream id, size); :class:`ExecStream` reads them on the event loop (no thread held
-while a program runs) and :class:`Capped` keeps the first ``max_output_bytes`` of each stream.
+while a program runs) and :class:`Capped` keeps the first ``max_output_bytes`` of each stream;
+:func:`settle` finishes such cleanup even when the caller is cancelled meanwhile.
 :func:`program_argv`, :func:`env_prefix` and :func:`scratch_tar` build what an exec runs and the
 files it is given (owned by the sandbox user, so the program can change and delete them).
 """
@@ -22,24 +24,27 @@ files it is given (owned by the sandbox user, so the program can change and dele
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import socket
 import tarfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.sandbox.base import SandboxError, Session, normalize_files, truncate_output
 from agentrl.sandbox.image import SANDBOX_UID
 
 __all__ = ["CALL", "KILL", "OOM_MARK", "PID1", "READ", "RESET", "SESSION", "Capped", "DockerSession", "ExecStream",
-           "SandboxGone", "container_gone", "engine_error", "env_prefix", "open_exec", "program_argv", "scratch_tar"]
+           "SandboxGone", "container_gone", "engine_error", "env_prefix", "exit_code", "open_exec", "program_argv",
+           "scratch_tar", "settle"]
 
 OOM_MARK = b"\x00agentrl-oom\x00"
 """Written to stderr by :data:`CALL` when the memory cgroup's OOM killer fired during the call."""
 
 # Kill the sandbox user's processes by session id, with shell builtins only (no fork: it must work
-# when a fork bomb has used every pid). MODE=except spares SIDS, MODE=only kills just SIDS.
+# when a fork bomb has used every pid). MODE=except spares SIDS, MODE=only kills just SIDS; returns 1
+# when processes still appear after 50 rounds.
 REAP_FN = r"""
 reap() {
   mode=$1; ids=" $2 "; n=0
@@ -59,6 +64,7 @@ reap() {
     [ $hit = 0 ] && return 0
     n=$((n + 1))
   done
+  return 1
 }
 killall_() { n=0; while [ $n -lt 200 ] && kill -9 -1 2>/dev/null; do n=$((n + 1)); done; }
 """
@@ -88,7 +94,7 @@ exit $rc
 """
 # A session: tell the host its pid (= its session id), then become the program (first in line for the OOM killer).
 SESSION = '{ echo 500 > /proc/self/oom_score_adj; } 2>/dev/null; echo "$$"; exec "$@"'
-KILL = REAP_FN + '\nif [ "$1" = all ]; then killall_; else reap "$1" "$2"; fi\n'
+KILL = REAP_FN + '\nreap "$1" "$2"\n'
 RESET = REAP_FN + r"""
 killall_
 chmod 0755 /scratch  # the program may have locked its own scratch root
@@ -137,6 +143,16 @@ def open_exec(api: Any, container_id: str, argv: list[str], *, stdin: bool, user
     return ExecStream(exec_id, res)
 
 
+async def exit_code(api: Any, exec_id: str) -> int | None:
+    """The exit code of an exec whose stream ended (None if it still runs after a second)."""
+    for _ in range(50):
+        info = await asyncio.to_thread(api.exec_inspect, exec_id)
+        if not info.get("Running"):
+            return info.get("ExitCode")
+        await asyncio.sleep(0.02)
+    return None
+
+
 class ExecStream:
     """A started ``docker exec``: frames (1 = stdout, 2 = stderr) read on the event loop."""
 
@@ -176,6 +192,38 @@ class ExecStream:
                 self.eof = True
             self.buf += chunk
 
+    async def pump(self, out: Capped, err: Capped, stdin: bytes | None = None) -> None:
+        """Read every frame into ``out`` (stdout) and ``err`` (stderr), feeding ``stdin`` meanwhile."""
+        writer = None if stdin is None else asyncio.ensure_future(self._feed(stdin))
+        try:
+            while (frame := await self.frame()) is not None:
+                (out if frame[0] == 1 else err).add(frame[1])
+        finally:
+            if writer is not None:
+                writer.cancel()
+
+    async def _feed(self, data: bytes) -> None:
+        try:
+            await self.send(data, close=True)
+        except OSError:
+            pass  # the program exited without reading all of its stdin
+
+    def ended(self) -> bool:
+        """Whether the stream has ended, from what the socket holds now: never waits, and keeps what it
+        reads for :meth:`frame` (at most 1 MiB a look; a session still writing that much is alive)."""
+        budget = 1 << 20
+        while not self.eof and self._recv is None and budget > 0:  # a pending receive owns the next bytes
+            try:
+                chunk = self.raw.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            self.eof = not chunk
+            self.buf += chunk
+            budget -= len(chunk)
+        return self.eof
+
     async def send(self, data: bytes, close: bool) -> None:
         await asyncio.get_running_loop().sock_sendall(self.raw, data)
         if close:
@@ -190,6 +238,30 @@ class ExecStream:
                 s.close()
             except (OSError, ValueError):
                 pass
+
+
+T = TypeVar("T")
+
+
+async def settle(cleanup: Awaitable[T]) -> T:
+    """Await ``cleanup`` to its end even if the caller is cancelled meanwhile, then re-raise that.
+
+    A cancelled call (a tool's timeout shorter than the sandbox's) must kill what it started before
+    its sandbox's lock is released, or the program would overlap the next call.
+    """
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # cancelling this wait leaves the task running
+        except asyncio.CancelledError:
+            cancelled = True
+    error = task.exception()
+    if cancelled:
+        raise asyncio.CancelledError
+    if error is not None:
+        raise error
+    return task.result()
 
 
 class SandboxGone(SandboxError):
@@ -276,6 +348,13 @@ class DockerSession(Session):
             except (SandboxError, TimeoutError):
                 pass  # the container is gone (its processes with it), or a reset will kill them
 
+    async def discard(self) -> None:
+        """Kill a session whose start was cancelled (its session id, the wrapper's first line, comes at once)."""
+        if not self.sid:
+            with contextlib.suppress(TimeoutError, EOFError, ValueError):
+                await self._start(timeout=5.0)
+        await self.kill()
+
     def mark_killed(self) -> None:
         """Its processes were killed by other means (a reset): close the stream, never kill again."""
         self._killed = self._dead = True
@@ -283,7 +362,8 @@ class DockerSession(Session):
 
     @property
     def alive(self) -> bool:
-        return not self._dead
+        """Not killed, and its exec's stream has not ended (the engine closes it when the process exits)."""
+        return not self._dead and not self._ex.ended()
 
 
 # -- what an exec runs ---------------------------------------------------------------------------------

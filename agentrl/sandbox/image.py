@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,7 @@ EXTRA_FILES = ("/usr/bin/setsid", "/usr/bin/timeout")
 SKIP_PREFIXES = tuple(f"/usr/share/{d}/" for d in ("doc", "man", "info", "locale", "lintian", "bug", "menu",
                                                    "bash-completion", "doc-base"))
 _ENV = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/scratch")
+_build_lock = threading.Lock()  # a pool's first sandboxes are created in parallel threads: build once
 
 
 def _client():
@@ -65,21 +67,27 @@ def ensure_image(name: str = DEFAULT_IMAGE) -> str:
     """Return ``name`` once the engine has it; the default image is built on first use.
 
     Any other missing name raises :class:`SandboxError` (no registry to pull from): build it
-    with ``docker build`` (see the module docstring) or use the default.
+    with ``docker build`` (see the module docstring) or use the default. Concurrent callers in
+    one process wait for a single build.
     """
-    import docker
-
-    client = _client()
-    try:
-        client.images.get(name)
+    if _exists(name):
         return name
-    except docker.errors.ImageNotFound:
-        pass
     if name != DEFAULT_IMAGE:
         raise SandboxError(
             f"sandbox image {name!r} is not in the Docker engine and no registry is reachable: build it with "
             f"`docker build -t {name} .` (FROM {DEFAULT_IMAGE}, made by `agentrl sandbox build`) or use the default")
-    return build_image(name)
+    with _build_lock:
+        return name if _exists(name) else build_image(name)
+
+
+def _exists(name: str) -> bool:
+    import docker
+
+    try:
+        _client().images.get(name)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
 
 
 def build_image(name: str = DEFAULT_IMAGE, python: str = "/usr/bin/python3.11") -> str:
