@@ -33,6 +33,7 @@ __all__ = [
     "Session",
     "check_relative_path",
     "normalize_files",
+    "program_argv",
     "truncate_output",
 ]
 
@@ -156,6 +157,26 @@ def check_relative_path(path: str) -> str:
     if norm == ".." or norm.startswith("../") or "\x00" in norm:
         raise ValueError(f"path {path!r} leaves the scratch directory")
     return norm
+
+
+def program_argv(command: str | Sequence[str] | None, code: str | None) -> list[str]:
+    """The argv of ``run(command | code)``: ``/bin/sh -c`` for a string, ``python3 -c`` for code.
+
+    ``ValueError`` unless exactly one is given; ``TypeError`` for a non-str code or an argv that is
+    not a non-empty list of str. Backends add their own limits (e.g. docker's argument size).
+    """
+    if (command is None) == (code is None):
+        raise ValueError("run() takes exactly one of command (shell string or argv list) or code (Python source)")
+    if code is not None:
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
+        return ["python3", "-c", code]
+    if isinstance(command, str):
+        return ["/bin/sh", "-c", command]
+    argv = list(command)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"command must be a shell string or a non-empty list of str (an argv), got {command!r}")
+    return argv
 
 
 def normalize_files(files: Mapping[str, str | bytes]) -> list[tuple[str, bytes]]:

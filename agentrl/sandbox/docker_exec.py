@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from agentrl.sandbox.base import program_argv as base_program_argv
 from agentrl.sandbox.base import SandboxError, Session, normalize_files, truncate_output
 from agentrl.sandbox.image import SANDBOX_UID
 
@@ -383,21 +384,11 @@ def env_prefix(base: Mapping[str, str], *envs: Mapping[str, str] | None) -> list
 
 
 def program_argv(command: str | Sequence[str] | None, code: str | None) -> list[str]:
-    if (command is None) == (code is None):
-        raise ValueError("run() takes exactly one of command (shell string or argv list) or code (Python source)")
-    if code is not None:
-        if not isinstance(code, str):
-            raise TypeError(f"code must be a str, got {type(code).__name__}")
-        if len(code.encode()) > MAX_CODE_BYTES:
-            raise ValueError(f"code is {len(code.encode())} bytes (max {MAX_CODE_BYTES}): write it to a file with "
-                             "files={'main.py': code} and run ['python3', 'main.py']")
-        return ["python3", "-c", code]
-    if isinstance(command, str):
-        return ["/bin/sh", "-c", command]
-    argv = list(command)
-    if not argv or not all(isinstance(a, str) for a in argv):
-        raise TypeError("command as a list must be a non-empty list of str (an argv)")
-    return argv
+    """:func:`agentrl.sandbox.base.program_argv` plus the engine's limit on one exec argument."""
+    if isinstance(code, str) and len(code.encode()) > MAX_CODE_BYTES:
+        raise ValueError(f"code is {len(code.encode())} bytes (max {MAX_CODE_BYTES}): write it to a file with "
+                         "files={'main.py': code} and run ['python3', 'main.py']")
+    return base_program_argv(command, code)
 
 
 def scratch_tar(files: Mapping[str, str | bytes]) -> bytes:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.sandbox.base import (ExecResult, Sandbox, SandboxConfig, SandboxError, Session,
-                                  check_relative_path, normalize_files, truncate_output)
+                                  check_relative_path, normalize_files, program_argv, truncate_output)
 from agentrl.sandbox.jail import (ETC_FROM_HOST, MB, Cgroup, UidLease, bubblewrap_unavailable_reason, bwrap_base,
                                   kill_uid, mount_tmpfs, open_beneath, preexec, privileged,
                                   process_unavailable_reason, reap_stale, rlimits, runtime_dir, start_time, umount,
@@ -99,21 +99,6 @@ class _Call(asyncio.SubprocessProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
             self.closed.set_result(None)
-
-
-def _argv(command: str | Sequence[str] | None, code: str | None) -> list[str]:
-    if (command is None) == (code is None):
-        raise ValueError("pass exactly one of command (a shell string or argv list) or code (Python source)")
-    if code is not None:
-        if not isinstance(code, str):
-            raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
-        return ["python3", "-c", code]
-    if isinstance(command, str):
-        return ["/bin/sh", "-c", command]
-    argv = list(command)  # type: ignore[arg-type]
-    if not argv or not all(isinstance(a, str) for a in argv):  # TypeError, as the docker backend raises
-        raise TypeError(f"command must be a shell string or a non-empty list of str (an argv), got {command!r}")
-    return argv
 
 
 @functools.cache
@@ -317,7 +302,7 @@ class LocalSandbox(Sandbox):
                   stdin: str | bytes | None = None, timeout: float | None = None,
                   files: Mapping[str, str | bytes] | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
         self._check_open()
-        argv = _argv(command, code)
+        argv = program_argv(command, code)
         limit = self.config.timeout if timeout is None else float(timeout)
         if limit <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
@@ -422,7 +407,7 @@ class LocalSandbox(Sandbox):
             return current
         if current is not None:
             await current.kill()
-        proc, group = await self._spawn(asyncio.create_subprocess_exec, _argv(list(argv), None), env, stdin=True,
+        proc, group = await self._spawn(asyncio.create_subprocess_exec, program_argv(list(argv), None), env, stdin=True,
                                         cpu_seconds=None, stderr=subprocess.DEVNULL)
 
         async def kill() -> None:
