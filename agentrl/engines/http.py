@@ -26,6 +26,9 @@ import httpx
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""SGLang's ``/pause_generation`` modes."""
+
 
 class EngineRequestError(EngineError):
     """The engine answered but refused the request (HTTP 4xx); retrying would not help."""
@@ -233,6 +236,42 @@ class SGLangEngine(Engine):
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """``POST /resume_memory_occupation`` (same tags; slime resumes ``weights``, updates them, then ``kv_cache``)."""
         await self._post_checked("/resume_memory_occupation", {"tags": tags})
+
+    # ---- pause around a weight update (SGLang's http_server.py; slime: pause, flush, update, continue)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """``POST /pause_generation``: new generate requests wait on the server until :meth:`continue_generation`.
+
+        ``mode`` is SGLang's ``PauseGenerationReqInput.mode``: ``abort`` (default) ends every running
+        request now (each returns finish reason ``abort`` with its partial output) and answers once
+        none is left; ``retract`` and ``in_place`` keep them in the scheduler and resume them after
+        the continue (SGLang only; ``in_place`` keeps their KV, so ``flush_cache`` fails meanwhile).
+        SGLang before 0.5.6 ignores the body and aborts.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._post_checked("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        """``POST /continue_generation``: admit the requests held by :meth:`pause_generation`."""
+        await self._post_checked("/continue_generation", {})
+
+    async def flush_cache(self, *, timeout: float = 60.0, interval: float = 0.5) -> None:
+        """``POST /flush_cache``: drop the prefix (radix) cache, whose KV was computed by older weights.
+
+        SGLang refuses (HTTP 400) while requests run or wait; the call is repeated every ``interval``
+        seconds until ``timeout``, as slime does, then raises :class:`EngineRequestError`.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            status, body = await self._post("/flush_cache", {})
+            if status < 400:
+                return
+            if loop.time() >= deadline:
+                raise EngineRequestError(f"{self.url}/flush_cache still refused after {timeout:.0f}s "
+                                         f"(HTTP {status}: {str(body)[:200]}); are requests still running?")
+            await asyncio.sleep(interval)
 
     async def server_info(self) -> dict[str, Any]:
         """``GET /get_server_info`` (SGLang: the server args, e.g. ``tp_size``)."""

@@ -10,14 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from typing import Any, Awaitable, Iterable, Sequence
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from agentrl.engines.http import EngineRequestError
 
 
+async def fan_out(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await every call concurrently; once all have finished, raise the first error, if any.
+
+    Unlike a plain ``asyncio.gather``, one failing engine does not leave the others' calls
+    unobserved: a ``continue_generation`` still reaches every engine that can take it.
+    """
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
 class Router(Engine):
-    """An :class:`Engine` over several engines (``engines``), each tried at most once per request."""
+    """An :class:`Engine` over several engines (``engines``), each tried at most once per request.
+
+    An engine that failed is tried last until its cooldown ends, then like any other: a server
+    restarted on the same URL (``SGLangEngineGroup.check_and_restart``) takes requests again.
+    """
 
     def __init__(self, engines: Sequence[Engine], *, cooldown: float = 10.0, max_sticky_keys: int = 100_000):
         if not engines:
@@ -98,6 +115,17 @@ class Router(Engine):
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         await asyncio.gather(*(e.resume_memory_occupation(tags) for e in self.engines))
+
+    # Pause around a weight update (see ``agentrl.engines.sglang.paused_for_update``): every engine at once.
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await fan_out(e.pause_generation(mode) for e in self.engines)
+
+    async def continue_generation(self) -> None:
+        await fan_out(e.continue_generation() for e in self.engines)
+
+    async def flush_cache(self) -> None:
+        await fan_out(e.flush_cache() for e in self.engines)
 
     async def close(self) -> None:
         for e in self.engines:

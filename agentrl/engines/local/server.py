@@ -4,9 +4,10 @@ Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/healt
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``; the trainer's broadcast path
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group`` (see ``distributed.py``; gloo on CPU) and colocation's
-``/release_memory_occupation``, ``/resume_memory_occupation``. OpenAI-compatible:
-``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+``/destroy_weights_update_group`` (see ``distributed.py``; gloo on CPU), colocation's
+``/release_memory_occupation``, ``/resume_memory_occupation``, and the pause around a weight
+update ``/pause_generation``, ``/continue_generation``. OpenAI-compatible: ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions``.
 
 Choices worth knowing:
 
@@ -20,15 +21,22 @@ Choices worth knowing:
   (``null`` / empty lists).
 - Tool calls: ``build_app(engine, tool_parser=f)`` where ``f(text) -> (content, [openai tool_call
   dicts])``; when it returns calls the choice gets ``tool_calls`` and ``finish_reason="tool_calls"``.
+- ``/pause_generation`` follows SGLang's ``mode="abort"`` (its default): running requests end at
+  once with finish reason ``abort`` (partial output returned), the call returns when none is left,
+  and new generate requests (native and OpenAI) wait until ``/continue_generation``. SGLang's
+  ``retract`` and ``in_place`` modes hold running requests inside the scheduler; the embedded
+  engine has no such state and answers them with HTTP 400. ``/health_generate`` is not held by a
+  pause (on SGLang it would wait and time out): a paused engine is idle, not broken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -79,12 +87,59 @@ def openai_tool_parser(name: str | None) -> ToolParser | None:
     return parse
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""SGLang's ``/pause_generation`` modes (``PauseGenerationReqInput.mode``); the embedded engine does ``abort``."""
+
+
+class PauseGate:
+    """SGLang's pause for weight updates, in front of the engine.
+
+    Generate requests pass :meth:`admit` (they wait there while paused) and are counted until they
+    return. :meth:`pause` with ``abort`` aborts every request in the engine until none of the admitted
+    ones is left, as SGLang's tokenizer manager does, so the update that follows finds the engine idle.
+    """
+
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self.paused = False
+        self.inflight = 0
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.paused)
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        if mode != "abort":
+            raise InvalidRequestError(f"the embedded engine pauses only with mode 'abort' (got {mode!r}): "
+                                      "it cannot hold running requests; use mode 'abort' or SGLang")
+        async with self._cond:
+            self.paused = True
+        while self.inflight:  # an admitted request may reach the engine after an abort: repeat
+            self.engine.abort(abort_all=True)
+            await asyncio.sleep(0.02)
+
+    async def resume(self) -> None:
+        async with self._cond:
+            self.paused = False
+            self._cond.notify_all()
+
+
 def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path)."""
     app = FastAPI(title="agentrl embedded engine")
     name = model_name or engine.model_path
     tok = engine.tokenizer
     chat_template = ChatTemplate(tok)
+    gate = app.state.pause_gate = PauseGate(engine)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError):
@@ -122,7 +177,8 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     async def generate(request: Request):
         body = await _json_body(request)
         batch, jobs = _generate_jobs(engine, body)
-        outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+        async with gate.admit():
+            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
         result: Any = outs if batch else outs[0]
         return _sse(outs) if body.get("stream") else result
 
@@ -137,6 +193,17 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     _weight_sync_routes(app, engine)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await _json_body(request) if await request.body() else {}
+        await gate.pause(str(body.get("mode", "abort")))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await gate.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -162,9 +229,9 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         prompts = _completion_prompts(body.get("prompt"))
         sp = _openai_sampling(body, default_max=16)
         nlp = body.get("logprobs")
-        outs = await asyncio.gather(*(
-            engine.generate(ids if isinstance(ids, list) else tok.encode(ids), dict(sp), return_logprob=nlp is not None)
-            for ids in prompts))
+        async with gate.admit():
+            outs = await asyncio.gather(*(engine.generate(ids if isinstance(ids, list) else tok.encode(ids), dict(sp),
+                                                          return_logprob=nlp is not None) for ids in prompts))
         choices = []
         for i, out in enumerate(outs):
             choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
@@ -189,7 +256,8 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         ids = _render_chat(tok, chat_template, messages, body.get("tools"), body.get("chat_template_kwargs") or {})
         sp = _openai_sampling(body, default_max=None)
         want_lp = bool(body.get("logprobs"))
-        out = await engine.generate(ids, sp, return_logprob=want_lp)
+        async with gate.admit():
+            out = await engine.generate(ids, sp, return_logprob=want_lp)
         content, calls = out["text"], []
         if tool_parser is not None:
             content, calls = tool_parser(out["text"])

@@ -1,0 +1,563 @@
+"""SGLang servers for training: launched and watched by Ray actors, paused around weight updates.
+
+An :class:`SGLangServer` actor per engine runs the server process (``python -m
+sglang.launch_server`` on GPU nodes, or ``python -m agentrl serve``, the embedded engine with the
+same HTTP API, so this code path is tested on a laptop) and restarts it on the same port when it
+dies. :class:`SGLangEngineGroup` places the actors, hands the train loop their ``urls`` and
+restarts dead engines from a monitor thread. :func:`paused_for_update` is slime's protocol around
+a weight push: pause (running requests return finish reason ``abort``), flush, update, continue.
+
+``--sglang-<name> VALUE`` flags arrive as ``{"name": value}`` (:func:`server_args_from_flags`) and
+leave in SGLang's CLI spelling, ``--<name> VALUE`` (booleans are ``store_true`` flags, lists one
+flag and several words, dicts JSON); SGLang's parser checks them, and a bad one stops the server
+with its log tail in the error. ``agentrl serve`` maps what it understands, drops with a warning
+what cannot change what is sampled, and refuses the rest before any process starts.
+
+No orphans: a server leads its own process group, the kernel SIGKILLs it when its actor process
+dies (``PR_SET_PDEATHSIG``), and the embedded engine also exits when its stdin pipe closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+import httpx
+
+from agentrl.engines.router import fan_out
+
+log = logging.getLogger(__name__)
+
+BINARIES = ("sglang", "agentrl")
+
+OWNED_ARGS = ("model_path", "host", "port")
+"""Set by :class:`SGLangLaunch` itself (as slime sets them); refused among the pass-through args."""
+
+EMBEDDED_FLAGS = {"context_length": "--context-length", "max_running_requests": "--max-running-requests",
+                  "random_seed": "--seed", "tool_call_parser": "--tool-call-parser"}
+"""ServerArgs fields ``agentrl serve`` understands, and its flag for each."""
+
+EMBEDDED_IGNORED = frozenset({
+    "mem_fraction_static", "cuda_graph_bs", "cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding",
+    "enable_memory_saver", "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "skip_server_warmup",
+    "log_level", "log_level_http", "enable_metrics", "nccl_port", "base_gpu_id", "gpu_id_step", "attention_backend",
+    "sampling_backend", "enable_torch_compile", "torch_compile_max_bs", "chunked_prefill_size", "max_prefill_tokens",
+    "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "trust_remote_code", "watchdog_timeout",
+    "dist_timeout", "decode_log_interval"})
+"""Performance, memory and logging knobs the embedded engine drops with a warning: none changes what is sampled."""
+
+EMBEDDED_ONLY_ONE = ("tp_size", "dp_size", "pp_size", "ep_size")  # parallel sizes it accepts only as 1
+
+
+def server_args_from_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``--sglang-*`` values -> SGLang ``ServerArgs`` field names and values, in the given order.
+
+    Keys may keep the ``sglang_``/``--sglang-`` prefix and use dashes (``"mem-fraction-static"``,
+    ``"sglang_mem_fraction_static"`` and ``"--sglang-mem-fraction-static"`` all give
+    ``mem_fraction_static``). ``None`` means "not given" (argparse's default) and is dropped.
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.lstrip("-").replace("-", "_").removeprefix("sglang_")
+        if not name.isidentifier():
+            raise ValueError(f"--sglang-{key}: not a SGLang server argument name")
+        if name in out:
+            raise ValueError(f"--sglang-{name.replace('_', '-')} is given twice")
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _cli_words(name: str, value: Any) -> list[str]:
+    """One ServerArgs value in SGLang's CLI spelling (argparse as ``add_cli_args_from_dataclass`` builds it)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else []  # store_true: present means True
+    if isinstance(value, (list, tuple)):
+        return [flag, *map(str, value)] if value else []  # nargs="+"
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+@dataclass
+class SGLangLaunch:
+    """How to start one engine's server: the model, where it listens, and its server args.
+
+    ``binary`` is ``"sglang"`` (``python -m sglang.launch_server``; GPU nodes) or ``"agentrl"``
+    (``python -m agentrl serve``, the embedded engine). ``port=None`` picks a free port on the
+    engine's node. ``host`` stays on loopback unless asked (``"0.0.0.0"`` for engines on other
+    nodes; URLs then carry the node's IP). ``colocate`` adds ``--enable-memory-saver``, which
+    SGLang needs for ``/release_memory_occupation`` while the trainer shares the GPU. ``seed`` + the
+    engine's index becomes its ``--random-seed``, so engines do not draw identical samples.
+    ``tp_size`` may also come in ``server_args`` (it then moves here).
+    """
+
+    model_path: str
+    binary: str = "sglang"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    tp_size: int = 1
+    server_args: dict[str, Any] = field(default_factory=dict)
+    colocate: bool = False
+    seed: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 600.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.binary not in BINARIES:
+            raise ValueError(f"binary must be one of {BINARIES}, got {self.binary!r}")
+        self.model_path = str(self.model_path)
+        self.server_args = server_args_from_flags(self.server_args)
+        owned = [k for k in OWNED_ARGS if k in self.server_args]
+        if owned:
+            raise ValueError(f"--sglang-{owned[0].replace('_', '-')} is set by the launcher "
+                             "(use --hf-checkpoint; host and port are chosen per engine): drop it")
+        tp = self.server_args.pop("tp_size", None)
+        if tp is not None and self.tp_size not in (1, int(tp)):
+            raise ValueError(f"--sglang-tp-size {tp} disagrees with {self.tp_size} GPUs per engine "
+                             "(--rollout-num-gpus-per-engine): give one of them")
+        self.tp_size = int(tp if tp is not None else self.tp_size)
+
+    @property
+    def health_path(self) -> str:
+        """What :meth:`SGLangServer.alive` asks: SGLang's ``/health_generate`` runs a one-token generation
+        (a hung scheduler fails it); the embedded ``/health`` reports its worker thread, since its
+        ``/health_generate`` would queue behind every running request."""
+        return "/health_generate" if self.binary == "sglang" else "/health"
+
+    def process_env(self) -> dict[str, str]:
+        """The server's environment: ours, plus what a trainer-driven server needs."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.binary == "sglang":
+            # As slime: /health answers without queueing a generation (the monitor asks /health_generate).
+            env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+            if self.colocate:  # SGLang's memory saver does not work with expandable segments (slime drops them)
+                env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+                env.pop("PYTORCH_ALLOC_CONF", None)
+        else:  # `-m agentrl` must resolve from a Ray worker's directory too
+            root = str(Path(__file__).resolve().parents[2])
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env.update(self.env)
+        return env
+
+
+def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed: int | None = None) -> list[str]:
+    """The server's argv. ``port`` / ``seed`` default to ``launch.port`` / ``launch.seed``.
+
+    SGLang gets, besides the pass-through args: ``--model-path --host --port --tp-size``,
+    ``--skip-server-warmup`` (slime always sets it: the launcher's own readiness check is a real
+    generation through ``/health_generate``, and the warmup's fixed timeout fails slow first
+    starts), ``--enable-memory-saver`` when colocated, ``--random-seed`` when seeded.
+    """
+    port = launch.port if port is None else port
+    if port is None:
+        raise ValueError("build_launch_command needs a port")
+    seed = launch.seed if seed is None else seed
+    extra = dict(launch.server_args)
+    if launch.binary == "agentrl":
+        return _embedded_command(launch, port, seed, extra)
+    args: dict[str, Any] = {"model_path": launch.model_path, "host": launch.host, "port": int(port),
+                            "tp_size": launch.tp_size, "skip_server_warmup": True}
+    if launch.colocate:
+        args["enable_memory_saver"] = True
+    if seed is not None and "random_seed" not in extra:
+        args["random_seed"] = int(seed)
+    args.update(extra)
+    if launch.colocate:
+        args["enable_memory_saver"] = True  # release/resume memory needs it whatever the flags say
+    argv = [sys.executable, "-m", "sglang.launch_server"]
+    for name, value in args.items():
+        argv += _cli_words(name, value)
+    return argv
+
+
+def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: dict[str, Any]) -> list[str]:
+    """``agentrl serve`` argv: the args it understands mapped, harmless ones dropped, the rest refused."""
+    sizes = {"tp_size": launch.tp_size, **{k: extra.pop(k) for k in EMBEDDED_ONLY_ONE if k in extra}}
+    big = {k: v for k, v in sizes.items() if int(v) != 1}
+    if big:
+        raise ValueError(f"the embedded engine (agentrl serve) has no model parallelism, got {big}: "
+                         "use one device per engine, or SGLang")
+    if seed is not None:
+        extra.setdefault("random_seed", seed)
+    ignored = [k for k in extra if k in EMBEDDED_IGNORED]
+    unknown = [k for k in extra if k not in EMBEDDED_IGNORED and k not in EMBEDDED_FLAGS]
+    if unknown:
+        flags = ", ".join("--sglang-" + k.replace("_", "-") for k in unknown)
+        raise ValueError(f"the embedded engine (agentrl serve) does not support {flags}: drop them, or run "
+                         f"SGLang (it understands {sorted(EMBEDDED_FLAGS)}; it ignores {sorted(EMBEDDED_IGNORED)})")
+    if ignored:
+        log.warning("the embedded engine ignores %s (performance/memory options of SGLang)",
+                    ", ".join("--sglang-" + k.replace("_", "-") for k in ignored))
+    argv = [sys.executable, "-m", "agentrl", "serve", "--hf-checkpoint", launch.model_path,
+            "--host", launch.host, "--port", str(int(port)), "--exit-with-stdin"]
+    for name, value in extra.items():
+        if name in EMBEDDED_FLAGS:
+            argv += [EMBEDDED_FLAGS[name], str(value)]
+    return argv
+
+
+def _pdeathsig_hook(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when the spawning thread's process dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def hook() -> None:  # runs in the child between fork and exec: no locks, no logging
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: nobody would kill us later
+            os._exit(1)
+
+    return hook
+
+
+class SGLangServer:
+    """One engine's server process, supervised from inside a Ray actor (``ray.remote(SGLangServer)``).
+
+    Also usable as a plain object in one process. The server logs (stdout and stderr) go to
+    ``log_path`` on the actor's node, appended across restarts with a header line per start.
+    """
+
+    def __init__(self, launch: SGLangLaunch, index: int = 0, port: int | None = None):
+        from agentrl.engines.local.process import free_port
+
+        self.launch, self.index = launch, index
+        bind = "127.0.0.1" if launch.host in ("0.0.0.0", "::", "") else launch.host
+        self.port = port or launch.port or free_port(bind)
+        self.seed = None if launch.seed is None else launch.seed + index
+        self.command = build_launch_command(launch, port=self.port, seed=self.seed)  # refuses bad args now
+        log_dir = Path(launch.log_dir or Path(tempfile.gettempdir()) / "agentrl-engines")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"engine-{index}-port{self.port}.log"
+        self.starts = 0
+        self._proc: subprocess.Popen | None = None
+        self._log: Any = None
+        # Popen runs on this one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
+        # forked the child exits, so a short-lived Ray executor thread would kill the server early.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="agentrl-sglang-spawn")
+
+    def url(self) -> str:
+        host = self.launch.host
+        if host in ("0.0.0.0", "::", ""):
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def pid(self) -> int | None:
+        """The server's pid (= its process group id), None when not running."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def start(self) -> str:
+        """Start the server and wait until it generates; return its URL. Raises with the log tail on failure."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self.url()
+        self._kill(grace=0.0)  # reap a dead server, its stray children and its log handle
+        self.starts += 1
+        self._proc = self._spawner.submit(self._spawn).result()
+        try:
+            self._wait_ready(self._proc)
+        except BaseException:
+            self._kill(grace=2.0)
+            raise
+        return self.url()
+
+    def _spawn(self) -> subprocess.Popen:
+        self._log = open(self.log_path, "ab")
+        header = f"\n=== agentrl: start {self.starts} of engine {self.index}: {shlex.join(self.command)}\n"
+        self._log.write(header.encode())
+        self._log.flush()
+        stdin = subprocess.PIPE if self.launch.binary == "agentrl" else subprocess.DEVNULL  # --exit-with-stdin
+        return subprocess.Popen(self.command, stdin=stdin, stdout=self._log, stderr=subprocess.STDOUT,
+                                env=self.launch.process_env(), start_new_session=True,
+                                preexec_fn=_pdeathsig_hook(os.getpid()))
+
+    def _wait_ready(self, proc: subprocess.Popen) -> None:
+        url, timeout = self.url(), self.launch.startup_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine {self.index} ({self.launch.binary}) exited with code {proc.returncode} "
+                                   f"during startup. Last lines of {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(url + "/health_generate", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {self.index} ({self.launch.binary}) did not answer /health_generate on "
+                                   f"{url} within {timeout:.0f}s (raise the startup timeout for big models). "
+                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def alive(self, timeout: float = 10.0) -> bool:
+        """The process runs and answers ``launch.health_path`` within ``timeout`` seconds."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(self.url() + self.launch.health_path, timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def restart(self) -> str:
+        """Kill the server's process group and start it again on the same port; return its URL."""
+        log.warning("restarting engine %d on port %d", self.index, self.port)
+        self._kill(grace=5.0)
+        return self.start()
+
+    def load_weights(self, model_path: str, weight_version: str) -> None:
+        """``/update_weights_from_disk`` on this server (a restarted engine catching up with the run)."""
+        r = httpx.post(self.url() + "/update_weights_from_disk", timeout=600.0,
+                       json={"model_path": model_path, "weight_version": weight_version})
+        if r.status_code >= 400 or not r.json().get("success", False):
+            raise RuntimeError(f"engine {self.index}: loading {model_path} failed: {r.text[:300]}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 64 * 1024))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _kill(self, grace: float) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace`` seconds, reap; also stray members of a dead leader."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
+            # A pgid is not reused while a member lives, so this reaches only our server's children.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if proc.stdin:
+                proc.stdin.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def shutdown(self, grace: float = 15.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``grace`` seconds) and reap it."""
+        self._kill(grace)
+        self._spawner.shutdown(wait=False)
+
+
+class SGLangEngineGroup:
+    """The run's engines as :class:`SGLangServer` actors, with the surface the train loop uses.
+
+    ``urls`` feed the :class:`~agentrl.engines.router.Router`; weights go over HTTP (disk or NCCL
+    broadcast), never Ray's object store (``supports_tensors`` is False). A dead engine is restarted
+    on its port by :meth:`check_and_restart`, from :meth:`start_monitor`'s thread and before each
+    weight sync (:func:`paused_for_update`); it then loads the weights named by
+    :meth:`record_weights`, if any, else it serves the launch checkpoint until the next sync.
+    """
+
+    def __init__(self, launch: SGLangLaunch, actors: list[Any], urls: list[str], options: list[dict[str, Any]],
+                 ports: list[int], health_timeout: float = 10.0):
+        self.launch, self.actors, self.urls = launch, actors, urls
+        self.health_timeout = health_timeout
+        self.restarts = [0] * len(actors)
+        self._options, self._ports = options, ports
+        self._weights: tuple[str, str] | None = None
+        self._lock = threading.Lock()  # one check_and_restart at a time; held while suspended
+        self._suspended = 0
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, launch: SGLangLaunch, n: int = 1, *, num_cpus: float = 1.0, num_gpus: float | None = None,
+              placement: Sequence[tuple[Any, int]] = (), health_timeout: float = 10.0) -> SGLangEngineGroup:
+        """Start ``n`` engines concurrently, engine ``i`` in ``placement[i]`` (a placement group and bundle index).
+
+        ``num_gpus`` per engine defaults to ``launch.tp_size`` for SGLang and 0 for the embedded engine
+        (CPU); Ray sets each actor's ``CUDA_VISIBLE_DEVICES``, which the server inherits.
+        """
+        import ray
+
+        build_launch_command(launch, port=launch.port or 1)  # refuse bad server args here, before any actor
+        if num_gpus is None:
+            num_gpus = float(launch.tp_size) if launch.binary == "sglang" else 0.0
+        options = []
+        for i in range(n):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+            if i < len(placement):
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                pg, bundle = placement[i]
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle)
+            options.append(opts)
+        remote = ray.remote(SGLangServer)
+        actors = [remote.options(**options[i]).remote(launch, i) for i in range(n)]
+        try:
+            urls = ray.get([a.start.remote() for a in actors])
+        except BaseException:
+            cls._kill_actors(actors)
+            raise
+        ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+        return cls(launch, actors, urls, options, ports, health_timeout)
+
+    @property
+    def supports_tensors(self) -> bool:
+        return False
+
+    def pids(self) -> list[int | None]:
+        """Each engine's server pid on its node (None while down)."""
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def record_weights(self, model_path: str, weight_version: str) -> None:
+        """Remember the run's latest checkpoint folder: an engine restarted later loads it before serving."""
+        self._weights = (str(model_path), str(weight_version))
+
+    def check_and_restart(self) -> list[int]:
+        """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices."""
+        import ray
+
+        with self._lock:
+            states = self._states()
+            dead = [i for i, state in enumerate(states) if state != "ok"]
+            refs = [self.actors[i].restart.remote() if states[i] == "down" else self._replace(i) for i in dead]
+            restarted = []
+            for i, ref in zip(dead, refs):
+                try:
+                    url = ray.get(ref)
+                    if url != self.urls[i]:
+                        log.warning("engine %d came back at %s instead of %s", i, url, self.urls[i])
+                        self.urls[i] = url
+                    if self._weights is not None:
+                        ray.get(self.actors[i].load_weights.remote(*self._weights))
+                except Exception as exc:  # noqa: BLE001 - tried again on the next check
+                    log.error("engine %d could not be restarted: %s", i, exc)
+                    continue
+                self.restarts[i] += 1
+                restarted.append(i)
+            return restarted
+
+    def _states(self) -> list[str]:
+        """Per engine: ``ok``, ``down`` (the server is dead or does not answer) or ``lost`` (so is its actor)."""
+        import ray
+
+        refs = [a.alive.remote(self.health_timeout) for a in self.actors]
+        out = []
+        for ref in refs:
+            try:
+                out.append("ok" if ray.get(ref, timeout=self.health_timeout + 30) else "down")
+            except Exception:  # noqa: BLE001 - a dead or stuck actor is replaced
+                out.append("lost")
+        return out
+
+    def _replace(self, i: int) -> Any:
+        import ray
+
+        self._kill_actors([self.actors[i]])
+        self.actors[i] = ray.remote(SGLangServer).options(**self._options[i]).remote(self.launch, i, self._ports[i])
+        return self.actors[i].start.remote()
+
+    def start_monitor(self, interval: float = 10.0) -> None:
+        """Check every ``interval`` seconds from a daemon thread and restart dead engines (until :meth:`shutdown`)."""
+        if self._monitor is not None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                if self._suspended:
+                    continue
+                try:
+                    restarted = self.check_and_restart()
+                except Exception:  # noqa: BLE001 - the monitor must outlive one failed round
+                    log.exception("engine health check failed")
+                    continue
+                if restarted:
+                    log.warning("restarted engine(s) %s", restarted)
+
+        self._monitor = threading.Thread(target=run, name="agentrl-sglang-monitor", daemon=True)
+        self._monitor.start()
+
+    @contextlib.contextmanager
+    def monitor_suspended(self):
+        """No health checks inside (a paused SGLang engine fails ``/health_generate`` and would be restarted)."""
+        with self._lock:  # waits for a check in progress
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
+
+    def shutdown(self) -> None:
+        """Stop the monitor, stop every server, kill the actors (safe to call twice)."""
+        import ray
+
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=self.health_timeout + 60)
+            self._monitor = None
+        refs = [a.shutdown.remote() for a in self.actors]
+        for ref in refs:
+            with contextlib.suppress(Exception):  # a lost actor took its server with it
+                ray.get(ref, timeout=60)
+        self._kill_actors(self.actors)
+        self.actors = []
+
+    @staticmethod
+    def _kill_actors(actors: Sequence[Any]) -> None:
+        import ray
+
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+
+
+@contextlib.asynccontextmanager
+async def paused_for_update(engines: Any, *, mode: str = "abort", group: SGLangEngineGroup | None = None,
+                            flush: bool = True) -> AsyncIterator[list[int]]:
+    """Hold generation on ``engines`` (a Router, an SGLangEngine, or a list of them) while the body updates weights.
+
+    Order as in slime's weight updaters: (``group``: restart dead engines, then suspend the monitor)
+    pause (mode ``abort``: running requests return finish reason ``abort`` with their partial output;
+    new ones wait on the server), flush the prefix cache (not with ``in_place``, which keeps the KV
+    of held requests), body, continue. The continue is sent even when the body fails, so engines are
+    never left paused. Yields the indices of the engines restarted first: they serve the launch (or
+    recorded) weights until the body's push reaches them too, and must rejoin an NCCL group.
+    """
+    targets = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    restarted = await asyncio.to_thread(group.check_and_restart) if group is not None else []
+    suspended = group.monitor_suspended() if group is not None else contextlib.nullcontext()
+    await asyncio.to_thread(suspended.__enter__)  # may wait for a health check in progress
+    try:
+        try:
+            await fan_out(e.pause_generation(mode) for e in targets)
+            if flush and mode != "in_place":
+                await fan_out(e.flush_cache() for e in targets)
+            yield restarted
+        except BaseException:
+            try:
+                await fan_out(e.continue_generation() for e in targets)
+            except Exception as exc:  # noqa: BLE001 - the body's error is the one to report
+                log.error("continue_generation after a failed update failed too: %s", exc)
+            raise
+        await fan_out(e.continue_generation() for e in targets)
+    finally:
+        await asyncio.to_thread(suspended.__exit__, None, None, None)
