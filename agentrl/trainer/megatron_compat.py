@@ -22,6 +22,7 @@ per process with :func:`init_megatron_parallel`, tear it down with :func:`destro
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from collections.abc import Iterator
 
@@ -38,8 +39,8 @@ def megatron_available() -> str | None:
         with warnings.catch_warnings():
             # megatron warns at import that Transformer Engine / Apex are absent; we use its local modules
             warnings.simplefilter("ignore")
-            import megatron.core  # noqa: F401
-            from megatron.core.models.gpt import GPTModel  # noqa: F401
+            importlib.import_module("megatron.core")
+            importlib.import_module("megatron.core.models.gpt").GPTModel  # noqa: B018 - the class must exist
     except Exception as exc:  # noqa: BLE001 - any import failure means "cannot use it", say which
         return f"megatron-core is not importable ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
     return None

@@ -1,0 +1,529 @@
+"""The ``megatron`` backend: a megatron-core ``GPTModel`` trained on HF checkpoints, with TP / PP / DP.
+
+One :class:`MegatronTrainer` per rank. It computes exactly what :class:`~agentrl.trainer.torch_trainer.TorchTrainer`
+computes (same packing, same :func:`~agentrl.algo.loss.policy_loss`, same global normalization, same
+AdamW and clipping), only the model is split the Megatron way:
+
+* **tensor parallel (TP)**: every linear is sharded; so is the vocabulary, so log-probs use megatron's
+  vocab-parallel cross entropy (``log p_y = -CE``, a max / sum-exp / target-logit all-reduce over TP)
+  and the entropy a vocab-parallel logsumexp (both in :mod:`~agentrl.trainer.megatron_logits`);
+* **pipeline parallel (PP)**: the layers are split into stages and micro-batches flow through
+  megatron's own schedule (``get_forward_backward_func``: 1F1B when ``pp > 1``, a plain loop at
+  ``pp == 1``); only the last stage sees logits, so it alone computes the loss and its results are
+  broadcast to the other stages;
+* **data parallel (DP)**: ``world / (tp * pp)`` model replicas, each given its own samples. Every
+  rank of one replica (its TP and PP peers) must be given the SAME samples (checked). Gradients are
+  SUMMED over the DP group after the step's micro-batches: each micro-batch loss is already divided
+  by the global token/sample counts, so the sum is the whole-batch gradient (TorchTrainer's FSDP
+  averages and multiplies the loss by ``world_size``; a sum needs no such factor).
+
+Packed micro-batches are one row of whole samples (:mod:`agentrl.trainer.batching`). Megatron's
+local attention gets the explicit block-causal mask of :func:`~agentrl.trainer.megatron_model.packed_attention_mask`
+(the model helper always builds the local spec, whose attention has no ``cu_seqlens`` path; Transformer
+Engine's THD format is therefore not used). The LM head runs only at ``logit_positions``, with
+``logit_temperature`` and the padded vocabulary masked (:mod:`~agentrl.trainer.megatron_logits`).
+
+Precision, as in the torch backend: weights, gradients and AdamW state are fp32; ``dtype`` (``auto`` =
+fp32 on CPU, bf16 on GPU) is the compute dtype, applied with ``torch.autocast`` around the forward.
+Megatron's own ``bf16=True`` would need bf16 parameters plus its mixed-precision optimizer holding fp32
+main copies; autocast over fp32 parameters gives the same numerics with a plain ``torch.optim.AdamW``
+and keeps one precision policy for both backends. The frozen reference model is stored in the compute
+dtype. Megatron's DDP and distributed optimizer are not used (a coalesced all-reduce does DP).
+
+Checkpoint layout written by :meth:`MegatronTrainer.save` (a loadable HF folder plus state)::
+
+    config.json, generation_config.json, tokenizer files   (copied from the source checkpoint)
+    model.safetensors                                      (full HF weights, written by rank 0)
+    trainer_state.pt      {"step", "world_size", "layout", "extra_state"}        (rank 0)
+    optim_rank{r}.pt      {"optimizer": this rank's shard state, "rng", "megatron_rng"}  (every rank)
+
+Resuming needs the same world size and the same (tp, pp, cp) layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.algo.loss import policy_loss
+from agentrl.config import TrainConfig
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample
+from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
+from agentrl.trainer.megatron_compat import cpu_schedule
+from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
+from agentrl.trainer.torch_trainer import _rng_state, _save_hf_metadata, _set_rng_state, resolve_dtype
+
+
+@dataclass
+class MegatronParallel:
+    """How one model is split over ranks (Megatron's flag names); the rest of the world is data parallel.
+
+    ``micro_batch_size`` caps the samples packed into one micro-batch (None: the token budget
+    ``max_tokens_per_gpu`` alone decides, slime's ``--use-dynamic-batch-size``). ``overrides`` are
+    TransformerConfig fields passed through unchanged (e.g. ``{"recompute_granularity": "full"}``).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    micro_batch_size: int | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "MegatronParallel":
+        """The layout a TrainConfig asks for (its megatron fields, where this version of it has them)."""
+        return cls(tensor_model_parallel_size=getattr(cfg, "tensor_model_parallel_size", 1),
+                   pipeline_model_parallel_size=getattr(cfg, "pipeline_model_parallel_size", 1),
+                   context_parallel_size=getattr(cfg, "context_parallel_size", 1),
+                   micro_batch_size=getattr(cfg, "micro_batch_size", None),
+                   overrides=dict(getattr(cfg, "megatron_args", None) or {}))
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+class MegatronTrainer(Trainer):
+    """megatron-core GPTModel + AdamW, TP/PP/DP over ``torch.distributed``; one instance per rank.
+
+    With ``world_size > 1`` the process group must be initialised (the runtime does it) or
+    ``MASTER_ADDR``/``MASTER_PORT`` set for ``env://``; at world size 1 a private one is started on a
+    free loopback port when none exists. Call :meth:`close` to release megatron's global state.
+    """
+
+    def __init__(self, checkpoint_path: str | Path, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
+                 device: str | torch.device | None = None, parallel: MegatronParallel | None = None):
+        from transformers import AutoConfig
+
+        from agentrl.trainer.megatron_compat import init_megatron_parallel, megatron_available
+
+        cfg.validate()
+        reason = megatron_available()
+        if reason:
+            raise RuntimeError(f"the megatron backend cannot start: {reason}")
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.parallel = parallel or MegatronParallel.from_config(cfg)
+        self.checkpoint_path = Path(checkpoint_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(cfg.dtype, self.device)  # compute dtype; trained weights stay fp32
+        self._check_layout()
+        torch.manual_seed(cfg.seed + rank)
+        self._owns_group = _init_process_group(rank, world_size, self.device)
+        p = self.parallel
+        init_megatron_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                               p.context_parallel_size, seed=cfg.seed)
+        self.hf_config = AutoConfig.from_pretrained(str(self.checkpoint_path), local_files_only=True)
+        self._topology()
+        self.model = self._build(torch.float32)
+        self.ref_model = None
+        if cfg.use_kl_loss:
+            self.ref_model = self._build(self.dtype).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay, eps=1e-8)
+        self.step = 0
+
+    def _check_layout(self) -> None:
+        p = self.parallel
+        if self.world_size % p.model_parallel_size:
+            raise ValueError(f"world size {self.world_size} is not a multiple of tp*pp*cp = {p.model_parallel_size}; "
+                             "change the parallel sizes or the number of trainer processes")
+        if p.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism is not implemented by the megatron backend (it needs "
+                                      "Transformer Engine attention and a per-rank sequence split); use "
+                                      "--context-parallel-size 1")
+        if p.overrides.get("sequence_parallel"):
+            raise NotImplementedError("sequence_parallel is not supported yet: the LM head runs only at response "
+                                      "positions of the full row; drop --sequence-parallel")
+        if self.cfg.gradient_checkpointing and self.device.type != "cuda":
+            raise ValueError("--gradient-checkpointing with the megatron backend needs CUDA (megatron's recompute "
+                             "saves CUDA RNG states); turn it off on CPU or use the torch backend")
+
+    def _topology(self) -> None:
+        """Who is who in megatron's groups, and which rank reports a replica's numbers."""
+        from megatron.core import parallel_state as ps
+
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        # one rank per model replica contributes to cross-rank sums (it holds the loss: last stage, tp 0)
+        self._reporter = self.is_last_stage and self.tp_rank == 0
+        # this rank's vocabulary slice; Megatron's padding rows (ids >= the true vocab) get -inf logits
+        self._pad_vocab = padded_vocab_mask(self.hf_config.vocab_size, self.tp_rank, self.tp_size, self.device)
+
+    def _build(self, params_dtype: torch.dtype) -> nn.Module:
+        """This rank's shard of the model, loaded from the HF checkpoint, on ``self.device``."""
+        from agentrl.trainer.megatron_model import build_gpt_model, load_hf_checkpoint, transformer_config_from_hf
+
+        p = self.parallel
+        overrides = dict(p.overrides)
+        if self.cfg.gradient_checkpointing:
+            overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+                         **overrides}
+        # perform_initialization is deliberately left at megatron's default (True), although the checkpoint
+        # below overwrites every weight and the random init is wasted work: megatron 0.16 sets the
+        # ``tensor_model_parallel`` / ``partition_dim`` attributes of TP-sharded weights only inside its init
+        # (tensor_parallel.layers._initialize_affine_weight_gpu). With perform_initialization=False every
+        # shard would look TP-replicated, param_is_not_tensor_parallel_duplicate would count it on tp rank 0
+        # only, and the gradient norm of :meth:`_clip_grad` would be wrong at tp > 1.
+        config = transformer_config_from_hf(self.hf_config, tp=p.tensor_model_parallel_size,
+                                            pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+                                            params_dtype=params_dtype, overrides=overrides)
+        # set after construction: TransformerConfig refuses variable lengths with its default MoE dispatcher
+        config.variable_seq_lengths = True  # packed rows differ in length; PP sends shapes first
+        config.calculate_per_token_loss = True  # the schedule must not rescale our globally normalized loss
+        model = build_gpt_model(self.hf_config, config)
+        load_hf_checkpoint(model, self.checkpoint_path, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           pp_rank=self.pp_rank, pp_size=self.pp_size)
+        return model.to(self.device)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _autocast(self):
+        """bf16/fp16 compute over fp32 master weights: a 1e-6 AdamW update vanishes in bf16 weights."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def _forward(self, model: nn.Module, b: PackedBatch) -> torch.Tensor:
+        """One packed row through this stage: hidden states [s, 1, h], or logits [1, N, V/tp] on the last stage."""
+        from agentrl.trainer.megatron_model import packed_attention_mask
+
+        mask = packed_attention_mask(b.position_ids, device=self.device)  # [1, 1, s, s], True = masked
+        with self._autocast(), logits_at(model, b.logit_positions):
+            return model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=mask)
+
+    def _schedule(self, model: nn.Module, batches: list[PackedBatch], loss_func: Callable, *,
+                  forward_only: bool) -> list[Any]:
+        """Run megatron's forward(-backward) schedule over ``batches``; what ``loss_func`` returned, on the last stage.
+
+        ``loss_func(batch, output)`` gets the last stage's output. Forward-only passes collect its
+        return value as-is (``collect_non_loss_data``); training ones expect ``(loss, n, metrics)``.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[PackedBatch], stage: nn.Module):
+            b = next(data_iterator)
+            return self._forward(stage, b), partial(loss_func, b)
+
+        with cpu_schedule():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches), micro_batch_size=1,
+                forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch]:
+        """This replica's packed micro-batches, on the device (no empty passes: nothing spans DP inside a step)."""
+        self._check_same_samples(samples)
+        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu,
+                                    self.parallel.micro_batch_size)
+        return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
+
+    def _score(self, model: nn.Module, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-sample response log-probs under ``model`` (forward only), on every rank."""
+        batches = self._micro_batches(samples, train=False)
+        out: list[list[float]] = [[] for _ in samples]
+        if not batches:
+            return out
+        model.eval()
+        with torch.no_grad():
+            results = self._schedule(model, batches, self._log_prob_output, forward_only=True)
+        total = sum(sum(b.response_lengths) for b in batches)
+        flat = self._from_last_stage(torch.cat(results) if self.is_last_stage else None, total)
+        for b, chunk in zip(batches, flat.split([sum(b.response_lengths) for b in batches])):
+            for i, values in zip(b.indices, b.split(chunk)):
+                out[i] = values
+        return out
+
+    def _log_prob_output(self, b: PackedBatch, output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+        logits = head_logits(output, self.cfg.logit_temperature, self._pad_vocab)  # [N, V/tp]
+        logp, _ = token_stats(logits, b.targets, tp_size=self.tp_size, entropy=False, entropy_grad=False)
+        return logp.float()
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
+        """Per-response-token log-probs under the current weights (and the reference model when ``ref``).
+
+        ``ref`` needs ``use_kl_loss`` (only then is a reference model built). Every rank of a replica
+        gets the same result.
+        """
+        if ref and self.ref_model is None:
+            raise ValueError("reference log-probs need a reference model: set use_kl_loss=True")
+        old = self._score(self.model, samples)
+        return LogProbs(old=old, ref=self._score(self.ref_model, samples) if ref else None)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps over ``samples`` (this replica's shard) cut into equal chunks.
+
+        Metrics as TorchTrainer's: step means, global over data-parallel replicas; ``train_tokens``
+        counts masked response tokens trained on, ``tokens_per_s`` every token through the model.
+        """
+        t0 = time.perf_counter()
+        n_steps = self.cfg.num_steps_per_rollout
+        bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
+        sums: dict[str, float] = defaultdict(float)
+        done = 0
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            m = self._optimizer_step(samples[lo:hi])
+            if m is not None:
+                done += 1
+                for k, v in m.items():
+                    sums[k] += v
+        self.model.eval()
+        seconds = time.perf_counter() - t0
+        tokens = self._sum_replicas([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
+        metrics = {k: v / max(done, 1) for k, v in sums.items()}
+        metrics.update(lr=self.optimizer.param_groups[0]["lr"], train_tokens=tokens[1], train_seconds=seconds,
+                       tokens_per_s=tokens[0] / max(seconds, 1e-9), steps=float(done))
+        return metrics
+
+    def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
+        """One global batch: the schedule accumulates micro-batch gradients; DP sum, clip, step."""
+        num_tokens, num_seqs = self._sum_replicas([sum(sum(s.loss_mask) for s in samples), len(samples)])
+        if num_seqs == 0:
+            return None
+        if self.cfg.use_kl_loss and any(s.ref_log_probs is None for s in samples):
+            refs = self._score(self.ref_model, samples)  # the schedule cannot interleave two pipelined models
+            samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, refs)]
+        batches = self._micro_batches(samples, train=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        if batches:
+            self.model.train()
+            loss_func = partial(self._train_loss, float(num_tokens), float(num_seqs))
+            for metrics in self._schedule(self.model, batches, loss_func, forward_only=False):
+                for k, v in metrics.items():
+                    sums[k] += v
+        self._reduce_grads()
+        grad_norm = self._clip_grad()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        keys = self._metric_names(sums)
+        totals = self._sum_replicas([sums[k] for k in keys])  # each replica's share is globally normalized
+        return dict(zip(keys, totals), grad_norm=grad_norm)
+
+    def _train_loss(self, num_tokens: float, num_seqs: float, b: PackedBatch, output: torch.Tensor):
+        """Last stage: :func:`policy_loss` of one micro-batch, as megatron's ``(loss, num_tokens, metrics)``."""
+        logits = head_logits(output, self.cfg.logit_temperature, self._pad_vocab)  # [N, V/tp]
+        logp, entropy = token_stats(logits, b.targets, tp_size=self.tp_size, entropy=True,
+                                    entropy_grad=self.cfg.entropy_coef > 0)
+        old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
+        loss, metrics = policy_loss(logp, old_logp, b.advantages, b.mask, b.seq_ids, self.cfg,
+                                    num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=b.ref_log_probs,
+                                    rollout_logp=b.rollout_log_probs, entropy=entropy)
+        metrics["loss"] = float(loss.detach())
+        # with calculate_per_token_loss the schedule leaves the loss as is; the count is only logged by it
+        return loss, torch.tensor(int(b.mask.sum()), dtype=torch.int, device=loss.device), metrics
+
+    def _reduce_grads(self) -> None:
+        """Sum gradients over DP replicas (and the tied embedding's two copies when pipelined)."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a replica without samples still joins the sum
+                p.grad = torch.zeros_like(p)
+        if self.dp_size > 1:
+            group = ps.get_data_parallel_group()
+            for bucket in _buckets([p.grad for p in params]):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                for g, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(reduced)
+        if self.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False) \
+                and ps.is_rank_in_embedding_group():
+            # first stage (embedding) and last stage (head) hold one logical weight: add their gradients
+            dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+
+    def _clip_grad(self) -> float:
+        """Global L2 norm over the whole model (each TP-replicated or tied tensor counted once); clip like torch."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # TP shards are told from TP-replicated tensors by their ``tensor_model_parallel`` attribute (see _build)
+        counted = [p.grad.float() for p in params
+                   if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        sq = torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
+        if self.tp_size * self.pp_size > 1:
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        norm = float(sq.sqrt())
+        if self.cfg.clip_grad > 0:
+            coef = min(1.0, self.cfg.clip_grad / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+            torch._foreach_mul_([p.grad for p in params], coef)
+        return norm
+
+    # ------------------------------------------------------------------ cross-rank helpers
+
+    def _sum_replicas(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over DP replicas (one reporting rank each); every rank gets the totals."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device) * float(self._reporter)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _metric_names(self, sums: dict[str, float]) -> list[str]:
+        """The same sorted names on every rank (only last stages computed any)."""
+        names = set(sums) | {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, sorted(names))
+            names = set().union(*gathered)
+        return sorted(names)
+
+    def _from_last_stage(self, flat: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The last pipeline stage's ``[n]`` tensor, on every stage."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp_size == 1:
+            return flat
+        buf = flat.float() if flat is not None else torch.empty(n, dtype=torch.float32, device=self.device)
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        return buf
+
+    def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
+        """TP/PP peers compute one model together, so they must hold the same samples: refuse otherwise."""
+        from megatron.core import parallel_state as ps
+
+        if self.tp_size * self.pp_size == 1:
+            return
+        h = 0
+        for s in samples:
+            h = zlib.crc32(np.asarray(s.tokens + s.loss_mask + [s.response_length], dtype=np.int64).tobytes(), h)
+        t = torch.tensor([h, -h, len(samples), -len(samples)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+        if t[0] != -t[1] or t[2] != -t[3]:
+            raise ValueError(f"rank {self.rank}: the tensor/pipeline-parallel ranks of one model replica were given "
+                             f"different samples; give every rank of data-parallel rank {self.dp_rank} the same shard "
+                             f"(shard the batch over the {self.dp_size} data-parallel replicas, not over all ranks)")
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights in HF names on every rank; a collective (all ranks iterate in lockstep)."""
+        from megatron.core import parallel_state as ps
+
+        from agentrl.trainer.megatron_model import iter_hf_weights
+
+        yield from iter_hf_weights(self.model, self.hf_config, tp_group=ps.get_tensor_model_parallel_group(),
+                                   pp_group=ps.get_pipeline_model_parallel_group())
+
+    def _layout(self) -> dict[str, int]:
+        p = self.parallel
+        return {"world_size": self.world_size, "tp": p.tensor_model_parallel_size,
+                "pp": p.pipeline_model_parallel_size, "cp": p.context_parallel_size}
+
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write the checkpoint layout of the module docstring. A collective: every rank must call it."""
+        from megatron.core import tensor_parallel
+        from safetensors.torch import save_file
+        from transformers import GenerationConfig
+
+        path = Path(path)
+        weights = {}
+        for name, t in self.named_weights():
+            if self.rank == 0:
+                weights[name] = t.detach().cpu().contiguous()
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+            gen = (GenerationConfig.from_pretrained(str(self.checkpoint_path))
+                   if (self.checkpoint_path / "generation_config.json").is_file() else None)
+            _save_hf_metadata(SimpleNamespace(config=self.hf_config, generation_config=gen),
+                              self.checkpoint_path, path, torch.float32)
+            torch.save({"step": self.step, "world_size": self.world_size, "layout": self._layout(),
+                        "extra_state": extra_state or {}}, path / "trainer_state.pt")
+        del weights
+        self._barrier()
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state(),
+                    "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states()},
+                   path / f"optim_rank{self.rank}.pt")
+        self._barrier()
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
+        from megatron.core import tensor_parallel
+
+        from agentrl.trainer.megatron_model import load_hf_checkpoint
+
+        path = Path(path)
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if state.get("layout") != self._layout():
+            raise ValueError(f"{path} was saved with layout {state.get('layout') or 'of the torch backend'}; resuming "
+                             f"the megatron backend needs the same world size and tp/pp/cp ({self._layout()}). "
+                             "Start a new run from its HF weights with --hf-checkpoint instead")
+        load_hf_checkpoint(self.model, path, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           pp_rank=self.pp_rank, pp_size=self.pp_size)
+        ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
+        self.optimizer.load_state_dict(ranked["optimizer"])
+        _set_rng_state(ranked["rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
+        self.step = state["step"]
+        return state["extra_state"]
+
+    def close(self) -> None:
+        """Forget megatron's parallel state (and the process group, if this trainer started it)."""
+        from agentrl.trainer.megatron_compat import destroy_megatron_parallel
+
+        destroy_megatron_parallel()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# ---------------------------------------------------------------------- module helpers
+
+
+def _buckets(tensors: Sequence[torch.Tensor], max_elems: int = 1 << 26) -> Iterator[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype tensors of at most ``max_elems`` elements (one all-reduce each)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and (size + t.numel() > max_elems or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def _init_process_group(rank: int, world_size: int, device: torch.device) -> bool:
+    """Make sure torch.distributed is up; True if this call started it (world 1: a private loopback group)."""
+    if dist.is_initialized():
+        return False
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    if world_size > 1:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)  # env://, as TorchTrainer
+        return True
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
+
+
+__all__ = ["MegatronParallel", "MegatronTrainer"]
