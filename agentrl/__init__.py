@@ -7,6 +7,10 @@ out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewa
 Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
 frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
 runs an env with a scripted policy.
+
+The scale path is imported on first use (it pulls in megatron-core and Ray): the trainer backends
+:class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
+and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
 """
 
 from agentrl.check import check_env
@@ -49,5 +53,25 @@ __all__ = [
     "tool",
     "train",
 ]
+
+_LAZY = {
+    "Trainer": "agentrl.trainer.base",
+    "TorchTrainer": "agentrl.trainer.torch_trainer",
+    "MegatronTrainer": "agentrl.trainer.megatron_trainer",
+    "MegatronParallel": "agentrl.trainer.megatron_trainer",
+    "SGLangLaunch": "agentrl.engines.sglang",
+    "SGLangEngineGroup": "agentrl.engines.sglang",
+}
+__all__ += sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    """Import the scale-path classes only when asked for (``agentrl.MegatronTrainer``)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentrl' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"

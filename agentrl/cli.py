@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="GRPO-family training: rollout on engines, train on Ray actors, sync weights",
                        description="Flags follow slime's names; --config FILE.yaml|.toml holds the same keys "
-                                   "(flags on the command line win).")
+                                   "(flags on the command line win). Pass-through: --sglang-NAME VALUE goes to "
+                                   "every SGLang server as --NAME VALUE (--rollout-backend sglang); any other "
+                                   "unknown --NAME VALUE is a Megatron flag (a megatron-core TransformerConfig "
+                                   "field, --train-backend megatron).", allow_abbrev=False)
     t.add_argument("--config", default=None, help="YAML or TOML file of flag values")
     from agentrl.config import add_config_flags
 
@@ -152,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train":  # only train passes flags through (to SGLang / Megatron)
+        parser.parse_args(argv)  # exits with argparse's own "unrecognized arguments" message
+    args.passthrough = rest
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "rollout":
@@ -255,11 +262,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from agentrl.config import load_config_file, run_config_from_values
     from agentrl.runtime.train import train
 
+    from agentrl.config import parse_passthrough_flags
+
     values = dict(vars(args))
+    passthrough = parse_passthrough_flags(values.pop("passthrough", None) or [])
     if args.config:
         file_values = load_config_file(args.config)
         # flags given on the command line win over the file; a flag left unset is None here
         values = {**values, **{k: v for k, v in file_values.items() if values.get(k) is None}}
+    for key, given in passthrough.items():  # command-line pass-through flags win over the file's
+        values[key] = {**(values.get(key) or {}), **given}
     cfg = run_config_from_values(values)
     summary = train(cfg)
     print(json.dumps(summary, indent=2, default=str))

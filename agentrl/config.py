@@ -131,10 +131,21 @@ class TrainConfig:
     global_batch_size: int = 8
     num_steps_per_rollout: int = 1
     max_tokens_per_gpu: int = 4096
+    micro_batch_size: int | None = None  # None: the token budget alone decides (slime's --use-dynamic-batch-size)
     gradient_checkpointing: bool = False
     dtype: str = "auto"
     seed: int = 1234
     logit_temperature: float = 1.0  # set from --rollout-temperature by the run, not a flag of its own
+    # megatron backend (Megatron's own flag names); world = TP x PP x CP x DP
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    megatron_args: dict[str, Any] = field(default_factory=dict)  # pass-through Megatron flags (TransformerConfig fields)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model (TP x PP x CP); the rest is data parallel."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     @property
     def clip_high(self) -> float:
@@ -156,6 +167,9 @@ class TrainConfig:
             (self.max_tokens_per_gpu >= 16, "--max-tokens-per-gpu must be >= 16"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "--dtype must be auto, float32, bfloat16 or float16"),
             (self.clip_grad >= 0, "--clip-grad must be >= 0 (0 = off)"),
+            (self.micro_batch_size is None or self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+            (min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size) >= 1,
+             "--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1"),
         ]
         problems = [msg for ok, msg in checks if not ok]
         if problems:
@@ -207,7 +221,11 @@ class RunConfig:
     rollout_num_gpus: int = 0
     rollout_num_gpus_per_engine: int = 1
     trainer_num_procs: int = 1
-    backend: str = "torch"
+    train_backend: str = "torch"
+    rollout_backend: str = "embedded"
+    sglang_launcher: str = "auto"
+    engine_monitor_interval: float = 5.0
+    sglang_args: dict[str, Any] = field(default_factory=dict)  # pass-through --sglang-* server flags (prefix removed)
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str | None = None
@@ -223,6 +241,11 @@ class RunConfig:
         if self.actor_num_gpus_per_node:
             return self.actor_num_nodes * self.actor_num_gpus_per_node
         return self.trainer_num_procs
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Trainer ranks that see different samples (the world divided by the model-parallel size)."""
+        return max(1, self.trainer_world_size // self.train.model_parallel_size)
 
     def validate(self) -> None:
         """Refuse a bad run before any model is loaded or actor started; say which flag to change."""
@@ -241,9 +264,13 @@ class RunConfig:
             (n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
              f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
              f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently"),
-            (t.global_batch_size % self.trainer_world_size == 0,
-             f"--global-batch-size ({t.global_batch_size}) must be divisible by the trainer world size "
-             f"({self.trainer_world_size})"),
+            (self.trainer_world_size % t.model_parallel_size == 0,
+             f"the trainer world size ({self.trainer_world_size}) must be a multiple of tensor x pipeline x context "
+             f"parallel sizes ({t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x "
+             f"{t.context_parallel_size}); change --trainer-num-procs / --actor-num-gpus-per-node"),
+            (t.global_batch_size % self.data_parallel_size == 0,
+             f"--global-batch-size ({t.global_batch_size}) must be divisible by the trainer's data-parallel size "
+             f"({self.data_parallel_size})"),
             (self.over_sampling_batch_size is None or self.over_sampling_batch_size >= self.rollout_batch_size,
              "--over-sampling-batch-size must be >= --rollout-batch-size"),
             (self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1"),
@@ -258,16 +285,99 @@ class RunConfig:
                                                       "trainer would compete for the same devices)"),
             (self.weight_sync in ("auto", "tensor", "disk", "nccl"), "--weight-sync must be auto, tensor, disk or nccl"),
             (not (self.weight_sync == "tensor" and self.engine_url),
-             "--weight-sync tensor works only with embedded engines; use disk or nccl with --engine-url"),
+             "--weight-sync tensor works only with engines this run starts; use disk or nccl with --engine-url"),
+            (not (self.weight_sync == "tensor" and self.rollout_backend == "sglang" and self.rollout_num_gpus
+                  and not (self.colocate and self.rollout_num_gpus_per_engine == 1)),
+             "--weight-sync tensor with --rollout-backend sglang on GPUs hands over CUDA IPC handles: it needs "
+             "--colocate and --rollout-num-gpus-per-engine 1 (else use nccl)"),
             (self.num_engines >= 1, "--num-engines must be >= 1"),
             (self.trainer_num_procs >= 1, "--trainer-num-procs must be >= 1"),
-            (self.backend in ("torch", "megatron"), "--backend must be torch or megatron"),
+            (self.train_backend in ("torch", "megatron"), "--train-backend must be torch or megatron"),
+            (self.train_backend == "megatron" or (t.model_parallel_size == 1 and not t.megatron_args),
+             "--tensor/pipeline/context-model-parallel-size and Megatron pass-through flags need --train-backend "
+             "megatron"),
+            (self.rollout_backend in ("embedded", "sglang"), "--rollout-backend must be embedded or sglang"),
+            (not (self.rollout_backend == "sglang" and self.engine_url),
+             "--rollout-backend sglang launches its own servers; drop --engine-url (or drop --rollout-backend)"),
+            (self.rollout_backend == "sglang" or not self.sglang_args,
+             f"--sglang-{next(iter(self.sglang_args), '').replace('_', '-')} needs --rollout-backend sglang"),
+            (self.sglang_launcher in ("auto", "sglang", "agentrl"), "--sglang-launcher must be auto, sglang or agentrl"),
+            (self.engine_monitor_interval >= 0, "--engine-monitor-interval must be >= 0 (0 = off)"),
             (self.rollout_num_gpus % max(self.rollout_num_gpus_per_engine, 1) == 0,
              "--rollout-num-gpus must be a multiple of --rollout-num-gpus-per-engine"),
         ]
-        problems = [msg for ok, msg in checks if not ok]
+        problems = [msg for ok, msg in checks if not ok] + self._backend_problems()
         if problems:
             raise ValueError("bad configuration: " + "; ".join(problems))
+
+    def _backend_problems(self) -> list[str]:
+        """What the chosen backends need that this machine or these flags lack (imports only when chosen)."""
+        problems: list[str] = []
+        if self.train_backend == "megatron":
+            from agentrl.trainer.megatron_compat import megatron_available
+
+            reason = megatron_available()
+            if reason:
+                return [f"--train-backend megatron: {reason}"]
+            from agentrl.trainer.megatron_model import megatron_field_names
+
+            known = megatron_field_names()
+            for name in self.train.megatron_args:
+                if name not in known:
+                    import difflib
+
+                    close = difflib.get_close_matches(name, sorted(known), n=3)
+                    problems.append(f"unknown Megatron flag --{name.replace('_', '-')}"
+                                    + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
+                                       if close else " (pass-through flags are TransformerConfig fields)"))
+            if self.train.context_parallel_size > 1 and not _transformer_engine():
+                problems.append("--context-parallel-size > 1 needs transformer_engine (GPU); install it or use 1")
+        if self.rollout_backend == "sglang":
+            if self.sglang_launcher == "sglang" and not _sglang_installed():
+                return problems + ["--sglang-launcher sglang: the sglang package is not installed (pip install "
+                                   "'sglang[all]' on a GPU node), or use --sglang-launcher agentrl"]
+            from agentrl.engines.sglang import SGLangLaunch, build_launch_command
+
+            try:  # the server command line, built once here so a bad --sglang-* flag stops the run now
+                build_launch_command(self.sglang_launch("<checkpoint>"), port=1)
+            except ValueError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def sglang_launch(self, checkpoint: str, *, engine_gpus: float = 0, log_dir: str | None = None) -> Any:
+        """How ``--rollout-backend sglang`` starts each server (an :class:`~agentrl.engines.sglang.SGLangLaunch`).
+
+        ``--sglang-launcher auto`` is SGLang where it is installed, else the embedded engine
+        (``agentrl serve``) behind the same launcher, monitor and pause protocol. slime's router-only
+        flags (``--sglang-router-ip`` ...) are not server flags and are dropped.
+        """
+        from agentrl.engines.sglang import SGLangLaunch
+
+        binary = self.sglang_launcher
+        if binary == "auto":
+            binary = "sglang" if _sglang_installed() else "agentrl"
+        args = {k: v for k, v in self.sglang_args.items() if k not in ROUTER_ONLY_SGLANG_ARGS}
+        if binary == "agentrl":
+            args.setdefault("max_running_requests", self.engine_max_running_requests)
+        return SGLangLaunch(checkpoint, binary=binary,
+                            tp_size=self.rollout_num_gpus_per_engine if engine_gpus else 1, server_args=args,
+                            colocate=self.colocate, seed=self.rollout.rollout_seed, log_dir=log_dir)
+
+
+ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
+"""slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
+
+
+def _sglang_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+def _transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 # -- flags ------------------------------------------------------------------------------------------
@@ -275,7 +385,8 @@ class RunConfig:
 # -> ``--rollout-batch-size``), so the flag list cannot drift from the dataclasses. A YAML/TOML file given
 # with ``--config`` holds the same keys (dashes or underscores); flags given on the command line win.
 
-FLAG_ALIASES = {"async_mode": ["--async"]}
+FLAG_ALIASES = {"async_mode": ["--async"], "train_backend": ["--backend"]}
+PASSTHROUGH_FIELDS = ("sglang_args", "megatron_args")  # filled from unknown flags, see parse_passthrough_flags
 FLAG_HELP = {
     "max_turns": "assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)",
     "sandbox": "where sandboxed tools run model code: auto (docker if an engine answers, else bubblewrap), "
@@ -293,12 +404,23 @@ FLAG_HELP = {
     "num_steps_per_rollout": "optimizer steps per rollout (default: rollout samples / --global-batch-size)",
     "eval_prompt_data": "NAME PATH of an eval set (repeatable)",
     "engine_url": "running SGLang-compatible engine to roll out on (repeatable; default: embedded engines)",
-    "weight_sync": "how new weights reach engines: tensor (object store, embedded), disk, nccl; auto picks",
+    "weight_sync": "how new weights reach engines: tensor (embedded: shared memory/object store; sglang: "
+                   "/update_weights_from_tensor handles, colocated), disk, nccl (broadcast); auto picks",
     "dynamic_sampling_filter_path": "module:fn filter(args, group) -> bool; 'default' = drop zero-std groups",
     "trainer_num_procs": "trainer ranks on CPU (FSDP2 over gloo when > 1)",
     "max_tokens_per_gpu": "token budget of one packed micro-batch",
     "per_turn_credit": "give each assistant turn the return from that turn on (needs grpo/gspo)",
     "async_mode": "overlap the rollout of step k+1 with training of step k",
+    "train_backend": "torch (HF transformers, FSDP2; CPU or GPU) or megatron (megatron-core GPTModel; TP/PP/CP/DP)",
+    "rollout_backend": "embedded (the SDK's engine as Ray actors) or sglang (SGLang servers launched as Ray actors; "
+                       "--sglang-* flags pass through to the server)",
+    "sglang_launcher": "what --rollout-backend sglang launches: sglang (python -m sglang.launch_server), agentrl "
+                       "(agentrl serve, the same API on CPU), auto (sglang if installed)",
+    "engine_monitor_interval": "seconds between health checks of launched servers (a dead one is restarted; 0 = off)",
+    "micro_batch_size": "at most this many samples per packed micro-batch (default: only --max-tokens-per-gpu)",
+    "tensor_model_parallel_size": "megatron: tensor-parallel ranks per model copy",
+    "pipeline_model_parallel_size": "megatron: pipeline stages",
+    "context_parallel_size": "megatron: context-parallel ranks (needs transformer_engine)",
 }
 
 
@@ -320,7 +442,7 @@ def add_config_flags(parser: Any) -> None:
 
     for cls in (RunConfig, RolloutConfig, TrainConfig):
         for f in dataclasses.fields(cls):
-            if f.name in ("rollout", "train", "logit_temperature"):
+            if f.name in ("rollout", "train", "logit_temperature", *PASSTHROUGH_FIELDS):
                 continue
             kind, typ = _flag_type(str(f.type))
             names = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, [])]
@@ -333,6 +455,55 @@ def add_config_flags(parser: Any) -> None:
                 parser.add_argument(*names, type=typ, action="append", **kw)
             else:
                 parser.add_argument(*names, type=typ, **kw)
+
+
+def parse_passthrough_flags(rest: list[str]) -> dict[str, dict[str, Any]]:
+    """Split the flags argparse did not know into SGLang server flags and Megatron flags.
+
+    As in slime, ``--sglang-mem-fraction-static 0.8`` goes to every SGLang server as
+    ``--mem-fraction-static 0.8``. Any other ``--some-flag [value]`` is a Megatron flag, i.e. a
+    megatron-core ``TransformerConfig`` field (``--recompute-granularity full``); the run refuses
+    names megatron does not know (:meth:`RunConfig.validate`). A flag without a value is ``True``;
+    values are read as int, float, ``true``/``false`` or else kept as text; a repeated flag or one
+    with several values becomes a list. Returns ``{"sglang_args": {...}, "megatron_args": {...}}``
+    (names with underscores, the prefix removed).
+    """
+    out: dict[str, dict[str, Any]] = {"sglang_args": {}, "megatron_args": {}}
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if not token.startswith("--") or token == "--":
+            raise ValueError(f"unexpected argument {token!r}: flags look like --name value")
+        name, _, inline = token[2:].partition("=")
+        values: list[Any] = [inline] if inline else []
+        i += 1
+        while not inline and i < len(rest) and not (rest[i].startswith("--") and len(rest[i]) > 2):
+            values.append(rest[i])
+            i += 1
+        parsed = [_literal(v) for v in values]
+        value: Any = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
+        key = name.replace("-", "_")
+        section = "sglang_args" if key.startswith("sglang_") else "megatron_args"
+        key = key[len("sglang_"):] if section == "sglang_args" else key
+        if not key:
+            raise ValueError(f"bad flag {token!r}")
+        if key in out[section]:
+            prev = out[section][key]
+            value = (prev if isinstance(prev, list) else [prev]) + (value if isinstance(value, list) else [value])
+        out[section][key] = value
+    return out
+
+
+def _literal(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -357,6 +528,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         else:
             flat[k.replace("-", "_")] = v
     known = {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    for k in [k for k in flat if k.startswith("sglang_") and k not in known]:  # sglang_mem_fraction_static: 0.8
+        flat.setdefault("sglang_args", {})[k[len("sglang_"):]] = flat.pop(k)
     unknown = sorted(set(flat) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; keys are the flag names, e.g. rollout_batch_size")

@@ -221,6 +221,19 @@ class SGLangEngine(Engine):
             payload["weight_version"] = str(weight_version)
         await self._post_checked("/update_weights_from_distributed", payload, once=True)
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None) -> None:
+        """``POST /update_weights_from_tensor``: load tensors handed over by handle (same machine; colocated).
+
+        One entry per engine TP rank, each from :func:`agentrl.engines.tensor_ipc.serialize_named_tensors`
+        (SGLang's ``MultiprocessingSerializer`` format). The sender keeps the tensors alive until this returns.
+        """
+        payload: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors),
+                                   "load_format": load_format, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._post_checked("/update_weights_from_tensor", payload, once=True)
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """``POST /destroy_weights_update_group``."""
         await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})

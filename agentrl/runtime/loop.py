@@ -75,7 +75,7 @@ class TrainLoop:
     def __init__(self, cfg: RunConfig, *, ctx: EpisodeContext, env_factory: Any, source: Any, trainers: Any,
                  sync_weights: Callable[[int], Any], metrics: Any, args: Any = None, custom_generate: Any = None,
                  custom_reward: Any = None, group_filter: Any = None, evaluator: Callable[[int], Any] | None = None,
-                 engine_memory: Any = None):
+                 engine_memory: Any = None, update_guard: Callable[[], Any] | None = None):
         self.cfg = cfg
         self.ctx = ctx
         self.env_factory = env_factory
@@ -89,6 +89,9 @@ class TrainLoop:
         self.group_filter = group_filter
         self.evaluator = evaluator
         self.engine_memory = engine_memory
+        # an async context manager factory wrapped around every weight push (launched SGLang servers:
+        # pause generation, flush the cache, continue afterwards); None = push directly
+        self.update_guard = update_guard
         self.version = 0  # number of weight updates the engines have received
         self.start_step = 0
         self.run_dir = Path(cfg.save) if cfg.save else None
@@ -248,7 +251,11 @@ class TrainLoop:
         self.version += 1
         t1 = time.monotonic()
         if (step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout:
-            await asyncio.to_thread(self.sync_weights, self.version)
+            if self.update_guard is not None:
+                async with self.update_guard():
+                    await asyncio.to_thread(self.sync_weights, self.version)
+            else:
+                await asyncio.to_thread(self.sync_weights, self.version)
         sync_seconds = time.monotonic() - t1
         extra = {**counts, "weight_version": self.version, "train_samples": len(keep),
                  "weight_sync_seconds": sync_seconds, "step_train_seconds": train_seconds}

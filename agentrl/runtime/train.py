@@ -139,6 +139,8 @@ class _Runtime:
         t_threads, e_threads = _threads(cfg, placement)
         if cfg.engine_url:
             self.engines = EngineGroup.external(cfg.engine_url)
+        elif cfg.rollout_backend == "sglang":
+            self.engines = _launch_sglang(cfg, self.checkpoint, placement)
         else:
             self.engines = EngineGroup.embedded(
                 self.checkpoint, len(placement.engines), num_cpus=placement.engine_cpus, num_gpus=placement.engine_gpus,
@@ -146,7 +148,8 @@ class _Runtime:
                 seed=cfg.rollout.rollout_seed, num_threads=e_threads)
         self.trainers = TrainerGroup(self.checkpoint, cfg.train, world_size=cfg.trainer_world_size,
                                      num_cpus=placement.trainer_cpus, num_gpus=placement.trainer_gpus,
-                                     placement_group=placement.trainer[0][0], num_threads=t_threads)
+                                     placement_group=placement.trainer[0][0], num_threads=t_threads,
+                                     backend=cfg.train_backend)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -160,15 +163,22 @@ class _Runtime:
             self.placement.release()
 
     def sync_mode(self) -> str:
+        """``--weight-sync``, or for ``auto`` as slime: the object store/shared memory for embedded engines;
+        for launched SGLang servers on GPUs, tensor handles when colocated and an NCCL broadcast when not;
+        else disk (any engine, any node with the run folder)."""
         cfg = self.cfg
         if cfg.weight_sync != "auto":
             return cfg.weight_sync
-        return "tensor" if self.engines.supports_tensors else "disk"
+        if self.engines.supports_tensors:
+            return "tensor"
+        if cfg.rollout_backend == "sglang" and self.placement.engine_gpus:
+            return "tensor" if cfg.colocate and cfg.rollout_num_gpus_per_engine == 1 else "nccl"
+        return "disk"
 
     def sync_weights(self, version: int) -> None:
         """Push the trainer's current weights to every engine as ``str(version)``."""
         mode = self.sync_mode()
-        if mode == "tensor" and self._use_shm():
+        if mode == "tensor" and self.engines.supports_tensors and self._use_shm():
             try:
                 path, layout = self.trainers.write_shared_weights()
             except OSError as exc:  # e.g. a small /dev/shm: the object store still works
@@ -177,10 +187,12 @@ class _Runtime:
             else:
                 self.engines.push_shared(path, layout, str(version))
                 return
-        if mode == "tensor":
+        if mode == "tensor" and self.engines.supports_tensors:
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
-        else:
-            self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
+            return
+        self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
+        if mode == "disk" and hasattr(self.engines, "record_weights"):  # a restarted server loads these first
+            self.engines.record_weights(str(Path(self._sync_dir()) / f"weights-{version}"), str(version))
 
     def _use_shm(self) -> bool:
         """Shared memory when every engine shares rank 0's node (decided once per run)."""
@@ -217,7 +229,50 @@ class _Runtime:
         return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
                          sync_weights=self.sync_weights, metrics=self.metrics, args=args,
                          custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
-                         evaluator=evaluator, engine_memory=_EngineMemory(engine) if cfg.colocate else None)
+                         evaluator=evaluator, engine_memory=_EngineMemory(engine) if cfg.colocate else None,
+                         update_guard=self._update_guard(engine))
+
+    def _update_guard(self, router: Any) -> Any:
+        """Launched SGLang servers: pause generation (restarting dead servers first) around each push.
+
+        A synchronous run has nothing in flight at a push, so ``abort`` loses nothing; an ``--async``
+        run keeps its requests: SGLang retracts them and resumes them on the new weights, and the
+        embedded engine (``--sglang-launcher agentrl``) needs no pause at all: it swaps weights
+        between two decode steps.
+        """
+        from agentrl.engines.sglang import SGLangEngineGroup, paused_for_update
+
+        group = self.engines
+        if not isinstance(group, SGLangEngineGroup):
+            return None
+        if self.cfg.async_mode and group.launch.binary != "sglang":
+            return None
+        mode = "retract" if self.cfg.async_mode else "abort"
+
+        @contextlib.asynccontextmanager
+        async def guard():
+            async with paused_for_update(router, mode=mode, group=group) as restarted:
+                if restarted and self.sync_mode() == "nccl":  # they left the broadcast group: build a new one
+                    await asyncio.to_thread(self.trainers.reset_weight_transport)
+                yield
+
+        return guard
+
+
+def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
+    """``--rollout-backend sglang``: one server per engine bundle, as Ray actors, health-monitored."""
+    from agentrl.engines.sglang import SGLangEngineGroup
+
+    log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
+    launch = cfg.sglang_launch(str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
+    if launch.binary == "agentrl" and cfg.sglang_launcher == "auto":
+        log.warning("--rollout-backend sglang: sglang is not installed; launching `agentrl serve` servers "
+                    "(same API and management) instead")
+    group = SGLangEngineGroup.start(launch, max(len(placement.engines), 1), num_cpus=placement.engine_cpus,
+                                   num_gpus=placement.engine_gpus or None, placement=placement.engines)
+    if cfg.engine_monitor_interval:
+        group.start_monitor(cfg.engine_monitor_interval)
+    return group
 
 
 class _EngineMemory:

@@ -1,16 +1,22 @@
 """N trainer ranks as Ray actors, driven as one trainer.
 
-:class:`TrainerGroup` owns ``world_size`` :class:`TrainerActor` s, each holding one
-:class:`~agentrl.trainer.torch_trainer.TorchTrainer` rank. The actors form their own
+:class:`TrainerGroup` owns ``world_size`` :class:`TrainerActor` s, each holding one rank of a
+backend: :class:`~agentrl.trainer.torch_trainer.TorchTrainer` (``torch``) or
+:class:`~agentrl.trainer.megatron_trainer.MegatronTrainer` (``megatron``). The actors form their own
 ``torch.distributed`` group (gloo on CPU, nccl on GPU) when ``world_size > 1``; the driver never
 joins it. Every public method fans the call out to all ranks (sharded models need every rank in
 every collective) and gathers the answer:
 
-* ``compute_log_probs``: samples cut into contiguous, token-balanced shards; results re-joined in
-  the original order;
-* ``train_step``: each of the ``num_steps_per_rollout`` global batches cut into ``world_size``
-  equal contiguous shards, so every rank steps on its share of the same global batch; the
-  metrics are rank 0's, which are already global (the trainer sums them over ranks);
+Data goes to *data-parallel* ranks: with Megatron's tensor/pipeline/context parallelism the
+ranks of one model copy (Megatron's rank order ``tp-cp-dp-pp``, TP fastest) receive the same
+samples; with ``torch`` every rank is its own data-parallel rank.
+
+* ``compute_log_probs``: samples cut into contiguous, token-balanced shards, one per data-parallel
+  rank; results (from the last pipeline stage) re-joined in the original order;
+* ``train_step``: each of the ``num_steps_per_rollout`` global batches cut into equal contiguous
+  shards, one per data-parallel rank, so every rank steps on its share of the same global batch;
+  the metrics are the last rank's (a last pipeline stage), already global (the trainer sums them
+  over ranks);
 * ``named_weights_ref``: rank 0's full weights as one Ray ObjectRef (name -> CPU tensor) that
   engines fetch from the object store for weight sync;
 * ``save`` / ``load`` / ``shutdown``.
@@ -31,6 +37,20 @@ from agentrl.config import TrainConfig
 from agentrl.trainer.base import LogProbs, TrainSample
 
 
+def make_trainer(backend: str, checkpoint: str, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
+                 device: str | None = None) -> Any:
+    """One rank of the ``torch`` or ``megatron`` backend (the process group must already exist)."""
+    if backend == "torch":
+        from agentrl.trainer.torch_trainer import TorchTrainer
+
+        return TorchTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
+    if backend == "megatron":
+        from agentrl.trainer.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)  # layout from cfg
+    raise ValueError(f"unknown train backend {backend!r}: expected torch or megatron")
+
+
 class TrainerActor:
     """One rank: joins the process group, then wraps a ``TorchTrainer``. Made remote by the group."""
 
@@ -48,16 +68,14 @@ class TrainerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, checkpoint: str, cfg: TrainConfig, rank: int, world_size: int, master: tuple[str, int],
-              device: str) -> None:
+              device: str, backend: str = "torch") -> None:
         """Join the process group (``world_size > 1``) and load this rank's model."""
         import torch.distributed as dist
-
-        from agentrl.trainer.torch_trainer import TorchTrainer
 
         if world_size > 1:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
             dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world_size)
-        self.trainer = TorchTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
+        self.trainer = make_trainer(backend, checkpoint, cfg, rank=rank, world_size=world_size, device=device)
         self.checkpoint = checkpoint
 
     def compute_log_probs(self, samples: list[TrainSample], ref: bool) -> LogProbs:
@@ -95,10 +113,12 @@ class TrainerActor:
         return self._shm.write(named)
 
     def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None) -> None:
-        """Send the full weights to SGLang-compatible engines from rank 0 (``disk`` or ``nccl``).
+        """Send the full weights to SGLang-compatible engines (``disk``, ``nccl`` or ``tensor``).
 
-        Every rank takes part in gathering the weights; rank 0 keeps one transport (and, for NCCL,
-        one process group with the engines) and one event loop for the actor's lifetime.
+        Every rank takes part in gathering the weights. ``disk`` and ``nccl`` push from rank 0 to
+        every engine; ``tensor`` (by handle, colocated) pushes from each rank to the engines on its
+        own device (``urls`` is then this rank's share). The pushing rank keeps one transport (and,
+        for NCCL, one process group with the engines) and one event loop for the actor's lifetime.
         """
         import asyncio
 
@@ -106,7 +126,8 @@ class TrainerActor:
         from agentrl.runtime.weight_sync import make_transport
 
         named = [(name, t) for name, t in self.trainer.named_weights()]
-        if self.trainer.rank != 0:
+        pushes = bool(urls) if kind == "tensor" else self.trainer.rank == 0
+        if not pushes:
             return
         if getattr(self, "_transport", None) is None:
             self._push_loop = asyncio.new_event_loop()
@@ -114,6 +135,16 @@ class TrainerActor:
             extra = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
             self._transport = make_transport(kind, engines, **extra)
         self._push_loop.run_until_complete(self._transport.push(named, version))
+
+    def reset_weight_transport(self) -> None:
+        """Forget the push transport (an engine was restarted and left the NCCL group): the next push builds one."""
+        transport = getattr(self, "_transport", None)
+        self._transport = None
+        if transport is not None:
+            import contextlib
+
+            with contextlib.suppress(Exception):  # the group may already be broken; a new one replaces it
+                self._push_loop.run_until_complete(transport.close())
 
     def save(self, path: str, extra_state: dict[str, Any] | None) -> None:
         self.trainer.save(path, extra_state)
@@ -126,6 +157,8 @@ class TrainerActor:
 
         if getattr(self, "_shm", None) is not None:
             self._shm.close()
+        if hasattr(self.trainer, "close"):  # megatron: its global parallel state
+            self.trainer.close()
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -142,10 +175,16 @@ class TrainerGroup:
 
     def __init__(self, checkpoint: str | Path, cfg: TrainConfig, *, world_size: int = 1, num_cpus: float = 1,
                  num_gpus: float | None = None, placement_group: Any | None = None,
-                 bundle_indices: Sequence[int] | None = None, num_threads: int | None = None):
+                 bundle_indices: Sequence[int] | None = None, num_threads: int | None = None,
+                 backend: str = "torch"):
         if num_gpus is None:
             num_gpus = 1 if _cluster_has_gpus() else 0
-        self.cfg, self.world_size = cfg, world_size
+        self.cfg, self.world_size, self.backend = cfg, world_size, backend
+        mp = cfg.model_parallel_size if backend == "megatron" else 1
+        if world_size % mp:
+            raise ValueError(f"{world_size} trainer ranks cannot hold tensor x pipeline x context = {mp} model shards")
+        self.layout = DataLayout(world_size, mp, cfg.tensor_model_parallel_size * cfg.context_parallel_size
+                                 if backend == "megatron" else 1)
         threads = num_threads or max(1, int(num_cpus))
         remote = ray.remote(TrainerActor)
         self.actors = []
@@ -161,32 +200,34 @@ class TrainerGroup:
             self.actors.append(remote.options(**options).remote(threads))
         master = ray.get(self.actors[0].address.remote())
         device = "cuda" if num_gpus > 0 else "cpu"  # Ray shows each actor its GPU as cuda:0
-        ray.get([a.setup.remote(str(checkpoint), cfg, r, world_size, master, device)
+        ray.get([a.setup.remote(str(checkpoint), cfg, r, world_size, master, device, backend)
                  for r, a in enumerate(self.actors)])
 
     def compute_log_probs(self, samples: Sequence[TrainSample], ref: bool = False) -> LogProbs:
-        """Log-probs of every sample (token-balanced contiguous shards), in the original order."""
-        bounds = _token_balanced_bounds([len(s.tokens) for s in samples], self.world_size)
-        parts = ray.get([a.compute_log_probs.remote(list(samples[lo:hi]), ref)
-                         for a, (lo, hi) in zip(self.actors, bounds)])
+        """Log-probs of every sample (token-balanced contiguous shards per data rank), in the original order."""
+        lay = self.layout
+        bounds = _token_balanced_bounds([len(s.tokens) for s in samples], lay.dp)
+        parts = ray.get([a.compute_log_probs.remote(list(samples[slice(*bounds[lay.dp_rank(r)])]), ref)
+                         for r, a in enumerate(self.actors)])
+        parts = [parts[lay.source_rank(d)] for d in range(lay.dp)]
         old = [lp for part in parts for lp in part.old]
         refs = [lp for part in parts for lp in part.ref] if ref else None
         return LogProbs(old=old, ref=refs)
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """``num_steps_per_rollout`` steps; each global batch is split evenly over the ranks."""
-        n_steps = self.cfg.num_steps_per_rollout
-        if not samples or len(samples) % (n_steps * self.world_size):
+        """``num_steps_per_rollout`` steps; each global batch is split evenly over the data-parallel ranks."""
+        n_steps, dp = self.cfg.num_steps_per_rollout, self.layout.dp
+        if not samples or len(samples) % (n_steps * dp):
             raise ValueError(
                 f"train_step got {len(samples)} samples: it needs a positive multiple of num_steps_per_rollout "
-                f"({n_steps}) x world_size ({self.world_size}) so every step's global batch splits evenly over "
+                f"({n_steps}) x data-parallel size ({dp}) so every step's global batch splits evenly over "
                 "the ranks (drop or duplicate samples, or set global_batch_size accordingly)")
         step = len(samples) // n_steps
-        shard = step // self.world_size
-        shards = [[s for k in range(n_steps) for s in samples[k * step + r * shard:k * step + (r + 1) * shard]]
-                  for r in range(self.world_size)]
-        results = ray.get([a.train_step.remote(part) for a, part in zip(self.actors, shards)])
-        return results[0]
+        shard = step // dp
+        shards = [[s for k in range(n_steps) for s in samples[k * step + d * shard:k * step + (d + 1) * shard]]
+                  for d in range(dp)]
+        results = ray.get([a.train_step.remote(shards[self.layout.dp_rank(r)]) for r, a in enumerate(self.actors)])
+        return results[-1]
 
     def named_weights_ref(self) -> ray.ObjectRef:
         """An ObjectRef to rank 0's ``{name: full weights as numpy}`` (HF names, tied weights once).
@@ -206,8 +247,17 @@ class TrainerGroup:
         return ray.get([a.write_shared_weights.remote() for a in self.actors])[0]
 
     def push_weights(self, kind: str, urls: Sequence[str], version: str, folder: str | None = None) -> None:
-        """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``) or ``nccl`` broadcast."""
+        """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``), ``nccl`` broadcast, or
+        ``tensor`` handles (colocated: engine ``i`` shares the device of rank ``i % world_size``, as placed)."""
+        if kind == "tensor":
+            shares = [[u for i, u in enumerate(urls) if i % self.world_size == r] for r in range(self.world_size)]
+            ray.get([a.push_weights.remote(kind, shares[r], version, folder) for r, a in enumerate(self.actors)])
+            return
         ray.get([a.push_weights.remote(kind, list(urls), version, folder) for a in self.actors])
+
+    def reset_weight_transport(self) -> None:
+        """Drop rank 0's push transport, so the next ``push_weights`` builds a new one (new NCCL group)."""
+        ray.get([a.reset_weight_transport.remote() for a in self.actors])
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         ray.get([a.save.remote(str(path), extra_state) for a in self.actors])
@@ -224,6 +274,27 @@ class TrainerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+class DataLayout:
+    """Which data-parallel shard each rank trains on, in Megatron's rank order ``tp-cp-dp-pp``.
+
+    ``world`` ranks = ``pp`` stages x ``dp`` copies x ``inner`` (TP x CP) ranks; rank
+    ``r = pp_rank * dp * inner + dp_rank * inner + (cp_rank * tp + tp_rank)``. With ``torch``
+    (``model_parallel == inner == 1``) the data rank is the rank.
+    """
+
+    def __init__(self, world: int, model_parallel: int, inner: int):
+        self.world, self.inner = world, inner
+        self.dp = world // model_parallel
+        self.pp = model_parallel // inner
+
+    def dp_rank(self, rank: int) -> int:
+        return (rank // self.inner) % self.dp
+
+    def source_rank(self, dp_rank: int) -> int:
+        """The rank whose outputs stand for data rank ``dp_rank``: last pipeline stage, TP/CP rank 0."""
+        return (self.pp - 1) * self.dp * self.inner + dp_rank * self.inner
 
 
 def _token_balanced_bounds(lengths: Sequence[int], parts: int) -> list[tuple[int, int]]:

@@ -11,6 +11,9 @@ weights once it returns. Which one to use depends on where trainer and engines r
   ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine and broadcasts the
   tensors meanwhile. NCCL between GPUs; gloo on CPU, where the embedded engine takes part the same
   way. Nothing touches the disk.
+- :class:`TensorTransport`: SGLang's colocated path (``/update_weights_from_tensor``). The trainer
+  rank and the engine share a machine (and, on GPUs, the device): tensors travel as CUDA IPC
+  handles or shared-memory file names (:mod:`agentrl.engines.tensor_ipc`), bucket by bucket.
 - The Ray object-store transport (trainer tensors -> object store -> the embedded engine's
   ``update_weights_from_tensors``) belongs to the train loop; see :func:`make_transport`.
 
@@ -60,11 +63,13 @@ class WeightTransport(abc.ABC):
 
 
 def make_transport(kind: str, engines: Sequence[Any], **kwargs: Any) -> WeightTransport:
-    """The transport called ``kind``: ``"disk"`` or ``"distributed"`` (alias ``"nccl"``)."""
+    """The transport called ``kind``: ``"disk"``, ``"distributed"`` (alias ``"nccl"``) or ``"tensor"`` (by handle)."""
     if kind == "disk":
         return DiskTransport(engines, **kwargs)
     if kind in ("distributed", "nccl"):
         return DistributedTransport(engines, **kwargs)
+    if kind == "tensor":
+        return TensorTransport(engines, **kwargs)
     # "tensor": the Ray object-store transport (trainer -> ray.put -> LocalEngine.update_weights_from_tensors)
     # is registered here by the train loop that owns the actors.
     raise ValueError(f"unknown weight transport {kind!r}: expected 'disk' or 'distributed'")
@@ -147,6 +152,49 @@ class DiskTransport(WeightTransport):
 def _failed(result: Any) -> bool:
     """An engine's answer to ``update_weights_from_disk``: an exception, or LocalEngine's ``success: False`` dict."""
     return isinstance(result, BaseException) or (isinstance(result, dict) and result.get("success") is False)
+
+
+# ----------------------------------------------------------------------------------------- tensor
+
+class TensorTransport(WeightTransport):
+    """Hand the weights to engines on this machine by handle: SGLang's ``/update_weights_from_tensor``.
+
+    What slime does when trainer and engine are colocated on one GPU: nothing is copied over a
+    bus or written to disk; the engine maps the trainer's tensors (CUDA IPC on GPUs, shared-memory
+    files on CPU) and copies them into its own parameters. Per bucket (at most ``bucket_bytes``)
+    every engine gets the bucket's handles, ``ranks_per_engine`` times (one per engine TP rank, all
+    reading the same full tensors); only the last bucket carries ``weight_version``. Each bucket's
+    tensors are kept alive until every engine has answered.
+    """
+
+    def __init__(self, engines: Sequence[SGLangEngine], *, bucket_bytes: int = 512 << 20,
+                 ranks_per_engine: int = 1):
+        if not engines:
+            raise ValueError("TensorTransport needs at least one engine")
+        self.engines = list(engines)
+        self.bucket_bytes = bucket_bytes
+        self.ranks_per_engine = ranks_per_engine
+
+    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+        from agentrl.engines.tensor_ipc import serialize_named_tensors
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        buckets = _buckets(named_tensors, self.bucket_bytes, device=device, copy=device.type == "cpu")
+        bucket = next(buckets, [])
+        while True:  # look one bucket ahead: the last one carries the version
+            following = next(buckets, None)
+            payload = await asyncio.to_thread(serialize_named_tensors, bucket)
+            last = following is None
+            answers = await asyncio.gather(*(e.update_weights_from_tensor(
+                [payload] * self.ranks_per_engine, flush_cache=last, weight_version=str(version) if last else None)
+                for e in self.engines), return_exceptions=True)
+            failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
+            if failed:
+                raise EngineRequestError("update_weights_from_tensor failed on " + " | ".join(failed))
+            del payload, bucket  # the engines hold their own copies now
+            if last:
+                return
+            bucket = following
 
 
 # ------------------------------------------------------------------------------------ distributed
@@ -330,4 +378,4 @@ def _buckets(named_tensors: NamedTensors, max_bytes: int, *, device: torch.devic
         yield bucket
 
 
-__all__ = ["DiskTransport", "DistributedTransport", "WeightTransport", "make_transport"]
+__all__ = ["DiskTransport", "DistributedTransport", "TensorTransport", "WeightTransport", "make_transport"]

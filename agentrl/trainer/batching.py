@@ -30,24 +30,28 @@ import torch
 from agentrl.trainer.base import TrainSample
 
 
-def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most ``max_tokens`` tokens each.
+def pack_micro_batches(lengths: Sequence[int], max_tokens: int, max_samples: int | None = None) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most ``max_tokens`` tokens (and ``max_samples`` samples) each.
 
     First-fit decreasing: take samples longest first (ties: lower index first) and put each into
     the first micro-batch with room, opening a new one when none has. FFD is within 11/9 of the
     optimal bin count and fully deterministic, so every rank and every rerun packs alike. A sample
     longer than the budget cannot be split (attention spans the whole episode), so it gets a
-    micro-batch of its own. Indices inside a micro-batch are ascending.
+    micro-batch of its own. Indices inside a micro-batch are ascending. ``max_samples`` (Megatron's
+    ``--micro-batch-size``) also caps the samples per micro-batch; None = the token budget alone.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    cap = max_samples or len(lengths) or 1
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
     for i in order:
         n = lengths[i]
         for b, free in enumerate(room):
-            if n <= free:
+            if n <= free and len(bins[b]) < cap:
                 bins[b].append(i)
                 room[b] -= n
                 break

@@ -177,7 +177,8 @@ class TorchTrainer(Trainer):
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch | None]:
         """Packed micro-batches of this rank, padded with ``None`` (empty passes) to the busiest rank's count."""
-        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu)
+        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu,
+                                    self.cfg.micro_batch_size)
         n = len(groups)
         if self.world_size > 1:
             t = torch.tensor([n], dtype=torch.long, device=self.device)

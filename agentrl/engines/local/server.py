@@ -328,6 +328,26 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
             message += f" Weight version updated to {version}."
         return answer(True, message)
 
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank."""
+        from agentrl.engines.tensor_ipc import deserialize_named_tensors
+
+        body = await _json_body(request)
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            return answer(False, "serialized_named_tensors must be a list with one entry (this engine has one rank)")
+        if body.get("load_format") not in (None, "direct"):
+            return answer(False, f"load_format {body.get('load_format')!r} is not supported (use null)")
+        try:
+            named = await asyncio.to_thread(deserialize_named_tensors, payloads[0])
+        except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
+            return answer(False, f"could not read serialized_named_tensors: {exc}")
+        version = body.get("weight_version")
+        result = await engine.update_weights_from_tensors(dict(named), None if version is None else str(version),
+                                                          partial=True)
+        return answer(bool(result.get("success")), str(result.get("message", "")))
+
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)

@@ -1,0 +1,67 @@
+"""Named tensors handed to another process on the same machine by handle, not by value.
+
+SGLang's ``/update_weights_from_tensor`` (the colocated weight sync slime uses) takes
+``serialized_named_tensors``: one base64 string per engine TP rank, each a ``ForkingPickler``
+pickle of ``[(hf_name, tensor), ...]``. ``ForkingPickler`` uses torch's multiprocessing reductions:
+a CUDA tensor travels as a CUDA IPC handle (the engine maps the trainer's GPU memory, no copy
+over the bus), a CPU tensor as the name of a shared-memory file. So the pickle is a few hundred
+bytes per tensor whatever the model size, and the sender must keep the tensors alive until the
+engine has answered (it copies them into its own parameters before it answers).
+
+CPU tensors need torch's ``file_system`` sharing strategy: the default (``file_descriptor``)
+passes file descriptors over a socket between a parent and its children, which two unrelated
+processes talking HTTP cannot do. :func:`serialize_named_tensors` switches the strategy for the
+process (it only affects tensors shared from then on).
+
+Unpickling runs code named by the pickle, so :func:`deserialize_named_tensors` only resolves
+torch's rebuild functions and a few builtins (SGLang guards this endpoint the same way).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from typing import Any, Iterable
+
+import torch
+
+_ALLOWED_MODULES = ("torch", "torch.", "builtins", "collections", "copyreg", "multiprocessing.reduction",
+                    "multiprocessing.resource_sharer", "_codecs")
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` writes it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp  # registers torch's reductions with ForkingPickler
+
+    items = [(str(n), t.detach().contiguous()) for n, t in named]
+    if any(t.device.type == "cpu" for _, t in items) and tmp.get_sharing_strategy() != "file_system":
+        tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(items)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class _TorchOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _ALLOWED_MODULES[0] or module.startswith(_ALLOWED_MODULES[1]) or module in _ALLOWED_MODULES[2:]:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from serialized tensors")
+
+
+def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`serialize_named_tensors` (tensors map the sender's memory); checks the shape of the data."""
+    import torch.multiprocessing  # noqa: F401 - the rebuild functions the pickle names
+
+    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    items = _TorchOnlyUnpickler(io.BytesIO(raw)).load()
+    if not isinstance(items, list) or not all(
+            isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+            for x in items):
+        raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return items
+
+
+__all__ = ["deserialize_named_tensors", "serialize_named_tensors"]

@@ -1,0 +1,132 @@
+"""Flags of the scale path: SGLang / Megatron pass-through, backend checks before any work, data layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.config import RunConfig, TrainConfig, load_config_file, parse_passthrough_flags, run_config_from_values
+from agentrl.runtime.trainer_group import DataLayout
+
+
+def test_passthrough_splits_sglang_and_megatron_flags():
+    out = parse_passthrough_flags([
+        "--sglang-mem-fraction-static", "0.8", "--sglang-disable-cuda-graph", "--sglang-tp-size", "2",
+        "--recompute-granularity", "full", "--sglang-cuda-graph-bs", "1", "2", "4", "--attention-softmax-in-fp32",
+        "--sglang-log-level=INFO", "--init-method-std", "-0.5"])
+    assert out["sglang_args"] == {"mem_fraction_static": 0.8, "disable_cuda_graph": True, "tp_size": 2,
+                                  "cuda_graph_bs": [1, 2, 4], "log_level": "INFO"}
+    assert out["megatron_args"] == {"recompute_granularity": "full", "attention_softmax_in_fp32": True,
+                                    "init_method_std": -0.5}
+
+
+def test_passthrough_refuses_a_stray_value():
+    with pytest.raises(ValueError, match="unexpected argument"):
+        parse_passthrough_flags(["0.8"])
+
+
+def _values(**kw):
+    base = {"env": "envs.digits:Digits", "rollout_batch_size": 2, "n_samples_per_prompt": 2, "global_batch_size": 4}
+    return {**base, **kw}
+
+
+def test_cli_passes_flags_through_into_the_config(monkeypatch):
+    from agentrl import cli
+
+    seen = {}
+    monkeypatch.setattr("agentrl.runtime.train.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
+    rc = cli.main(["train", "--env", "envs.digits:Digits", "--rollout-backend", "sglang", "--sglang-launcher",
+                   "agentrl", "--sglang-mem-fraction-static", "0.7", "--rollout-batch-size", "2",
+                   "--global-batch-size", "2"])
+    assert rc == 0
+    assert seen["cfg"].sglang_args == {"mem_fraction_static": 0.7}
+    assert seen["cfg"].rollout_backend == "sglang" and seen["cfg"].sglang_launcher == "agentrl"
+
+
+def test_other_commands_refuse_unknown_flags(capsys):
+    from agentrl import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["rollout", "--env", "envs.digits:Digits", "--sglang-mem-fraction-static", "0.7"])
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"sglang_args": {"mem_fraction_static": 0.8}}, "--sglang-mem-fraction-static needs --rollout-backend sglang"),
+    ({"tensor_model_parallel_size": 2, "trainer_num_procs": 2}, "need --train-backend megatron"),
+    ({"megatron_args": {"recompute_granularity": "full"}}, "need --train-backend megatron"),
+    ({"rollout_backend": "vllm"}, "--rollout-backend must be embedded or sglang"),
+    ({"rollout_backend": "sglang", "engine_url": ["http://127.0.0.1:1"]}, "drop --engine-url"),
+    ({"train_backend": "megatron", "tensor_model_parallel_size": 2}, "must be a multiple of tensor x pipeline"),
+    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"port": 1234}},
+     "--sglang-port is set by the launcher"),
+    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"tp_size": 2}}, "tp"),
+    ({"train_backend": "megatron", "trainer_num_procs": 4, "tensor_model_parallel_size": 2, "global_batch_size": 3,
+      "rollout_batch_size": 3, "n_samples_per_prompt": 1}, "divisible by the trainer's data-parallel size (2)"),
+    ({"train_backend": "megatron", "megatron_args": {"recompute_granularty": "full"}},
+     "unknown Megatron flag --recompute-granularty (did you mean --recompute-granularity"),
+    ({"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
+     "--context-parallel-size > 1 needs transformer_engine"),
+])
+def test_bad_scale_configs_are_refused_before_any_work(values, message):
+    pytest.importorskip("megatron.core")
+    cfg = run_config_from_values(_values(**values))
+    with pytest.raises(ValueError, match="bad configuration") as err:
+        cfg.validate()
+    assert message in str(err.value)
+
+
+def test_sglang_launcher_needs_sglang_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
+    with pytest.raises(ValueError, match="the sglang package is not installed"):
+        cfg.validate()
+
+
+def test_good_megatron_config_validates_and_derives_data_parallel():
+    pytest.importorskip("megatron.core")
+    cfg = run_config_from_values(_values(train_backend="megatron", trainer_num_procs=4, tensor_model_parallel_size=2,
+                                         megatron_args={"recompute_granularity": "full"}))
+    cfg.validate()
+    assert cfg.data_parallel_size == 2 and cfg.train.model_parallel_size == 2
+    assert run_config_from_values(_values(backend=None, train_backend="megatron")).train_backend == "megatron"
+
+
+def test_config_file_sglang_keys_become_server_args(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout_backend: sglang\nsglang_mem_fraction_static: 0.6\nsglang_launcher: agentrl\n"
+                 "megatron_args:\n  recompute_granularity: full\n")
+    flat = load_config_file(f)
+    assert flat["sglang_args"] == {"mem_fraction_static": 0.6} and flat["sglang_launcher"] == "agentrl"
+    assert flat["megatron_args"] == {"recompute_granularity": "full"}
+
+
+@pytest.mark.parametrize("world, tp, pp, cp", [(8, 2, 2, 1), (4, 1, 1, 1), (8, 2, 1, 2), (6, 3, 2, 1)])
+def test_data_layout_matches_megatron_rank_order(world, tp, pp, cp):
+    """Megatron's default order is tp-cp-(ep)-dp-pp, TP fastest; recompute it independently."""
+    lay = DataLayout(world, tp * pp * cp, tp * cp)
+    dp = world // (tp * pp * cp)
+    expected = {}
+    for r in range(world):
+        tp_rank, rest = r % tp, r // tp
+        cp_rank, rest = rest % cp, rest // cp
+        dp_rank, pp_rank = rest % dp, rest // dp
+        expected[r] = (dp_rank, pp_rank, tp_rank, cp_rank)
+        assert lay.dp_rank(r) == dp_rank
+    for d in range(dp):
+        src = lay.source_rank(d)
+        assert expected[src] == (d, pp - 1, 0, 0)
+
+
+def test_micro_batch_size_caps_samples_per_micro_batch():
+    from agentrl.trainer.batching import pack_micro_batches
+
+    groups = pack_micro_batches([5] * 7, max_tokens=100, max_samples=3)
+    assert [len(g) for g in groups] == [3, 3, 1] and sorted(i for g in groups for i in g) == list(range(7))
+    assert len(pack_micro_batches([5] * 7, max_tokens=100)) == 1
+    assert TrainConfig(micro_batch_size=2).micro_batch_size == 2
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        TrainConfig(micro_batch_size=0).validate()
+    assert RunConfig().rollout_backend == "embedded"

@@ -1,0 +1,124 @@
+"""`agentrl train` on the scale path, end to end on CPU with the tiny model.
+
+* ``--rollout-backend sglang``: servers launched as Ray actors by the SGLang launcher (here with
+  ``--sglang-launcher agentrl``: ``agentrl serve``, the same API, since SGLang needs a GPU), one of
+  them SIGKILLed mid-run: its requests fail over, the monitor restarts it on its port with the
+  latest weights, the run finishes every step and leaves no server process behind;
+* ``--train-backend megatron``: the megatron-core trainer raises the reward on the learning env
+  (``envs.digits``), as ``tests/test_learning.py`` asks of the ``torch`` backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+
+
+def _server_processes(ckpt) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if "serve" in cmd and str(ckpt) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def _lines(save) -> list[dict]:
+    path = save / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_local):
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "run"
+    cfg = RunConfig(
+        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=5, rollout_batch_size=4, save=str(save),
+        num_engines=2, rollout_backend="sglang", sglang_launcher="agentrl", engine_monitor_interval=1.0,
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
+    )
+    killed: list[int] = []
+
+    def kill_one_engine_after_the_first_step() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not _lines(save):
+            time.sleep(0.05)
+        servers = _server_processes(tiny_ckpt)
+        if servers:
+            os.killpg(servers[0].pid, signal.SIGKILL)  # the server and everything it started, mid-rollout
+            killed.append(servers[0].pid)
+
+    killer = threading.Thread(target=kill_one_engine_after_the_first_step, daemon=True)
+    killer.start()
+    summary = train(cfg)
+    killer.join(timeout=5)
+    lines = _lines(save)
+    assert killed, "no engine server process was found to kill"
+    assert [x["weight_version"] for x in lines] == [1, 2, 3, 4, 5]
+    assert summary["weight_version"] == 5
+    # a step may lose the episodes that were on the killed engine mid-turn, never the run
+    assert sum(x["train_samples"] for x in lines) >= 16 * 4
+    logs = "".join(p.read_text(errors="replace") for p in (save / "engine_logs").iterdir())
+    assert "start 2 of engine" in logs, "the killed engine was not restarted"
+    deadline = time.monotonic() + 10
+    while _server_processes(tiny_ckpt) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _server_processes(tiny_ckpt), "server processes outlived the run"
+
+
+def _learning_config(ckpt, save, **train_kw) -> RunConfig:
+    return RunConfig(
+        env="envs.digits:Digits", hf_checkpoint=str(ckpt), num_rollout=24, rollout_batch_size=8, save=str(save),
+        train_backend="megatron",
+        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7, **train_kw),
+    )
+
+
+def test_megatron_backend_raises_reward(tiny_ckpt, tmp_path, ray_local):
+    pytest.importorskip("megatron.core")
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "megatron"
+    summary = train(_learning_config(tiny_ckpt, save))
+    rewards = [x["reward_mean"] for x in _lines(save)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"megatron: reward first {first:.3f} last {last:.3f} in {summary['wall_seconds']}s")
+    assert len(rewards) == 24
+    assert last > first + 0.05 and last > 2 * first, (first, last)
+    ckpt = save / "iter_0000024"
+    if ckpt.exists():  # the saved folder is a Hugging Face checkpoint
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(str(ckpt))
+
+
+def test_sglang_backend_colocated_with_tensor_handles(tiny_ckpt, tmp_path, ray_local):
+    """--colocate --weight-sync tensor: memory released/resumed around training, weights by handle, paused."""
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "colocated"
+    cfg = RunConfig(
+        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=3, rollout_batch_size=4, save=str(save),
+        rollout_backend="sglang", sglang_launcher="agentrl", colocate=True, weight_sync="tensor",
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
+        train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
+    )
+    train(cfg)
+    lines = _lines(save)
+    assert [x["weight_version"] for x in lines] == [1, 2, 3]
+    assert all(x["count_failed"] == 0 for x in lines)
+    # every sample of step k was generated by weights k - 1: the engine reported each pushed version
+    rollout = [json.loads(x) for x in (save / "rollouts" / "rollout_000002.jsonl").read_text().splitlines()]
+    assert {v for s in rollout for v in s["weight_versions"]} == {"2"}
+    assert not (save / "weight_sync").exists(), "tensor handles must not go through the disk"

@@ -1,0 +1,72 @@
+"""Tensors by handle between processes (SGLang's /update_weights_from_tensor format), and its guard."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
+
+
+def test_round_trip_into_an_unrelated_process():
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    payload = serialize_named_tensors([("a", a), ("b", b)])
+    assert len(payload) < 2000  # handles, not values
+    code = ("from agentrl.engines.tensor_ipc import deserialize_named_tensors as d\n"
+            f"print([(n, str(t.dtype), t.float().tolist()) for n, t in d({payload!r})])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([("a", "torch.float32", a.tolist()), ("b", "torch.bfloat16", b.float().tolist())])
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("obj, message", [
+    (_Evil(), "refusing to load"),
+    ([("x", 1)], "list of \\(name, tensor\\) pairs"),
+])
+def test_payloads_that_are_not_named_tensors_are_refused(obj, message):
+    payload = base64.b64encode(pickle.dumps(obj)).decode()
+    with pytest.raises((pickle.UnpicklingError, ValueError), match=message):
+        deserialize_named_tensors(payload)
+
+
+async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    from agentrl.engines.http import EngineRequestError, SGLangEngine
+    from agentrl.engines.local.process import local_server
+    from agentrl.runtime.weight_sync import TensorTransport
+
+    weights = load_file(str(tiny_ckpt / "model.safetensors"))
+    with local_server(tiny_ckpt, startup_timeout=120) as url:
+        engine = SGLangEngine(url)
+        try:
+            prompt = [1, 2, 3, 4]
+            greedy = {"max_new_tokens": 6, "temperature": 0.0}
+            from agentrl.engines.base import SamplingParams
+
+            before = await engine.generate(prompt, SamplingParams(**greedy))
+            with pytest.raises(EngineRequestError, match="could not read"):
+                await engine.update_weights_from_tensor([base64.b64encode(pickle.dumps(_Evil())).decode()])
+            changed = {n: (t * 0 if "embed" in n or "lm_head" in n else t) for n, t in weights.items()}
+            await TensorTransport([engine], bucket_bytes=1 << 16).push(changed.items(), "v7")
+            assert (await engine.model_info())["weight_version"] == "v7"
+            after = await engine.generate(prompt, SamplingParams(**greedy))
+            assert after.output_ids != before.output_ids or len(set(after.output_ids)) == 1
+            await TensorTransport([engine]).push(weights.items(), "v8")
+            again = await engine.generate(prompt, SamplingParams(**greedy))
+            assert again.output_ids == before.output_ids
+        finally:
+            await engine.close()
