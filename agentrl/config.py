@@ -224,6 +224,7 @@ class RunConfig:
     train_backend: str = "torch"
     rollout_backend: str = "embedded"
     sglang_launcher: str = "auto"
+    engine_host: str = "127.0.0.1"
     engine_monitor_interval: float = 5.0
     sglang_args: dict[str, Any] = field(default_factory=dict)  # pass-through --sglang-* server flags (prefix removed)
     tensorboard: bool = False
@@ -330,8 +331,12 @@ class RunConfig:
                     problems.append(f"unknown Megatron flag --{name.replace('_', '-')}"
                                     + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
                                        if close else " (pass-through flags are TransformerConfig fields)"))
-            if self.train.context_parallel_size > 1 and not _transformer_engine():
-                problems.append("--context-parallel-size > 1 needs transformer_engine (GPU); install it or use 1")
+            if self.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
+                problems.append("--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
+                                "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism")
+            if self.train.megatron_args.get("sequence_parallel"):
+                problems.append("--sequence-parallel is not supported by the megatron backend yet (its LM head "
+                                "runs only at response positions); drop it")
         if self.rollout_backend == "sglang":
             if self.sglang_launcher == "sglang" and not _sglang_installed():
                 return problems + ["--sglang-launcher sglang: the sglang package is not installed (pip install "
@@ -361,7 +366,8 @@ class RunConfig:
             args.setdefault("max_running_requests", self.engine_max_running_requests)
         return SGLangLaunch(checkpoint, binary=binary,
                             tp_size=self.rollout_num_gpus_per_engine if engine_gpus else 1, server_args=args,
-                            colocate=self.colocate, seed=self.rollout.rollout_seed, log_dir=log_dir)
+                            colocate=self.colocate, seed=self.rollout.rollout_seed, log_dir=log_dir,
+                            host=self.engine_host)
 
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
@@ -372,12 +378,6 @@ def _sglang_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("sglang") is not None
-
-
-def _transformer_engine() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 # -- flags ------------------------------------------------------------------------------------------
@@ -416,6 +416,8 @@ FLAG_HELP = {
                        "--sglang-* flags pass through to the server)",
     "sglang_launcher": "what --rollout-backend sglang launches: sglang (python -m sglang.launch_server), agentrl "
                        "(agentrl serve, the same API on CPU), auto (sglang if installed)",
+    "engine_host": "address launched servers listen on: 127.0.0.1 (one node) or 0.0.0.0 (engines on other nodes "
+                   "of a Ray cluster; URLs then carry each node's IP)",
     "engine_monitor_interval": "seconds between health checks of launched servers (a dead one is restarted; 0 = off)",
     "micro_batch_size": "at most this many samples per packed micro-batch (default: only --max-tokens-per-gpu)",
     "tensor_model_parallel_size": "megatron: tensor-parallel ranks per model copy",

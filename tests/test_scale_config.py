@@ -65,7 +65,8 @@ def test_other_commands_refuse_unknown_flags(capsys):
     ({"train_backend": "megatron", "megatron_args": {"recompute_granularty": "full"}},
      "unknown Megatron flag --recompute-granularty (did you mean --recompute-granularity"),
     ({"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
-     "--context-parallel-size > 1 needs transformer_engine"),
+     "--context-parallel-size > 1 is not implemented"),
+    ({"train_backend": "megatron", "megatron_args": {"sequence_parallel": True}}, "--sequence-parallel is not"),
 ])
 def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
@@ -130,3 +131,19 @@ def test_micro_batch_size_caps_samples_per_micro_batch():
     with pytest.raises(ValueError, match="--micro-batch-size"):
         TrainConfig(micro_batch_size=0).validate()
     assert RunConfig().rollout_backend == "embedded"
+
+
+def test_unsupported_architecture_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    """A model megatron cannot express (here: a sliding window in use) stops the run before any actor."""
+    pytest.importorskip("megatron.core")
+    from transformers import MistralConfig
+
+    from agentrl.runtime import train as train_mod
+
+    ckpt = tmp_path / "mistral"
+    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=16).save_pretrained(ckpt)
+    monkeypatch.setattr(train_mod, "_Runtime", lambda *a, **k: pytest.fail("the runtime was started"))
+    cfg = run_config_from_values(_values(train_backend="megatron", hf_checkpoint=str(ckpt)))
+    with pytest.raises(ValueError, match="sliding"):
+        train_mod.train(cfg)

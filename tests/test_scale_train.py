@@ -122,3 +122,27 @@ def test_sglang_backend_colocated_with_tensor_handles(tiny_ckpt, tmp_path, ray_l
     rollout = [json.loads(x) for x in (save / "rollouts" / "rollout_000002.jsonl").read_text().splitlines()]
     assert {v for s in rollout for v in s["weight_versions"]} == {"2"}
     assert not (save / "weight_sync").exists(), "tensor handles must not go through the disk"
+
+
+@pytest.mark.parametrize("weight_sync", ["nccl", "tensor"])
+def test_megatron_tp2_with_launched_engines(tiny_ckpt, tmp_path, ray_local, weight_sync):
+    """Two trainer ranks holding one model copy (TP=2) push to launched servers by broadcast (gloo on CPU,
+    the same code path as NCCL) or by tensor handles from each rank; the run's samples carry every version."""
+    pytest.importorskip("megatron.core")
+    from agentrl.runtime.train import train
+
+    save = tmp_path / weight_sync
+    cfg = RunConfig(
+        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=2, rollout_batch_size=4, save=str(save),
+        train_backend="megatron", trainer_num_procs=2, rollout_backend="sglang", sglang_launcher="agentrl",
+        weight_sync=weight_sync, num_engines=2 if weight_sync == "tensor" else 1,
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
+        train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7, tensor_model_parallel_size=2),
+    )
+    train(cfg)
+    lines = _lines(save)
+    assert [x["weight_version"] for x in lines] == [1, 2]
+    assert all(x["count_failed"] == 0 and x["train_samples"] == 16 for x in lines)
+    assert all(x["grad_norm"] > 0 for x in lines)
+    rollout = [json.loads(x) for x in (save / "rollouts" / "rollout_000001.jsonl").read_text().splitlines()]
+    assert {v for s in rollout for v in s["weight_versions"]} == {"1"}

@@ -76,6 +76,15 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     cfg.hf_checkpoint = str(ckpt)
+    if cfg.train_backend == "megatron":  # an architecture megatron cannot express is refused before Ray starts
+        from transformers import AutoConfig
+
+        from agentrl.trainer.megatron_model import transformer_config_from_hf
+
+        t = cfg.train
+        transformer_config_from_hf(AutoConfig.from_pretrained(str(ckpt), local_files_only=True),
+                                   tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size,
+                                   cp=t.context_parallel_size, overrides=dict(t.megatron_args))
     run_dir = Path(cfg.save) if cfg.save else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
