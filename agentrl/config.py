@@ -225,7 +225,7 @@ class RunConfig:
     rollout_backend: str = "embedded"
     sglang_launcher: str = "auto"
     engine_host: str = "127.0.0.1"
-    engine_monitor_interval: float = 5.0
+    engine_monitor_interval: float = 10.0
     sglang_args: dict[str, Any] = field(default_factory=dict)  # pass-through --sglang-* server flags (prefix removed)
     tensorboard: bool = False
     wandb: bool = False
@@ -294,9 +294,16 @@ class RunConfig:
             (self.num_engines >= 1, "--num-engines must be >= 1"),
             (self.trainer_num_procs >= 1, "--trainer-num-procs must be >= 1"),
             (self.train_backend in ("torch", "megatron"), "--train-backend must be torch or megatron"),
-            (self.train_backend == "megatron" or (t.model_parallel_size == 1 and not t.megatron_args),
-             "--tensor/pipeline/context-model-parallel-size and Megatron pass-through flags need --train-backend "
-             "megatron"),
+            (self.train_backend == "megatron" or t.model_parallel_size == 1,
+             "--tensor/pipeline-model-parallel-size and --context-parallel-size need --train-backend megatron"),
+            (self.train_backend == "megatron" or not t.megatron_args, _unknown_flags_message(t.megatron_args)),
+            (not self.colocate or self._colocated_engines_fit(),
+             "--colocate puts each engine on one trainer rank's device: it needs --rollout-num-gpus-per-engine 1 and "
+             "at most as many engines as trainer ranks (--rollout-num-gpus / --num-engines)"),
+            ("tp_size" not in self.sglang_args or self.sglang_args["tp_size"] == self.rollout_num_gpus_per_engine,
+             f"--sglang-tp-size {self.sglang_args.get('tp_size')} disagrees with --rollout-num-gpus-per-engine "
+             f"{self.rollout_num_gpus_per_engine} (the GPUs Ray reserves per engine): set "
+             "--rollout-num-gpus-per-engine instead"),
             (self.rollout_backend in ("embedded", "sglang"), "--rollout-backend must be embedded or sglang"),
             (not (self.rollout_backend == "sglang" and self.engine_url),
              "--rollout-backend sglang launches its own servers; drop --engine-url (or drop --rollout-backend)"),
@@ -310,6 +317,13 @@ class RunConfig:
         problems = [msg for ok, msg in checks if not ok] + self._backend_problems()
         if problems:
             raise ValueError("bad configuration: " + "; ".join(problems))
+
+    def _colocated_engines_fit(self) -> bool:
+        if self.engine_url:
+            return True
+        n = self.rollout_num_gpus // max(self.rollout_num_gpus_per_engine, 1) if self.rollout_num_gpus \
+            else self.num_engines
+        return self.rollout_num_gpus_per_engine == 1 and n <= self.trainer_world_size
 
     def _backend_problems(self) -> list[str]:
         """What the chosen backends need that this machine or these flags lack (imports only when chosen)."""
@@ -327,10 +341,10 @@ class RunConfig:
                 if name not in known:
                     import difflib
 
-                    close = difflib.get_close_matches(name, sorted(known), n=3)
-                    problems.append(f"unknown Megatron flag --{name.replace('_', '-')}"
+                    close = difflib.get_close_matches(name, sorted(known | _agentrl_flag_names()), n=3)
+                    problems.append(f"unknown flag --{name.replace('_', '-')}: neither agentrl's nor Megatron's"
                                     + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
-                                       if close else " (pass-through flags are TransformerConfig fields)"))
+                                       if close else " (Megatron pass-through flags are TransformerConfig fields)"))
             if self.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
                 problems.append("--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
                                 "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism")
@@ -372,6 +386,23 @@ class RunConfig:
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
 """slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
+
+
+def _agentrl_flag_names() -> set[str]:
+    return {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
+
+
+def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
+    """For flags argparse did not know, with --train-backend torch: most likely a typo of one of ours."""
+    import difflib
+
+    parts = []
+    for name in megatron_args:
+        close = difflib.get_close_matches(name, sorted(_agentrl_flag_names()), n=2)
+        parts.append(f"--{name.replace('_', '-')}" + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
+                                                       if close else ""))
+    return (f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
+            "--train-backend megatron")
 
 
 def _sglang_installed() -> bool:
@@ -530,8 +561,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         else:
             flat[k.replace("-", "_")] = v
     known = {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    flat["sglang_args"] = dict(flat.get("sglang_args") or {})  # `sglang_args:` left empty in YAML is None
     for k in [k for k in flat if k.startswith("sglang_") and k not in known]:  # sglang_mem_fraction_static: 0.8
-        flat.setdefault("sglang_args", {})[k[len("sglang_"):]] = flat.pop(k)
+        flat["sglang_args"][k[len("sglang_"):]] = flat.pop(k)
     unknown = sorted(set(flat) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; keys are the flag names, e.g. rollout_batch_size")

@@ -53,7 +53,13 @@ def test_other_commands_refuse_unknown_flags(capsys):
 @pytest.mark.parametrize("values, message", [
     ({"sglang_args": {"mem_fraction_static": 0.8}}, "--sglang-mem-fraction-static needs --rollout-backend sglang"),
     ({"tensor_model_parallel_size": 2, "trainer_num_procs": 2}, "need --train-backend megatron"),
-    ({"megatron_args": {"recompute_granularity": "full"}}, "need --train-backend megatron"),
+    ({"megatron_args": {"recompute_granularity": "full"}}, "Megatron flags, which need --train-backend megatron"),
+    ({"megatron_args": {"rollout_batchsize": 4}}, "--rollout-batchsize (did you mean --rollout-batch-size"),
+    ({"train_backend": "megatron", "megatron_args": {"rollout_batchsize": 4}},
+     "unknown flag --rollout-batchsize: neither agentrl's nor Megatron's (did you mean --rollout-batch-size"),
+    ({"colocate": True, "num_engines": 2}, "--colocate puts each engine on one trainer rank's device"),
+    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"tp_size": 2},
+      "rollout_num_gpus_per_engine": 1}, "--sglang-tp-size 2 disagrees with --rollout-num-gpus-per-engine 1"),
     ({"rollout_backend": "vllm"}, "--rollout-backend must be embedded or sglang"),
     ({"rollout_backend": "sglang", "engine_url": ["http://127.0.0.1:1"]}, "drop --engine-url"),
     ({"train_backend": "megatron", "tensor_model_parallel_size": 2}, "must be a multiple of tensor x pipeline"),
@@ -63,7 +69,7 @@ def test_other_commands_refuse_unknown_flags(capsys):
     ({"train_backend": "megatron", "trainer_num_procs": 4, "tensor_model_parallel_size": 2, "global_batch_size": 3,
       "rollout_batch_size": 3, "n_samples_per_prompt": 1}, "divisible by the trainer's data-parallel size (2)"),
     ({"train_backend": "megatron", "megatron_args": {"recompute_granularty": "full"}},
-     "unknown Megatron flag --recompute-granularty (did you mean --recompute-granularity"),
+     "unknown flag --recompute-granularty: neither agentrl's nor Megatron's (did you mean --recompute-granularity"),
     ({"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
      "--context-parallel-size > 1 is not implemented"),
     ({"train_backend": "megatron", "megatron_args": {"sequence_parallel": True}}, "--sequence-parallel is not"),
@@ -97,7 +103,7 @@ def test_good_megatron_config_validates_and_derives_data_parallel():
 
 def test_config_file_sglang_keys_become_server_args(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("rollout_backend: sglang\nsglang_mem_fraction_static: 0.6\nsglang_launcher: agentrl\n"
+    f.write_text("rollout_backend: sglang\nsglang_args:\nsglang_mem_fraction_static: 0.6\nsglang_launcher: agentrl\n"
                  "megatron_args:\n  recompute_granularity: full\n")
     flat = load_config_file(f)
     assert flat["sglang_args"] == {"mem_fraction_static": 0.6} and flat["sglang_launcher"] == "agentrl"

@@ -78,3 +78,31 @@ def test_layout_is_aligned_and_space_is_reserved_up_front(tmp_path):
     writer = SharedWeightsWriter(tmp_path / "missing-dir")
     with pytest.raises(OSError):  # the train loop falls back to the object store on OSError
         writer.write(named)
+
+
+def test_slots_of_dead_writers_are_reaped(tmp_path):
+    """ray.kill (SIGKILL) skips close(): the next writer deletes slot files whose process is gone."""
+    import os
+    import subprocess
+    import sys
+
+    from agentrl.runtime.shm_weights import SharedWeightsWriter
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"agentrl-weights-{dead_pid}-deadbeef-0"
+    live = tmp_path / f"agentrl-weights-{os.getpid()}-cafecafe-0"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    writer = SharedWeightsWriter(tmp_path)
+    assert not stale.exists() and live.exists()
+    import torch
+
+    writer.write([("w", torch.ones(4))])
+    slots = sorted(tmp_path.glob(f"{writer.tag}-*"))
+    assert len(slots) == 2
+    del writer  # dropped without close(): the finalizer deletes its slots
+    import gc
+
+    gc.collect()
+    assert not any(p.exists() for p in slots)

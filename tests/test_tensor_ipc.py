@@ -32,14 +32,33 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+class _EvalBuiltin:
+    def __reduce__(self):
+        return (eval, ("__import__('os').system('echo pwned')",))
+
+
+class _TorchLoad:
+    """torch.storage._load_from_bytes runs torch.load(weights_only=False): a full unpickle."""
+
+    def __reduce__(self):
+        import torch.storage
+
+        return (torch.storage._load_from_bytes, (pickle.dumps(_Evil()),))
+
+
 @pytest.mark.parametrize("obj, message", [
     (_Evil(), "refusing to load"),
+    (_EvalBuiltin(), "refusing to load builtins.eval"),
+    (_TorchLoad(), "refusing to load torch.storage._load_from_bytes"),
     ([("x", 1)], "list of \\(name, tensor\\) pairs"),
 ])
-def test_payloads_that_are_not_named_tensors_are_refused(obj, message):
+def test_payloads_that_are_not_named_tensors_are_refused(obj, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     payload = base64.b64encode(pickle.dumps(obj)).decode()
     with pytest.raises((pickle.UnpicklingError, ValueError), match=message):
         deserialize_named_tensors(payload)
+    with pytest.raises(ValueError, match="base64 strings"):
+        deserialize_named_tensors(10**9)
 
 
 async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp_path):
@@ -70,3 +89,30 @@ async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp
             assert again.output_ids == before.output_ids
         finally:
             await engine.close()
+
+
+async def test_a_push_that_never_arrives_leaves_no_shared_memory():
+    """Each pickle holds a /dev/shm reference until unpickled; an undelivered one is taken back by the sender."""
+    import gc
+    import glob
+    import os
+
+    from agentrl.engines.base import EngineError
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.engines.local.process import free_port
+    from agentrl.runtime.weight_sync import TensorTransport
+
+    def shm_files() -> set[str]:
+        return {f for f in glob.glob("/dev/shm/torch_*") if f.startswith(f"/dev/shm/torch_{os.getpid()}_")}
+
+    before = shm_files()
+    engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=0)  # nothing listens there
+    try:
+        weights = {f"w{i}": torch.randn(64, 64) for i in range(3)}
+        with pytest.raises(EngineError):
+            await TensorTransport([engine], bucket_bytes=20_000, ranks_per_engine=2).push(weights.items(), "1")
+    finally:
+        await engine.close()
+    del weights
+    gc.collect()
+    assert shm_files() - before == set()

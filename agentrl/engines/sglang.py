@@ -373,12 +373,13 @@ class SGLangEngineGroup:
     """
 
     def __init__(self, launch: SGLangLaunch, actors: list[Any], urls: list[str], options: list[dict[str, Any]],
-                 ports: list[int], health_timeout: float = 10.0):
+                 ports: list[int], health_timeout: float = 30.0):
         self.launch, self.actors, self.urls = launch, actors, urls
         self.health_timeout = health_timeout
         self.restarts = [0] * len(actors)
         self._options, self._ports = options, ports
         self._weights: tuple[str, str] | None = None
+        self._stale: set[int] = set()  # restarted engines whose reload of the recorded weights failed
         self._lock = threading.Lock()  # one check_and_restart at a time; held while suspended
         self._suspended = 0
         self._stop = threading.Event()
@@ -386,7 +387,7 @@ class SGLangEngineGroup:
 
     @classmethod
     def start(cls, launch: SGLangLaunch, n: int = 1, *, num_cpus: float = 1.0, num_gpus: float | None = None,
-              placement: Sequence[tuple[Any, int]] = (), health_timeout: float = 10.0) -> SGLangEngineGroup:
+              placement: Sequence[tuple[Any, int]] = (), health_timeout: float = 30.0) -> SGLangEngineGroup:
         """Start ``n`` engines concurrently, engine ``i`` in ``placement[i]`` (a placement group and bundle index).
 
         ``num_gpus`` per engine defaults to ``launch.tp_size`` for SGLang and 0 for the embedded engine
@@ -431,11 +432,19 @@ class SGLangEngineGroup:
         """Remember the run's latest checkpoint folder: an engine restarted later loads it before serving."""
         self._weights = (str(model_path), str(weight_version))
 
-    def check_and_restart(self) -> list[int]:
-        """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices."""
+    def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
+        """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.
+
+        A restarted engine then loads the weights named by :meth:`record_weights`; if that fails it is
+        retried on every later check. ``from_monitor``: skip while a weight update holds the engines
+        paused (a paused SGLang fails its health check and must not be restarted for it); the check is
+        made under the lock that :meth:`monitor_suspended` takes, so no check slips in after a pause.
+        """
         import ray
 
         with self._lock:
+            if from_monitor and self._suspended:
+                return []
             states = self._states()
             dead = [i for i, state in enumerate(states) if state != "ok"]
             refs = [self.actors[i].restart.remote() if states[i] == "down" else self._replace(i) for i in dead]
@@ -443,16 +452,24 @@ class SGLangEngineGroup:
             for i, ref in zip(dead, refs):
                 try:
                     url = ray.get(ref)
-                    if url != self.urls[i]:
-                        log.warning("engine %d came back at %s instead of %s", i, url, self.urls[i])
-                        self.urls[i] = url
-                    if self._weights is not None:
-                        ray.get(self.actors[i].load_weights.remote(*self._weights))
                 except Exception as exc:  # noqa: BLE001 - tried again on the next check
                     log.error("engine %d could not be restarted: %s", i, exc)
                     continue
+                if url != self.urls[i]:
+                    log.warning("engine %d came back at %s instead of %s", i, url, self.urls[i])
+                    self.urls[i] = url
                 self.restarts[i] += 1
+                self._stale.add(i)
                 restarted.append(i)
+            for i in sorted(self._stale):
+                if self._weights is None:
+                    self._stale.discard(i)
+                    continue
+                try:
+                    ray.get(self.actors[i].load_weights.remote(*self._weights))
+                    self._stale.discard(i)
+                except Exception as exc:  # noqa: BLE001 - it serves older weights (their version says so) until then
+                    log.error("engine %d could not load %s: %s; retried on the next check", i, self._weights[0], exc)
             return restarted
 
     def _states(self) -> list[str]:
@@ -482,10 +499,8 @@ class SGLangEngineGroup:
 
         def run() -> None:
             while not self._stop.wait(interval):
-                if self._suspended:
-                    continue
                 try:
-                    restarted = self.check_and_restart()
+                    restarted = self.check_and_restart(from_monitor=True)
                 except Exception:  # noqa: BLE001 - the monitor must outlive one failed round
                     log.exception("engine health check failed")
                     continue

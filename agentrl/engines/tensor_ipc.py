@@ -13,8 +13,10 @@ passes file descriptors over a socket between a parent and its children, which t
 processes talking HTTP cannot do. :func:`serialize_named_tensors` switches the strategy for the
 process (it only affects tensors shared from then on).
 
-Unpickling runs code named by the pickle, so :func:`deserialize_named_tensors` only resolves
-torch's rebuild functions and a few builtins (SGLang guards this endpoint the same way).
+Unpickling calls whatever the pickle names, so :func:`deserialize_named_tensors` resolves only
+an exact list: torch's tensor/storage rebuild functions, ``torch.Size``, tensor and storage classes
+and dtypes. Anything else (``builtins.eval``, ``torch.load`` behind ``torch.storage._load_from_bytes``,
+...) is refused before it runs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ from typing import Any, Iterable
 
 import torch
 
-_ALLOWED_MODULES = ("torch", "torch.", "builtins", "collections", "copyreg", "multiprocessing.reduction",
-                    "multiprocessing.resource_sharer", "_codecs")
+_REBUILDS = ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_cuda_tensor",
+             "rebuild_storage_empty")
+_ALLOWED = {("torch.multiprocessing.reductions", n) for n in _REBUILDS} | {
+    ("torch", "Size"), ("torch", "Tensor"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch.nn.parameter", "Parameter")}
+_MAX_PAYLOAD = 64 << 20  # handles, never values: a few hundred bytes per tensor
 
 
 def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -46,7 +52,7 @@ def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 class _TorchOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == _ALLOWED_MODULES[0] or module.startswith(_ALLOWED_MODULES[1]) or module in _ALLOWED_MODULES[2:]:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from serialized tensors")
 
@@ -55,7 +61,9 @@ def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor
     """Inverse of :func:`serialize_named_tensors` (tensors map the sender's memory); checks the shape of the data."""
     import torch.multiprocessing  # noqa: F401 - the rebuild functions the pickle names
 
-    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    if not isinstance(data, (str, bytes)) or len(data) > _MAX_PAYLOAD:
+        raise ValueError("serialized_named_tensors entries must be base64 strings of at most 64 MiB")
+    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
     items = _TorchOnlyUnpickler(io.BytesIO(raw)).load()
     if not isinstance(items, list) or not all(
             isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)

@@ -8,6 +8,9 @@ there are. Double buffering is what makes this safe: push k writes slot ``k % 2`
 still read slot ``(k - 1) % 2``; by the time push k + 1 overwrites that slot, every engine has
 acknowledged moving to slot ``k % 2``.
 
+A trainer killed without :meth:`SharedWeightsWriter.close` (``ray.kill`` is a SIGKILL) leaves its
+slot files behind; every new writer deletes the files of writers whose process is gone.
+
 Space is reserved with ``posix_fallocate`` when the files are created, so a full ``/dev/shm`` (64 MB
 in a default Docker container) is an ``OSError`` at setup, and the run falls back to Ray's object
 store, instead of a SIGBUS in the middle of a write.
@@ -16,7 +19,9 @@ store, instead of a SIGBUS in the middle of a write.
 from __future__ import annotations
 
 import os
+import re
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -71,6 +76,8 @@ class SharedWeightsWriter:
         self.paths: list[Path] = []
         self.buffers: list[torch.Tensor] = []
         self.pushes = 0
+        reap_stale_slots(self.folder)
+        weakref.finalize(self, _unlink, self.paths)  # the list is filled in place by _setup
 
     def _setup(self, layout: Layout) -> None:
         self.close()
@@ -105,7 +112,33 @@ class SharedWeightsWriter:
     def close(self) -> None:
         """Unmap and delete the slot files (engines that mapped them keep their pages until they let go)."""
         self.buffers = []
-        for p in self.paths:
-            p.unlink(missing_ok=True)
-        self.paths = []
+        _unlink(self.paths)
         self.layout = None
+
+
+def _unlink(paths: list[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
+    paths.clear()
+
+
+def reap_stale_slots(folder: str | Path = "/dev/shm") -> int:
+    """Delete slot files whose writer process no longer exists; return how many were deleted."""
+    removed = 0
+    for path in Path(folder).glob("agentrl-weights-*"):
+        m = re.match(r"agentrl-weights-(\d+)-", path.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -238,16 +238,18 @@ class _Runtime:
         return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
                          sync_weights=self.sync_weights, metrics=self.metrics, args=args,
                          custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
-                         evaluator=evaluator, engine_memory=_EngineMemory(engine) if cfg.colocate else None,
+                         evaluator=evaluator, engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
                          update_guard=self._update_guard(engine))
 
     def _update_guard(self, router: Any) -> Any:
         """Launched SGLang servers: pause generation (restarting dead servers first) around each push.
 
-        A synchronous run has nothing in flight at a push, so ``abort`` loses nothing; an ``--async``
-        run keeps its requests: SGLang retracts them and resumes them on the new weights, and the
-        embedded engine (``--sglang-launcher agentrl``) needs no pause at all: it swaps weights
-        between two decode steps.
+        Mode ``abort``, as slime: a synchronous run has nothing in flight at a push; in an ``--async``
+        run the episodes caught mid-turn end ``aborted`` (counted, never trained on) rather than finish
+        half on old and half on new weights under a version that hides it. The embedded engine
+        (``--sglang-launcher agentrl``) in an async run needs no pause: it swaps weights between two
+        decode steps. A server restarted since the last push (by the monitor or the guard itself) has
+        left the NCCL group and may have a new URL: the router and the trainer's transport follow.
         """
         from agentrl.engines.sglang import SGLangEngineGroup, paused_for_update
 
@@ -256,16 +258,27 @@ class _Runtime:
             return None
         if self.cfg.async_mode and group.launch.binary != "sglang":
             return None
-        mode = "retract" if self.cfg.async_mode else "abort"
+        seen = {"restarts": list(group.restarts)}
 
         @contextlib.asynccontextmanager
         async def guard():
-            async with paused_for_update(router, mode=mode, group=group) as restarted:
-                if restarted and self.sync_mode() == "nccl":  # they left the broadcast group: build a new one
+            async with paused_for_update(router, mode="abort", group=group):
+                if group.restarts != seen["restarts"]:
+                    seen["restarts"] = list(group.restarts)
+                    _follow_urls(router, group.urls)
                     await asyncio.to_thread(self.trainers.reset_weight_transport)
                 yield
 
         return guard
+
+
+def _follow_urls(router: Any, urls: list[str]) -> None:
+    """Point the router at engines that came back on another address (a lost actor rescheduled)."""
+    from agentrl.engines.http import SGLangEngine
+
+    for i, url in enumerate(urls):
+        if i < len(router.engines) and getattr(router.engines[i], "url", url) != url:
+            router.engines[i] = SGLangEngine(url)
 
 
 def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
@@ -285,16 +298,30 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
 
 
 class _EngineMemory:
-    """``--colocate``: engines give back their KV cache while the trainer uses the shared devices."""
+    """``--colocate``: engines give back their KV cache while the trainer uses the shared devices.
 
-    def __init__(self, engine: Any):
+    Launched servers' health monitor is held meanwhile: SGLang's health check is a generation,
+    which must not run on a released KV cache (nor get the server restarted for failing).
+    """
+
+    def __init__(self, engine: Any, group: Any = None):
         self.engine = engine
+        self.group = group if hasattr(group, "monitor_suspended") else None
+        self._hold: Any = None
 
     async def release(self) -> None:
+        if self.group is not None:
+            self._hold = self.group.monitor_suspended()
+            await asyncio.to_thread(self._hold.__enter__)  # waits for a check in progress
         await self.engine.release_memory_occupation(["kv_cache"])
 
     async def resume(self) -> None:
-        await self.engine.resume_memory_occupation(["kv_cache"])
+        try:
+            await self.engine.resume_memory_occupation(["kv_cache"])
+        finally:
+            if self._hold is not None:
+                hold, self._hold = self._hold, None
+                await asyncio.to_thread(hold.__exit__, None, None, None)
 
 
 def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:

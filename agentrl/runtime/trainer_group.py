@@ -132,7 +132,9 @@ class TrainerActor:
         if getattr(self, "_transport", None) is None:
             self._push_loop = asyncio.new_event_loop()
             engines = [SGLangEngine(u) for u in urls]
-            extra = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
+            extra: dict[str, Any] = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
+            if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
+                extra["master_address"] = ray.util.get_node_ip_address()
             self._transport = make_transport(kind, engines, **extra)
         self._push_loop.run_until_complete(self._transport.push(named, version))
 
@@ -311,6 +313,12 @@ def _token_balanced_bounds(lengths: Sequence[int], parts: int) -> list[tuple[int
         lo = hi
     bounds.append((lo, len(lengths)))
     return bounds
+
+
+def _loopback(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
 
 
 def _cluster_has_gpus() -> bool:

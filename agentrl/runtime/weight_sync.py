@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import functools
 import json
 import re
@@ -176,25 +177,36 @@ class TensorTransport(WeightTransport):
         self.ranks_per_engine = ranks_per_engine
 
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
-        from agentrl.engines.tensor_ipc import serialize_named_tensors
-
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         buckets = _buckets(named_tensors, self.bucket_bytes, device=device, copy=device.type == "cpu")
         bucket = next(buckets, [])
         while True:  # look one bucket ahead: the last one carries the version
             following = next(buckets, None)
-            payload = await asyncio.to_thread(serialize_named_tensors, bucket)
             last = following is None
-            answers = await asyncio.gather(*(e.update_weights_from_tensor(
-                [payload] * self.ranks_per_engine, flush_cache=last, weight_version=str(version) if last else None)
-                for e in self.engines), return_exceptions=True)
-            failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
-            if failed:
-                raise EngineRequestError("update_weights_from_tensor failed on " + " | ".join(failed))
-            del payload, bucket  # the engines hold their own copies now
+            await self._send(bucket, str(version) if last else None)
+            del bucket  # the engines hold their own copies now
             if last:
                 return
             bucket = following
+
+    async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        """One pickle per receiving rank: each pickle takes one shared-memory reference that exactly one
+        unpickle gives back, so no ``/dev/shm`` file outlives the tensors (and one never reached is reclaimed)."""
+        from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
+
+        payloads = [await asyncio.to_thread(lambda: [serialize_named_tensors(bucket)
+                                                     for _ in range(self.ranks_per_engine)]) for _ in self.engines]
+        answers = await asyncio.gather(*(e.update_weights_from_tensor(
+            p, flush_cache=version is not None, weight_version=version) for e, p in zip(self.engines, payloads)),
+            return_exceptions=True)
+        failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
+        for p, a in zip(payloads, answers):  # never delivered (no HTTP answer): take the references back here
+            if isinstance(a, BaseException) and not isinstance(a, EngineRequestError):
+                for entry in p:
+                    with contextlib.suppress(Exception):
+                        deserialize_named_tensors(entry)
+        if failed:
+            raise EngineRequestError("update_weights_from_tensor failed on " + " | ".join(failed))
 
 
 # ------------------------------------------------------------------------------------ distributed
@@ -290,8 +302,11 @@ class DistributedTransport(WeightTransport):
         names = [n for n, _ in bucket]
         dtypes = [t.dtype for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
+        # flush the prefix cache once, with the last bucket: SGLang asserts a flush succeeds, and one
+        # between buckets would run while the engine may still be busy
         posts = [asyncio.ensure_future(e.update_weights_from_distributed(
-            names, dtypes, shapes, group_name=self._name, weight_version=version)) for e in self.engines]
+            names, dtypes, shapes, group_name=self._name, weight_version=version, flush_cache=version is not None))
+            for e in self.engines]
         sending = run_in_thread(_broadcast, self._pg, [t for _, t in bucket])
         answers = await asyncio.gather(*posts, return_exceptions=True)
         errors = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]

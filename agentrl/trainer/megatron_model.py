@@ -33,13 +33,16 @@ Vocabulary padding: like Megatron-LM the vocabulary is padded to a multiple of 1
 and always divisible by tp). Padded rows are zero, are stripped on export, and their logits (0, not
 -inf) must be masked by the caller: the trainer masks logits >= the true vocab size.
 
-Packed rows: megatron's local attention (DotProductAttention) takes a boolean mask, True = masked
-out. With ``attn_mask_type=causal`` and no mask it builds a causal mask; when a mask *is* passed the
-torch softmax path uses that mask alone (the causal one is not added), so the mask must carry
-causality itself, which :func:`packed_attention_mask` does. The fused CUDA softmax kernel
-(``masked_softmax_fusion``) ignores the passed mask for causal attention, so that fusion is refused.
-RoPE is computed for positions 0..s-1 of the row whatever ``position_ids`` says; as RoPE is relative
-and the mask keeps samples apart, a packed sample's logits equal its logits alone.
+Packed rows: by default the core attention is :class:`~agentrl.trainer.megatron_attention.PackedCoreAttention`,
+which attends per sample when the forward gets ``packed_seq_params`` (the trainer's path, no T x T
+scores). The T x T alternative is a boolean mask, True = masked out, which both it and megatron's
+local attention (DotProductAttention, ``packed_attention=False``) take. With ``attn_mask_type=causal``
+and no mask they are causal; when a mask *is* passed the torch softmax path uses that mask alone (the
+causal one is not added), so the mask must carry causality itself, which :func:`packed_attention_mask`
+does. The fused CUDA softmax kernel (``masked_softmax_fusion``) ignores the passed mask for causal
+attention, so that fusion is refused. RoPE is computed for positions 0..s-1 of the row whatever
+``position_ids`` says; as RoPE is relative and attention keeps samples apart, a packed sample's logits
+equal its logits alone.
 """
 
 from __future__ import annotations
@@ -185,13 +188,17 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, vocab_divisible_by: int = 128) -> GPTModel:
+                    post_process: bool | None = None, vocab_divisible_by: int = 128,
+                    packed_attention: bool = True) -> GPTModel:
     """A GPTModel (local megatron-core spec) shaped like ``hf_config``, on the current device.
 
     Needs megatron's parallel state (:func:`~agentrl.trainer.megatron_compat.init_megatron_parallel`);
     the pipeline stage decides ``pre_process`` (embedding) / ``post_process`` (final norm + head) unless
     given. The local spec is used everywhere: its names and attention-mask semantics are the ones this
     module converts and tests (Transformer Engine's fused layers would rename the norms).
+    ``packed_attention`` swaps the spec's ``DotProductAttention`` for
+    :class:`~agentrl.trainer.megatron_attention.PackedCoreAttention` (same inputs, no parameters): given
+    ``packed_seq_params`` it attends per sample of a packed row instead of over T x T masked scores.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -206,6 +213,10 @@ def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: b
                          "use yet; run with context parallel size 1")
     d = _dims(hf_config)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    if packed_attention:
+        from agentrl.trainer.megatron_attention import PackedCoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention  # a fresh spec per call
     model = GPTModel(
         config, spec, vocab_size=padded_vocab_size(d.vocab, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=d.max_positions,

@@ -17,11 +17,12 @@ AdamW and clipping), only the model is split the Megatron way:
   by the global token/sample counts, so the sum is the whole-batch gradient (TorchTrainer's FSDP
   averages and multiplies the loss by ``world_size``; a sum needs no such factor).
 
-Packed micro-batches are one row of whole samples (:mod:`agentrl.trainer.batching`). Megatron's
-local attention gets the explicit block-causal mask of :func:`~agentrl.trainer.megatron_model.packed_attention_mask`
-(the model helper always builds the local spec, whose attention has no ``cu_seqlens`` path; Transformer
-Engine's THD format is therefore not used). The LM head runs only at ``logit_positions``, with
-``logit_temperature`` and the padded vocabulary masked (:mod:`~agentrl.trainer.megatron_logits`).
+Packed micro-batches are one row of whole samples (:mod:`agentrl.trainer.batching`). The model is the
+local spec with :class:`~agentrl.trainer.megatron_attention.PackedCoreAttention`, given the row's sample
+boundaries as megatron ``PackedSeqParams`` (``sbhd``, ``cu_seqlens``) so that attention runs per sample,
+never over T x T scores (Transformer Engine's THD format is not used). The LM head runs only at
+``logit_positions``, with ``logit_temperature`` and the padded vocabulary masked
+(:mod:`~agentrl.trainer.megatron_logits`).
 
 Precision, as in the torch backend: weights, gradients and AdamW state are fp32; ``dtype`` (``auto`` =
 fp32 on CPU, bf16 on GPU) is the compute dtype, applied with ``torch.autocast`` around the forward.
@@ -200,11 +201,13 @@ class MegatronTrainer(Trainer):
 
     def _forward(self, model: nn.Module, b: PackedBatch) -> torch.Tensor:
         """One packed row through this stage: hidden states [s, 1, h], or logits [1, N, V/tp] on the last stage."""
-        from agentrl.trainer.megatron_model import packed_attention_mask
+        from agentrl.trainer.megatron_attention import packed_seq_params
 
-        mask = packed_attention_mask(b.position_ids, device=self.device)  # [1, 1, s, s], True = masked
+        # the row's sample boundaries: PackedCoreAttention attends per sample, no [s, s] mask is built
+        params = packed_seq_params(b.position_ids)
         with self._autocast(), logits_at(model, b.logit_positions):
-            return model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=mask)
+            return model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=None,
+                         packed_seq_params=params)
 
     def _schedule(self, model: nn.Module, batches: list[PackedBatch], loss_func: Callable, *,
                   forward_only: bool) -> list[Any]:
