@@ -348,6 +348,12 @@ class RunConfig:
             if self.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
                 problems.append("--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
                                 "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism")
+            recompute = sorted(k for k, v in self.train.megatron_args.items() if k.startswith("recompute") and v)
+            if self.train.gradient_checkpointing or recompute:
+                problems.append("activation recompute (--gradient-checkpointing, --recompute-*) is not supported by "
+                                "the megatron backend yet; lower --max-tokens-per-gpu instead")
+            if not self.actor_num_gpus_per_node and self.train.dtype not in ("auto", "float32"):
+                problems.append(f"--dtype {self.train.dtype} with the megatron backend needs GPUs; use float32 on CPU")
             if self.train.megatron_args.get("sequence_parallel"):
                 problems.append("--sequence-parallel is not supported by the megatron backend yet (its LM head "
                                 "runs only at response positions); drop it")

@@ -179,6 +179,10 @@ def test_build_gpt_model_swaps_in_packed_attention(megatron_world):
     assert kinds == {PackedCoreAttention}
     assert {type(layer.self_attention.core_attention) for layer in plain.decoder.layers} == {DotProductAttention}
     assert packed.state_dict().keys() == plain.state_dict().keys()
+    # the norms are torch's RMSNorm whatever is installed (apex's FusedLayerNorm refuses RMSNorm; TE renames)
+    norms = [packed.decoder.final_layernorm] + [m for layer in packed.decoder.layers
+                                                for m in (layer.input_layernorm, layer.pre_mlp_layernorm)]
+    assert all(type(n) is torch.nn.RMSNorm for n in norms), {type(n) for n in norms}
 
 
 def test_packed_row_through_the_model_equals_each_sample_alone(megatron_world):

@@ -73,6 +73,9 @@ def test_other_commands_refuse_unknown_flags(capsys):
     ({"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
      "--context-parallel-size > 1 is not implemented"),
     ({"train_backend": "megatron", "megatron_args": {"sequence_parallel": True}}, "--sequence-parallel is not"),
+    ({"train_backend": "megatron", "megatron_args": {"recompute_granularity": "full"}}, "activation recompute"),
+    ({"train_backend": "megatron", "gradient_checkpointing": True}, "activation recompute"),
+    ({"train_backend": "megatron", "dtype": "bfloat16"}, "--dtype bfloat16 with the megatron backend needs GPUs"),
 ])
 def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
@@ -95,7 +98,7 @@ def test_sglang_launcher_needs_sglang_installed():
 def test_good_megatron_config_validates_and_derives_data_parallel():
     pytest.importorskip("megatron.core")
     cfg = run_config_from_values(_values(train_backend="megatron", trainer_num_procs=4, tensor_model_parallel_size=2,
-                                         megatron_args={"recompute_granularity": "full"}))
+                                         megatron_args={"attention_softmax_in_fp32": True}))
     cfg.validate()
     assert cfg.data_parallel_size == 2 and cfg.train.model_parallel_size == 2
     assert run_config_from_values(_values(backend=None, train_backend="megatron")).train_backend == "megatron"
@@ -152,4 +155,15 @@ def test_unsupported_architecture_is_refused_before_ray_starts(tmp_path, monkeyp
     monkeypatch.setattr(train_mod, "_Runtime", lambda *a, **k: pytest.fail("the runtime was started"))
     cfg = run_config_from_values(_values(train_backend="megatron", hf_checkpoint=str(ckpt)))
     with pytest.raises(ValueError, match="sliding"):
+        train_mod.train(cfg)
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(tiny_ckpt, monkeypatch):
+    pytest.importorskip("megatron.core")
+    from agentrl.runtime import train as train_mod
+
+    monkeypatch.setattr(train_mod, "_Runtime", lambda *a, **k: pytest.fail("the runtime was started"))
+    cfg = run_config_from_values(_values(train_backend="megatron", hf_checkpoint=str(tiny_ckpt), trainer_num_procs=3,
+                                         pipeline_model_parallel_size=3, global_batch_size=4))
+    with pytest.raises(ValueError, match="layers do not split evenly over 3 pipeline stages"):
         train_mod.train(cfg)

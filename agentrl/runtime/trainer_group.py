@@ -92,8 +92,10 @@ class TrainerActor:
         """
         from agentrl.runtime.engines import tensors_to_numpy
 
-        weights = {name: t.cpu() for name, t in self.trainer.named_weights()}
-        return tensors_to_numpy(weights) if self.trainer.rank == 0 else None
+        if self.trainer.rank != 0:
+            _drain(self.trainer.named_weights())  # take part in the gathers, keep nothing
+            return None
+        return tensors_to_numpy({name: t.cpu() for name, t in self.trainer.named_weights()})
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -105,9 +107,10 @@ class TrainerActor:
         """
         from agentrl.runtime.shm_weights import SharedWeightsWriter
 
-        named = [(name, t) for name, t in self.trainer.named_weights()]
         if self.trainer.rank != 0:
+            _drain(self.trainer.named_weights())
             return None
+        named = list(self.trainer.named_weights())
         if getattr(self, "_shm", None) is None:
             self._shm = SharedWeightsWriter()
         return self._shm.write(named)
@@ -125,9 +128,9 @@ class TrainerActor:
         from agentrl.engines.http import SGLangEngine
         from agentrl.runtime.weight_sync import make_transport
 
-        named = [(name, t) for name, t in self.trainer.named_weights()]
         pushes = bool(urls) if kind == "tensor" else self.trainer.rank == 0
         if not pushes:
+            _drain(self.trainer.named_weights())
             return
         if getattr(self, "_transport", None) is None:
             self._push_loop = asyncio.new_event_loop()
@@ -136,7 +139,13 @@ class TrainerActor:
             if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
                 extra["master_address"] = ray.util.get_node_ip_address()
             self._transport = make_transport(kind, engines, **extra)
-        self._push_loop.run_until_complete(self._transport.push(named, version))
+        # streamed: each full tensor is gathered (a collective the other ranks join in _drain), sent and dropped;
+        # a failed push still walks the rest of the gathers, or the other ranks would wait in them forever
+        weights = iter(self.trainer.named_weights())
+        try:
+            self._push_loop.run_until_complete(self._transport.push(weights, version))
+        finally:
+            _drain(weights)
 
     def reset_weight_transport(self) -> None:
         """Forget the push transport (an engine was restarted and left the NCCL group): the next push builds one."""
@@ -313,6 +322,12 @@ def _token_balanced_bounds(lengths: Sequence[int], parts: int) -> list[tuple[int
         lo = hi
     bounds.append((lo, len(lengths)))
     return bounds
+
+
+def _drain(named: Any) -> None:
+    """Iterate a collective weight iterator without keeping its tensors (ranks that do not push)."""
+    for _ in named:
+        pass
 
 
 def _loopback(url: str) -> bool:

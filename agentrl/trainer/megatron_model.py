@@ -157,6 +157,10 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     d = _dims(hf_config)
+    _check_tp(d, tp)
+    if d.num_layers % pp:
+        raise ValueError(f"{d.num_layers} layers do not split evenly over {pp} pipeline stages; choose a "
+                         "--pipeline-model-parallel-size that divides the number of layers")
     kwargs: dict[str, Any] = dict(
         num_layers=d.num_layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn, num_attention_heads=d.heads,
         num_query_groups=d.groups, kv_channels=d.head_dim, normalization="RMSNorm", layernorm_epsilon=d.eps,
@@ -211,14 +215,26 @@ def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: b
     if config.context_parallel_size > 1:
         raise ValueError("context parallelism needs Transformer Engine attention, which this backend does not "
                          "use yet; run with context parallel size 1")
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
     d = _dims(hf_config)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    # megatron picks its norms by what is installed (apex's FusedLayerNorm, which refuses RMSNorm, or
+    # Transformer Engine's TENorm, with other parameter names): pin torch's RMSNorm everywhere, so the
+    # model and its state-dict names do not depend on the packages of the machine
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = WrappedTorchNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = WrappedTorchNorm
     if packed_attention:
         from agentrl.trainer.megatron_attention import PackedCoreAttention
 
-        spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention  # a fresh spec per call
+        attention.core_attention = PackedCoreAttention  # a fresh spec per call
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                       layer_norm=WrappedTorchNorm)
     model = GPTModel(
-        config, spec, vocab_size=padded_vocab_size(d.vocab, config.tensor_model_parallel_size, vocab_divisible_by),
+        config, block, vocab_size=padded_vocab_size(d.vocab, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=d.max_positions,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
@@ -250,7 +266,7 @@ def packed_attention_mask(lengths_or_position_ids: Sequence[int] | torch.Tensor,
         segment = torch.repeat_interleave(torch.arange(len(lengths) + 1),
                                           torch.tensor([*lengths, total - sum(lengths)]))[None]
     s = segment.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment.device).tril()
     allowed = (segment[:, :, None] == segment[:, None, :]) & causal  # [b, s, s]
     return (~allowed).unsqueeze(1).to(device if device is not None else segment.device)
 

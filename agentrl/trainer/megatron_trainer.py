@@ -122,6 +122,8 @@ class MegatronTrainer(Trainer):
         self.dtype = resolve_dtype(cfg.dtype, self.device)  # compute dtype; trained weights stay fp32
         self._check_layout()
         torch.manual_seed(cfg.seed + rank)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # megatron allocates and NCCL communicates on the current device
         self._owns_group = _init_process_group(rank, world_size, self.device)
         p = self.parallel
         init_megatron_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -150,9 +152,15 @@ class MegatronTrainer(Trainer):
         if p.overrides.get("sequence_parallel"):
             raise NotImplementedError("sequence_parallel is not supported yet: the LM head runs only at response "
                                       "positions of the full row; drop --sequence-parallel")
-        if self.cfg.gradient_checkpointing and self.device.type != "cuda":
-            raise ValueError("--gradient-checkpointing with the megatron backend needs CUDA (megatron's recompute "
-                             "saves CUDA RNG states); turn it off on CPU or use the torch backend")
+        recompute = sorted(k for k in p.overrides if k.startswith("recompute") and p.overrides[k])
+        if self.cfg.gradient_checkpointing or recompute:
+            # megatron's CheckpointFunction recomputes outside autocast, so with bf16 compute over fp32 weights
+            # the recompute multiplies bf16 activations by fp32 weights; not supported until that is handled
+            raise NotImplementedError("activation recompute (--gradient-checkpointing, --recompute-*) is not "
+                                      "supported by the megatron backend yet; lower --max-tokens-per-gpu instead")
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            raise ValueError(f"--dtype {self.cfg.dtype} with the megatron backend needs CUDA (megatron's custom "
+                             "autograd functions restore only CUDA autocast in backward); use float32 on CPU")
 
     def _topology(self) -> None:
         """Who is who in megatron's groups, and which rank reports a replica's numbers."""
@@ -173,9 +181,6 @@ class MegatronTrainer(Trainer):
 
         p = self.parallel
         overrides = dict(p.overrides)
-        if self.cfg.gradient_checkpointing:
-            overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
-                         **overrides}
         # perform_initialization is deliberately left at megatron's default (True), although the checkpoint
         # below overwrites every weight and the random init is wasted work: megatron 0.16 sets the
         # ``tensor_model_parallel`` / ``partition_dim`` attributes of TP-sharded weights only inside its init
@@ -188,6 +193,9 @@ class MegatronTrainer(Trainer):
         # set after construction: TransformerConfig refuses variable lengths with its default MoE dispatcher
         config.variable_seq_lengths = True  # packed rows differ in length; PP sends shapes first
         config.calculate_per_token_loss = True  # the schedule must not rescale our globally normalized loss
+        # what flows between pipeline stages is the compute dtype: under bf16 autocast a stage sends bf16
+        # activations, and receive buffers of another dtype would reinterpret them
+        config.pipeline_dtype = self.dtype
         model = build_gpt_model(self.hf_config, config)
         load_hf_checkpoint(model, self.checkpoint_path, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
                            pp_rank=self.pp_rank, pp_size=self.pp_size)
@@ -277,6 +285,10 @@ class MegatronTrainer(Trainer):
         counts masked response tokens trained on, ``tokens_per_s`` every token through the model.
         """
         t0 = time.perf_counter()
+        if self.cfg.use_tis and any(s.rollout_log_probs is None for s in samples):
+            # checked on every rank: raised inside the schedule it would come from the last pipeline stage
+            # alone while the others wait for it forever
+            raise ValueError("--use-tis needs the engine's rollout log-probs on every sample")
         n_steps = self.cfg.num_steps_per_rollout
         bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
         sums: dict[str, float] = defaultdict(float)
@@ -442,6 +454,7 @@ class MegatronTrainer(Trainer):
         from transformers import GenerationConfig
 
         path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)  # every rank: its optimizer shard goes here too, maybe on its own node
         weights = {}
         for name, t in self.named_weights():
             if self.rank == 0:

@@ -326,6 +326,7 @@ class TorchTrainer(Trainer):
         from safetensors.torch import save_file
 
         path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)  # every rank: its optimizer shard goes here too, maybe on its own node
         weights = {name: t.cpu().contiguous() for name, t in self.named_weights()}
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
