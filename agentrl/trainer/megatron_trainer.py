@@ -27,9 +27,12 @@ never over T x T scores (Transformer Engine's THD format is not used). The LM he
 Precision, as in the torch backend: weights, gradients and AdamW state are fp32; ``dtype`` (``auto`` =
 fp32 on CPU, bf16 on GPU) is the compute dtype, applied with ``torch.autocast`` around the forward.
 Megatron's own ``bf16=True`` would need bf16 parameters plus its mixed-precision optimizer holding fp32
-main copies; autocast over fp32 parameters gives the same numerics with a plain ``torch.optim.AdamW``
-and keeps one precision policy for both backends. The frozen reference model is stored in the compute
-dtype. Megatron's DDP and distributed optimizer are not used (a coalesced all-reduce does DP).
+main copies; autocast over fp32 parameters keeps fp32 master weights with a plain ``torch.optim.AdamW``
+and one precision policy for both backends. Under bf16 the two backends are close, not equal: megatron's
+bias-dropout-add casts the residual stream to the layer's (bf16) output dtype, where HF keeps it fp32
+(so pipeline stages exchange bf16, ``pipeline_dtype``). The frozen reference model is stored in the
+compute dtype. Megatron's DDP and distributed optimizer are not used (a coalesced all-reduce does DP);
+activation recompute is refused (megatron recomputes outside autocast).
 
 Checkpoint layout written by :meth:`MegatronTrainer.save` (a loadable HF folder plus state)::
 
