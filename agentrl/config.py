@@ -361,7 +361,7 @@ class RunConfig:
             if self.sglang_launcher == "sglang" and not _sglang_installed():
                 return problems + ["--sglang-launcher sglang: the sglang package is not installed (pip install "
                                    "'sglang[all]' on a GPU node), or use --sglang-launcher agentrl"]
-            from agentrl.engines.sglang import SGLangLaunch, build_launch_command
+            from agentrl.engines.sglang import build_launch_command
 
             try:  # the server command line, built once here so a bad --sglang-* flag stops the run now
                 build_launch_command(self.sglang_launch("<checkpoint>"), port=1)

@@ -398,16 +398,9 @@ class SGLangEngineGroup:
         build_launch_command(launch, port=launch.port or 1)  # refuse bad server args here, before any actor
         if num_gpus is None:
             num_gpus = float(launch.tp_size) if launch.binary == "sglang" else 0.0
-        options = []
-        for i in range(n):
-            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-            if i < len(placement):
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from agentrl.runtime.cluster import actor_options
 
-                pg, bundle = placement[i]
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle)
-            options.append(opts)
+        options = [actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None) for i in range(n)]
         remote = ray.remote(SGLangServer)
         actors = [remote.options(**options[i]).remote(launch, i) for i in range(n)]
         try:

@@ -59,6 +59,17 @@ class Placement:
             self.group = None
 
 
+def actor_options(num_cpus: float, num_gpus: float, bundle: tuple[Any, int] | None = None) -> dict[str, Any]:
+    """Ray actor options: resources, pinned to ``bundle`` = ``(placement_group, bundle_index)`` when given."""
+    opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if bundle is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=bundle[0],
+                                                                       placement_group_bundle_index=bundle[1])
+    return opts
+
+
 def plan_placement(cfg: RunConfig) -> Placement:
     """Reserve bundles for the run and wait until Ray grants them (fails fast with what is missing)."""
     import ray

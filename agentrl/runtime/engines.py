@@ -159,14 +159,10 @@ class EngineGroup:
 
         remote = ray.remote(EngineServer)
         actors = []
-        for i in range(n):
-            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-            if i < len(placement):
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from agentrl.runtime.cluster import actor_options
 
-                pg, bundle = placement[i]
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle)
+        for i in range(n):
+            opts = actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None)
             if num_gpus:
                 engine_kwargs.setdefault("device", "cuda")
             actors.append(remote.options(**opts).remote(str(checkpoint), num_threads=num_threads, **engine_kwargs))

@@ -15,8 +15,11 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -72,3 +75,29 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
+
+
+def run_optimizer_steps(samples: Sequence[TrainSample], n_steps: int,
+                        optimizer_step: Callable[[Sequence[TrainSample]], dict[str, float] | None],
+                        sum_over_ranks: Callable[[list[float]], list[float]], lr: float) -> dict[str, float]:
+    """``train_step``'s outer loop, shared by the backends: ``n_steps`` equal consecutive chunks of
+    ``samples``, one ``optimizer_step`` each (None = no rank had samples), then step-mean metrics plus
+    ``lr``, ``train_tokens`` (masked response tokens, summed over ranks by ``sum_over_ranks``),
+    ``train_seconds``, ``tokens_per_s`` (every token through the model) and ``steps``.
+    """
+    t0 = time.perf_counter()
+    bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
+    sums: dict[str, float] = defaultdict(float)
+    done = 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        m = optimizer_step(samples[lo:hi])
+        if m is not None:
+            done += 1
+            for k, v in m.items():
+                sums[k] += v
+    seconds = time.perf_counter() - t0
+    tokens = sum_over_ranks([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
+    metrics = {k: v / max(done, 1) for k, v in sums.items()}
+    metrics.update(lr=lr, train_tokens=tokens[1], train_seconds=seconds, tokens_per_s=tokens[0] / max(seconds, 1e-9),
+                   steps=float(done))
+    return metrics

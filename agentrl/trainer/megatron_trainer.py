@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import time
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from torch import nn
 
 from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
 from agentrl.trainer.megatron_compat import cpu_schedule
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
@@ -287,28 +286,15 @@ class MegatronTrainer(Trainer):
         Metrics as TorchTrainer's: step means, global over data-parallel replicas; ``train_tokens``
         counts masked response tokens trained on, ``tokens_per_s`` every token through the model.
         """
-        t0 = time.perf_counter()
         if self.cfg.use_tis and any(s.rollout_log_probs is None for s in samples):
             # checked on every rank: raised inside the schedule it would come from the last pipeline stage
             # alone while the others wait for it forever
             raise ValueError("--use-tis needs the engine's rollout log-probs on every sample")
-        n_steps = self.cfg.num_steps_per_rollout
-        bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
-        sums: dict[str, float] = defaultdict(float)
-        done = 0
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            m = self._optimizer_step(samples[lo:hi])
-            if m is not None:
-                done += 1
-                for k, v in m.items():
-                    sums[k] += v
-        self.model.eval()
-        seconds = time.perf_counter() - t0
-        tokens = self._sum_replicas([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
-        metrics = {k: v / max(done, 1) for k, v in sums.items()}
-        metrics.update(lr=self.optimizer.param_groups[0]["lr"], train_tokens=tokens[1], train_seconds=seconds,
-                       tokens_per_s=tokens[0] / max(seconds, 1e-9), steps=float(done))
-        return metrics
+        try:
+            return run_optimizer_steps(samples, self.cfg.num_steps_per_rollout, self._optimizer_step,
+                                       self._sum_replicas, self.optimizer.param_groups[0]["lr"])
+        finally:
+            self.model.eval()
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: the schedule accumulates micro-batch gradients; DP sum, clip, step."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -49,7 +48,7 @@ from torch import nn
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer import packed_attention
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
@@ -219,25 +218,12 @@ class TorchTrainer(Trainer):
         one global batch). Metrics are step means, global over ranks; ``train_tokens`` counts the
         masked response tokens trained on, ``tokens_per_s`` every token through the model.
         """
-        t0 = time.perf_counter()
         self.model.train()
-        n_steps = self.cfg.num_steps_per_rollout
-        bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
-        sums: dict[str, float] = defaultdict(float)
-        done = 0
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            m = self._optimizer_step(samples[lo:hi])
-            if m is not None:
-                done += 1
-                for k, v in m.items():
-                    sums[k] += v
-        self.model.eval()
-        seconds = time.perf_counter() - t0
-        tokens = self._sum_over_ranks([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
-        metrics = {k: v / max(done, 1) for k, v in sums.items()}
-        metrics.update(lr=self.optimizer.param_groups[0]["lr"], train_tokens=tokens[1], train_seconds=seconds,
-                       tokens_per_s=tokens[0] / max(seconds, 1e-9), steps=float(done))
-        return metrics
+        try:
+            return run_optimizer_steps(samples, self.cfg.num_steps_per_rollout, self._optimizer_step,
+                                       self._sum_over_ranks, self.optimizer.param_groups[0]["lr"])
+        finally:
+            self.model.eval()
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
