@@ -51,12 +51,16 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )
     killed: list[int] = []
+    others = {p.pid for p in _server_processes(tiny_ckpt)}  # e.g. the session's tiny_server fixture
+
+    def launched() -> list:
+        return [p for p in _server_processes(tiny_ckpt) if p.pid not in others]
 
     def kill_one_engine_after_the_first_step() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not _lines(save):
             time.sleep(0.05)
-        servers = _server_processes(tiny_ckpt)
+        servers = launched()
         if servers:
             os.killpg(servers[0].pid, signal.SIGKILL)  # the server and everything it started, mid-rollout
             killed.append(servers[0].pid)
@@ -74,9 +78,9 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
     logs = "".join(p.read_text(errors="replace") for p in (save / "engine_logs").iterdir())
     assert "start 2 of engine" in logs, "the killed engine was not restarted"
     deadline = time.monotonic() + 10
-    while _server_processes(tiny_ckpt) and time.monotonic() < deadline:
+    while launched() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _server_processes(tiny_ckpt), "server processes outlived the run"
+    assert not launched(), "server processes outlived the run"
 
 
 def _learning_config(ckpt, save, **train_kw) -> RunConfig:
