@@ -338,7 +338,10 @@ class RunConfig:
 
             known = megatron_field_names()
             for name in self.train.megatron_args:
-                if name not in known:
+                if name in MEGATRON_DERIVED_FIELDS:
+                    problems.append(f"--{name.replace('_', '-')} is set by agentrl ({MEGATRON_DERIVED_FIELDS[name]}); "
+                                    "drop it")
+                elif name not in known:
                     import difflib
 
                     close = difflib.get_close_matches(name, sorted(known | _agentrl_flag_names()), n=3)
@@ -361,10 +364,13 @@ class RunConfig:
             if self.sglang_launcher == "sglang" and not _sglang_installed():
                 return problems + ["--sglang-launcher sglang: the sglang package is not installed (pip install "
                                    "'sglang[all]' on a GPU node), or use --sglang-launcher agentrl"]
+            if self.sglang_launcher == "sglang" and not self.rollout_num_gpus:
+                return problems + ["--sglang-launcher sglang needs GPUs for its servers: set --rollout-num-gpus "
+                                   "(and --rollout-num-gpus-per-engine), or use --sglang-launcher agentrl on CPU"]
             from agentrl.engines.sglang import build_launch_command
 
             try:  # the server command line, built once here so a bad --sglang-* flag stops the run now
-                build_launch_command(self.sglang_launch("<checkpoint>"), port=1)
+                build_launch_command(self.sglang_launch("<checkpoint>", engine_gpus=self.rollout_num_gpus), port=1)
             except ValueError as exc:
                 problems.append(str(exc))
         return problems
@@ -372,15 +378,16 @@ class RunConfig:
     def sglang_launch(self, checkpoint: str, *, engine_gpus: float = 0, log_dir: str | None = None) -> Any:
         """How ``--rollout-backend sglang`` starts each server (an :class:`~agentrl.engines.sglang.SGLangLaunch`).
 
-        ``--sglang-launcher auto`` is SGLang where it is installed, else the embedded engine
-        (``agentrl serve``) behind the same launcher, monitor and pause protocol. slime's router-only
-        flags (``--sglang-router-ip`` ...) are not server flags and are dropped.
+        ``--sglang-launcher auto`` is SGLang where it is installed and the run has GPUs for it
+        (``--rollout-num-gpus``), else the embedded engine (``agentrl serve``) behind the same
+        launcher, monitor and pause protocol. slime's router-only flags (``--sglang-router-ip`` ...)
+        are not server flags and are dropped.
         """
         from agentrl.engines.sglang import SGLangLaunch
 
         binary = self.sglang_launcher
         if binary == "auto":
-            binary = "sglang" if _sglang_installed() else "agentrl"
+            binary = "sglang" if _sglang_installed() and self.rollout_num_gpus else "agentrl"
         args = {k: v for k, v in self.sglang_args.items() if k not in ROUTER_ONLY_SGLANG_ARGS}
         if binary == "agentrl":
             args.setdefault("max_running_requests", self.engine_max_running_requests)
@@ -391,6 +398,20 @@ class RunConfig:
 
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
+
+_ARCH = "from the checkpoint's config.json"
+MEGATRON_DERIVED_FIELDS = {
+    **dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+                     "add_bias_linear", "add_qkv_bias", "qk_layernorm"), _ARCH),
+    "tensor_model_parallel_size": "--tensor-model-parallel-size", "pipeline_model_parallel_size":
+        "--pipeline-model-parallel-size", "context_parallel_size": "--context-parallel-size",
+    **dict.fromkeys(("virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "num_moe_experts"), "not supported by this backend"),
+    **dict.fromkeys(("bf16", "fp16", "params_dtype", "pipeline_dtype"), "use --dtype"),
+    **dict.fromkeys(("variable_seq_lengths", "calculate_per_token_loss"), "packed rows and the global loss need it"),
+}
+"""Megatron flags agentrl derives itself (a pass-through value would silently fight it), with where they come from."""
 """slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
 
 
@@ -459,7 +480,7 @@ FLAG_HELP = {
     "micro_batch_size": "at most this many samples per packed micro-batch (default: only --max-tokens-per-gpu)",
     "tensor_model_parallel_size": "megatron: tensor-parallel ranks per model copy",
     "pipeline_model_parallel_size": "megatron: pipeline stages",
-    "context_parallel_size": "megatron: context-parallel ranks (needs transformer_engine)",
+    "context_parallel_size": "megatron: context-parallel ranks (only 1 for now)",
 }
 
 
@@ -567,6 +588,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         else:
             flat[k.replace("-", "_")] = v
     known = {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    if "backend" in flat:  # the old name of train_backend, as the --backend alias
+        flat.setdefault("train_backend", flat.pop("backend"))
     flat["sglang_args"] = dict(flat.get("sglang_args") or {})  # `sglang_args:` left empty in YAML is None
     for k in [k for k in flat if k.startswith("sglang_") and k not in known]:  # sglang_mem_fraction_static: 0.8
         flat["sglang_args"][k[len("sglang_"):]] = flat.pop(k)

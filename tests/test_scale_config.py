@@ -76,6 +76,10 @@ def test_other_commands_refuse_unknown_flags(capsys):
     ({"train_backend": "megatron", "megatron_args": {"recompute_granularity": "full"}}, "activation recompute"),
     ({"train_backend": "megatron", "gradient_checkpointing": True}, "activation recompute"),
     ({"train_backend": "megatron", "dtype": "bfloat16"}, "--dtype bfloat16 with the megatron backend needs GPUs"),
+    ({"train_backend": "megatron", "megatron_args": {"bf16": True}}, "--bf16 is set by agentrl (use --dtype)"),
+    ({"train_backend": "megatron", "megatron_args": {"num_layers": 4}}, "--num-layers is set by agentrl (from"),
+    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "rollout_num_gpus": 4,
+      "rollout_num_gpus_per_engine": 2}, "no model parallelism"),
 ])
 def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
@@ -83,6 +87,19 @@ def test_bad_scale_configs_are_refused_before_any_work(values, message):
     with pytest.raises(ValueError, match="bad configuration") as err:
         cfg.validate()
     assert message in str(err.value)
+
+
+def test_sglang_launcher_needs_gpus(monkeypatch):
+    import agentrl.config as config
+
+    monkeypatch.setattr(config, "_sglang_installed", lambda: True)
+    cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
+    with pytest.raises(ValueError, match="needs GPUs for its servers"):
+        cfg.validate()
+    auto = run_config_from_values(_values(rollout_backend="sglang"))
+    assert auto.sglang_launch("ckpt").binary == "agentrl"  # auto on a CPU-only run: the embedded engine
+    gpus = run_config_from_values(_values(rollout_backend="sglang", rollout_num_gpus=2, actor_num_gpus_per_node=2))
+    assert gpus.sglang_launch("ckpt", engine_gpus=1).binary == "sglang"
 
 
 def test_sglang_launcher_needs_sglang_installed():
@@ -106,10 +123,12 @@ def test_good_megatron_config_validates_and_derives_data_parallel():
 
 def test_config_file_sglang_keys_become_server_args(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("rollout_backend: sglang\nsglang_args:\nsglang_mem_fraction_static: 0.6\nsglang_launcher: agentrl\n"
+    f.write_text("rollout_backend: sglang\nbackend: megatron\nsglang_args:\nsglang_mem_fraction_static: 0.6\n"
+                 "sglang_launcher: agentrl\n"
                  "megatron_args:\n  recompute_granularity: full\n")
     flat = load_config_file(f)
     assert flat["sglang_args"] == {"mem_fraction_static": 0.6} and flat["sglang_launcher"] == "agentrl"
+    assert flat["train_backend"] == "megatron"
     assert flat["megatron_args"] == {"recompute_granularity": "full"}
 
 

@@ -37,16 +37,17 @@ def _lines(save) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("weight_sync", ["disk", "nccl"])
-def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_local, weight_sync):
-    """With ``nccl`` (gloo here) the restarted server has left the broadcast group: the next push builds a new one."""
+@pytest.mark.parametrize("weight_sync, async_mode", [("disk", False), ("nccl", False), ("nccl", True)])
+def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_local, weight_sync, async_mode):
+    """With ``nccl`` (gloo here) the restarted server has left the broadcast group: the next push builds a new one
+    (also in ``--async``, where the embedded engine takes weights without a pause)."""
     from agentrl.runtime.train import train
 
-    save = tmp_path / weight_sync
+    save = tmp_path / f"{weight_sync}-{async_mode}"
     cfg = RunConfig(
         env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=5, rollout_batch_size=4, save=str(save),
         num_engines=2, rollout_backend="sglang", sglang_launcher="agentrl", engine_monitor_interval=1.0,
-        weight_sync=weight_sync,
+        weight_sync=weight_sync, async_mode=async_mode,
         rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )

@@ -94,8 +94,16 @@ def test_slots_of_dead_writers_are_reaped(tmp_path):
     live = tmp_path / f"agentrl-weights-{os.getpid()}-cafecafe-0"
     stale.write_bytes(b"x")
     live.write_bytes(b"x")
+    # a writer in another pid namespace: its pid means nothing here, but it holds its files' lock
+    elsewhere = tmp_path / f"agentrl-weights-{dead_pid}-0ther0ns-0"
+    elsewhere.write_bytes(b"x")
+    import fcntl
+
+    held = os.open(elsewhere, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
     writer = SharedWeightsWriter(tmp_path)
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and live.exists() and elsewhere.exists()
+    os.close(held)
     import torch
 
     writer.write([("w", torch.ones(4))])

@@ -9,7 +9,9 @@ still read slot ``(k - 1) % 2``; by the time push k + 1 overwrites that slot, ev
 acknowledged moving to slot ``k % 2``.
 
 A trainer killed without :meth:`SharedWeightsWriter.close` (``ray.kill`` is a SIGKILL) leaves its
-slot files behind; every new writer deletes the files of writers whose process is gone.
+slot files behind; every new writer deletes the files of writers that are gone. A live writer holds
+a lock on each of its files (processes in another pid namespace sharing ``/dev/shm`` see it too), so
+only files nobody locks, of a process not alive here, are deleted.
 
 Space is reserved with ``posix_fallocate`` when the files are created, so a full ``/dev/shm`` (64 MB
 in a default Docker container) is an ``OSError`` at setup, and the run falls back to Ray's object
@@ -18,6 +20,7 @@ store, instead of a SIGBUS in the middle of a write.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import uuid
@@ -74,10 +77,11 @@ class SharedWeightsWriter:
         self.tag = f"agentrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.layout: Layout | None = None
         self.paths: list[Path] = []
+        self.fds: list[int] = []  # one open, locked descriptor per slot file: "this writer is alive"
         self.buffers: list[torch.Tensor] = []
         self.pushes = 0
         reap_stale_slots(self.folder)
-        weakref.finalize(self, _unlink, self.paths)  # the list is filled in place by _setup
+        weakref.finalize(self, _unlink, self.paths, self.fds)  # the lists are filled in place by _setup
 
     def _setup(self, layout: Layout) -> None:
         self.close()
@@ -85,6 +89,7 @@ class SharedWeightsWriter:
         for slot in range(2):
             path = self.folder / f"{self.tag}-{slot}"
             fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
             try:
                 os.posix_fallocate(fd, 0, layout.nbytes)  # ENOSPC now, not SIGBUS mid-write
             except OSError:
@@ -92,7 +97,7 @@ class SharedWeightsWriter:
                 self.close()
                 path.unlink(missing_ok=True)
                 raise
-            os.close(fd)
+            self.fds.append(fd)
             self.paths.append(path)
             self.buffers.append(_map(path, layout.nbytes))
 
@@ -112,14 +117,17 @@ class SharedWeightsWriter:
     def close(self) -> None:
         """Unmap and delete the slot files (engines that mapped them keep their pages until they let go)."""
         self.buffers = []
-        _unlink(self.paths)
+        _unlink(self.paths, self.fds)
         self.layout = None
 
 
-def _unlink(paths: list[Path]) -> None:
+def _unlink(paths: list[Path], fds: list[int]) -> None:
     for p in paths:
         p.unlink(missing_ok=True)
+    for fd in fds:
+        os.close(fd)
     paths.clear()
+    fds.clear()
 
 
 def reap_stale_slots(folder: str | Path = "/dev/shm") -> int:
@@ -127,11 +135,26 @@ def reap_stale_slots(folder: str | Path = "/dev/shm") -> int:
     removed = 0
     for path in Path(folder).glob("agentrl-weights-*"):
         m = re.match(r"agentrl-weights-(\d+)-", path.name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or _alive(int(m.group(1))) or _locked(path):
             continue
         path.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def _locked(path: Path) -> bool:
+    """Does a live writer (anywhere) hold this slot file's lock?"""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True  # gone already, or not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -140,6 +140,13 @@ class _Runtime:
         from agentrl.runtime.engines import EngineGroup
         from agentrl.runtime.trainer_group import TrainerGroup
 
+        try:
+            return self._start(init_ray, plan_placement, EngineGroup, TrainerGroup)
+        except BaseException:
+            self.__exit__(None, None, None)  # servers, actors and reserved devices must not outlive a failed start
+            raise
+
+    def _start(self, init_ray: Any, plan_placement: Any, EngineGroup: Any, TrainerGroup: Any) -> _Runtime:
         cfg = self.cfg
         init_ray(cfg.ray_address)
         placement = self.placement = plan_placement(cfg)
@@ -168,8 +175,10 @@ class _Runtime:
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.shutdown()
+        self.trainers = self.engines = None
         if self.placement is not None:
             self.placement.release()
+            self.placement = None
 
     def sync_mode(self) -> str:
         """``--weight-sync``, or for ``auto`` as slime: the object store/shared memory for embedded engines;
@@ -248,26 +257,39 @@ class _Runtime:
         run the episodes caught mid-turn end ``aborted`` (counted, never trained on) rather than finish
         half on old and half on new weights under a version that hides it. The embedded engine
         (``--sglang-launcher agentrl``) in an async run needs no pause: it swaps weights between two
-        decode steps. A server restarted since the last push (by the monitor or the guard itself) has
-        left the NCCL group and may have a new URL: the router and the trainer's transport follow.
+        decode steps (dead servers are still restarted first and the monitor held during the push). A
+        server restarted since the last push (by the monitor or the guard itself) has left the NCCL
+        group and may have a new URL: the router and the trainer's transport follow.
         """
         from agentrl.engines.sglang import SGLangEngineGroup, paused_for_update
 
         group = self.engines
         if not isinstance(group, SGLangEngineGroup):
             return None
-        if self.cfg.async_mode and group.launch.binary != "sglang":
-            return None
+        pause = not (self.cfg.async_mode and group.launch.binary != "sglang")
         seen = {"restarts": list(group.restarts)}
+
+        async def follow_restarts() -> None:
+            if group.restarts != seen["restarts"]:
+                seen["restarts"] = list(group.restarts)
+                _follow_urls(router, group.urls)
+                await asyncio.to_thread(self.trainers.reset_weight_transport)
 
         @contextlib.asynccontextmanager
         async def guard():
-            async with paused_for_update(router, mode="abort", group=group):
-                if group.restarts != seen["restarts"]:
-                    seen["restarts"] = list(group.restarts)
-                    _follow_urls(router, group.urls)
-                    await asyncio.to_thread(self.trainers.reset_weight_transport)
+            if pause:
+                async with paused_for_update(router, mode="abort", group=group):
+                    await follow_restarts()
+                    yield
+                return
+            await asyncio.to_thread(group.check_and_restart)
+            hold = group.monitor_suspended()
+            await asyncio.to_thread(hold.__enter__)
+            try:
+                await follow_restarts()
                 yield
+            finally:
+                await asyncio.to_thread(hold.__exit__, None, None, None)
 
         return guard
 
@@ -277,8 +299,10 @@ def _follow_urls(router: Any, urls: list[str]) -> None:
     from agentrl.engines.http import SGLangEngine
 
     for i, url in enumerate(urls):
-        if i < len(router.engines) and getattr(router.engines[i], "url", url) != url:
+        old = router.engines[i] if i < len(router.engines) else None
+        if old is not None and getattr(old, "url", url) != url:
             router.engines[i] = SGLangEngine(url)
+            asyncio.get_running_loop().create_task(old.close())
 
 
 def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:

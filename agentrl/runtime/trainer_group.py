@@ -132,17 +132,17 @@ class TrainerActor:
         if not pushes:
             _drain(self.trainer.named_weights())
             return
-        if getattr(self, "_transport", None) is None:
-            self._push_loop = asyncio.new_event_loop()
-            engines = [SGLangEngine(u) for u in urls]
-            extra: dict[str, Any] = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
-            if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
-                extra["master_address"] = ray.util.get_node_ip_address()
-            self._transport = make_transport(kind, engines, **extra)
         # streamed: each full tensor is gathered (a collective the other ranks join in _drain), sent and dropped;
-        # a failed push still walks the rest of the gathers, or the other ranks would wait in them forever
+        # whatever fails here still walks the rest of the gathers, or the other ranks would wait in them forever
         weights = iter(self.trainer.named_weights())
         try:
+            if getattr(self, "_transport", None) is None:
+                self._push_loop = asyncio.new_event_loop()
+                engines = [SGLangEngine(u) for u in urls]
+                extra: dict[str, Any] = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
+                if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
+                    extra["master_address"] = ray.util.get_node_ip_address()
+                self._transport = make_transport(kind, engines, **extra)
             self._push_loop.run_until_complete(self._transport.push(weights, version))
         finally:
             _drain(weights)
@@ -156,6 +156,7 @@ class TrainerActor:
 
             with contextlib.suppress(Exception):  # the group may already be broken; a new one replaces it
                 self._push_loop.run_until_complete(transport.close())
+            self._push_loop.close()
 
     def save(self, path: str, extra_state: dict[str, Any] | None) -> None:
         self.trainer.save(path, extra_state)
