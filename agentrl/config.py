@@ -342,12 +342,9 @@ class RunConfig:
                     problems.append(f"--{name.replace('_', '-')} is set by agentrl ({MEGATRON_DERIVED_FIELDS[name]}); "
                                     "drop it")
                 elif name not in known:
-                    import difflib
-
-                    close = difflib.get_close_matches(name, sorted(known | _agentrl_flag_names()), n=3)
                     problems.append(f"unknown flag --{name.replace('_', '-')}: neither agentrl's nor Megatron's"
-                                    + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
-                                       if close else " (Megatron pass-through flags are TransformerConfig fields)"))
+                                    + (_did_you_mean(name, known | _agentrl_flag_names(), n=3)
+                                       or " (Megatron pass-through flags are TransformerConfig fields)"))
             if self.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
                 problems.append("--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
                                 "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism")
@@ -398,6 +395,7 @@ class RunConfig:
 
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
+"""slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
 
 _ARCH = "from the checkpoint's config.json"
 MEGATRON_DERIVED_FIELDS = {
@@ -412,22 +410,23 @@ MEGATRON_DERIVED_FIELDS = {
     **dict.fromkeys(("variable_seq_lengths", "calculate_per_token_loss"), "packed rows and the global loss need it"),
 }
 """Megatron flags agentrl derives itself (a pass-through value would silently fight it), with where they come from."""
-"""slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
 
 
 def _agentrl_flag_names() -> set[str]:
     return {f.name for cls in (RunConfig, RolloutConfig, TrainConfig) for f in dataclasses.fields(cls)}
 
 
-def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
-    """For flags argparse did not know, with --train-backend torch: most likely a typo of one of ours."""
+def _did_you_mean(name: str, candidates: set[str], n: int) -> str:
+    """`` (did you mean --a, --b?)`` for the flags closest to ``name``, or empty."""
     import difflib
 
-    parts = []
-    for name in megatron_args:
-        close = difflib.get_close_matches(name, sorted(_agentrl_flag_names()), n=2)
-        parts.append(f"--{name.replace('_', '-')}" + (f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)"
-                                                       if close else ""))
+    close = difflib.get_close_matches(name, sorted(candidates), n=n)
+    return f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)" if close else ""
+
+
+def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
+    """For flags argparse did not know, with --train-backend torch: most likely a typo of one of ours."""
+    parts = [f"--{name.replace('_', '-')}{_did_you_mean(name, _agentrl_flag_names(), n=2)}" for name in megatron_args]
     return (f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
             "--train-backend megatron")
 
@@ -473,7 +472,7 @@ FLAG_HELP = {
     "rollout_backend": "embedded (the SDK's engine as Ray actors) or sglang (SGLang servers launched as Ray actors; "
                        "--sglang-* flags pass through to the server)",
     "sglang_launcher": "what --rollout-backend sglang launches: sglang (python -m sglang.launch_server), agentrl "
-                       "(agentrl serve, the same API on CPU), auto (sglang if installed)",
+                       "(agentrl serve, the same API on CPU), auto (sglang if installed and --rollout-num-gpus > 0)",
     "engine_host": "address launched servers listen on: 127.0.0.1 (one node) or 0.0.0.0 (engines on other nodes "
                    "of a Ray cluster; URLs then carry each node's IP)",
     "engine_monitor_interval": "seconds between health checks of launched servers (a dead one is restarted; 0 = off)",

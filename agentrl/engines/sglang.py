@@ -539,7 +539,7 @@ class SGLangEngineGroup:
 
 
 @contextlib.asynccontextmanager
-async def paused_for_update(engines: Any, *, mode: str = "abort", group: SGLangEngineGroup | None = None,
+async def paused_for_update(engines: Any, *, mode: str | None = "abort", group: SGLangEngineGroup | None = None,
                             flush: bool = True) -> AsyncIterator[list[int]]:
     """Hold generation on ``engines`` (a Router, an SGLangEngine, or a list of them) while the body updates weights.
 
@@ -547,14 +547,19 @@ async def paused_for_update(engines: Any, *, mode: str = "abort", group: SGLangE
     pause (mode ``abort``: running requests return finish reason ``abort`` with their partial output;
     new ones wait on the server), flush the prefix cache (not with ``in_place``, which keeps the KV
     of held requests), body, continue. The continue is sent even when the body fails, so engines are
-    never left paused. Yields the indices of the engines restarted first: they serve the launch (or
-    recorded) weights until the body's push reaches them too, and must rejoin an NCCL group.
+    never left paused. ``mode=None`` skips pause, flush and continue (engines that swap weights between
+    two decode steps, like the embedded one) but still restarts dead engines and holds the monitor.
+    Yields the indices of the engines restarted first: they serve the launch (or recorded) weights
+    until the body's push reaches them too, and must rejoin an NCCL group.
     """
     targets = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     restarted = await asyncio.to_thread(group.check_and_restart) if group is not None else []
     suspended = group.monitor_suspended() if group is not None else contextlib.nullcontext()
     await asyncio.to_thread(suspended.__enter__)  # may wait for a health check in progress
     try:
+        if mode is None:
+            yield restarted
+            return
         try:
             await fan_out(e.pause_generation(mode) for e in targets)
             if flush and mode != "in_place":

@@ -20,6 +20,7 @@ sample's oldest ``weight_versions`` entry says how stale it is; stale samples ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -251,10 +252,7 @@ class TrainLoop:
         self.version += 1
         t1 = time.monotonic()
         if (step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout:
-            if self.update_guard is not None:
-                async with self.update_guard():
-                    await asyncio.to_thread(self.sync_weights, self.version)
-            else:
+            async with (self.update_guard or contextlib.nullcontext)():
                 await asyncio.to_thread(self.sync_weights, self.version)
         sync_seconds = time.monotonic() - t1
         extra = {**counts, "weight_version": self.version, "train_samples": len(keep),

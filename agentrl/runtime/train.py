@@ -196,16 +196,16 @@ class _Runtime:
     def sync_weights(self, version: int) -> None:
         """Push the trainer's current weights to every engine as ``str(version)``."""
         mode = self.sync_mode()
-        if mode == "tensor" and self.engines.supports_tensors and self._use_shm():
-            try:
-                path, layout = self.trainers.write_shared_weights()
-            except OSError as exc:  # e.g. a small /dev/shm: the object store still works
-                log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
-                self._shm = False
-            else:
-                self.engines.push_shared(path, layout, str(version))
-                return
-        if mode == "tensor" and self.engines.supports_tensors:
+        if mode == "tensor" and self.engines.supports_tensors:  # embedded engines; launched servers take handles
+            if self._use_shm():
+                try:
+                    path, layout = self.trainers.write_shared_weights()
+                except OSError as exc:  # e.g. a small /dev/shm: the object store still works
+                    log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
+                    self._shm = False
+                else:
+                    self.engines.push_shared(path, layout, str(version))
+                    return
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
             return
         self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
@@ -266,30 +266,17 @@ class _Runtime:
         group = self.engines
         if not isinstance(group, SGLangEngineGroup):
             return None
-        pause = not (self.cfg.async_mode and group.launch.binary != "sglang")
+        mode = None if self.cfg.async_mode and group.launch.binary != "sglang" else "abort"
         seen = {"restarts": list(group.restarts)}
-
-        async def follow_restarts() -> None:
-            if group.restarts != seen["restarts"]:
-                seen["restarts"] = list(group.restarts)
-                _follow_urls(router, group.urls)
-                await asyncio.to_thread(self.trainers.reset_weight_transport)
 
         @contextlib.asynccontextmanager
         async def guard():
-            if pause:
-                async with paused_for_update(router, mode="abort", group=group):
-                    await follow_restarts()
-                    yield
-                return
-            await asyncio.to_thread(group.check_and_restart)
-            hold = group.monitor_suspended()
-            await asyncio.to_thread(hold.__enter__)
-            try:
-                await follow_restarts()
+            async with paused_for_update(router, mode=mode, group=group):
+                if group.restarts != seen["restarts"]:
+                    seen["restarts"] = list(group.restarts)
+                    _follow_urls(router, group.urls)
+                    await asyncio.to_thread(self.trainers.reset_weight_transport)
                 yield
-            finally:
-                await asyncio.to_thread(hold.__exit__, None, None, None)
 
         return guard
 
@@ -312,8 +299,8 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
     log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
     launch = cfg.sglang_launch(str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
     if launch.binary == "agentrl" and cfg.sglang_launcher == "auto":
-        log.warning("--rollout-backend sglang: sglang is not installed; launching `agentrl serve` servers "
-                    "(same API and management) instead")
+        log.warning("--rollout-backend sglang: no SGLang with GPUs here (not installed, or --rollout-num-gpus 0); "
+                    "launching `agentrl serve` servers (same API and management) instead")
     group = SGLangEngineGroup.start(launch, max(len(placement.engines), 1), num_cpus=placement.engine_cpus,
                                    num_gpus=placement.engine_gpus or None, placement=placement.engines)
     if cfg.engine_monitor_interval:

@@ -71,9 +71,7 @@ def make_transport(kind: str, engines: Sequence[Any], **kwargs: Any) -> WeightTr
         return DistributedTransport(engines, **kwargs)
     if kind == "tensor":
         return TensorTransport(engines, **kwargs)
-    # "tensor": the Ray object-store transport (trainer -> ray.put -> LocalEngine.update_weights_from_tensors)
-    # is registered here by the train loop that owns the actors.
-    raise ValueError(f"unknown weight transport {kind!r}: expected 'disk' or 'distributed'")
+    raise ValueError(f"unknown weight transport {kind!r}: expected 'disk', 'distributed' (nccl) or 'tensor'")
 
 
 # ------------------------------------------------------------------------------------------- disk
@@ -178,24 +176,17 @@ class TensorTransport(WeightTransport):
 
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        buckets = _buckets(named_tensors, self.bucket_bytes, device=device, copy=device.type == "cpu")
-        bucket = next(buckets, [])
-        while True:  # look one bucket ahead: the last one carries the version
-            following = next(buckets, None)
-            last = following is None
+        for bucket, last in _with_last(_buckets(named_tensors, self.bucket_bytes, device=device,
+                                                copy=device.type == "cpu")):
             await self._send(bucket, str(version) if last else None)
-            del bucket  # the engines hold their own copies now
-            if last:
-                return
-            bucket = following
 
     async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         """One pickle per receiving rank: each pickle takes one shared-memory reference that exactly one
         unpickle gives back, so no ``/dev/shm`` file outlives the tensors (and one never reached is reclaimed)."""
         from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
 
-        payloads = [await asyncio.to_thread(lambda: [serialize_named_tensors(bucket)
-                                                     for _ in range(self.ranks_per_engine)]) for _ in self.engines]
+        payloads = await asyncio.to_thread(lambda: [[serialize_named_tensors(bucket) for _ in range(self.ranks_per_engine)]
+                                                    for _ in self.engines])
         answers = await asyncio.gather(*(e.update_weights_from_tensor(
             p, flush_cache=version is not None, weight_version=version) for e, p in zip(self.engines, payloads)),
             return_exceptions=True)
@@ -289,14 +280,8 @@ class DistributedTransport(WeightTransport):
 
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         await self.connect()
-        buckets = _buckets(named_tensors, self.bucket_bytes, device=comm_device(self.backend))
-        bucket = next(buckets, [])
-        while True:  # look one bucket ahead: the last one carries the version
-            following = next(buckets, None)
-            await self._send(bucket, str(version) if following is None else None)
-            if following is None:
-                return
-            bucket = following
+        for bucket, last in _with_last(_buckets(named_tensors, self.bucket_bytes, device=comm_device(self.backend))):
+            await self._send(bucket, str(version) if last else None)
 
     async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         names = [n for n, _ in bucket]
@@ -371,6 +356,15 @@ def _destroy(pg: dist.ProcessGroup | None) -> None:
 def _destroy_if_built(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is None:
         _destroy(fut.result())
+
+
+def _with_last(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[list, bool]]:
+    """``(bucket, is_last)`` looking one bucket ahead (the last one carries the version); no buckets: one empty."""
+    bucket = next(buckets, [])
+    for following in buckets:
+        yield bucket, False
+        bucket = following
+    yield bucket, True
 
 
 def _buckets(named_tensors: NamedTensors, max_bytes: int, *, device: torch.device,
