@@ -70,6 +70,13 @@ def generate(url: str) -> tuple[list[int], list[float], str]:
     return out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta["weight_version"]
 
 
+def assert_same_generation(got: tuple[list[int], list[float], str], want: tuple[list[int], list[float], str]) -> None:
+    """Ids and weight version exactly, log-probs within 1e-4: the float sums of a decode step depend on
+    which other requests share its batch (and on the kernels a reloaded weight tensor picks)."""
+    assert got[0] == want[0] and got[2] == want[2]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1])) < 1e-4
+
+
 def assert_serves(url: str, model, state: dict, version: str) -> None:
     ids, lps, served = generate(url)
     ref_ids, ref_lps = reference(model, state)
@@ -123,7 +130,7 @@ async def test_refused_buckets_leave_the_engine_unchanged(server, ref_model, bas
             await transport.push(perturbed(bad, 3).items(), "bad-shape")
         with pytest.raises(EngineRequestError, match="unexpected=.*model.bogus.weight"):
             await transport.push([("model.bogus.weight", torch.ones(3))], "bad-name")
-        assert generate(server) == before
+        assert_same_generation(generate(server), before)
         await transport.push(base.items(), "after-refusals")  # a refusal drops the group; a new one is built
         assert_serves(server, ref_model, base, "after-refusals")
         # The engine loses the group (a restart): it refuses before receiving; the next push recovers.
@@ -177,7 +184,7 @@ async def test_release_and_resume_memory_over_http(server):
         await asyncio.sleep(0.5)
         assert not pending.done()  # requests wait while the KV cache is released
         await engine.resume_memory_occupation(["kv_cache"])
-        assert await asyncio.wait_for(pending, 30) == before
+        assert_same_generation(await asyncio.wait_for(pending, 30), before)
         with pytest.raises(EngineRequestError, match="tags"):
             await engine.release_memory_occupation(["bogus"])
         async with httpx.AsyncClient(base_url=server) as client:  # SGLang: 200 and a null body
