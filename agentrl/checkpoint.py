@@ -78,11 +78,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 def resolve_hf_checkpoint(path: str | os.PathLike | None) -> Path:
     """Return a local Hugging Face checkpoint folder: ``path`` itself, or the converted default model.
 
-    A path that is not a folder holding ``config.json`` is refused here, before any work starts,
+    A run folder (``--save`` of ``agentrl sft`` or ``train``) means its newest ``iter_*`` checkpoint,
+    so RL starts from a warm start by naming its folder. A path that is not a folder holding
+    ``config.json`` (nor such a run folder) is refused here, before any work starts,
     because transformers would otherwise try to treat it as a hub id and reach the network.
     """
     if path is not None:
         p = Path(path).expanduser()
+        from agentrl.runtime.checkpoints import latest_checkpoint
+
+        found = latest_checkpoint(p) if p.is_dir() else None
+        if found is not None and found != p and (found / "config.json").is_file():  # a run folder: its newest checkpoint
+            log.warning("--hf-checkpoint %s: a run folder; using its newest checkpoint %s", path, found)
+            return found
         if not (p / "config.json").is_file():
             raise FileNotFoundError(
                 f"--hf-checkpoint {path!s}: not a local Hugging Face checkpoint folder (no config.json); "

@@ -1,4 +1,4 @@
-"""The ``agentrl`` command: ``train``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``.
+"""The ``agentrl`` command: ``train``, ``sft``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``.
 
 Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
 ``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-response-len``,
@@ -134,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_config_flags(t)
 
+    w = sub.add_parser("sft", help="warm start: supervised fine-tuning on token-exact demonstrations "
+                                   "(= train --loss-type sft_loss)",
+                       description="The flags of `agentrl train` (slime's names); demonstrations come from exactly one "
+                                   "of --sft-data FILE (conversations {messages, tools}), --demo-policy MODULE:FN "
+                                   "(a scripted policy played on --env) or --demo-engine-url URL (rejection sampling). "
+                                   "--num-epoch passes (default 1); --save keeps iter_* HF checkpoints that "
+                                   "`agentrl train --hf-checkpoint RUN_DIR` starts RL from.", allow_abbrev=False)
+    w.add_argument("--config", default=None, help="YAML or TOML file of flag values")
+    add_config_flags(w)
+
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
     c.add_argument("--env", required=True)
     c.add_argument("--prompt-data", default=None)
@@ -157,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "train":  # only train passes flags through (to SGLang / Megatron)
+    if rest and args.command not in ("train", "sft"):  # only train/sft pass flags through (to SGLang / Megatron)
         parser.parse_args(argv)  # exits with argparse's own "unrecognized arguments" message
     args.passthrough = rest
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -166,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_rollout(args)
         if args.command == "eval":
             return cmd_eval(args)
-        if args.command == "train":
+        if args.command in ("train", "sft"):
             return cmd_train(args)
         if args.command == "serve":
             return cmd_serve(args)
@@ -272,6 +282,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         values = {**values, **{k: v for k, v in file_values.items() if values.get(k) is None}}
     for key, given in passthrough.items():  # command-line pass-through flags win over the file's
         values[key] = {**(values.get(key) or {}), **given}
+    if args.command == "sft":
+        if values.get("loss_type") not in (None, "sft_loss"):
+            raise ValueError(f"agentrl sft trains with --loss-type sft_loss, not {values['loss_type']}; "
+                             "use agentrl train for RL")
+        values["loss_type"] = "sft_loss"
     cfg = run_config_from_values(values)
     summary = train(cfg)
     print(json.dumps(summary, indent=2, default=str))

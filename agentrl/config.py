@@ -97,6 +97,7 @@ class RolloutConfig:
         )
 
 
+LOSS_TYPES = ("policy_loss", "sft_loss")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 
 
@@ -109,6 +110,7 @@ class TrainConfig:
     by a token budget (``max_tokens_per_gpu``), never padded to the longest sample.
     """
 
+    loss_type: str = "policy_loss"  # slime's --loss-type: policy_loss (RL on rollouts) or sft_loss (demonstrations)
     advantage_estimator: str = "grpo"
     disable_grpo_std_normalization: bool = False
     gamma: float = 1.0
@@ -154,6 +156,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
+            (self.loss_type in LOSS_TYPES, f"--loss-type must be one of {', '.join(LOSS_TYPES)}"),
             (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
              f"--advantage-estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
             (0.0 <= self.gamma <= 1.0, "--gamma must be in [0, 1]"),
@@ -190,6 +193,7 @@ class RunConfig:
     prompt_data: str | None = None
     hf_checkpoint: str | None = None
     num_rollout: int = 10
+    num_epoch: int | None = None  # slime's --num-epoch: passes over the prompts (RL) or demonstrations (SFT)
     rollout_batch_size: int = 8
     over_sampling_batch_size: int | None = None
     dynamic_sampling_filter_path: str | None = None
@@ -232,6 +236,16 @@ class RunConfig:
     wandb_project: str | None = None
     dump_rollouts: bool = True
     shuffle_prompts: bool = True
+    # warm starts (--loss-type sft_loss / agentrl sft): exactly one source of demonstrations
+    sft_data: str | None = None
+    demo_policy: str | None = None
+    demo_engine_url: list[str] = field(default_factory=list)
+    demo_min_reward: float | None = None
+    demo_best_of_n: bool = False
+
+    @property
+    def is_sft(self) -> bool:
+        return self.train.loss_type == "sft_loss"
 
     @property
     def samples_per_rollout(self) -> int:
@@ -254,15 +268,30 @@ class RunConfig:
         self.train.validate()
         t = self.train
         n = self.samples_per_rollout
+        sft = self.is_sft
+        sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
         checks = [
-            (self.env is not None or self.custom_generate_function_path is not None,
-             "pass --env MODULE:CLASS (or --custom-generate-function-path)"),
+            (self.env is not None or self.custom_generate_function_path is not None or (sft and self.sft_data),
+             "pass --env MODULE:CLASS (or --custom-generate-function-path)"
+             if not sft else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS"),
             (self.num_rollout >= 1, "--num-rollout must be >= 1"),
+            (self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1"),
+            (not sft or sources == 1, "--loss-type sft_loss trains on demonstrations: pass exactly one of "
+                                      "--sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL"),
+            (sft or sources == 0, "--sft-data / --demo-policy / --demo-engine-url are demonstrations for a warm start: "
+                                  "use `agentrl sft` (or --loss-type sft_loss)"),
+            (not (sft and self.demo_engine_url and self.demo_min_reward is None),
+             "--demo-engine-url (rejection sampling) needs --demo-min-reward: the reward an episode must reach"),
+            (not (sft and (self.eval_prompt_data or self.demo_policy or self.demo_engine_url) and self.env is None),
+             "eval sets and played demonstrations need --env MODULE:CLASS"),
+            (not (sft and self.custom_generate_function_path), "--custom-generate-function-path is for RL rollouts, "
+                                                               "not --loss-type sft_loss"),
+            (not (sft and self.async_mode), "--async overlaps rollouts with training: not for --loss-type sft_loss"),
             (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
-            (n % t.global_batch_size == 0,
+            (sft or n % t.global_batch_size == 0,
              f"--global-batch-size ({t.global_batch_size}) must divide --rollout-batch-size x "
              f"--n-samples-per-prompt ({self.rollout_batch_size} x {self.rollout.n_samples_per_prompt} = {n})"),
-            (n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
+            (sft or n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
              f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
              f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently"),
             (self.trainer_world_size % t.model_parallel_size == 0,
@@ -480,6 +509,16 @@ FLAG_HELP = {
     "tensor_model_parallel_size": "megatron: tensor-parallel ranks per model copy",
     "pipeline_model_parallel_size": "megatron: pipeline stages",
     "context_parallel_size": "megatron: context-parallel ranks (only 1 for now)",
+    "loss_type": "policy_loss (RL on rollouts) or sft_loss (a warm start on demonstrations; = agentrl sft)",
+    "num_epoch": "passes over the prompts (RL: sets --num-rollout) or the demonstrations (SFT; default 1)",
+    "sft_data": "demonstrations: conversations {messages, tools} as .jsonl/.json/.parquet or a datasets folder",
+    "demo_policy": "demonstrations: MODULE:FN policy(messages, task) -> text, played on --env over --prompt-data",
+    "demo_engine_url": "demonstrations by rejection sampling: --n-samples-per-prompt episodes per task on this "
+                       "engine (same tokenizer), kept at or above --demo-min-reward (repeatable)",
+    "demo_min_reward": "the reward a played or sampled episode must reach to become a demonstration",
+    "demo_best_of_n": "keep only the best sampled episode of each task (with --demo-engine-url)",
+    "allow_non_token_exact": "train on samples that are not token-exact (chat-API rollouts, demonstrations the "
+                             "template cannot lay down turn by turn) instead of refusing them",
 }
 
 
@@ -611,6 +650,16 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]),
                     **parts[RunConfig])
     cfg.train.logit_temperature = cfg.rollout.rollout_temperature
-    if values.get("num_steps_per_rollout") is None:
+    if values.get("num_epoch") is not None and values.get("num_rollout") is not None:
+        raise ValueError("bad configuration: --num-epoch and --num-rollout both set the run's length; pass one")
+    if cfg.is_sft:
+        if values.get("num_steps_per_rollout") not in (None, 1):
+            raise ValueError("bad configuration: --loss-type sft_loss makes one optimizer step per "
+                             "--global-batch-size demonstrations; drop --num-steps-per-rollout")
+        cfg.train.num_steps_per_rollout = 1
+        cfg.train.logit_temperature = 1.0  # the model itself is fitted, not its sampling distribution
+        if values.get("num_rollout") is None and cfg.num_epoch is None:
+            cfg.num_epoch = 1
+    elif values.get("num_steps_per_rollout") is None:
         cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
     return cfg

@@ -71,7 +71,7 @@ def step_metrics(samples: Sequence[Sample], *, rollout_seconds: float, train_met
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
     Per-episode statistics (``reward_*``, ``response_length_mean``, ``turns_mean``,
-    ``tool_calls_mean``) are taken over **trainable** samples only (completed or truncated): a
+    ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are taken over **trainable** samples only (completed or truncated): a
     failed or aborted sample has no real reward (the env raised, the engine died), and counting it
     as 0 would make an infrastructure fault look like a worse policy. How many there were is in
     ``count_failed`` / ``count_aborted``. With no trainable sample these means are NaN (``null`` in
@@ -93,6 +93,7 @@ def step_metrics(samples: Sequence[Sample], *, rollout_seconds: float, train_met
         "response_length_mean": _mean([s.response_length for s in trainable]),
         "turns_mean": _mean([int(s.metadata.get("num_turns", 0)) for s in trainable]),
         "tool_calls_mean": _mean([int(s.metadata.get("tool_calls", 0)) for s in trainable]),
+        "tool_call_rate": _mean([float(int(s.metadata.get("tool_calls", 0)) > 0) for s in trainable]),
         "sampled_tokens": sampled,
         "count_not_token_exact": sum(not s.token_exact for s in samples),
         "rollout_seconds": float(rollout_seconds),
@@ -239,6 +240,8 @@ def _fmt(v: Any, spec: str) -> str:
 def _metric_parts(metrics: dict[str, Any]) -> list[str]:
     """``reward 0.41 ± 0.2``, ``len 56``, ``rollout 12.1s``, ``train 8.0s``: those whose metric is present."""
     parts = []
+    if "sft_loss" in metrics and "reward_mean" not in metrics:
+        parts.append(f"loss {_fmt(metrics['sft_loss'], '.4g')}")
     if "reward_mean" in metrics:
         r = f"reward {_fmt(metrics['reward_mean'], '.3g')}"
         if "reward_std" in metrics:
@@ -274,8 +277,10 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = False, wandb: bool = False,
                  wandb_project: str | None = None, config: dict[str, Any] | None = None, console: bool = True,
                  total_steps: int | None = None, resume_step: int | None = None, plot_every: int = 1,
-                 stream: TextIO | None = None):
+                 stream: TextIO | None = None, curve_key: str = "reward_mean"):
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.curve_key = curve_key  # what the curve shows: reward_mean (RL) or loss (a warm start)
+        self.curve_file = CURVE_FILE if curve_key == "reward_mean" else f"{curve_key}_curve.png"
         self.total_steps = total_steps
         self.plot_every = plot_every
         self._tb = self._wandb = None
@@ -349,13 +354,13 @@ class MetricsLogger:
             self.plot()
 
     def plot(self) -> Path | None:
-        """Redraw ``run_dir/reward_curve.png`` from the file; a plotting error is logged, not raised."""
+        """Redraw ``run_dir/reward_curve.png`` (``loss_curve.png`` for a warm start) from the file; a plotting error is logged, not raised."""
         if self.run_dir is None or not self._dirty:
             return None
         try:
-            out = plot_rewards(self.metrics_path, self.run_dir / CURVE_FILE)
+            out = plot_rewards(self.metrics_path, self.run_dir / self.curve_file, key=self.curve_key)
         except Exception as exc:  # a broken plot must never stop training
-            log.warning("could not draw %s: %s: %s", CURVE_FILE, type(exc).__name__, exc)
+            log.warning("could not draw %s: %s: %s", self.curve_file, type(exc).__name__, exc)
             return None
         self._dirty = False
         return out

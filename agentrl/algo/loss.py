@@ -144,11 +144,27 @@ def aggregate(values: Tensor, mask: Tensor, seq_ids: Tensor, *, per_token: bool,
     return (seq_sum / seq_cnt).sum() / max(float(num_seqs), 1.0)
 
 
+def sft_loss(logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: TrainConfig, *, num_tokens: float,
+             num_seqs: float) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning (slime's ``--loss-type sft_loss``): the negative log-likelihood of the
+    demonstrated tokens, with the same normalization as the policy loss.
+
+        loss = agg(-logp_t)        over tokens with m_t = 1 (the assistant's turns, stop tokens included)
+
+    ``agg`` is :func:`aggregate` (``--calculate-per-token-loss``: a mean over every trained token of
+    the step; else each sample's mean, averaged over samples). The metric ``sft_loss`` is the same
+    value; micro-batch values sum to the step's loss.
+    """
+    nll = aggregate(-logp, mask, seq_ids, per_token=cfg.calculate_per_token_loss, num_tokens=num_tokens,
+                    num_seqs=num_seqs)
+    return nll, {"sft_loss": float(nll.detach())}
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, seq_ids: Tensor,
                 cfg: TrainConfig, *, num_tokens: float, num_seqs: float,
                 ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
                 entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch loss to ``backward()``:
+    """The micro-batch loss to ``backward()`` (:func:`sft_loss` instead with ``--loss-type sft_loss``):
 
         loss = agg(w_t * pg_t) + kl_loss_coef * agg(kl_t) - entropy_coef * agg(H_t)
 
@@ -158,6 +174,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     ``--calculate-per-token-loss``. Metrics (pg_loss, kl, entropy, clipfrac, ratio_mean) use the
     same normalization, so the trainer sums them over micro-batches.
     """
+    if cfg.loss_type == "sft_loss":
+        return sft_loss(logp, mask, seq_ids, cfg, num_tokens=num_tokens, num_seqs=num_seqs)
     agg = lambda v: aggregate(v, mask, seq_ids, per_token=cfg.calculate_per_token_loss,  # noqa: E731
                               num_tokens=num_tokens, num_seqs=num_seqs)
     if cfg.advantage_estimator == "gspo":

@@ -65,7 +65,7 @@ def passed(sample: Sample, success_threshold: float) -> bool:
 
 
 def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: float = 1.0) -> dict[str, Any]:
-    """Mean reward, pass@k (averaged over prompts) and status counts of one dataset's samples."""
+    """Mean reward, pass@k (averaged over prompts), turns, tool use and status counts of one dataset's samples."""
     groups: dict[Any, list[Sample]] = defaultdict(list)
     for s in samples:
         groups[s.group_index].append(s)
@@ -76,6 +76,10 @@ def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: f
         "reward_mean": m["reward_mean"],
         "reward_std": m["reward_std"],
         "response_length_mean": m["response_length_mean"],
+        "turns_mean": m["turns_mean"],
+        "tool_calls_mean": m["tool_calls_mean"],
+        # episodes (completed or truncated) with at least one tool call the parser read: is the tool used at all
+        "tool_call_rate": m["tool_call_rate"],
     }
     for k in ks_for(n_samples):
         per_prompt = [pass_at_k(len(g), sum(passed(s, success_threshold) for s in g), k) for g in groups.values()]
@@ -123,12 +127,12 @@ async def evaluate(
 def format_eval(results: dict[str, dict[str, Any]]) -> str:
     """A plain-text table of :func:`evaluate`'s results, one row per dataset."""
     ks = sorted({int(key[5:]) for r in results.values() for key in r if key.startswith("pass@")})
-    cols = ["dataset", "prompts", "samples", "reward", *[f"pass@{k}" for k in ks],
+    cols = ["dataset", "prompts", "samples", "reward", *[f"pass@{k}" for k in ks], "tool-call rate", "turns",
             "completed", "truncated", "failed", "aborted", "seconds"]
     rows = []
     for name, r in results.items():
         rows.append([name, str(r.get("num_prompts", "")), str(r.get("num_samples", "")), _num(r.get("reward_mean")),
-                     *[_num(r.get(f"pass@{k}")) for k in ks],
+                     *[_num(r.get(f"pass@{k}")) for k in ks], _num(r.get("tool_call_rate")), _num(r.get("turns_mean")),
                      *[str(r.get(f"count_{s}", 0)) for s in ("completed", "truncated", "failed", "aborted")],
                      f"{r.get('seconds', 0.0):.1f}"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]

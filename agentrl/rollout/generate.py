@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import traceback
@@ -37,22 +36,14 @@ GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
 
 
 def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = "label") -> list[dict[str, Any]]:
-    """Read a JSONL file of task rows; each row keeps all its keys plus ``prompt`` and ``label``.
+    """Read task rows (JSONL, JSON list, Parquet or a ``datasets`` folder: :func:`agentrl.data.read_rows`);
+    each row keeps all its keys plus ``prompt`` and ``label``.
 
-    A line that is not a JSON object, or lacks ``input_key``, is refused with its line number.
+    A row that is not a JSON object, or lacks ``input_key``, is refused with its line (or row) number.
     """
-    rows: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object per line")
-            rows.append(task_from_row(row, input_key=input_key, label_key=label_key, where=f"{path}:{n}"))
+    from agentrl.data import read_rows
+
+    rows = [task_from_row(row, input_key=input_key, label_key=label_key, where=where) for where, row in read_rows(path)]
     if not rows:
         raise ValueError(f"{path}: no tasks")
     return rows

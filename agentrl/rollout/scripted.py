@@ -33,6 +33,10 @@ class PlayResult:
     task: dict[str, Any]
     rewards: list[float] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    """The policy's text of each turn, verbatim (what a model would have sampled, tool-call markup included)."""
+    tools: list[dict] = field(default_factory=list)
+    """The env's tool schemas (what the chat template renders), for turning the episode into a demonstration."""
     terminated: bool = False
     truncated: bool = False
     error: str | None = None
@@ -55,11 +59,15 @@ async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, 
         parser = get_parser(getattr(env, "tool_parser", "hermes"))
         obs, _ = check_reset(await call_env(env.reset, seed=seed, options=dict(task)))
         result.messages.extend(obs)
+        result.tools = env.tool_schemas()
         env_limit = getattr(env, "max_turns", None)
         for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
             text = await maybe_await(policy(list(result.messages), task))
+            if not isinstance(text, str):
+                raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
             _, calls, errors = parser.parse(text)
             action = Action(text=text, tool_calls=calls, errors=errors)
+            result.texts.append(text)
             result.messages.append(action.as_message())
             obs, reward, terminated, truncated, _ = check_step(await call_env(env.step, action))
             result.rewards.append(float(reward))

@@ -264,8 +264,9 @@ class TrainLoop:
         if self.evaluator is not None and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             line.update(await self.evaluator(step))
         self.metrics.log(step, line)
-        if self.run_dir is not None and cfg.save_interval and ((step + 1) % cfg.save_interval == 0
-                                                              or step + 1 == cfg.num_rollout):
+        # with --save the final model is always kept, --save-interval or not
+        if self.run_dir is not None and ((cfg.save_interval and (step + 1) % cfg.save_interval == 0)
+                                         or step + 1 == cfg.num_rollout):
             await asyncio.to_thread(self.save, step + 1)
         return line
 

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -70,9 +71,11 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     if cfg.dynamic_sampling_filter_path:
         group_filter = (check_reward_nonzero_std if cfg.dynamic_sampling_filter_path == "default"
                         else load_function(cfg.dynamic_sampling_filter_path))
+    if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
+        cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
     args = args if args is not None else argparse_namespace(cfg)
-    source = _data_source(cfg, rows, args)
-    resume_from = checkpoints.latest_checkpoint(cfg.load) if cfg.load else None
+    source = _data_source(cfg, rows, args) if not cfg.is_sft else None
+    resume_from = _resume_point(cfg)
     resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     cfg.hf_checkpoint = str(ckpt)
@@ -85,15 +88,28 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         transformer_config_from_hf(AutoConfig.from_pretrained(str(ckpt), local_files_only=True),
                                    tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size,
                                    cp=t.context_parallel_size, overrides=dict(t.megatron_args))
+    demos = None
+    if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
+        from agentrl.runtime.sft import load_demonstrations, sft_steps
+
+        demos = load_demonstrations(cfg, factory, rows if (cfg.demo_policy or cfg.demo_engine_url) else [], ckpt)
+        cfg.num_rollout = sft_steps(cfg, len(demos))
     run_dir = Path(cfg.save) if cfg.save else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        if demos is not None:
+            with open(run_dir / "demos.jsonl", "w", encoding="utf-8") as f:
+                f.writelines(s.to_json() + "\n" for s in demos)
     with contextlib.ExitStack() as stack:
         runtime = stack.enter_context(_Runtime(cfg, ckpt))
-        loop = runtime.build_loop(factory=factory, source=source, args=args, custom_generate=custom_generate,
-                                  custom_rm=custom_rm, group_filter=group_filter, eval_sets=eval_sets,
-                                  resume_step=resume_step)
+        if demos is not None:
+            loop = runtime.build_sft_loop(demos=demos, factory=factory, eval_sets=eval_sets, custom_rm=custom_rm,
+                                          args=args, resume_step=resume_step)
+        else:
+            loop = runtime.build_loop(factory=factory, source=source, args=args, custom_generate=custom_generate,
+                                      custom_rm=custom_rm, group_filter=group_filter, eval_sets=eval_sets,
+                                      resume_step=resume_step)
         if resume_from is not None:
             loop.resume(resume_from)
         t0 = time.monotonic()
@@ -102,6 +118,27 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         summary["wall_seconds"] = round(time.monotonic() - t0, 1)
         summary["run_dir"] = str(run_dir) if run_dir else None
         return summary
+
+
+def _resume_point(cfg: RunConfig) -> Path | None:
+    """The checkpoint ``--load`` resumes from. A folder that holds a run but no complete checkpoint is
+    refused (resuming must never silently start over); a missing or empty folder starts fresh, and says so."""
+    from agentrl.runtime import checkpoints
+
+    if not cfg.load:
+        return None
+    found = checkpoints.latest_checkpoint(cfg.load)
+    if found is not None:
+        if checkpoints.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
+            raise ValueError(f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
+                             "; to start from its weights pass it as --hf-checkpoint instead")
+        return found
+    root = Path(cfg.load)
+    if root.is_dir() and any(root.iterdir()):
+        raise ValueError(f"--load {cfg.load}: the folder holds no complete checkpoint (iter_*/loop_state.json); "
+                         "pass the run folder that has one, or drop --load to start a new run elsewhere")
+    print(f"--load {cfg.load}: no checkpoint yet; starting from --hf-checkpoint", file=sys.stderr)
+    return None
 
 
 async def _run(loop: Any) -> list[dict[str, Any]]:
@@ -222,8 +259,8 @@ class _Runtime:
         base = Path(self.cfg.save) if self.cfg.save else Path.cwd() / ".agentrl"
         return str(base / "weight_sync")
 
-    def build_loop(self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets,
-                   resume_step) -> Any:
+    def _context(self, args: Any, resume_step: int | None, curve_key: str = "reward_mean") -> Any:
+        """The episodes' context (router over the run's engines, chat template) and the metrics logger."""
         from transformers import AutoTokenizer
 
         from agentrl.chat import ChatTemplate
@@ -232,7 +269,6 @@ class _Runtime:
         from agentrl.metrics import MetricsLogger
         from agentrl.rollout.episode import EpisodeContext
         from agentrl.rollout.generate import bind_engine_args
-        from agentrl.runtime.loop import TrainLoop
 
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
@@ -242,7 +278,24 @@ class _Runtime:
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                      wandb_project=cfg.wandb_project, config=config_dict(cfg),
-                                     total_steps=cfg.num_rollout, resume_step=resume_step)
+                                     total_steps=cfg.num_rollout, resume_step=resume_step, curve_key=curve_key)
+        return ctx
+
+    def build_sft_loop(self, *, demos, factory, eval_sets, custom_rm, args, resume_step) -> Any:
+        from agentrl.runtime.sft import SFTLoop
+
+        ctx = self._context(args, resume_step, curve_key="loss")
+        evaluator = _evaluator(self.cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
+        return SFTLoop(self.cfg, demos=demos, trainers=self.trainers, metrics=self.metrics,
+                       sync_weights=self.sync_weights, evaluator=evaluator, ctx=ctx)
+
+    def build_loop(self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets,
+                   resume_step) -> Any:
+        from agentrl.runtime.loop import TrainLoop
+
+        cfg = self.cfg
+        ctx = self._context(args, resume_step)
+        engine = ctx.engine
         evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
         return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
                          sync_weights=self.sync_weights, metrics=self.metrics, args=args,

@@ -1,0 +1,405 @@
+"""Demonstrations for warm starts: token-exact Samples laid down exactly as a rollout would lay them.
+
+Small models rarely find a tool call by sampling, so RL on them starts from a supervised warm
+start (DeepSeek-R1's cold start, ReTool's cold-start SFT, slime's ``--loss-type sft_loss``). What
+is trained in that warm start must be what the rollout produces later, token for token, or the
+policy learns a format the episode loop never shows it. So every demonstration goes through the
+same :class:`~agentrl.chat.TokenLedger` as an episode: the first observation rendered once by the
+chat template (mask 0), each assistant turn as the text the model would sample plus its stop token
+(mask 1), each observation as a template delta (mask 0).
+
+Three sources, all ending as :class:`~agentrl.Sample` objects with ``token_exact=True``:
+
+- :func:`conversation_samples`: rows in the OpenAI / Hugging Face conversational shape
+  (``{"messages": [...], "tools": [...]}``, assistant ``tool_calls``, ``tool`` messages with
+  ``tool_call_id``), checked before anything trains: each bad row is refused with its file and
+  line. After laying a row down, its tokens are compared with the template's own rendering of the
+  whole conversation; a template that rewrites earlier turns is refused at the first differing
+  token (or kept as ``token_exact=False`` when the user opts in).
+- :func:`scripted_samples`: a Python policy played on the env (:func:`~agentrl.rollout.scripted.play`),
+  keeping episodes whose reward reaches ``min_reward``.
+- :func:`rejection_samples`: real episodes from an engine (the policy itself, or a teacher that
+  shares its tokenizer), ``n`` per task, keeping those at or above ``min_reward`` (best-of-n per
+  task optionally): rejection-sampling fine-tuning / expert iteration.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
+from agentrl.types import Message, Sample, Status
+
+__all__ = ["DemoError", "DemoStats", "DemoBuilder", "conversation_samples", "scripted_samples", "rejection_samples",
+           "check_conversation"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DemoError(ValueError):
+    """A demonstration that cannot be trained on as it is; the message names its file and row."""
+
+
+@dataclass
+class DemoStats:
+    """What happened to the demonstrations of a run; printed before training starts."""
+
+    rows: int = 0
+    kept: int = 0
+    below_min_reward: int = 0
+    failed_episodes: int = 0
+    not_token_exact: int = 0
+    assistant_turns: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    trailing_messages: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, sample: Sample) -> None:
+        self.kept += 1
+        self.assistant_turns += len(sample.metadata.get("turn_spans", []))
+        self.tokens += len(sample.tokens)
+        self.trained_tokens += sum(sample.loss_mask or [])
+        self.not_token_exact += not sample.token_exact
+
+    def summary(self) -> str:
+        parts = [f"{self.kept} of {self.rows} demonstrations kept", f"{self.assistant_turns} assistant turns",
+                 f"{self.tokens} tokens ({self.trained_tokens} trained)"]
+        if self.below_min_reward:
+            parts.append(f"{self.below_min_reward} below --demo-min-reward")
+        if self.failed_episodes:
+            parts.append(f"{self.failed_episodes} episodes failed or aborted")
+        if self.not_token_exact:
+            parts.append(f"{self.not_token_exact} kept as token_exact=false (--allow-non-token-exact)")
+        if self.trailing_messages:
+            parts.append(f"{self.trailing_messages} messages after the last assistant turn not trained on")
+        return ", ".join(parts)
+
+
+def _stop_token(template: ChatTemplate, tail: str) -> tuple[int, str]:
+    """The end-of-turn token the model samples: the one whose text starts the template's assistant tail."""
+    for tid in template.eos_token_ids:
+        text = template.decode([tid])
+        if text and tail.startswith(text):
+            return tid, text
+    raise TemplateError(f"the chat template ends an assistant turn with {tail!r}, which starts with none of the "
+                        "tokenizer's end-of-turn tokens; a model could not end its turn as this template writes it")
+
+
+class DemoBuilder:
+    """One demonstration laid into a :class:`TokenLedger` as :func:`~agentrl.rollout.episode.run_episode` would.
+
+    ``first`` is the first observation (what ``env.reset`` returns), ``tools`` the OpenAI schemas
+    the template renders. :meth:`assistant` appends a turn's text plus the stop token (mask 1,
+    log-prob 0.0: these tokens were not sampled); :meth:`observe` appends the template delta of an
+    observation (mask 0).
+    """
+
+    def __init__(self, template: ChatTemplate, first: Sequence[Message], tools: Sequence[dict] | None):
+        self.template, self.tools, self.first = template, list(tools or []) or None, list(first)
+        _, prompt_ids = template.prompt(self.first, self.tools)
+        self.context = template.delta_context(self.tools, self.first)
+        self.stop_id, self.stop_text = _stop_token(template, self.context[2])
+        self.ledger = TokenLedger(prompt_ids)
+
+    def assistant_text(self, message: Message) -> str:
+        """What the model writes for an assistant message (content plus tool calls in the template's wire format)."""
+        head = self.first[:1] if self.first and self.first[0].get("role") == "system" else []
+        base = [*head, {"role": "user", "content": "x"}]
+        before = self.template.render(base, self.tools, add_generation_prompt=True)
+        after = self.template.render([*base, message], self.tools, add_generation_prompt=False)
+        tail = self.context[2]
+        if not after.startswith(before) or not after.endswith(tail):
+            raise TemplateError("the chat template does not render an assistant message as generation prompt + "
+                                "content + end of turn; it cannot be trained turn by turn")
+        return after[len(before):len(after) - len(tail)]
+
+    def assistant(self, text: str) -> None:
+        ids = self.template.encode(text) + [self.stop_id]
+        self.ledger.append_model(ids, [0.0] * len(ids))
+
+    def observe(self, messages: Sequence[Message]) -> None:
+        delta = self.template.observation_delta(messages, self.tools, last_token_text=self.stop_text,
+                                                context=self.context)
+        self.ledger.append_env(self.template.encode(delta))
+
+    def difference(self, conversation: Sequence[Message]) -> str | None:
+        """Where the ledger differs from the template's rendering of ``conversation`` (None: it does not).
+
+        The ledger must be a prefix of the tokenized whole rendering, followed only by the part of
+        the assistant tail after the stop token (e.g. ChatML's ``\\n``), which a rollout writes at
+        the start of the next observation.
+        """
+        full = self.template.encode(self.template.render(conversation, self.tools, add_generation_prompt=False))
+        ours = self.ledger.tokens
+        bridge = self.context[2][len(self.stop_text):]
+        if full[:len(ours)] == ours and self.template.decode(full[len(ours):]) == bridge:
+            return None
+        i = next((k for k, (a, b) in enumerate(zip(ours, full)) if a != b), min(len(ours), len(full)))
+        show = lambda ids: repr(self.template.decode(ids[i:i + 8])) if i < len(ids) else "(end)"  # noqa: E731
+        return (f"the chat template does not reproduce this conversation turn by turn: first difference at token {i} "
+                f"of {len(ours)}: laid down {show(ours)}, whole rendering {show(full)}")
+
+    def sample(self, *, prompt: list[Message], label: Any = None, reward: float = 0.0,
+               turn_rewards: Sequence[float] = (), token_exact: bool = True, **metadata: Any) -> Sample:
+        led = self.ledger
+        meta = {"turn_rewards": list(turn_rewards), "turn_spans": [list(s) for s in led.model_spans],
+                "env_spans": [list(s) for s in led.env_spans], "num_turns": len(led.model_spans),
+                "status_reason": "demonstration", "demo": True, **metadata}
+        s = Sample(prompt=prompt, tokens=led.tokens, response=self.template.decode(led.response_ids),
+                   response_length=len(led.response_ids), label=label, reward=float(reward),
+                   loss_mask=list(led.loss_mask), status=Status.COMPLETED, metadata=meta,
+                   rollout_log_probs=list(led.log_probs), weight_versions=["demo"] * len(led.model_spans),
+                   token_exact=token_exact)
+        s.validate()
+        return s
+
+
+# -- conversations -----------------------------------------------------------------------------------
+
+def _tool_names(schemas: Sequence[dict] | None) -> set[str]:
+    names = set()
+    for t in schemas or []:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            names.add(f["name"])
+    return names
+
+
+def _check_tools(tools: Any, where: str) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DemoError(f"{where}: 'tools' must be a list of OpenAI tool schemas")
+    for i, t in enumerate(tools):
+        f = t.get("function", t)
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise DemoError(f"{where}: tools[{i}] has no function name (expected {{'type': 'function', "
+                            "'function': {'name': ..., 'parameters': {...}}}})")
+    return tools
+
+
+def _check_call(call: Any, offered: set[str] | None, where: str) -> str | None:
+    """Validate one OpenAI ``tool_calls`` entry; return its id (None when it has none)."""
+    if not isinstance(call, dict):
+        raise DemoError(f"{where}: expected a tool call object, got {type(call).__name__}")
+    f = call.get("function", call)
+    name = f.get("name") if isinstance(f, dict) else None
+    if not isinstance(name, str) or not name:
+        raise DemoError(f"{where}: a tool call needs function.name")
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise DemoError(f"{where}: arguments of {name!r} are not valid JSON ({exc})") from None
+    if not isinstance(args, dict):
+        raise DemoError(f"{where}: arguments of {name!r} must be a JSON object, got {type(args).__name__}")
+    if offered is not None and name not in offered:
+        raise DemoError(f"{where}: calls tool {name!r}, which is not offered (offered: {sorted(offered) or 'none'})")
+    cid = call.get("id")
+    if cid is not None and not isinstance(cid, str):
+        raise DemoError(f"{where}: tool call id must be a string")
+    return cid
+
+
+def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None = None) -> list[Message]:
+    """The row's messages, validated; :class:`DemoError` naming ``where`` and the message otherwise.
+
+    Checks: a non-empty ``messages`` list of dicts with a known role and string content (``None``
+    allowed for an assistant message with tool calls); it starts with system or user; at least one
+    assistant turn; every tool call names an offered tool with JSON-object arguments; every ``tool``
+    message answers a call of the assistant turn before it (by ``tool_call_id``, else in order).
+    """
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise DemoError(f"{where}: no 'messages' list (expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}], "
+                        f"\"tools\": [...]}}); keys are {sorted(row)}")
+    pending: list[str | None] = []
+    for i, m in enumerate(msgs):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise DemoError(f"{at} is {type(m).__name__}, expected an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise DemoError(f"{at} has role {role!r}; expected one of {', '.join(_ROLES)}")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
+            raise DemoError(f"{at} ({role}): content must be a string, got {type(content).__name__}")
+        if i == 0 and role not in ("system", "user"):
+            raise DemoError(f"{at}: a conversation starts with a system or user message, not {role}")
+        if role == "assistant":
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise DemoError(f"{at}: tool_calls must be a list")
+            pending = [_check_call(c, offered, f"{at}.tool_calls[{k}]") for k, c in enumerate(calls)]
+        elif role == "tool":
+            cid = m.get("tool_call_id")
+            if not pending:
+                raise DemoError(f"{at}: a tool message with no unanswered tool call before it")
+            if cid is not None and cid in pending:
+                pending.remove(cid)
+            elif cid is not None and any(p is not None for p in pending):
+                raise DemoError(f"{at}: tool_call_id {cid!r} matches no call of the assistant turn before it "
+                                f"(unanswered: {[p for p in pending if p is not None]})")
+            else:
+                pending.pop(0)
+        else:
+            pending = []
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DemoError(f"{where}: no assistant message: nothing to train on")
+    return [dict(m) for m in msgs]
+
+
+def conversation_sample(template: ChatTemplate, messages: Sequence[Message], tools: Sequence[dict] | None,
+                        where: str, *, allow_non_token_exact: bool = False, label: Any = None) -> tuple[Sample, int]:
+    """One checked conversation as a Sample; also returns how many trailing messages were not trained on."""
+    first_assistant = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    first = list(messages[:first_assistant])
+    try:
+        b = DemoBuilder(template, first, tools)
+        i = first_assistant
+        while i <= last_assistant:
+            b.assistant(b.assistant_text(messages[i]))
+            j = i + 1
+            while j <= last_assistant and messages[j]["role"] != "assistant":
+                j += 1
+            if j <= last_assistant:
+                b.observe(messages[i + 1:j])
+            i = j
+    except TemplateError as exc:
+        raise DemoError(f"{where}: {exc}") from None
+    problem = b.difference(messages[:last_assistant + 1])
+    if problem is not None and not allow_non_token_exact:
+        raise DemoError(f"{where}: {problem} (pass --allow-non-token-exact to keep such rows as token_exact=false)")
+    sample = b.sample(prompt=first, label=label, token_exact=problem is None, source=where)
+    return sample, len(messages) - last_assistant - 1
+
+
+def conversation_samples(rows: Iterable[tuple[str, dict[str, Any]]], template: ChatTemplate, *,
+                         env_tools: Sequence[dict] | None = None, allow_non_token_exact: bool = False,
+                         max_problems: int = 20) -> tuple[list[Sample], DemoStats]:
+    """Conversational rows (``(where, row)``, e.g. from :func:`agentrl.data.read_rows`) as Samples.
+
+    With ``env_tools`` (the env's schemas) every row renders with the env's tools, exactly as its
+    rollouts do; a row's own ``tools`` must then name the same tools. Without, each row renders with
+    its own ``tools``. Every row is checked first; any problem stops the load with up to
+    ``max_problems`` of them listed, so nothing trains on half a file.
+    """
+    stats = DemoStats()
+    samples: list[Sample] = []
+    env_names = _tool_names(env_tools) if env_tools is not None else None
+    for where, row in rows:
+        stats.rows += 1
+        try:
+            tools = _check_tools(row.get("tools"), where)
+            if env_tools is not None and tools and _tool_names(tools) != env_names:
+                raise DemoError(f"{where}: its tools {sorted(_tool_names(tools))} differ from the env's "
+                                f"{sorted(env_names or [])}; demonstrations render with the env's tools")
+            schemas = list(env_tools) if env_tools is not None else tools
+            offered = env_names if env_tools is not None else _tool_names(tools)
+            messages = check_conversation(row, where, offered)
+            sample, trailing = conversation_sample(template, messages, schemas, where,
+                                                   allow_non_token_exact=allow_non_token_exact, label=row.get("label"))
+        except DemoError as exc:
+            stats.problems.append(str(exc))
+            if len(stats.problems) >= max_problems:
+                break
+            continue
+        stats.trailing_messages += trailing
+        stats.add(sample)
+        samples.append(sample)
+    if stats.problems:
+        more = " (stopped at the first %d)" % max_problems if len(stats.problems) >= max_problems else ""
+        raise DemoError(f"{len(stats.problems)} demonstration(s) refused{more}:\n  " + "\n  ".join(stats.problems))
+    if not samples:
+        raise DemoError("no demonstrations: the file has no rows")
+    return samples, stats
+
+
+# -- scripted policies ---------------------------------------------------------------------------------
+
+def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
+    """A :class:`~agentrl.rollout.scripted.PlayResult` as a Sample: the policy's texts verbatim, the env's
+    observations as deltas (the last observation, after the final turn, is not part of an episode)."""
+    msgs = result.messages
+    first_assistant = next(i for i, m in enumerate(msgs) if m.get("role") == "assistant")
+    b = DemoBuilder(template, msgs[:first_assistant], result.tools)
+    conversation = list(msgs[:first_assistant])
+    asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+    for k, (i, text) in enumerate(zip(asst, result.texts)):
+        b.assistant(text)
+        conversation.append({"role": "assistant", "content": text})
+        if k + 1 < len(asst):
+            obs = msgs[i + 1:asst[k + 1]]
+            b.observe(obs)
+            conversation.extend(obs)
+    problem = b.difference(conversation)
+    if problem is not None:
+        raise DemoError(f"{where}: {problem}")
+    return b.sample(prompt=list(msgs[:first_assistant]), label=result.task.get("label"), reward=result.reward,
+                    turn_rewards=result.rewards, source=where)
+
+
+async def scripted_samples(make_env: Callable[[], Any], policy: Callable, tasks: Sequence[dict[str, Any]],
+                           template: ChatTemplate, *, min_reward: float | None = None, max_turns: int = 10,
+                           seed: int = 0, concurrency: int = 8) -> tuple[list[Sample], DemoStats]:
+    """Play ``policy`` once per task; keep episodes without errors whose reward reaches ``min_reward``."""
+    from agentrl.rollout.scripted import play
+
+    results = await play(make_env, policy, tasks, seed=seed, max_turns=max_turns, concurrency=concurrency)
+    stats = DemoStats(rows=len(results))
+    samples = []
+    for i, r in enumerate(results):
+        if r.error is not None or not r.texts:
+            stats.failed_episodes += 1
+            stats.problems.append(f"task {i}: {r.error or 'no turn played'}")
+            continue
+        if min_reward is not None and r.reward < min_reward:
+            stats.below_min_reward += 1
+            continue
+        s = played_sample(template, r, f"task {i}")
+        s.group_index, s.index = i, i
+        stats.add(s)
+        samples.append(s)
+    return samples, stats
+
+
+# -- rejection sampling ----------------------------------------------------------------------------------
+
+async def rejection_samples(ctx: Any, make_env: Callable[[], Any], tasks: Sequence[dict[str, Any]], *,
+                            min_reward: float, best_of_n: bool = False) -> tuple[list[Sample], DemoStats]:
+    """``ctx.config.n_samples_per_prompt`` real episodes per task on ``ctx.engine``; keep the good ones.
+
+    Kept: completed or truncated, token-exact, reward >= ``min_reward``; with ``best_of_n`` only the
+    highest-reward one of each task. The episodes' ids are the engine's own, so the engine must share
+    the trained model's tokenizer (the policy itself, or a larger model of the same family).
+    """
+    from agentrl.rollout.generate import generate_rollout
+
+    rollout, _ = await generate_rollout(ctx, make_env, tasks)
+    stats = DemoStats(rows=len(rollout))
+    best: dict[int, Sample] = {}
+    kept: list[Sample] = []
+    for s in rollout:
+        if s.status not in (Status.COMPLETED, Status.TRUNCATED) or not s.token_exact or not s.response_length:
+            stats.failed_episodes += 1
+            continue
+        if float(s.reward or 0.0) < min_reward:
+            stats.below_min_reward += 1
+            continue
+        s.metadata["demo"] = True
+        g = int(s.group_index or 0)
+        if best_of_n:
+            if g not in best or float(s.reward or 0) > float(best[g].reward or 0):
+                best[g] = s
+        else:
+            kept.append(s)
+    if best_of_n:
+        kept = [best[g] for g in sorted(best)]
+    for s in kept:
+        stats.add(s)
+    return kept, stats

@@ -1,0 +1,172 @@
+"""Supervised warm starts: demonstrations in, the same trainer, checkpoints and metrics as RL out.
+
+``agentrl sft`` (= ``agentrl train --loss-type sft_loss``, slime's name) trains on token-exact
+demonstrations (:mod:`agentrl.rollout.demos`) with the trainer backends, Ray actors, ``iter_*``
+checkpoints, ``metrics.jsonl`` and eval that ``agentrl train`` uses; only the data and the loss
+differ. One step is one optimizer step on ``--global-batch-size`` demonstrations drawn in a seeded,
+epoch-shuffled order (:class:`~agentrl.runtime.data.PromptSource`, whose cursor is checkpointed);
+``--num-epoch`` passes over the demonstrations (default 1), or ``--num-rollout`` steps.
+
+Demonstrations are loaded and checked before Ray starts (:func:`load_demonstrations`): a bad row
+stops the run with its file and line before any model is loaded for training, and the counts are
+printed. With ``--save`` they are also written to ``<save>/demos.jsonl`` (``agentrl view`` shows
+what was trained on, token by token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from agentrl.config import RunConfig
+from agentrl.runtime import checkpoints
+from agentrl.runtime.data import PromptSource
+from agentrl.trainer.base import TrainSample
+from agentrl.types import Sample
+
+__all__ = ["SFTLoop", "load_demonstrations"]
+
+
+def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], checkpoint: Path) -> list[Sample]:
+    """The run's demonstrations as Samples, from ``--sft-data``, ``--demo-policy`` or ``--demo-engine-url``."""
+    from transformers import AutoTokenizer
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.rollout import demos
+
+    template = ChatTemplate(AutoTokenizer.from_pretrained(str(checkpoint)), tool_template=cfg.rollout.tool_template)
+    if cfg.sft_data:
+        from agentrl.data import read_rows
+
+        env_tools = factory().tool_schemas() if factory is not None else None
+        samples, stats = demos.conversation_samples(read_rows(cfg.sft_data), template, env_tools=env_tools,
+                                                    allow_non_token_exact=cfg.allow_non_token_exact)
+    elif cfg.demo_policy:
+        from agentrl.env import load_function
+
+        policy = load_function(cfg.demo_policy)
+        samples, stats = asyncio.run(_scripted(factory, policy, rows, template, cfg))
+    else:
+        samples, stats = asyncio.run(_rejection(cfg, factory, rows, template))
+    print(f"demonstrations: {stats.summary()}", file=sys.stderr)
+    for line in stats.problems[:5]:
+        print(f"  {line}", file=sys.stderr)
+    if not samples:
+        raise ValueError("no demonstrations to train on: " + stats.summary() +
+                         ("; lower --demo-min-reward" if stats.below_min_reward else ""))
+    return samples
+
+
+async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], template: Any, cfg: RunConfig) -> Any:
+    from agentrl.rollout.demos import scripted_samples
+    from agentrl.sandbox import close_default_pool
+
+    try:
+        return await scripted_samples(factory, policy, rows, template, min_reward=cfg.demo_min_reward,
+                                      max_turns=cfg.rollout.turn_limit(getattr(factory, "max_turns", None)),
+                                      seed=cfg.rollout.rollout_seed, concurrency=min(cfg.rollout.rollout_concurrency, 32))
+    finally:
+        await close_default_pool()
+
+
+async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], template: Any) -> Any:
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.engines.router import Router
+    from agentrl.rollout.demos import rejection_samples
+    from agentrl.rollout.episode import EpisodeContext
+    from agentrl.sandbox import close_default_pool
+
+    engine = Router([SGLangEngine(u) for u in cfg.demo_engine_url])
+    ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
+    try:
+        assert cfg.demo_min_reward is not None  # validated
+        return await rejection_samples(ctx, factory, rows, min_reward=cfg.demo_min_reward,
+                                       best_of_n=cfg.demo_best_of_n)
+    finally:
+        await engine.close()
+        await close_default_pool()
+
+
+def sft_steps(cfg: RunConfig, n_demos: int) -> int:
+    """Optimizer steps of the run: ``--num-epoch`` passes of ``--global-batch-size`` demonstrations, or ``--num-rollout``."""
+    if cfg.num_epoch is not None:
+        return cfg.num_epoch * math.ceil(n_demos / cfg.train.global_batch_size)
+    return cfg.num_rollout
+
+
+class SFTLoop:
+    """Drives a warm start; collaborators are passed in, as for :class:`~agentrl.runtime.loop.TrainLoop`.
+
+    ``sync_weights(version)`` and ``evaluator(step)`` are only used at ``--eval-interval`` steps (and
+    after the last step when eval sets are given): the engines serve the checkpoint until then.
+    """
+
+    def __init__(self, cfg: RunConfig, *, demos: list[Sample], trainers: Any, metrics: Any,
+                 sync_weights: Callable[[int], Any] | None = None, evaluator: Callable[[int], Any] | None = None,
+                 ctx: Any = None):
+        self.cfg, self.demos, self.trainers, self.metrics = cfg, demos, trainers, metrics
+        self.ctx = ctx  # the eval episodes' context (its engine is closed with the run)
+        self.sync_weights, self.evaluator = sync_weights, evaluator
+        self.source = PromptSource([{"demo": i} for i in range(len(demos))], shuffle=cfg.shuffle_prompts,
+                                   seed=cfg.train.seed)
+        self.total = sft_steps(cfg, len(demos))
+        self.per_epoch = math.ceil(len(demos) / cfg.train.global_batch_size)
+        self.start_step = 0
+        self.version = 0
+        self.run_dir = Path(cfg.save) if cfg.save else None
+
+    def batch(self) -> list[TrainSample]:
+        """The next ``--global-batch-size`` demonstrations as trainer records (advantages unused: zeros)."""
+        picked = [self.demos[r["demo"]] for r in self.source.get_samples(self.cfg.train.global_batch_size)]
+        return [TrainSample(tokens=list(s.tokens), response_length=s.response_length, loss_mask=list(s.loss_mask or []),
+                            advantages=[0.0] * s.response_length) for s in picked]
+
+    async def run(self) -> list[dict[str, Any]]:
+        lines = []
+        for step in range(self.start_step, self.total):
+            lines.append(await self.step(step))
+        return lines
+
+    async def step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        batch = self.batch()
+        t0 = time.monotonic()
+        metrics = await asyncio.to_thread(self.trainers.train_step, batch)
+        self.version += 1
+        line: dict[str, Any] = {**metrics, "epoch": (step + 1) / self.per_epoch, "train_samples": len(batch),
+                                "step_train_seconds": time.monotonic() - t0}
+        last = step + 1 == self.total
+        if self.evaluator is not None and ((cfg.eval_interval and (step + 1) % cfg.eval_interval == 0) or last):
+            if self.sync_weights is not None:
+                await asyncio.to_thread(self.sync_weights, self.version)
+            line.update(await self.evaluator(step))
+        self.metrics.log(step, line)
+        if self.run_dir is not None and ((cfg.save_interval and (step + 1) % cfg.save_interval == 0) or last):
+            await asyncio.to_thread(self.save, step + 1)
+        return line
+
+    def save(self, steps_done: int) -> Path:
+        """``iter_<steps_done>``: the HF model, optimizer and RNG state, the demonstration cursor."""
+        assert self.run_dir is not None
+        tmp = checkpoints.begin(self.run_dir, steps_done)
+        state = {"step": steps_done, "weight_version": self.version, "loss_type": "sft_loss",
+                 "data": self.source.state_dict(), "python_random": repr(random.getstate())}
+        self.trainers.save(str(tmp), extra_state={"loop": state})
+        return checkpoints.commit(self.run_dir, steps_done, tmp, state)
+
+    def resume(self, path: Path) -> None:
+        """Continue from a checkpoint written by :meth:`save`."""
+        state = checkpoints.read_loop_state(path)
+        self.trainers.load(str(path))
+        if state.get("data") is not None:
+            self.source.load_state_dict(state["data"])
+        self.start_step = int(state["step"])
+        self.version = int(state.get("weight_version", self.start_step))
+        if hasattr(self.metrics, "truncate_after"):
+            self.metrics.truncate_after(self.start_step)
+        print(f"resumed from {path} at step {self.start_step}", file=sys.stderr)
