@@ -27,7 +27,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise FileNotFoundError(f"{path}: No such file or folder")
     if p.is_dir():
         yield from _datasets_rows(p)
     elif p.suffix == ".jsonl":
