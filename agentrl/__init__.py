@@ -6,7 +6,9 @@ out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewa
 :func:`train` (``agentrl train``) runs GRPO-family training on them with a :class:`RunConfig`.
 Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
 frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
-runs an env with a scripted policy.
+runs an env with a scripted policy. Warm starts (``agentrl sft``) train on demonstrations made
+token-exact by :func:`conversation_samples` (OpenAI-format conversations, read by :func:`read_rows`),
+:func:`scripted_samples` (a scripted policy) or :func:`rejection_samples` (an engine's best episodes).
 
 The scale path is imported on first use (it pulls in megatron-core and Ray): the trainer backends
 :class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
@@ -22,10 +24,14 @@ from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
 from agentrl.sandbox import ExecResult, Sandbox, SandboxConfig, create_sandbox
 from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
 from agentrl.rollout.scripted import play
+from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
+from agentrl.data import read_rows
 
 
 __all__ = [
     "Action",
+    "DemoError",
+    "DemoStats",
     "Env",
     "ExecResult",
     "GymnasiumEnv",
@@ -45,11 +51,15 @@ __all__ = [
     "ToolResult",
     "TrainConfig",
     "check_env",
+    "conversation_samples",
     "create_sandbox",
     "load_env",
     "make",
     "play",
+    "read_rows",
     "register",
+    "rejection_samples",
+    "scripted_samples",
     "tool",
     "train",
 ]

@@ -123,26 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--success-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
     e.add_argument("--output", default=None, help="write the results as JSON here")
 
-    t = sub.add_parser("train", help="GRPO-family training: rollout on engines, train on Ray actors, sync weights",
-                       description="Flags follow slime's names; --config FILE.yaml|.toml holds the same keys "
-                                   "(flags on the command line win). Pass-through: --sglang-NAME VALUE goes to "
-                                   "every SGLang server as --NAME VALUE (--rollout-backend sglang); any other "
-                                   "unknown --NAME VALUE is a Megatron flag (a megatron-core TransformerConfig "
-                                   "field, --train-backend megatron).", allow_abbrev=False)
-    t.add_argument("--config", default=None, help="YAML or TOML file of flag values")
     from agentrl.config import add_config_flags
 
-    add_config_flags(t)
-
-    w = sub.add_parser("sft", help="warm start: supervised fine-tuning on token-exact demonstrations "
-                                   "(= train --loss-type sft_loss)",
-                       description="The flags of `agentrl train` (slime's names); demonstrations come from exactly one "
-                                   "of --sft-data FILE (conversations {messages, tools}), --demo-policy MODULE:FN "
-                                   "(a scripted policy played on --env) or --demo-engine-url URL (rejection sampling). "
-                                   "--num-epoch passes (default 1); --save keeps iter_* HF checkpoints that "
-                                   "`agentrl train --hf-checkpoint RUN_DIR` starts RL from.", allow_abbrev=False)
-    w.add_argument("--config", default=None, help="YAML or TOML file of flag values")
-    add_config_flags(w)
+    for name, help_, description in (
+        ("train", "GRPO-family training: rollout on engines, train on Ray actors, sync weights",
+         "Flags follow slime's names; --config FILE.yaml|.toml holds the same keys (flags on the command line "
+         "win). Pass-through: --sglang-NAME VALUE goes to every SGLang server as --NAME VALUE (--rollout-backend "
+         "sglang); any other unknown --NAME VALUE is a Megatron flag (a megatron-core TransformerConfig field, "
+         "--train-backend megatron)."),
+        ("sft", "warm start: supervised fine-tuning on token-exact demonstrations (= train --loss-type sft_loss)",
+         "The flags of `agentrl train` (slime's names); demonstrations come from exactly one of --sft-data FILE "
+         "(conversations {messages, tools}), --demo-policy MODULE:FN (a scripted policy played on --env) or "
+         "--demo-engine-url URL (rejection sampling). --num-epoch passes (default 1); --save keeps iter_* HF "
+         "checkpoints that `agentrl train --hf-checkpoint RUN_DIR` starts RL from."),
+    ):
+        t = sub.add_parser(name, help=help_, description=description, allow_abbrev=False)
+        t.add_argument("--config", default=None, help="YAML or TOML file of flag values")
+        add_config_flags(t)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
     c.add_argument("--env", required=True)

@@ -284,6 +284,11 @@ class RunConfig:
              "--demo-engine-url (rejection sampling) needs --demo-min-reward: the reward an episode must reach"),
             (not (sft and (self.eval_prompt_data or self.demo_policy or self.demo_engine_url) and self.env is None),
              "eval sets and played demonstrations need --env MODULE:CLASS"),
+            (not (sft and self.sft_data and self.prompt_data),
+             "--prompt-data is what --demo-policy / --demo-engine-url play; --sft-data brings its own conversations: "
+             "drop one of them"),
+            (not (self.num_epoch is not None and self.data_source_path),
+             "--num-epoch counts passes over --prompt-data; a --data-source-path has no fixed size: use --num-rollout"),
             (not (sft and self.custom_generate_function_path), "--custom-generate-function-path is for RL rollouts, "
                                                                "not --loss-type sft_loss"),
             (not (sft and self.async_mode), "--async overlaps rollouts with training: not for --loss-type sft_loss"),

@@ -20,3 +20,16 @@ def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_pat
     assert len(samples) == 8 and json.loads(r.stdout)["samples"] == 8
     assert all(s["label"] in {"42", "127", "7.75", "1000"} for s in samples)
     assert (REPO / data).is_file()
+
+
+def test_main_job_configs_are_valid_and_the_held_out_set_is_unseen():
+    from agentrl.config import load_config_file, run_config_from_values
+    from envs.calculator import Calculator
+
+    warm = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/sft.yaml"))
+    rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))
+    warm.validate(), rl.validate()
+    assert warm.is_sft and warm.demo_policy and not rl.is_sft and rl.hf_checkpoint == warm.save
+    held_out = [json.loads(x) for x in open(REPO / "envs/data/calculator_test.jsonl")]
+    train = {t["prompt"] for t in Calculator.tasks()}  # what the warm start and GRPO see (the env's own tasks)
+    assert len(held_out) == 200 and not train & {t["prompt"] for t in held_out}

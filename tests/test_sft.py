@@ -146,17 +146,19 @@ def test_rows_are_read_from_json_parquet_and_datasets_folders(tmp_path, template
     (tmp_path / "bad.jsonl").write_text(json.dumps(_row()) + "\n[1, 2]\n")
     with pytest.raises(ValueError, match="bad.jsonl:2: expected a JSON object"):
         list(read_rows(tmp_path / "bad.jsonl"))
+    (tmp_path / "x.csv").write_text("a")
     with pytest.raises(ValueError, match="unknown format '.csv'"):
-        list(read_rows(tmp_path / "x.csv")) if (tmp_path / "x.csv").write_text("a") else None
-    datasets = pytest.importorskip("datasets")
-    ds = datasets.Dataset.from_list([{"messages": json.dumps(r["messages"])} for r in rows])
-    # the conversational shape survives Arrow when messages are kept as records
-    ds = datasets.Dataset.from_list([{"messages": r["messages"][:2] + [r["messages"][4]]} for r in rows])
+        list(read_rows(tmp_path / "x.csv"))
+    import datasets  # a test dependency: Parquet and datasets folders must be exercised, not skipped
+
+    # as Hugging Face datasets hold them: tools as JSON text, every message with every key (None where absent)
+    ds = datasets.Dataset.from_list([{"messages": r["messages"], "tools": json.dumps(r["tools"])} for r in rows])
     ds.to_parquet(str(tmp_path / "d.parquet"))
     ds.save_to_disk(str(tmp_path / "folder"))
     for path in (tmp_path / "d.parquet", tmp_path / "folder"):
         samples, stats = conversation_samples(read_rows(path), template, env_tools=TOOLS)
-        assert stats.kept == 2 and _spans(template, samples[0]) == ["The answer is 23.<|im_end|>"]
+        assert stats.kept == 2 and _spans(template, samples[0])[1] == "The answer is 23.<|im_end|>"
+        assert samples[0].tokens == conversation_samples([("x", _row())], template, env_tools=TOOLS)[0][0].tokens
 
 
 def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_server, tiny_tokenizer):
@@ -209,11 +211,20 @@ def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     assert "needs --demo-min-reward" in capsys.readouterr().err
     assert main(["sft", "--sft-data", "x.jsonl", "--num-epoch", "2", "--num-rollout", "3"]) == 2
     assert "--num-epoch and --num-rollout both" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", "x.jsonl", "--prompt-data", "t.jsonl"]) == 2
+    assert "--sft-data brings its own conversations" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", "x.jsonl", "--num-steps-per-rollout", "2"]) == 2
+    assert "drop --num-steps-per-rollout" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     assert main(["sft", "--sft-data", str(bad), "--save", str(tmp_path / "r")]) == 2
     assert f"{bad}:1: no assistant message" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    run = tmp_path / "old_run"  # a run folder without a complete checkpoint is never silently started over
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert main(["train", "--env", "envs.digits:Digits", "--load", str(run)]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
 
 
 def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckpt, tmp_path, ray_local, capsys):

@@ -72,6 +72,7 @@ def test_config_file_flags_override_and_resolved_config_is_saved(tiny_ckpt, tmp_
     assert saved["num_rollout"] == 1  # the flag won
     assert saved["train"]["lr"] == 0.002 and saved["rollout"]["n_samples_per_prompt"] == 2  # from the file
     assert len(_lines(save)) == 1
+    assert (save / "iter_0000001" / "model.safetensors").is_file()  # --save keeps the final model, no interval needed
 
 
 def test_sigkill_then_resume_keeps_data_order(tiny_ckpt, tmp_path, ray_local):

@@ -15,7 +15,6 @@ noise.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import threading
@@ -111,18 +110,13 @@ def tokenize(text: str) -> list[str]:
 
 
 def _read_rows(path: Path) -> list[Document]:
+    from agentrl.data import read_rows
+
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
-            if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("id", "title", "text")):
-                raise ValueError(f"{path}:{n}: expected an object with string 'id', 'title' and 'text'")
-            docs.append(Document(row["id"], row["title"], row["text"]))
+    for where, row in read_rows(path):
+        if not all(isinstance(row.get(k), str) for k in ("id", "title", "text")):
+            raise ValueError(f"{where}: expected an object with string 'id', 'title' and 'text'")
+        docs.append(Document(row["id"], row["title"], row["text"]))
     return docs
 
 

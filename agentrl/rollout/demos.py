@@ -171,6 +171,11 @@ def _tool_names(schemas: Sequence[dict] | None) -> set[str]:
 def _check_tools(tools: Any, where: str) -> list[dict]:
     if tools is None:
         return []
+    if isinstance(tools, str):  # datasets keep tool schemas as JSON text (Arrow cannot hold varied schemas), as TRL does
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise DemoError(f"{where}: 'tools' is a string but not valid JSON ({exc})") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise DemoError(f"{where}: 'tools' must be a list of OpenAI tool schemas")
     for i, t in enumerate(tools):

@@ -56,13 +56,14 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     from agentrl.runtime.data import check_reward_nonzero_std
 
     cfg.validate()
-    cfg.train.logit_temperature = cfg.rollout.rollout_temperature  # trainer log-probs match the engine's
+    # RL: the trainer's log-probs match the engine's sampling distribution; SFT fits the model itself
+    cfg.train.logit_temperature = 1.0 if cfg.is_sft else cfg.rollout.rollout_temperature
     sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
     factory = load_env(cfg.env) if cfg.env else None
-    # a user data source (--data-source-path) brings its own prompts
+    # a user data source (--data-source-path) brings its own prompts, --sft-data its own conversations
     rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                       env_name=cfg.env)
-            if not cfg.data_source_path and (factory is not None or cfg.prompt_data) else [])
+            if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data) else [])
     eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
                  for name, path in cfg.eval_prompt_data}
     custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
@@ -92,7 +93,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
         from agentrl.runtime.sft import load_demonstrations, sft_steps
 
-        demos = load_demonstrations(cfg, factory, rows if (cfg.demo_policy or cfg.demo_engine_url) else [], ckpt)
+        demos = load_demonstrations(cfg, factory, rows, ckpt)
         cfg.num_rollout = sft_steps(cfg, len(demos))
     run_dir = Path(cfg.save) if cfg.save else None
     if run_dir is not None:
