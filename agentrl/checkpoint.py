@@ -91,6 +91,9 @@ def resolve_hf_checkpoint(path: str | os.PathLike | None) -> Path:
         if found is not None and found != p and (found / "config.json").is_file():  # a run folder: its newest checkpoint
             log.warning("--hf-checkpoint %s: a run folder; using its newest checkpoint %s", path, found)
             return found
+        if (p / "config.json").is_file() and ((p / "metrics.jsonl").exists() or any(p.glob("iter_*"))):
+            raise FileNotFoundError(f"--hf-checkpoint {path!s}: a run folder without a complete checkpoint "
+                                    "(iter_*/ with a model); pass a folder that holds one")
         if not (p / "config.json").is_file():
             raise FileNotFoundError(
                 f"--hf-checkpoint {path!s}: not a local Hugging Face checkpoint folder (no config.json); "

@@ -275,6 +275,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     passthrough = parse_passthrough_flags(values.pop("passthrough", None) or [])
     if args.config:
         file_values = load_config_file(args.config)
+        for mine, other in (("num_epoch", "num_rollout"), ("num_rollout", "num_epoch")):
+            if values.get(mine) is not None:  # both set the run's length: the command line's choice wins
+                file_values.pop(other, None)
         # flags given on the command line win over the file; a flag left unset is None here
         values = {**values, **{k: v for k, v in file_values.items() if values.get(k) is None}}
     for key, given in passthrough.items():  # command-line pass-through flags win over the file's

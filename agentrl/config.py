@@ -292,6 +292,11 @@ class RunConfig:
             (not (sft and self.custom_generate_function_path), "--custom-generate-function-path is for RL rollouts, "
                                                                "not --loss-type sft_loss"),
             (not (sft and self.async_mode), "--async overlaps rollouts with training: not for --loss-type sft_loss"),
+            (not (sft and self.colocate), "--colocate is not supported with --loss-type sft_loss yet (the engines "
+                                          "would keep their memory while the trainer works)"),
+            (not (self.demo_min_reward is not None and not (self.demo_policy or self.demo_engine_url)),
+             "--demo-min-reward filters played or sampled episodes: it needs --demo-policy or --demo-engine-url"),
+            (not (self.demo_best_of_n and not self.demo_engine_url), "--demo-best-of-n needs --demo-engine-url"),
             (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
             (sft or n % t.global_batch_size == 0,
              f"--global-batch-size ({t.global_batch_size}) must divide --rollout-batch-size x "

@@ -13,15 +13,13 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["read_rows", "ROW_FORMATS"]
-
-ROW_FORMATS = (".jsonl", ".json", ".parquet", "a datasets folder (save_to_disk)")
+__all__ = ["read_rows"]
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, row)`` for every row of ``path``; a row that is not a JSON object is refused.
 
-    ``.jsonl``: one object per line (blank lines skipped). ``.json``: a list of objects.
+    ``.jsonl`` (and any other suffix): one object per line (blank lines skipped). ``.json``: a list of objects.
     ``.parquet``: one row per record. A folder: a ``datasets`` dataset saved with ``save_to_disk``
     (a ``DatasetDict`` is refused unless it has exactly one split: name the split's folder).
     """
@@ -30,8 +28,6 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise FileNotFoundError(f"{path}: No such file or folder")
     if p.is_dir():
         yield from _datasets_rows(p)
-    elif p.suffix == ".jsonl":
-        yield from _jsonl_rows(p)
     elif p.suffix == ".json":
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
@@ -45,8 +41,8 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         ds = _datasets().Dataset.from_parquet(str(p))
         for i, row in enumerate(ds):
             yield _checked(f"{path}[{i}]", row)
-    else:
-        raise ValueError(f"{path}: unknown format {p.suffix or '(none)'!r}; expected one of {', '.join(ROW_FORMATS)}")
+    else:  # .jsonl, and any other name: JSON Lines, as task files always were read
+        yield from _jsonl_rows(p)
 
 
 def _jsonl_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:

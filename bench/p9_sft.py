@@ -25,7 +25,7 @@ interleave A,B,A,B.
 The script checks that both sides train the same tokens (same sequence lengths, same number of
 assistant tokens) and prints both. Tokens/s = real (unpadded) tokens / seconds of one optimizer
 step; model loading and each side's first step are excluded. Peak memory: each side is then run
-alone in a child process for two steps and its peak RSS (``ru_maxrss``) reported beside the speed.
+alone in a child process for two steps and its peak RSS (``VmHWM``) reported beside the speed.
 """
 
 from __future__ import annotations
@@ -147,6 +147,15 @@ class TrlSide:
         return time.perf_counter() - t0
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory since its exec (``VmHWM``). Not ``ru_maxrss``: on Linux that
+    survives exec, so a child started from a big parent reports the parent's peak."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux
+
+
 def _checkpoint(a: argparse.Namespace, tmp: str) -> Path:
     if a.hf_checkpoint:
         return Path(a.hf_checkpoint)
@@ -183,7 +192,7 @@ def main() -> None:
         if a.memory_only:  # a child: this side alone, two steps, then its peak RSS
             side = _side(a.memory_only, ckpt, rows, a, tmp, a.max_tokens_per_gpu)
             side.step(), side.step()
-            print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+            print(json.dumps({"peak_rss_mb": _peak_rss_mb()}))
             return
         sides = [AgentrlSide(ckpt, rows, a.max_tokens_per_gpu), TrlSide(ckpt, rows, a.micro_batch, tmp)]
         ours, trl = sides

@@ -47,6 +47,15 @@ def _spans(template, s) -> list[str]:
     return [template.decode(resp[a:b]) for a, b in s.metadata["turn_spans"]]
 
 
+def test_json_string_arguments_are_taught_as_objects():
+    from agentrl.rollout.demos import check_conversation
+
+    row = _row()
+    msgs = check_conversation(row, "f.jsonl:1", {"calculator"})
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"expression": "3 + 4 * 5"}  # templates tojson it once
+    assert isinstance(row["messages"][2]["tool_calls"][0]["function"]["arguments"], str)  # the row itself is untouched
+
+
 def test_conversation_becomes_a_token_exact_sample(template):
     (s,), stats = conversation_samples([("f.jsonl:1", _row())], template, env_tools=TOOLS)
     assert s.token_exact and stats.kept == 1 and stats.assistant_turns == 2
@@ -146,9 +155,9 @@ def test_rows_are_read_from_json_parquet_and_datasets_folders(tmp_path, template
     (tmp_path / "bad.jsonl").write_text(json.dumps(_row()) + "\n[1, 2]\n")
     with pytest.raises(ValueError, match="bad.jsonl:2: expected a JSON object"):
         list(read_rows(tmp_path / "bad.jsonl"))
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(ValueError, match="unknown format '.csv'"):
-        list(read_rows(tmp_path / "x.csv"))
+    (tmp_path / "x.txt").write_text("a")
+    with pytest.raises(ValueError, match="x.txt:1: not valid JSON"):  # other names are JSON Lines
+        list(read_rows(tmp_path / "x.txt"))
     import datasets  # a test dependency: Parquet and datasets folders must be exercised, not skipped
 
     # as Hugging Face datasets hold them: tools as JSON text, every message with every key (None where absent)
@@ -167,7 +176,7 @@ def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_s
     from envs.digits import Digits
 
     engine = SGLangEngine(tiny_server)
-    cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=1, rollout_max_response_len=8, rollout_seed=3)
+    cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=1, rollout_max_response_len=24, rollout_seed=3)
     ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=cfg)
     tasks = Digits.tasks()[:4]
 
@@ -177,12 +186,17 @@ def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_s
         finally:
             await engine.close()
 
+    kept_all, _ = asyncio.run(run(min_reward=-1.0))
     kept, stats = asyncio.run(run(min_reward=0.2))
     assert stats.rows == 24 and stats.kept + stats.below_min_reward + stats.failed_episodes == 24
-    assert stats.below_min_reward > 0 and all(s.reward >= 0.2 and s.token_exact for s in kept)
+    assert stats.below_min_reward > 0 and stats.kept > 0
+    assert all(s.reward >= 0.2 and s.token_exact and s.metadata["status_reason"] not in ("response_length", "context_length")
+               for s in kept)  # a turn cut off by the length limit never becomes a demonstration
     best, stats = asyncio.run(run(min_reward=0.0, best_of_n=True))
     groups = [s.group_index for s in best]
-    assert len(groups) == len(set(groups)) == 4 and stats.kept == 4
+    assert len(groups) == len(set(groups)) == stats.kept > 0
+    for s in best:  # the best of its group
+        assert s.reward == max(x.reward for x in kept_all if x.group_index == s.group_index)
 
 
 def test_sft_loss_is_the_masked_negative_log_likelihood():
@@ -215,6 +229,12 @@ def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     assert "--sft-data brings its own conversations" in capsys.readouterr().err
     assert main(["sft", "--sft-data", "x.jsonl", "--num-steps-per-rollout", "2"]) == 2
     assert "drop --num-steps-per-rollout" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", "x.jsonl", "--demo-min-reward", "1"]) == 2
+    assert "--demo-min-reward filters played or sampled episodes" in capsys.readouterr().err
+    assert main(["sft", "--env", "envs.digits:Digits", "--demo-policy", "m:f", "--demo-best-of-n"]) == 2
+    assert "--demo-best-of-n needs --demo-engine-url" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", "x.jsonl", "--colocate"]) == 2
+    assert "--colocate is not supported with --loss-type sft_loss" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     assert main(["sft", "--sft-data", str(bad), "--save", str(tmp_path / "r")]) == 2
@@ -225,6 +245,11 @@ def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("{}\n")
     assert main(["train", "--env", "envs.digits:Digits", "--load", str(run)]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+    (run / "config.json").write_text('{"rollout": {}, "train": {}}')  # the run's config.json is not a model's
+    from agentrl.checkpoint import resolve_hf_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="a run folder without a complete checkpoint"):
+        resolve_hf_checkpoint(run)
 
 
 def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckpt, tmp_path, ray_local, capsys):

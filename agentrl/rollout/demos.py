@@ -187,7 +187,11 @@ def _check_tools(tools: Any, where: str) -> list[dict]:
 
 
 def _check_call(call: Any, offered: set[str] | None, where: str) -> str | None:
-    """Validate one OpenAI ``tool_calls`` entry; return its id (None when it has none)."""
+    """Validate one OpenAI ``tool_calls`` entry in place; return its id (None when it has none).
+
+    JSON-string arguments (the OpenAI shape) are replaced by the parsed object: templates that
+    write ``arguments | tojson`` would otherwise teach the model a doubly encoded string.
+    """
     if not isinstance(call, dict):
         raise DemoError(f"{where}: expected a tool call object, got {type(call).__name__}")
     f = call.get("function", call)
@@ -202,6 +206,7 @@ def _check_call(call: Any, offered: set[str] | None, where: str) -> str | None:
             raise DemoError(f"{where}: arguments of {name!r} are not valid JSON ({exc})") from None
     if not isinstance(args, dict):
         raise DemoError(f"{where}: arguments of {name!r} must be a JSON object, got {type(args).__name__}")
+    f["arguments"] = args
     if offered is not None and name not in offered:
         raise DemoError(f"{where}: calls tool {name!r}, which is not offered (offered: {sorted(offered) or 'none'})")
     cid = call.get("id")
@@ -222,6 +227,7 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
     if not isinstance(msgs, list) or not msgs:
         raise DemoError(f"{where}: no 'messages' list (expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}], "
                         f"\"tools\": [...]}}); keys are {sorted(row)}")
+    msgs = json.loads(json.dumps(msgs))  # a copy: validation normalizes tool-call arguments in place
     pending: list[str | None] = []
     for i, m in enumerate(msgs):
         at = f"{where}: messages[{i}]"
@@ -255,7 +261,7 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
             pending = []
     if not any(m["role"] == "assistant" for m in msgs):
         raise DemoError(f"{where}: no assistant message: nothing to train on")
-    return [dict(m) for m in msgs]
+    return msgs
 
 
 def conversation_sample(template: ChatTemplate, messages: Sequence[Message], tools: Sequence[dict] | None,
@@ -379,7 +385,7 @@ async def rejection_samples(ctx: Any, make_env: Callable[[], Any], tasks: Sequen
                             min_reward: float, best_of_n: bool = False) -> tuple[list[Sample], DemoStats]:
     """``ctx.config.n_samples_per_prompt`` real episodes per task on ``ctx.engine``; keep the good ones.
 
-    Kept: completed or truncated, token-exact, reward >= ``min_reward``; with ``best_of_n`` only the
+    Kept: completed or truncated by the turn limit (not cut off mid-turn), token-exact, reward >= ``min_reward``; with ``best_of_n`` only the
     highest-reward one of each task. The episodes' ids are the engine's own, so the engine must share
     the trained model's tokenizer (the policy itself, or a larger model of the same family).
     """
@@ -390,7 +396,8 @@ async def rejection_samples(ctx: Any, make_env: Callable[[], Any], tasks: Sequen
     best: dict[int, Sample] = {}
     kept: list[Sample] = []
     for s in rollout:
-        if s.status not in (Status.COMPLETED, Status.TRUNCATED) or not s.token_exact or not s.response_length:
+        cut = s.metadata.get("status_reason") in ("response_length", "context_length")  # a turn without its end
+        if s.status not in (Status.COMPLETED, Status.TRUNCATED) or cut or not s.token_exact or not s.response_length:
             stats.failed_episodes += 1
             continue
         if float(s.reward or 0.0) < min_reward:

@@ -93,7 +93,14 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
         from agentrl.runtime.sft import load_demonstrations, sft_steps
 
-        demos = load_demonstrations(cfg, factory, rows, ckpt)
+        saved = Path(cfg.load) / "demos.jsonl" if resume_from is not None else None
+        if saved is not None and saved.is_file():  # a resumed warm start trains on the same demonstrations
+            from agentrl.types import Sample
+
+            demos = [Sample.from_dict(json.loads(line)) for line in saved.open(encoding="utf-8")]
+            print(f"demonstrations: {len(demos)} from {saved} (resuming)", file=sys.stderr)
+        else:
+            demos = load_demonstrations(cfg, factory, rows, ckpt)
         cfg.num_rollout = sft_steps(cfg, len(demos))
     run_dir = Path(cfg.save) if cfg.save else None
     if run_dir is not None:
