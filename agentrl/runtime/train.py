@@ -93,7 +93,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
         from agentrl.runtime.sft import load_demonstrations, sft_steps
 
-        saved = Path(cfg.load) / "demos.jsonl" if resume_from is not None else None
+        saved = resume_from.parent / "demos.jsonl" if resume_from is not None else None  # the run folder of iter_*
         if saved is not None and saved.is_file():  # a resumed warm start trains on the same demonstrations
             from agentrl.types import Sample
 
