@@ -505,7 +505,7 @@ FLAG_HELP = {
     "dynamic_sampling_filter_path": "module:fn filter(args, group) -> bool; 'default' = drop zero-std groups",
     "trainer_num_procs": "trainer ranks on CPU (FSDP2 over gloo when > 1)",
     "max_tokens_per_gpu": "token budget of one packed micro-batch",
-    "per_turn_credit": "give each assistant turn the return from that turn on (needs grpo/gspo)",
+    "per_turn_credit": "give each assistant turn the return from that turn on, baseline = the other episodes at that turn (needs grpo/gspo)",
     "async_mode": "overlap the rollout of step k+1 with training of step k",
     "train_backend": "torch (HF transformers, FSDP2; CPU or GPU) or megatron (megatron-core GPTModel; TP/PP/CP/DP)",
     "rollout_backend": "embedded (the SDK's engine as Ray actors) or sglang (SGLang servers launched as Ray actors; "

@@ -145,33 +145,96 @@ def _per_turn_example():
     #   turn1 [4,6) | token 6 (mask 1, but in no turn span -> 0); turn rewards [0, 1]
     # sample c (group 1): alone in its group -> all 0
     # sample b (group 0): 3 tokens = turn0 [0,3), token 2 has mask 0; turn rewards [.5]
-    turn_rewards = [[0.0, 1.0], [2.0], [0.5]]
-    turn_spans = [[(0, 2), (4, 6)], [(0, 2)], [(0, 3)]]
-    group_ids = [0, 1, 0]
-    masks = [T([1.0, 1, 0, 0, 1, 1, 1]), T([1.0, 1]), T([1.0, 1, 0])]
+    # sample d (group 0): 3 tokens = turn0 [0,1) | observation [1,2) | turn1 [2,3); rewards [1, 0]
+    turn_rewards = [[0.0, 1.0], [2.0], [0.5], [1.0, 0.0]]
+    turn_spans = [[(0, 2), (4, 6)], [(0, 2)], [(0, 3)], [(0, 1), (2, 3)]]
+    group_ids = [0, 1, 0, 0]
+    masks = [T([1.0, 1, 0, 0, 1, 1, 1]), T([1.0, 1]), T([1.0, 1, 0]), T([1.0, 0, 1])]
     return turn_rewards, turn_spans, group_ids, masks
 
 
 def test_per_turn_grpo_hand_computed():
     tr, spans, ids, masks = _per_turn_example()
-    # gamma .5: a: G_1 = 1, G_0 = 0 + .5 * 1 = .5;  b: G_0 = .5
-    # pool of group 0 = [.5, 1, .5]: mean 2/3
-    # no std: a turn0 = .5 - 2/3 = -1/6, a turn1 = 1 - 2/3 = 1/3, b turn0 = -1/6
+    # gamma .5: a: G = [.5, 1];  b: G = [.5];  d: G = [1, 0]
+    # turn 0 (a, b, d reached it), baseline = mean of the two others:
+    #   a: .5 - (.5 + 1) / 2 = -.25;  b: .5 - (.5 + 1) / 2 = -.25;  d: 1 - (.5 + .5) / 2 = .5
+    # turn 1 (a, d): a: 1 - 0 = 1;  d: 0 - 1 = -1
     a = per_turn_grpo(tr, spans, ids, masks, gamma=0.5, std_normalize=False)
-    x, y = -1 / 6, 1 / 3
-    assert close(a[0], [x, x, 0, 0, y, y, 0])
+    assert close(a[0], [-0.25, -0.25, 0, 0, 1, 1, 0])
     assert close(a[1], [0, 0])
-    assert close(a[2], [x, x, 0])
-    # with std: unbiased var = ((-1/6)^2 + (1/3)^2 + (-1/6)^2) / 2 = (6/36) / 2 = 1/12
-    # std = 0.288675 -> -1/6 / std = -0.57735, 1/3 / std = 1.154701
+    assert close(a[2], [-0.25, -0.25, 0])
+    assert close(a[3], [0.5, 0, -1])
+    # with std: pool of group 0 = [.5, 1, .5, 1, 0], mean .6, unbiased var = .7 / 4 = .175
     a = per_turn_grpo(tr, spans, ids, masks, gamma=0.5, std_normalize=True)
-    x, y = -1 / 6 / math.sqrt(1 / 12), 1 / 3 / math.sqrt(1 / 12)
-    assert close(a[0], [x, x, 0, 0, y, y, 0]) and close(a[2], [x, x, 0]) and close(a[1], [0, 0])
+    s = math.sqrt(0.175)
+    assert close(a[0], [-0.25 / s, -0.25 / s, 0, 0, 1 / s, 1 / s, 0]) and close(a[1], [0, 0])
+    assert close(a[2], [-0.25 / s, -0.25 / s, 0]) and close(a[3], [0.5 / s, 0, -1 / s])
     # same thing through the entry point
-    b = compute_advantages("gspo", rewards=[1.0, 2.0, 0.5], group_ids=ids, loss_masks=masks, turn_rewards=tr,
-                           turn_spans=spans, gamma=0.5, per_turn=True)
+    b = compute_advantages("gspo", rewards=[1.0, 2.0, 0.5, 1.0], group_ids=ids, loss_masks=masks,
+                           turn_rewards=tr, turn_spans=spans, gamma=0.5, per_turn=True)
     assert all(close(u, v) for u, v in zip(a, b))
 
+
+def test_per_turn_grpo_unmatched_turn_and_equal_returns():
+    # b stops after one turn, a goes on: a's turn 1 has no other sample to compare with, so its
+    # baseline is 0 (A = G); every turn return equals 1, so there is no std to divide by
+    masks = [T([1.0, 1]), T([1.0])]
+    a = per_turn_grpo([[0.0, 1.0], [1.0]], [[(0, 1), (1, 2)], [(0, 1)]], [0, 0], masks)
+    assert close(a[0], [0, 1]) and close(a[1], [0])
+
+
+def _pooled_baseline(turn_rewards, group_ids):
+    """The estimator this project had before (verl issue 7244's failure): one mean over every
+    turn return of the group, the sample's own included. Kept here to show the test can tell."""
+    returns = [per_turn_returns(r) for r in turn_rewards]
+    pool = [g for gid, r in zip(group_ids, returns) for g in r if gid == 0]
+    mean = sum(pool) / len(pool)
+    return [[g - mean for g in r] for r in returns]
+
+
+def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
+    """Expected update = the exact policy gradient, summed over every joint outcome of a group.
+
+    Two-parameter episode: turn 0 stops (reward s, one turn) with probability 1 - p0 or goes on
+    (intermediate reward c) with p0 = sigmoid(th0); a second turn then succeeds (reward 1) with
+    p1 = sigmoid(th1). J = (1 - p0) s + p0 (c + p1). A group of n episodes; the update of sample i
+    is sum_t A_{i,t} grad log pi(a_{i,t}), averaged over the group. The episodes of a group have
+    different numbers of turns, chosen by the policy: the case where a baseline that contains the
+    sample's own turns is biased.
+    """
+    import itertools
+
+    th0, th1, s, c, n = 0.0, 0.0, 1.0, 0.5, 3          # stopping is worth s = 1 = c + p1, going on too
+    p0, p1 = 1 / (1 + math.exp(-th0)), 1 / (1 + math.exp(-th1))
+    true = (p0 * (1 - p0) * (c + p1 - s), p0 * p1 * (1 - p1))
+    # outcome -> (probability, turn rewards, grad log pi per turn as (d th0, d th1))
+    outcomes = {"stop": (1 - p0, [s], [(-p0, 0.0)]),
+                "good": (p0 * p1, [c, 1.0], [(1 - p0, 0.0), (0.0, 1 - p1)]),
+                "bad": (p0 * (1 - p1), [c, 0.0], [(1 - p0, 0.0), (0.0, -p1)])}
+
+    def expected(advantages_of):
+        e = [0.0, 0.0]
+        for joint in itertools.product(outcomes, repeat=n):
+            prob = math.prod(outcomes[o][0] for o in joint)
+            adv = advantages_of([outcomes[o][1] for o in joint])
+            for o, a in zip(joint, adv):
+                for a_t, (g0, g1) in zip(a, outcomes[o][2]):
+                    e[0] += prob * a_t * g0 / n
+                    e[1] += prob * a_t * g1 / n
+        return e
+
+    def ours(turn_rewards):
+        spans = [[(t, t + 1) for t in range(len(r))] for r in turn_rewards]
+        masks = [torch.ones(len(r)) for r in turn_rewards]
+        adv = per_turn_grpo(turn_rewards, spans, [0] * n, masks, std_normalize=False)
+        return [a.tolist() for a in adv]
+
+    assert true[0] == pytest.approx(0.0) and true[1] == pytest.approx(0.125)
+    got = expected(ours)
+    assert got == pytest.approx(true, abs=1e-6)
+    # the pooled baseline gives "go on" a bonus it has not earned, and shrinks the second turn's
+    pooled = expected(lambda tr: _pooled_baseline(tr, [0] * n))
+    assert pooled[0] > 0.015 and pooled[1] < 0.1
 
 def test_per_turn_grpo_bad_spans():
     tr, spans, ids, masks = _per_turn_example()

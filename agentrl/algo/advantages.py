@@ -222,37 +222,59 @@ def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
     For sample i with turn returns G_{i,t} (:func:`per_turn_returns`), the tokens of turn t
     (``turn_spans[i][t] = (start, end)``, half-open offsets into the response) get
 
-        A_{i,t} = (G_{i,t} - mean_g) / (std_g + eps)      (or G_{i,t} - mean_g without std)
+        A_{i,t} = (G_{i,t} - b_{i,t}) / (std_g + eps)      (or G_{i,t} - b_{i,t} without std)
 
-    where mean_g and std_g (unbiased) pool *every turn return of every sample in the group*,
-    each turn counted once whatever its length. Tokens outside every turn span and mask-0 tokens
-    get 0. A group of one sample (or with fewer than two turns in all) gets 0, as in :func:`grpo`:
-    turns of a single episode alone are no baseline.
-    Returns a list of [L_i] tensors.
+    where the baseline b_{i,t} is the mean of G_{j,t} over the *other* samples j of the group
+    that reached turn t (leave-one-out, at the same turn index). Why not one mean over every
+    turn of the group (what this function did before, and what pooling or per-turn-index
+    normalisation of rewards give): such a baseline contains the sample's own returns, and how
+    many of them depends on when its own actions ended the episode. A baseline that depends on
+    the action is biased (verl issue 7244: a hidden bonus or penalty for "take another turn"
+    whenever intermediate rewards are non-zero). The leave-one-out baseline is built from other,
+    independent episodes only, so the expected update is the true policy gradient; with one turn
+    per episode it is RLOO, i.e. ``n / (n - 1)`` times GRPO's ``r_i - mean_g``.
+
+    A turn no other sample of the group reached has baseline 0 (A = G_{i,t}: plain REINFORCE for
+    that turn; giving it 0 instead would shrink the gradient of late turns by the chance that
+    another episode lasted as long, a bias of its own). std_g (unbiased) is a scale only: the
+    spread of every turn return of the group, as GRPO divides by the spread of its rewards (not
+    applied when they are all equal: then only unmatched turns are non-zero). A group
+    of one sample gets 0 everywhere, as in :func:`grpo`, and so do mask-0 tokens and tokens
+    outside every turn span. Returns a list of [L_i] tensors.
     """
     masks = _as_masks(loss_masks)
     n = len(masks)
     if not (len(turn_rewards) == len(turn_spans) == len(group_ids) == n):
         raise ValueError("turn_rewards, turn_spans, group_ids and loss_masks must have one entry per sample")
     returns = [per_turn_returns(tr, gamma) for tr in turn_rewards]
+    # per group and turn index: sum and count of the returns of the samples that reached it
+    sums: dict[tuple[int, int], float] = {}
+    counts: Counter[tuple[int, int]] = Counter()
     pools: dict[int, list[float]] = {}
+    group_size = Counter(group_ids)
     for gid, g in zip(group_ids, returns):
         pools.setdefault(gid, []).extend(g)
-    group_size = Counter(group_ids)
+        for t, value in enumerate(g):
+            sums[gid, t] = sums.get((gid, t), 0.0) + value
+            counts[gid, t] += 1
 
     out = []
     for i, m in enumerate(masks):
         adv = torch.zeros_like(m)                                               # [L_i]
-        pool = torch.tensor(pools[group_ids[i]], dtype=torch.float32)
+        gid = group_ids[i]
         if len(turn_spans[i]) != len(returns[i]):
             raise ValueError(f"sample {i}: {len(turn_spans[i])} turn spans for {len(returns[i])} turn rewards")
-        if group_size[group_ids[i]] > 1 and pool.numel() > 1:
-            mean, std = pool.mean(), pool.std()
-            for (start, end), g in zip(turn_spans[i], returns[i]):
-                if not 0 <= start <= end <= m.numel():
-                    raise ValueError(f"sample {i}: turn span ({start}, {end}) outside 0..{m.numel()}")
-                a = g - mean
-                adv[start:end] = a / (std + eps) if std_normalize else a
+        pool = torch.tensor(pools[gid], dtype=torch.float32)
+        std = float(pool.std()) if pool.numel() > 1 else 0.0
+        scale = std + eps if std_normalize and std > eps else 1.0
+        for t, ((start, end), g) in enumerate(zip(turn_spans[i], returns[i])):
+            if not 0 <= start <= end <= m.numel():
+                raise ValueError(f"sample {i}: turn span ({start}, {end}) outside 0..{m.numel()}")
+            if group_size[gid] < 2:
+                continue                                         # a group of one: no baseline
+            others = counts[gid, t] - 1
+            a = g - (sums[gid, t] - g) / others if others else g
+            adv[start:end] = a / scale
         out.append(adv * m)
     return out
 
