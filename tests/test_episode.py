@@ -201,6 +201,25 @@ async def test_context_overflow_truncates(tiny_server, tiny_tokenizer):
         s.validate()
 
 
+async def test_a_turn_cut_off_at_the_length_limit_earns_zero(tiny_server, tiny_tokenizer):
+    # 2 tokens a turn: most turns hit the limit before the tiny model ends them; such a turn never
+    # reaches env.step, yet --per-turn-credit needs one reward per turn span
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_max_response_len=2)
+    samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hi"}] * 6)
+    await ctx.engine.close()
+    cut = [s for s in samples if s.metadata["status_reason"] == "response_length"]
+    assert cut, [s.metadata["status_reason"] for s in samples]
+    for s in cut:
+        tr, spans = s.metadata["turn_rewards"], s.metadata["turn_spans"]
+        assert len(tr) == len(spans) and tr[-1] == 0.0 and s.reward == pytest.approx(sum(tr))
+    from agentrl.algo.advantages import compute_advantages
+    adv = compute_advantages("grpo", rewards=[s.reward for s in samples], group_ids=[0] * len(samples),
+                             loss_masks=[s.loss_mask for s in samples], per_turn=True,
+                             turn_rewards=[s.metadata["turn_rewards"] for s in samples],
+                             turn_spans=[[tuple(x) for x in s.metadata["turn_spans"]] for s in samples])
+    assert [len(a) for a in adv] == [s.response_length for s in samples]
+
+
 class OneTurnEnv(TalkEnv):
     async def step(self, action):
         return [], 1.0, True, False, {}

@@ -314,6 +314,9 @@ def _finish(sample: Sample, ledger: TokenLedger | None, ctx: EpisodeContext, sta
         sample.response = ctx.template.decode(ledger.response_ids)
         meta["turn_spans"] = [list(s) for s in ledger.model_spans]
         meta["env_spans"] = [list(s) for s in ledger.env_spans]
+        # a turn cut off at the length limit never reached env.step: it earned 0, and saying so keeps one
+        # reward per turn span (what --per-turn-credit reads)
+        meta["turn_rewards"].extend([0.0] * (len(meta["turn_spans"]) - len(meta["turn_rewards"])))
     else:
         sample.loss_mask, sample.rollout_log_probs = [], []
     sample.status = status
