@@ -33,3 +33,19 @@ def test_main_job_configs_are_valid_and_the_held_out_set_is_unseen():
     held_out = [json.loads(x) for x in open(REPO / "envs/data/calculator_test.jsonl")]
     train = {t["prompt"] for t in Calculator.tasks()}  # what the warm start and GRPO see (the env's own tasks)
     assert len(held_out) == 200 and not train & {t["prompt"] for t in held_out}
+
+
+def test_main_job_rl_batches_see_every_template_once():
+    # the reason grpo.yaml does not shuffle: a step that sees only some templates rewrites the others
+    import re
+
+    from agentrl.config import load_config_file, run_config_from_values
+    from agentrl.runtime.data import PromptSource
+    from envs.calculator import Calculator
+
+    rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))
+    src = PromptSource(Calculator.tasks(), shuffle=rl.shuffle_prompts, seed=rl.train.seed)
+    for _ in range(rl.num_rollout):
+        batch = src.get_samples(rl.rollout_batch_size)
+        shapes = {re.sub(r"\d+", "N", t["prompt"]) for t in batch}  # the problem text without its numbers
+        assert len(shapes) == len(batch) == 5, shapes
