@@ -22,9 +22,10 @@ Why. A per-turn baseline that pools the returns of every turn of the group conta
 own returns, and how many depends on when its actions ended the episode: with non-zero
 intermediate rewards that is a hidden bonus or penalty for taking another turn (verl issue 7244).
 ``per_turn_grpo`` now uses a leave-one-out baseline at the same turn index (the mean return at
-turn t of the *other* samples of the group that reached turn t), built from independent episodes
-only. This script measures whether per-turn credit, so built, learns faster than outcome-only
-credit on a game whose turn count varies.
+turn t of the *other* samples of the group that reached turn t) and divides by the spread of the
+batch's other groups, both built from independent episodes only. This script measures whether
+per-turn credit, so built, learns faster than outcome-only credit on Wordle (whose turn count
+varies once the model solves games; the tiny model's games nearly all last 6 turns).
 
 Outputs: ``<out>/per_turn_credit.json`` (per arm: per-seed curves, mean curve, final, seconds),
 ``<out>/per_turn_credit.png`` (mean per arm with a min-max band over seeds), a table on stdout,
@@ -36,7 +37,7 @@ reaches it ends the episode (``truncated``) and earns 0 for that turn.
 
 Measured (2-core EPYC, run alone, ``--model tiny`` with the defaults: 60 warm-start steps, 3 seeds
 x 2 arms x 30 steps of 8 x 4): 44 s warm start, 94-128 s per RL run (~2 s a step, the rest Ray and
-engine start-up), 12 min in all. Both arms went from 0.009 to 0.030 (final, last 5 steps; seeds
+engine start-up), 12 min in all. Both arms went from ~0.009 to 0.030 (final, last 5 steps; seeds
 0.028-0.031), step for step within each other's seed range: see bench/README.md. ``--model
 default`` is estimated at ~1 min a step (SmolLM2-135M trains at ~120 tokens/s here), i.e. hours.
 """

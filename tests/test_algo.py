@@ -164,23 +164,39 @@ def test_per_turn_grpo_hand_computed():
     assert close(a[1], [0, 0])
     assert close(a[2], [-0.25, -0.25, 0])
     assert close(a[3], [0.5, 0, -1])
-    # with std: pool of group 0 = [.5, 1, .5, 1, 0], mean .6, unbiased var = .7 / 4 = .175
+    # with std: the only other group (c alone) has one value, no spread, so each sample of group 0 is
+    # scaled by the spread of its group's other samples, zero-padded to the longest episode (2 turns):
+    #   a: b, d = [.5, 0, 1, 0]: var .6875 / 3;  b: a, d = [.5, 1, 1, 0]: the same;  d: a, b = [.5, 1, .5, 0]: .5 / 3
     a = per_turn_grpo(tr, spans, ids, masks, gamma=0.5, std_normalize=True)
-    s = math.sqrt(0.175)
-    assert close(a[0], [-0.25 / s, -0.25 / s, 0, 0, 1 / s, 1 / s, 0]) and close(a[1], [0, 0])
-    assert close(a[2], [-0.25 / s, -0.25 / s, 0]) and close(a[3], [0.5 / s, 0, -1 / s])
+    s1, s2 = math.sqrt(0.6875 / 3), math.sqrt(0.5 / 3)
+    assert close(a[0], [-0.25 / s1, -0.25 / s1, 0, 0, 1 / s1, 1 / s1, 0]) and close(a[1], [0, 0])
+    assert close(a[2], [-0.25 / s1, -0.25 / s1, 0]) and close(a[3], [0.5 / s2, 0, -1 / s2])
     # same thing through the entry point
     b = compute_advantages("gspo", rewards=[1.0, 2.0, 0.5, 1.0], group_ids=ids, loss_masks=masks,
                            turn_rewards=tr, turn_spans=spans, gamma=0.5, per_turn=True)
     assert all(close(u, v) for u, v in zip(a, b))
 
 
-def test_per_turn_grpo_unmatched_turn_and_equal_returns():
+def test_per_turn_grpo_unmatched_turn_and_scale_from_other_groups():
     # b stops after one turn, a goes on: a's turn 1 has no other sample to compare with, so its
-    # baseline is 0 (A = G); every turn return equals 1, so there is no std to divide by
+    # baseline is 0 (A = G)
     masks = [T([1.0, 1]), T([1.0])]
-    a = per_turn_grpo([[0.0, 1.0], [1.0]], [[(0, 1), (1, 2)], [(0, 1)]], [0, 0], masks)
+    a = per_turn_grpo([[0.0, 1.0], [1.0]], [[(0, 1), (1, 2)], [(0, 1)]], [0, 0], masks, std_normalize=False)
     assert close(a[0], [0, 1]) and close(a[1], [0])
+    # with other groups in the batch the scale is their spread, never the sample's own group's:
+    # group 1 = [0], [2] (std sqrt(2)); a tiny spread in group 0 does not blow anything up
+    tr = [[1.0], [1.0], [1.001], [0.0, 1.0], [0.0], [2.0]]
+    spans = [[(0, 1)]] * 3 + [[(0, 1), (1, 2)]] + [[(0, 1)]] * 2
+    masks = [T([1.0])] * 3 + [T([1.0, 1])] + [T([1.0])] * 2
+    a = per_turn_grpo(tr, spans, [0, 0, 0, 0, 1, 1], masks)
+    import statistics
+
+    # group 0 zero-padded to its longest episode = [1, 0] [1, 0] [1.001, 0] [1, 1]: it scales group 1
+    s0 = statistics.stdev([1, 0, 1, 0, 1.001, 0, 1, 1])
+    assert close(a[4], [(0 - 2) / s0]) and close(a[5], [(2 - 0) / s0])
+    # and group 1's spread sqrt(2) scales group 0: the unmatched turn gets 1 / sqrt(2), not 1 / 0.0005
+    assert close(a[3], [(0 + 1 - (1 + 1 + 1.001) / 3) / math.sqrt(2), 1 / math.sqrt(2)])
+    assert max(abs(float(x)) for x in torch.cat(a)) < 4
 
 
 def _pooled_baseline(turn_rewards, group_ids):
@@ -192,49 +208,65 @@ def _pooled_baseline(turn_rewards, group_ids):
     return [[g - mean for g in r] for r in returns]
 
 
-def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
-    """Expected update = the exact policy gradient, summed over every joint outcome of a group.
-
-    Two-parameter episode: turn 0 stops (reward s, one turn) with probability 1 - p0 or goes on
-    (intermediate reward c) with p0 = sigmoid(th0); a second turn then succeeds (reward 1) with
-    p1 = sigmoid(th1). J = (1 - p0) s + p0 (c + p1). A group of n episodes; the update of sample i
-    is sum_t A_{i,t} grad log pi(a_{i,t}), averaged over the group. The episodes of a group have
-    different numbers of turns, chosen by the policy: the case where a baseline that contains the
-    sample's own turns is biased.
-    """
-    import itertools
-
-    th0, th1, s, c, n = 0.0, 0.0, 1.0, 0.5, 3          # stopping is worth s = 1 = c + p1, going on too
+def _two_turn_game(th0: float, th1: float, s: float, c: float):
+    """Turn 0 stops (reward s, one turn) with probability 1 - p0 or goes on (intermediate reward c)
+    with p0 = sigmoid(th0); a second turn then succeeds (reward 1) with p1 = sigmoid(th1).
+    J = (1 - p0) s + p0 (c + p1). Returns the exact gradient of J and, per outcome, its
+    probability, turn rewards and grad log pi of each turn as (d th0, d th1)."""
     p0, p1 = 1 / (1 + math.exp(-th0)), 1 / (1 + math.exp(-th1))
     true = (p0 * (1 - p0) * (c + p1 - s), p0 * p1 * (1 - p1))
-    # outcome -> (probability, turn rewards, grad log pi per turn as (d th0, d th1))
     outcomes = {"stop": (1 - p0, [s], [(-p0, 0.0)]),
                 "good": (p0 * p1, [c, 1.0], [(1 - p0, 0.0), (0.0, 1 - p1)]),
                 "bad": (p0 * (1 - p1), [c, 0.0], [(1 - p0, 0.0), (0.0, -p1)])}
+    return true, outcomes
 
-    def expected(advantages_of):
-        e = [0.0, 0.0]
-        for joint in itertools.product(outcomes, repeat=n):
-            prob = math.prod(outcomes[o][0] for o in joint)
-            adv = advantages_of([outcomes[o][1] for o in joint])
-            for o, a in zip(joint, adv):
-                for a_t, (g0, g1) in zip(a, outcomes[o][2]):
-                    e[0] += prob * a_t * g0 / n
-                    e[1] += prob * a_t * g1 / n
-        return e
 
-    def ours(turn_rewards):
+def _expected_update(outcomes, advantages_of, group_ids):
+    """E[ sum_i sum_t A_{i,t} grad log pi(a_{i,t}) ] / N over every joint outcome of the batch."""
+    import itertools
+
+    n = len(group_ids)
+    e = [0.0, 0.0]
+    for joint in itertools.product(outcomes, repeat=n):
+        prob = math.prod(outcomes[o][0] for o in joint)
+        adv = advantages_of([outcomes[o][1] for o in joint], group_ids)
+        for o, a in zip(joint, adv):
+            for a_t, (g0, g1) in zip(a, outcomes[o][2]):
+                e[0] += prob * a_t * g0 / n
+                e[1] += prob * a_t * g1 / n
+    return e
+
+
+def _ours(std_normalize: bool):
+    def advantages(turn_rewards, group_ids):
         spans = [[(t, t + 1) for t in range(len(r))] for r in turn_rewards]
         masks = [torch.ones(len(r)) for r in turn_rewards]
-        adv = per_turn_grpo(turn_rewards, spans, [0] * n, masks, std_normalize=False)
+        adv = per_turn_grpo(turn_rewards, spans, group_ids, masks, std_normalize=std_normalize)
         return [a.tolist() for a in adv]
+    return advantages
 
+
+def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
+    """The expected update is the exact policy gradient (a positive multiple of it with std
+    normalization), summed over every joint outcome of the batch, when the episodes of a group have
+    different numbers of turns chosen by the policy: the case where a baseline or a scale that
+    contains the sample's own turns is biased (verl issue 7244)."""
+    true, outcomes = _two_turn_game(0.0, 0.0, 1.0, 0.5)     # stopping is worth s = 1 = c + p1, going on too
     assert true[0] == pytest.approx(0.0) and true[1] == pytest.approx(0.125)
-    got = expected(ours)
-    assert got == pytest.approx(true, abs=1e-6)
+    one_group = [0, 0, 0]
+    assert _expected_update(outcomes, _ours(False), one_group) == pytest.approx(true, abs=1e-6)
     # the pooled baseline gives "go on" a bonus it has not earned, and shrinks the second turn's
-    pooled = expected(lambda tr: _pooled_baseline(tr, [0] * n))
+    pooled = _expected_update(outcomes, lambda tr, ids: _pooled_baseline(tr, ids), one_group)
     assert pooled[0] > 0.015 and pooled[1] < 0.1
+    # with std normalization: a positive multiple of the gradient, in one group and across two
+    for ids in (one_group, [0, 0, 1, 1]):
+        got = _expected_update(outcomes, _ours(True), ids)
+        assert got[0] == pytest.approx(0.0, abs=1e-6) and got[1] > 0.1, (ids, got)
+    true, outcomes = _two_turn_game(0.3, -0.4, 0.6, 0.5)    # both components non-zero
+    for ids in ([0, 0, 0], [0, 0, 1, 1]):
+        got = _expected_update(outcomes, _ours(True), ids)
+        assert got[0] / true[0] == pytest.approx(got[1] / true[1], rel=1e-4) and got[0] / true[0] > 0, (ids, got)
+
 
 def test_per_turn_grpo_bad_spans():
     tr, spans, ids, masks = _per_turn_example()

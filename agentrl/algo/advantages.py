@@ -24,6 +24,7 @@ assistant turn: see :func:`per_turn_grpo`.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Sequence
 
@@ -213,6 +214,13 @@ def per_turn_returns(turn_rewards: Sequence[float], gamma: float = 1.0) -> list[
     return out
 
 
+def _std(total: float, squares: float, count: int) -> float:
+    """Unbiased standard deviation from a sum, a sum of squares and a count (0 below two values)."""
+    if count < 2:
+        return 0.0
+    return math.sqrt(max(0.0, (squares - total * total / count) / (count - 1)))
+
+
 def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
                   turn_spans: Sequence[Sequence[tuple[int, int]]],
                   group_ids: Sequence[int], loss_masks: Sequence[Tensor], *,
@@ -222,41 +230,55 @@ def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
     For sample i with turn returns G_{i,t} (:func:`per_turn_returns`), the tokens of turn t
     (``turn_spans[i][t] = (start, end)``, half-open offsets into the response) get
 
-        A_{i,t} = (G_{i,t} - b_{i,t}) / (std_g + eps)      (or G_{i,t} - b_{i,t} without std)
+        A_{i,t} = (G_{i,t} - b_{i,t}) / s_i      (s_i = 1 without std normalization)
 
-    where the baseline b_{i,t} is the mean of G_{j,t} over the *other* samples j of the group
-    that reached turn t (leave-one-out, at the same turn index). Why not one mean over every
-    turn of the group (what this function did before, and what pooling or per-turn-index
-    normalisation of rewards give): such a baseline contains the sample's own returns, and how
-    many of them depends on when its own actions ended the episode. A baseline that depends on
-    the action is biased (verl issue 7244: a hidden bonus or penalty for "take another turn"
-    whenever intermediate rewards are non-zero). The leave-one-out baseline is built from other,
-    independent episodes only, so the expected update is the true policy gradient; with one turn
-    per episode it is RLOO, i.e. ``n / (n - 1)`` times GRPO's ``r_i - mean_g``.
+    **Baseline.** b_{i,t} is the mean of G_{j,t} over the *other* samples j of the group that
+    reached turn t (leave-one-out, at the same turn index), 0 if none did. Why not one mean over
+    every turn of the group (what this function did before): such a baseline contains the
+    sample's own returns, and how many of them depends on when its own actions ended the episode.
+    A baseline that depends on the action is biased (verl issue 7244: a hidden bonus or penalty
+    for "take another turn" whenever intermediate rewards are non-zero). Built from other,
+    independent episodes only, the expected update is the policy gradient; with one turn per
+    episode it is RLOO, ``n / (n - 1)`` times GRPO's ``r_i - mean_g``. (Giving an unmatched turn 0
+    instead of G_{i,t} would shrink late turns' gradient by the chance that another episode
+    lasted as long: a bias of its own.)
 
-    A turn no other sample of the group reached has baseline 0 (A = G_{i,t}: plain REINFORCE for
-    that turn; giving it 0 instead would shrink the gradient of late turns by the chance that
-    another episode lasted as long, a bias of its own). std_g (unbiased) is a scale only: the
-    spread of every turn return of the group, as GRPO divides by the spread of its rewards (not
-    applied when they are all equal: then only unmatched turns are non-zero). A group
-    of one sample gets 0 everywhere, as in :func:`grpo`, and so do mask-0 tokens and tokens
-    outside every turn span. Returns a list of [L_i] tensors.
+    **Scale.** s_i is the standard deviation of the returns of the batch's *other groups*: every
+    turn index of every episode up to its group's longest, 0 after an episode ended (a finished
+    episode earns nothing more). A scale that contains the sample's own returns brings the bias
+    back through the division (the pooled std of the group gave "go on" a bonus in the test game
+    of ``tests/test_algo.py``), and the leave-one-out std of the group alone explodes when the
+    sample is the group's outlier (one solve among near-equal failures). With other groups the
+    update is a positive multiple of the policy gradient; a batch of one group falls back to the
+    group's other samples, and a spread <= ``eps`` to 1.
+
+    A group of one sample gets 0 everywhere, as in :func:`grpo`, and so do mask-0 tokens and
+    tokens outside every turn span. Returns a list of [L_i] tensors.
     """
     masks = _as_masks(loss_masks)
     n = len(masks)
     if not (len(turn_rewards) == len(turn_spans) == len(group_ids) == n):
         raise ValueError("turn_rewards, turn_spans, group_ids and loss_masks must have one entry per sample")
     returns = [per_turn_returns(tr, gamma) for tr in turn_rewards]
+    group_size = Counter(group_ids)
+    longest: dict[int, int] = {}
+    for gid, g in zip(group_ids, returns):
+        longest[gid] = max(longest.get(gid, 0), len(g))
     # per group and turn index: sum and count of the returns of the samples that reached it
     sums: dict[tuple[int, int], float] = {}
     counts: Counter[tuple[int, int]] = Counter()
-    pools: dict[int, list[float]] = {}
-    group_size = Counter(group_ids)
-    for gid, g in zip(group_ids, returns):
-        pools.setdefault(gid, []).extend(g)
+    # per sample and per group: sum, sum of squares and count of the zero-padded returns (for the scale)
+    padded = [(sum(g), sum(x * x for x in g), longest[gid]) for gid, g in zip(group_ids, returns)]
+    group_stats: dict[int, list[float]] = {}
+    for gid, g, (total, squares, count) in zip(group_ids, returns, padded):
         for t, value in enumerate(g):
             sums[gid, t] = sums.get((gid, t), 0.0) + value
             counts[gid, t] += 1
+        st = group_stats.setdefault(gid, [0.0, 0.0, 0])
+        st[0] += total
+        st[1] += squares
+        st[2] += count
+    batch = [sum(st[k] for st in group_stats.values()) for k in range(3)]
 
     out = []
     for i, m in enumerate(masks):
@@ -264,9 +286,13 @@ def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
         gid = group_ids[i]
         if len(turn_spans[i]) != len(returns[i]):
             raise ValueError(f"sample {i}: {len(turn_spans[i])} turn spans for {len(returns[i])} turn rewards")
-        pool = torch.tensor(pools[gid], dtype=torch.float32)
-        std = float(pool.std()) if pool.numel() > 1 else 0.0
-        scale = std + eps if std_normalize and std > eps else 1.0
+        scale = 1.0
+        if std_normalize:
+            st = group_stats[gid]
+            std = _std(batch[0] - st[0], batch[1] - st[1], int(batch[2] - st[2]))      # the other groups
+            if std <= eps:                                                              # the group's other samples
+                std = _std(st[0] - padded[i][0], st[1] - padded[i][1], int(st[2] - padded[i][2]))
+            scale = std + eps if std > eps else 1.0
         for t, ((start, end), g) in enumerate(zip(turn_spans[i], returns[i])):
             if not 0 <= start <= end <= m.numel():
                 raise ValueError(f"sample {i}: turn span ({start}, {end}) outside 0..{m.numel()}")
