@@ -3,7 +3,8 @@
 :class:`Calculator` scores the final answer (a turn without a tool call) by the exact answer: 1.0
 when the last number in it equals the label, else 0.
 
-:class:`ShapedCalculator` (the README's main job) adds partial credit, so a small model that never
+:class:`ShapedCalculator` (the README's first main job; the current one trains :class:`Calculator`
+after a warm start, ``examples/calculator_agent/``) adds partial credit, so a small model that never
 gets the answer right still has something to learn from: up to 0.3 for a short numeric answer (0.3
 for a bare number, falling linearly to 0 at ``BREVITY_WORDS`` words) and 0.2 when the episode made
 at least one successful calculator call. Partial credit never reaches the 1.0 of a correct answer,

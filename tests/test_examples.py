@@ -40,11 +40,12 @@ def test_main_job_rl_batches_see_every_template_once():
     import re
 
     from agentrl.config import load_config_file, run_config_from_values
-    from agentrl.runtime.data import PromptSource
-    from envs.calculator import Calculator
+    from agentrl.env import load_env
+    from agentrl.rollout.generate import task_rows
+    from agentrl.runtime.train import _data_source
 
     rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))
-    src = PromptSource(Calculator.tasks(), shuffle=rl.shuffle_prompts, seed=rl.train.seed)
+    src = _data_source(rl, task_rows(load_env(rl.env), rl.prompt_data), None)  # what `agentrl train` samples from
     for _ in range(rl.num_rollout):
         batch = src.get_samples(rl.rollout_batch_size)
         shapes = {re.sub(r"\d+", "N", t["prompt"]) for t in batch}  # the problem text without its numbers
