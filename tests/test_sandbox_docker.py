@@ -315,7 +315,9 @@ async def test_a_fork_bomb_that_times_out_comes_back_as_a_result(docker_image):
         for bomb in ("b() { b | b & }; b; sleep 100", ["python3", "-c", holder]):
             t0 = time.monotonic()
             r = await box.run(bomb, timeout=1.0)  # no SandboxError: it is the program's doing
-            assert r.timed_out and r.exit_code is None and time.monotonic() - t0 < 20, r
+            # it is killed at the timeout, or it dies on its own when a fork fails at the pids limit
+            assert (r.timed_out and r.exit_code is None) or not r.ok, r
+            assert time.monotonic() - t0 < 20, r
             r = await box.run("ps -e | wc -l")
             assert r.ok and int(r.stdout) < 8, r
 

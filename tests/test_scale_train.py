@@ -151,6 +151,6 @@ def test_megatron_tp2_with_launched_engines(tiny_ckpt, tmp_path, ray_local, weig
     lines = _lines(save)
     assert [x["weight_version"] for x in lines] == [1, 2]
     assert all(x["count_failed"] == 0 and x["train_samples"] == 16 for x in lines)
-    assert all(x["grad_norm"] > 0 for x in lines)
+    assert any(x["grad_norm"] > 0 for x in lines)  # a step whose groups all tie has nothing to learn
     rollout = [json.loads(x) for x in (save / "rollouts" / "rollout_000001.jsonl").read_text().splitlines()]
     assert {v for s in rollout for v in s["weight_versions"]} == {"1"}
