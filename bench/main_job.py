@@ -31,15 +31,18 @@ EVAL = ["--env", "envs.calculator:Calculator", "--eval-prompt-data", "heldout", 
         "--rollout-temperature", "0", "--max-turns", "3", "--rollout-max-response-len", "64"]
 
 
-def agentrl(*args: str) -> float:
+def agentrl(*args: str, env: dict[str, str] | None = None) -> float:
+    """Run ``python -m agentrl ARGS`` in the repo (``env``: the child's environment); its seconds."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "agentrl", *args], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "agentrl", *args], cwd=REPO, env=env, check=True)
     return time.monotonic() - t0
 
 
-def evaluate(checkpoint: str | None, out: Path, name: str) -> dict:
+def evaluate(checkpoint: str | None, out: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> dict:
+    """The README's held-out eval (``EVAL`` plus ``extra`` flags) of a checkpoint (None: the default model)."""
     path = out / f"eval_{name}.json"
-    agentrl("eval", *EVAL, *(["--hf-checkpoint", checkpoint] if checkpoint else []), "--output", str(path))
+    agentrl("eval", *EVAL, *(["--hf-checkpoint", checkpoint] if checkpoint else []), *extra, "--output", str(path),
+            env=env)
     r = json.loads(path.read_text())["heldout"]
     return {"accuracy": r["pass@1"], "tool_call_rate": r["tool_call_rate"], "turns_mean": r["turns_mean"],
             "problems": r["num_prompts"]}

@@ -47,23 +47,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # for agentrl.tiny, as the other bench scripts do
+from bench.main_job import agentrl  # noqa: E402
 ENV = ["--env", "envs.wordle:Wordle"]
 ARMS: dict[str, list[str]] = {"outcome": [], "per_turn": ["--per-turn-credit"]}
 # (warm-start steps, warm-start lr, RL lr) per model; the tiny one starts from random weights
 DEFAULTS: dict[str, tuple[int, float, float]] = {"tiny": (60, 3e-3, 1e-4), "default": (4, 5e-5, 2e-5)}
-
-
-def agentrl(*args: str) -> float:
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "agentrl", *args], cwd=REPO, check=True)
-    return time.monotonic() - t0
 
 
 def plot(results: dict[str, dict], title: str, png: Path) -> None:

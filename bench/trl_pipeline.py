@@ -66,7 +66,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -83,7 +82,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from bench.main_job import EVAL  # noqa: E402
+from bench import main_job  # noqa: E402
 
 SFT_YAML = REPO / "examples" / "calculator_agent" / "sft.yaml"
 GRPO_YAML = REPO / "examples" / "calculator_agent" / "grpo.yaml"
@@ -321,15 +320,11 @@ def train_grpo(start: Path, base: Path, results: list[Any], cfg: dict, steps: in
 
 
 def evaluate(checkpoint: Path, out: Path, name: str, limit: int | None, threads: int | None) -> dict:
-    path = out / f"eval_{name}.json"
-    cmd = [sys.executable, "-m", "agentrl", "eval", *EVAL, "--hf-checkpoint", str(checkpoint),
-           *(["--num-tasks", str(limit)] if limit else []), "--output", str(path)]
+    """``bench.main_job.evaluate`` (the README's eval), optionally on the first ``limit`` problems, timed."""
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.monotonic()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True)
-    r = json.loads(path.read_text())["heldout"]
-    return {"accuracy": r["pass@1"], "tool_call_rate": r["tool_call_rate"], "turns_mean": r["turns_mean"],
-            "problems": r["num_prompts"], "seconds": round(time.monotonic() - t0, 1)}
+    r = main_job.evaluate(str(checkpoint), out, name, *(["--num-tasks", str(limit)] if limit else []), env=env)
+    return {**r, "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main() -> None:
