@@ -349,3 +349,61 @@ def test_packed_attention_matches_separate_forwards_and_falls_back(tiny_ckpt):
     torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
     # outside a segments block it is plain SDPA (here: one causal sequence)
     torch.testing.assert_close(packed(input_ids=ids, use_cache=False).logits, plain(input_ids=ids, use_cache=False).logits)
+
+
+# ---------------------------------------------------------------- samples without a gradient
+
+
+def test_with_gradient_keeps_only_samples_that_can_move_the_weights():
+    from agentrl.trainer.base import with_gradient
+
+    live = TrainSample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], advantages=[0.0, 0.5])
+    tied = TrainSample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], advantages=[0.0, 0.0])
+    env_only = TrainSample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0], advantages=[0.0, 2.0])
+    assert with_gradient([live, tied, env_only], cfg()) == [live]  # an advantage on a mask-0 token trains nothing
+    for kw in (dict(loss_type="sft_loss"), dict(use_kl_loss=True), dict(entropy_coef=0.01)):
+        assert with_gradient([live, tied, env_only], cfg(**kw)) == [live, tied, env_only], kw
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_zero_advantage_samples_skip_the_model_and_leave_the_step_unchanged(tiny_ckpt, monkeypatch, per_token):
+    """A tied group's samples (advantage 0) get no forward/backward; the weights move exactly as over all.
+
+    Step 1 has half its samples at advantage 0; step 2 has only such samples, where AdamW must still
+    step (its moments and weight decay move the weights) as it does over the full batch.
+    """
+    from agentrl.trainer import torch_trainer
+
+    step1 = make_samples(8, seed=11)
+    for s in step1[::2]:
+        s.advantages = [0.0] * s.response_length
+    step2 = make_samples(4, seed=12, adv=0.0)
+    runs = {}
+    for mode in ("skip", "full", "live only"):
+        if mode == "full":
+            monkeypatch.setattr(torch_trainer, "with_gradient", lambda samples, c: list(samples))
+        trainer = TorchTrainer(tiny_ckpt, cfg(calculate_per_token_loss=per_token, weight_decay=0.1))
+        seen = capture_grads(trainer)
+        tokens: list[int] = []
+        forward = trainer.model.forward
+        trainer.model.forward = lambda *a, **k: (tokens.append(k["input_ids"].numel()), forward(*a, **k))[1]
+        m1 = trainer.train_step(step1 if mode != "live only" else step1[1::2])
+        after1 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        m2 = trainer.train_step(step2) if mode != "live only" else None
+        after2 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        runs[mode] = dict(m1=m1, m2=m2, seen=seen, after1=after1, after2=after2, tokens=tokens)
+        monkeypatch.undo()
+    skip, full = runs["skip"], runs["full"]
+    assert skip["m1"]["skipped_samples"] == 4 and skip["m2"]["skipped_samples"] == 4
+    assert full["m1"]["skipped_samples"] == 0
+    assert sum(skip["tokens"]) == sum(len(s.tokens) for s in step1[1::2]) + 1  # step 2: one empty 1-token pass
+    assert sum(full["tokens"]) == sum(len(s.tokens) for s in step1 + step2)
+    for name in full["seen"][0]:
+        torch.testing.assert_close(skip["seen"][0][name], full["seen"][0][name], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(skip["after2"][name], full["after2"][name], atol=1e-6, rtol=1e-4)
+    assert any(not torch.equal(skip["after1"][n], skip["after2"][n]) for n in skip["after1"])  # step 2 moved them
+    assert skip["m1"]["loss"] == pytest.approx(full["m1"]["loss"], abs=1e-6)
+    assert skip["m1"]["grad_norm"] == pytest.approx(full["m1"]["grad_norm"], rel=1e-5)
+    # per-token statistics are means over the samples trained on, as if only they had been sent
+    for key in ("entropy", "ratio_mean", "clipfrac"):
+        assert skip["m1"][key] == pytest.approx(runs["live only"]["m1"][key], rel=1e-5, abs=1e-7), key

@@ -77,6 +77,35 @@ class Trainer(abc.ABC):
         """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
 
 
+def with_gradient(samples: Sequence[TrainSample], cfg: Any) -> list[TrainSample]:
+    """The samples that can move the weights in a policy-loss step; the rest need no forward or backward.
+
+    With no KL loss and no entropy bonus, a token's loss is its advantage times a ratio (PPO clip,
+    GSPO, TIS alike), so a sample whose advantages are 0 on every trained token (a GRPO group whose
+    episodes all tie) contributes exactly 0 to the gradient. Dropping it saves its whole pass; the
+    loss keeps the batch's normalizers (``num_tokens``/``num_seqs`` of all samples), so the
+    gradient and the optimizer step are those of the full batch. SFT, KL and entropy terms depend
+    on every sample: then all are kept.
+    """
+    if cfg.loss_type == "sft_loss" or cfg.use_kl_loss or cfg.entropy_coef != 0:
+        return list(samples)
+    return [s for s in samples if any(a != 0 and m for a, m in zip(s.advantages, s.loss_mask))]
+
+
+def mean_over_trained(metrics: dict[str, float], cfg: Any, all_counts: Sequence[float],
+                      trained_counts: Sequence[float]) -> dict[str, float]:
+    """``entropy``/``clipfrac``/``ratio_mean`` as means over the samples trained on (see :func:`with_gradient`).
+
+    The loss normalizes every term by the whole batch's tokens (or sequences); for these per-token
+    statistics that would count the dropped samples as zeros. ``*_counts`` are (tokens, sequences).
+    """
+    i = 0 if cfg.calculate_per_token_loss else 1
+    if trained_counts[i] <= 0:
+        return metrics
+    scale = all_counts[i] / trained_counts[i]
+    return {k: v * scale if k in ("entropy", "clipfrac", "ratio_mean") else v for k, v in metrics.items()}
+
+
 def run_optimizer_steps(samples: Sequence[TrainSample], n_steps: int,
                         optimizer_step: Callable[[Sequence[TrainSample]], dict[str, float] | None],
                         sum_over_ranks: Callable[[list[float]], list[float]], lr: float) -> dict[str, float]:

@@ -48,7 +48,7 @@ from torch import nn
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer import packed_attention
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample, run_optimizer_steps
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample, mean_over_trained, run_optimizer_steps, with_gradient
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
@@ -227,12 +227,17 @@ class TorchTrainer(Trainer):
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
-        num_tokens, num_seqs = self._sum_over_ranks([sum(sum(s.loss_mask) for s in samples), len(samples)])
+        live = with_gradient(samples, self.cfg)
+        num_tokens, num_seqs, live_tokens, live_seqs = self._sum_over_ranks(
+            [sum(sum(s.loss_mask) for s in samples), len(samples), sum(sum(s.loss_mask) for s in live), len(live)])
         if num_seqs == 0:
             return None
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        for batch in self._micro_batches(samples, train=True):
+        # no rank has a sample with a gradient: one empty pass still gives every weight a zero gradient,
+        # so the optimizer steps exactly as over the full batch (AdamW's moments and decay move it)
+        batches = self._micro_batches(live, train=True) or [None]
+        for batch in batches:
             if batch is None:
                 self._dummy_pass(self.model, backward=True)
                 continue
@@ -249,7 +254,8 @@ class TorchTrainer(Trainer):
         self.step += 1
         keys = self._metric_names(sums)
         totals = self._sum_over_ranks([sums[k] for k in keys])  # each rank's share is globally normalized
-        return dict(zip(keys, totals), grad_norm=grad_norm)
+        metrics = mean_over_trained(dict(zip(keys, totals)), self.cfg, (num_tokens, num_seqs), (live_tokens, live_seqs))
+        return dict(metrics, grad_norm=grad_norm, skipped_samples=num_seqs - live_seqs)
 
     def _micro_batch_loss(self, b: PackedBatch, num_tokens: float, num_seqs: float):
         """Forward one packed micro-batch and return :func:`policy_loss`'s ``(loss, metrics)``."""
