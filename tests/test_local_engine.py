@@ -186,10 +186,23 @@ async def test_context_length_clamps_and_rejects(ckpt):
     ([1, 2], {"frequency_penalty": 0.5}, "not supported"),
     ([1, 2], {"tempreature": 1.0}, "unknown"),
     ([1, 2], {"stop": [""]}, "stop"),
+    # each of these used to kill the worker loop for every request (issue 18), or answer 500
+    ([1, 2], {"skip_special_tokens": "no"}, "sampling_params.skip_special_tokens"),
+    ([1, 2], {"top_k": 2**63}, "sampling_params.top_k"),
+    ([1, 2], {"temperature": 10**400}, "sampling_params.temperature"),
+    ([1, 2], {"temperature": float("inf")}, "sampling_params.temperature"),
+    ([1, 2], {"stop": 5}, "sampling_params.stop"),
+    ([1, 2], {"stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+    ([1, 2], {"stop_token_ids": [-5]}, "sampling_params.stop_token_ids"),
+    ([1, 2], {"sampling_seed": 2**64}, "sampling_params.sampling_seed"),
+    ([1, 2], {"max_new_tokens": True}, "sampling_params.max_new_tokens"),
+    ([1, 2], {"stop": ["x" * 600]}, "sampling_params.stop"),
 ])
 async def test_bad_requests_are_refused(engine, ids, sp, match):
     with pytest.raises(InvalidRequestError, match=match):
         await engine.generate(ids, sp)
+    out = await engine.generate([5, 6, 7], {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
+    assert len(out["output_ids"]) == 3 and engine.alive  # and the engine serves on
 
 
 async def test_abort_running_queued_and_all(engine):
@@ -257,5 +270,88 @@ async def test_sampling_seed_replays_the_same_tokens_whatever_the_batch(engine, 
     assert alone["output_ids"] == crowded["output_ids"]
     assert other_seed["output_ids"] != alone["output_ids"]
     assert_exact(ref_model, p, crowded, 1.0)
-    with pytest.raises(InvalidRequestError, match="sampling_seed must be an integer"):
+    with pytest.raises(InvalidRequestError, match="sampling_seed"):
         await engine.generate(p, {**sp, "sampling_seed": "x"})
+
+
+# ---------------------------------------------------------------- faults stay inside their request
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+async def test_a_fault_in_one_request_fails_only_that_request(ckpt, monkeypatch):
+    """A sampling fault pinned on one row (even ``SystemExit``) fails that request; its batch mates finish."""
+    from agentrl.engines.local import EngineFault
+    from agentrl.engines.local import engine as engine_mod
+
+    real = engine_mod.sample_batch
+
+    def faulty(logits, params, gens):
+        if any(p.top_p == 0.123 for p in params):
+            raise SystemExit(3)
+        return real(logits, params, gens)
+
+    eng = make_engine(ckpt)
+    try:
+        prompts_ = [[5, 6, 7 + i] for i in range(3)]
+        alone = [(await eng.generate(p, GREEDY))["output_ids"] for p in prompts_]
+        monkeypatch.setattr(engine_mod, "sample_batch", faulty)
+        poison = eng.generate([9, 9, 9], {"temperature": 1.0, "top_p": 0.123, "max_new_tokens": 6})
+        outs = await asyncio.wait_for(asyncio.gather(poison, *(eng.generate(p, GREEDY) for p in prompts_),
+                                                     return_exceptions=True), 30)
+        assert isinstance(outs[0], EngineFault) and "SystemExit" in str(outs[0])
+        assert [o["output_ids"] for o in outs[1:]] == alone
+        assert eng.alive and eng.restarts == 0 and eng.num_running == 0
+    finally:
+        await eng.close()
+
+
+async def test_a_fault_in_a_batch_fails_its_requests_and_the_loop_goes_on(ckpt):
+    """A forward that raises fails the requests holding rows; waiting ones and later ones are served."""
+    from agentrl.engines.local import EngineFault
+
+    eng = make_engine(ckpt, max_running_requests=2)
+    try:
+        before = (await eng.generate([5, 6, 7], GREEDY))["output_ids"]
+        real, calls = eng.runner.forward, []
+
+        def forward(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:  # a decode step of the first two requests
+                raise KeyboardInterrupt("injected")
+            return real(*a, **k)
+
+        eng.runner.forward = forward
+        outs = await asyncio.wait_for(asyncio.gather(*(eng.generate([5, 6, 7], GREEDY) for _ in range(4)),
+                                                     return_exceptions=True), 30)
+        failed = [o for o in outs if isinstance(o, BaseException)]
+        assert len(failed) == 2 and all(isinstance(o, EngineFault) for o in failed), outs
+        assert [o["output_ids"] for o in outs if not isinstance(o, BaseException)] == [before, before]
+        assert eng.alive and eng.restarts == 1 and isinstance(eng.last_error, KeyboardInterrupt)
+        assert (await eng.generate([5, 6, 7], GREEDY))["output_ids"] == before
+    finally:
+        await eng.close()
+    assert not eng.alive
+
+
+@pytest.mark.parametrize("bad", ["meta", "nan", "int", "list"])
+async def test_weight_updates_are_checked_before_the_swap(ckpt, bad):
+    """A tensor the copy would fail on (meta device) or that would serve garbage is refused; nothing changes."""
+    eng = make_engine(ckpt)
+    try:
+        before = (await eng.generate([5, 6, 7], GREEDY))["output_ids"]
+        tensors = {k: v.clone() for k, v in eng.model.state_dict().items()}
+        names = list(tensors)
+        first, last = names[0], names[-1]
+        tensors[first] = tensors[first] + 1.0  # a valid change that must not land either
+        shape = tensors[last].shape
+        tensors[last] = {"meta": torch.empty(shape, device="meta"), "nan": torch.full(shape, float("nan")),
+                         "int": torch.zeros(shape, dtype=torch.int64), "list": [[0.0]]}[bad]
+        out = await eng.update_weights_from_tensors(tensors, weight_version="bad")
+        assert out["success"] is False and (last in out["message"] or "bad tensors" in out["message"]), out
+        assert eng.weight_version == "default"
+        assert (await eng.generate([5, 6, 7], GREEDY))["output_ids"] == before
+        assert eng.alive
+    finally:
+        await eng.close()

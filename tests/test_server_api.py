@@ -119,6 +119,84 @@ def test_generate_rejects_bad_requests(http, body):
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body, field", [
+    # each answered 500 before (issue 18 item 3); now a 400 that names the field
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 5}}, "sampling_params.stop_token_ids"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"skip_special_tokens": "no"}},
+     "sampling_params.skip_special_tokens"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 2**63}}, "sampling_params.top_k"),
+    ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"input_ids": [1, 2], "sampling_parms": {}}, "sampling_parms"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 10**400},
+     "sampling_params.temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+])
+def test_bad_fields_are_400s_naming_the_field(http, path, body, field):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"], r.json()
+    assert http.get("/health").status_code == 200
+
+
+def test_fuzzed_bodies_never_kill_or_500_the_server(http, server):
+    """Random JSON at the generation endpoints, whole bodies and one field of a valid body at a time:
+    never a 5xx, ``/health`` stays 200, and the same greedy request gives the same tokens after."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    probe = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    before = http.post("/generate", json=probe).json()["output_ids"]
+    scalar = st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=8)
+    value = st.recursive(scalar, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                         max_leaves=8)
+    fields = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+              "skip_special_tokens", "no_stop_trim", "sampling_seed", "frequency_penalty"]
+    valid = {
+        "/generate": {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True},
+        "/v1/completions": {"prompt": [5, 6], "max_tokens": 3},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    }
+
+    def mutate(path: str, key: str, v) -> dict:
+        body = json.loads(json.dumps(valid[path]))
+        if path == "/generate" and key in fields:
+            body["sampling_params"][key] = v
+        else:
+            body[key] = v
+        if key in ("max_new_tokens", "max_tokens") and isinstance(v, int) and not isinstance(v, bool):
+            body[key if path != "/generate" else "sampling_params"] = (
+                min(v, 8) if path != "/generate" else {**body["sampling_params"], key: min(v, 8)})
+        return body
+
+    bodies = (st.tuples(st.sampled_from(list(valid)), value)
+              | st.builds(lambda p, k, v: (p, mutate(p, k, v)), st.sampled_from(list(valid)),
+                          st.sampled_from(fields + ["input_ids", "prompt", "messages", "text", "rid", "stream",
+                                                    "return_logprob", "tools", "logprobs", "n", "seed"]), value))
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(bodies)
+    def one(case):
+        path, body = case
+        r = http.post(path, content=json.dumps(body, allow_nan=True))
+        assert r.status_code < 500, (path, body, r.text)
+
+    one()
+    assert http.get("/health").status_code == 200
+    assert http.post("/generate", json=probe).json()["output_ids"] == before
+
+
 def test_openai_completions(server):
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
     c = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0.7,

@@ -5,7 +5,7 @@ native endpoints (``/generate``, ``/update_weights_from_disk``, ...) and the Ope
 ``serve(checkpoint, port=...)`` runs that app with uvicorn (``agentrl serve``).
 """
 
-from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
 from agentrl.engines.local.server import build_app, serve
 
-__all__ = ["InvalidRequestError", "LocalEngine", "build_app", "serve"]
+__all__ = ["EngineFault", "InvalidRequestError", "LocalEngine", "build_app", "serve"]

@@ -21,6 +21,7 @@ re-score of prompt + output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang's ``tags`` for ``/release_memory_occupation`` and ``/resume_memory_occupation``."""
+
+
+class EngineFault(RuntimeError):
+    """The engine failed while serving this request (a fault, not a bad request): HTTP 500, engine up."""
 
 
 class _Request:
@@ -112,7 +117,8 @@ class LocalEngine:
         self._control: list[tuple[str, Any]] = []
         self._kv_released = False  # release_memory_occupation dropped the KV buffers; admission waits
         self._stop = False
-        self.error: BaseException | None = None
+        self.last_error: BaseException | None = None  # the last fault an iteration survived
+        self.restarts = 0  # iterations that failed outside any one request (see _run)
         # Owned by the worker thread.
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request | None] = [None] * max_running_requests
@@ -131,8 +137,8 @@ class LocalEngine:
 
     @property
     def alive(self) -> bool:
-        """False once the worker thread died (the HTTP health checks then answer 503)."""
-        return self.error is None and self._thread.is_alive()
+        """False once the worker thread ended (only :meth:`close` ends it; health checks then answer 503)."""
+        return self._thread.is_alive() and not self._stop
 
     @property
     def num_running(self) -> int:
@@ -147,7 +153,7 @@ class LocalEngine:
         Cancelling the awaiting task aborts the request.
         """
         if not self.alive:
-            raise RuntimeError(f"the embedded engine is not running: {self.error!r}")
+            raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
         sp = SamplingConfig.from_dict(sampling_params or {})
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_length - len(ids))
@@ -267,24 +273,44 @@ class LocalEngine:
     # ---------------------------------------------------------------- worker thread
 
     def _run(self) -> None:
-        try:
-            with torch.inference_mode():
-                while self._iteration():
-                    pass
-        except BaseException as exc:  # noqa: BLE001 - the loop must report any death to waiters
-            log.exception("embedded engine loop died")
-            self.error = exc
+        """The worker thread: iterations until :meth:`close`, surviving any fault (its own supervisor).
+
+        A fault a stage can pin on requests fails only those (:meth:`_sample_and_step`,
+        :meth:`_finish_checks`, :meth:`_apply_control`); anything else raised by an iteration, a
+        ``BaseException`` included, fails the requests holding rows (their KV may be half
+        written), is logged and counted in ``restarts``, and the loop goes on: waiting requests, the
+        HTTP server and ``/health`` are unaffected.
+        """
+        while True:
+            try:
+                with torch.inference_mode():
+                    while self._iteration():
+                        pass
+                break
+            except BaseException as exc:  # noqa: BLE001 - nothing may end the loop but close()
+                log.exception("embedded engine iteration failed; failing its running requests and going on")
+                self.last_error = exc
+                self.restarts += 1
+                for req in [r for r in self._rows if r is not None]:
+                    self._fail(req, exc)
         for req in itertools.chain(self._waiting, self._inbox, (r for r in self._rows if r)):
-            if self.error is not None:
-                req.loop.call_soon_threadsafe(_set_exception, req.future, RuntimeError(f"engine died: {self.error!r}"))
-            else:
-                req.finish = {"type": "abort", "message": "engine closed"}
-                self._resolve(req)
+            req.finish = {"type": "abort", "message": "engine closed"}
+            self._resolve(req)
         for kind, arg in self._control:
             if kind in ("update", "release", "resume"):
                 fut = arg[2] if kind == "update" else arg[1]
                 fut.get_loop().call_soon_threadsafe(_set_result, fut, {
                     "success": False, "message": "engine closed", "num_paused_requests": 0})
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        """Answer ``req`` with :class:`EngineFault` and free its row (its KV is not kept)."""
+        if req.row >= 0 and self._rows[req.row] is req:
+            self._rows[req.row] = None
+        req.row = -1
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(req)
+        err = EngineFault(f"the engine failed while serving request {req.rid}: {exc!r}")
+        req.loop.call_soon_threadsafe(_set_exception, req.future, err)
 
     def _iteration(self) -> bool:
         with self._cv:
@@ -324,20 +350,35 @@ class LocalEngine:
             todo = list(self._control)
         for item in todo:
             kind, arg = item
-            if kind == "flush":
-                self.store.clear()
-            elif kind == "update" and self.num_running == 0:
-                path, version, fut, opts = arg
-                result = self._load_weights(path, version, **opts)
-                fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
-            elif kind in ("release", "resume") and self.num_running == 0:
-                tags, fut = arg
-                result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
-                fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
-            else:
-                continue
-            with self._cv:
-                self._control.remove(item)
+            try:
+                done = self._control_item(kind, arg)
+            except BaseException as exc:  # noqa: BLE001 - a failed control fails its caller, not the loop
+                log.exception("embedded engine: %s failed", kind)
+                self.last_error = exc
+                if kind != "flush":
+                    fut = arg[2] if kind == "update" else arg[1]
+                    fut.get_loop().call_soon_threadsafe(_set_result, fut, {
+                        "success": False, "message": f"{kind} failed: {exc!r}", "num_paused_requests": 0})
+                done = True
+            if done:
+                with self._cv:
+                    self._control.remove(item)
+
+    def _control_item(self, kind: str, arg: Any) -> bool:
+        """Apply one control item if it can run now; whether it is done."""
+        if kind == "flush":
+            self.store.clear()
+        elif kind == "update" and self.num_running == 0:
+            path, version, fut, opts = arg
+            result = self._load_weights(path, version, **opts)
+            fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+        elif kind in ("release", "resume") and self.num_running == 0:
+            tags, fut = arg
+            result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
+            fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+        else:
+            return False
+        return True
 
     def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False,
                       assign: bool = False) -> dict:
@@ -479,11 +520,28 @@ class LocalEngine:
             rows[dst], rows[last], req.row = req, None, dst
 
     def _sample_and_step(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        ids, lps = sample_batch(logits, [r.sp for r in reqs], [r.generator or self._generator for r in reqs])
-        for r, tok, lp in zip(reqs, ids.tolist(), lps.tolist()):
+        gens = [r.generator or self._generator for r in reqs]
+        try:
+            ids, lps = sample_batch(logits, [r.sp for r in reqs], gens)
+            drawn = list(zip(reqs, ids.tolist(), lps.tolist()))
+        except BaseException as exc:  # noqa: BLE001 - find the request(s) at fault, fail only them
+            log.warning("sampling a batch of %d failed (%r); sampling its rows one by one", len(reqs), exc)
+            self.last_error = exc
+            drawn = []
+            for i, r in enumerate(reqs):
+                try:
+                    one_id, one_lp = sample_batch(logits[i:i + 1], [r.sp], [gens[i]])
+                    drawn.append((r, int(one_id[0]), float(one_lp[0])))
+                except BaseException as one_exc:  # noqa: BLE001
+                    self._fail(r, one_exc)
+        for r, tok, lp in drawn:
             r.output_ids.append(tok)
             r.logprobs.append(lp)
-            r.finish = self._check_finished(r)
+            try:
+                r.finish = self._check_finished(r)
+            except BaseException as exc:  # noqa: BLE001 - e.g. a stop string the tokenizer cannot decode against
+                self._fail(r, exc)
+                continue
             if r.finish is not None:
                 self._retire(r)
 
@@ -512,7 +570,12 @@ class LocalEngine:
         self._resolve(r)
 
     def _resolve(self, r: _Request) -> None:
-        r.loop.call_soon_threadsafe(_set_result, r.future, self._response(r))
+        try:
+            response = self._response(r)
+        except BaseException as exc:  # noqa: BLE001 - a response that cannot be built fails its request only
+            self._fail(r, exc)
+            return
+        r.loop.call_soon_threadsafe(_set_result, r.future, response)
 
     def _response(self, r: _Request) -> dict:
         sp, fin = r.sp, r.finish or {}

@@ -8,9 +8,11 @@ re-scoring the sequence at the same temperature computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field as PydanticField
 
 
 class InvalidRequestError(ValueError):
@@ -23,21 +25,45 @@ _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penal
             "logit_bias": None, "stop_regex": None}
 
 
-@dataclass
-class SamplingConfig:
-    """SGLang's ``sampling_params``, validated. Penalties and constrained decoding are refused."""
+_INT32 = 2**31 - 1
+_Flag = Annotated[bool, Field(strict=True)]
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: set[int] = field(default_factory=set)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
+
+class SamplingConfig(BaseModel):
+    """SGLang's ``sampling_params``, validated: strict types and bounds, one 400 naming the field.
+
+    Strict because a value the worker thread cannot use (``top_k`` past int64, a temperature no
+    float holds, ``skip_special_tokens: "no"``) would otherwise fail inside the shared decode loop,
+    for every request in the batch. Penalties and constrained decoding are refused (not supported).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: Annotated[int, Field(strict=True, ge=0, le=_INT32)] = 128
+    temperature: Annotated[float, Field(strict=True, ge=0, le=1e6)] = 1.0
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=_INT32)] = -1
+    min_p: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.0
+    stop: Annotated[list[Annotated[str, Field(strict=True, min_length=1, max_length=512)]],
+                    Field(max_length=64)] = PydanticField(default_factory=list)
+    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0, le=_INT32)]],
+                              Field(max_length=1024)] = PydanticField(default_factory=list)
+    ignore_eos: _Flag = False
+    skip_special_tokens: _Flag = True
+    no_stop_trim: _Flag = False
+    sampling_seed: Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
 
     @property
     def greedy(self) -> bool:
@@ -49,41 +75,34 @@ class SamplingConfig:
         return 4 * max(len(s) for s in self.stop) + 2
 
     @classmethod
-    def from_dict(cls, d: dict) -> SamplingConfig:
+    def from_dict(cls, d: Any) -> SamplingConfig:
+        """Validate a request's ``sampling_params`` (None values mean the default, as in SGLang)."""
         if not isinstance(d, dict):
-            raise InvalidRequestError("sampling_params must be an object")
-        sp, names = cls(), {f.name for f in fields(cls)}
+            raise InvalidRequestError(f"sampling_params must be an object, got {type(d).__name__}")
+        given: dict[str, Any] = {}
         for key, value in d.items():
-            if key in names:
-                if value is not None:
-                    setattr(sp, key, value)
-            elif key in _NEUTRAL:
+            if key in _NEUTRAL:
                 if value is not None and value != _NEUTRAL[key]:
                     raise InvalidRequestError(f"sampling param {key}={value!r} is not supported by the embedded engine")
+            elif key in cls.model_fields:
+                if value is not None:
+                    given[key] = value
             elif key not in _IGNORED_KEYS:
                 raise InvalidRequestError(f"unknown sampling param {key!r}")
-        sp.stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-        sp.stop_token_ids = set(sp.stop_token_ids)
-        sp.validate()
-        return sp
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_message(exc, "sampling_params")) from None
 
-    def validate(self) -> None:
-        def check(ok: bool, msg: str) -> None:
-            if not ok:
-                raise InvalidRequestError(msg)
 
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-              f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-              f"temperature must be >= 0, got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-              f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
-        check(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers")
-        check(self.sampling_seed is None or isinstance(self.sampling_seed, int),
-              f"sampling_seed must be an integer, got {self.sampling_seed!r}")
+def validation_message(exc: ValidationError, prefix: str) -> str:
+    """A pydantic error as one line naming the field: ``sampling_params.top_k: Input should be ...``."""
+    parts = []
+    for e in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
+        value = repr(e.get("input"))
+        parts.append(f"{loc}: {e['msg']} (got {value[:60]})")
+    return "; ".join(parts)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gens: list[torch.Generator]

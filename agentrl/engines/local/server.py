@@ -44,7 +44,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from agentrl.chat import ChatTemplate
 from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME, WeightUpdateGroups, check_metadata, run_in_thread
-from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
+from agentrl.engines.local.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
 
@@ -145,6 +146,10 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     async def _invalid(_: Request, exc: InvalidRequestError):
         return _error(str(exc))
 
+    @app.exception_handler(EngineFault)
+    async def _fault(_: Request, exc: EngineFault):  # this request only; the engine goes on serving
+        return _error(str(exc), status=500)
+
     @app.get("/health")
     async def health():
         return Response(status_code=200 if engine.alive else 503)
@@ -176,6 +181,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         body = await _json_body(request)
+        GenerateRequest.parse(body, "")
         batch, jobs = _generate_jobs(engine, body)
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
@@ -224,11 +230,10 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json_body(request)
-        _openai_checks(body)
-        prompts = _completion_prompts(body.get("prompt"))
-        sp = _openai_sampling(body, default_max=16)
-        nlp = body.get("logprobs")
+        req = CompletionRequest.parse(await _json_body(request), "")
+        prompts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
+        sp = req.sampling(default_max=16)
+        nlp = req.logprobs
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(ids if isinstance(ids, list) else tok.encode(ids), dict(sp),
                                                           return_logprob=nlp is not None) for ids in prompts))
@@ -244,18 +249,14 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
             choices.append(choice)
         resp = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": name, "choices": choices, "usage": _usage(outs)}
-        return _sse([resp]) if body.get("stream") else resp
+        return _sse([resp]) if req.stream else resp
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json_body(request)
-        _openai_checks(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
-        ids = _render_chat(tok, chat_template, messages, body.get("tools"), body.get("chat_template_kwargs") or {})
-        sp = _openai_sampling(body, default_max=None)
-        want_lp = bool(body.get("logprobs"))
+        req = ChatCompletionRequest.parse(await _json_body(request), "")
+        ids = _render_chat(tok, chat_template, req.message_dicts(), req.tools, req.chat_template_kwargs or {})
+        sp = req.sampling(default_max=None)
+        want_lp = req.logprobs
         async with gate.admit():
             out = await engine.generate(ids, sp, return_logprob=want_lp)
         content, calls = out["text"], []
@@ -272,7 +273,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
         resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": name, "choices": [{"index": 0, "message": message, "logprobs": logprobs, **fin}],
                 "usage": _usage([out])}
-        if body.get("stream"):
+        if req.stream:
             chunk = {**resp, "object": "chat.completion.chunk",
                      "choices": [{"index": 0, "delta": message, "logprobs": logprobs, **fin}]}
             return _sse([chunk])
@@ -403,47 +404,11 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
     return batch, jobs
 
 
-def _openai_checks(body: dict) -> None:
-    if (body.get("n") or 1) != 1:
-        raise InvalidRequestError("n > 1 is not supported by the embedded engine")
-    if body.get("echo"):
-        raise InvalidRequestError("echo is not supported by the embedded engine")
-
-
-def _completion_prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            return list(prompt)
-    raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of either")
-
-
-def _openai_sampling(body: dict, default_max: int | None) -> dict:
-    """OpenAI request fields -> SGLang sampling params (extension fields top_k, min_p, ... pass through)."""
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    sp: dict[str, Any] = {"max_new_tokens": max_tokens if max_tokens is not None else (default_max or 1 << 30)}
-    for key in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens", "no_stop_trim", "frequency_penalty", "presence_penalty",
-                "repetition_penalty"):
-        if body.get(key) is not None:
-            sp[key] = body[key]
-    return sp
-
-
 def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
     """Render with the model's template, or agentrl's built-in tool template when tools are offered
     and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
-    msgs = []
-    for m in messages:
-        m = dict(m)
-        if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
-            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
-        msgs.append(m)
     try:
-        text = tok.apply_chat_template(msgs, tools=tools, chat_template=chat.template_for(tools), add_generation_prompt=True,
+        text = tok.apply_chat_template(messages, tools=tools, chat_template=chat.template_for(tools), add_generation_prompt=True,
                                        tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
         raise InvalidRequestError(f"chat template failed: {exc}") from exc

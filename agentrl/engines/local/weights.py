@@ -57,9 +57,28 @@ def apply_weights(model: torch.nn.Module, loaded: dict[str, torch.Tensor], what:
     if unexpected or shapes or missing:
         raise WeightUpdateError(f"{what} does not match the model: unexpected={unexpected[:5]} "
                                 f"shape_mismatch={shapes[:5]} missing={missing[:5]}")
+    for k, t in loaded.items():
+        if k in params:
+            _check_tensor(k, t, params[k], what)
     live = {**dict(model.named_parameters()), **dict(model.named_buffers())} if assign else {}
     for k, t in loaded.items():
         if k in live and t.dtype == live[k].dtype and t.device == live[k].device:
             live[k].data = t  # tied weights share one Parameter: re-pointing it serves both names
         elif k in params:
             params[k].copy_(t.to(params[k].dtype))
+
+
+def _check_tensor(name: str, t: torch.Tensor, param: torch.Tensor, what: str) -> None:
+    """Refuse, before anything is copied, a tensor the copy would fail on or that would serve garbage.
+
+    All-or-nothing: every check runs over every tensor first, so a refused update leaves the model
+    exactly as it was (a copy that failed half way would not).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise WeightUpdateError(f"{what}: {name} is a {type(t).__name__}, not a tensor")
+    if t.device.type == "meta" or (t.device.type != "cpu" and t.device != param.device):
+        raise WeightUpdateError(f"{what}: {name} is on device {t.device}; the model is on {param.device}")
+    if t.is_floating_point() != param.is_floating_point() or t.is_complex():
+        raise WeightUpdateError(f"{what}: {name} has dtype {t.dtype}; the model's is {param.dtype}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise WeightUpdateError(f"{what}: {name} holds NaN or infinite values")

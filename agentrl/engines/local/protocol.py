@@ -1,0 +1,166 @@
+"""The embedded engine's request bodies as pydantic models: every field typed and bounded.
+
+A body is validated here, on the event loop, before anything reaches the engine's worker thread:
+a bad value is one HTTP 400 naming the field (``messages.0.content.1.text: Input should be a
+valid string``) instead of an exception inside a shared loop. Names follow SGLang's
+``GenerateReqInput`` and OpenAI's completions / chat completions. Unknown fields are refused (a
+typo must not be served as if it were the default); fields SGLang or OpenAI define and the
+embedded engine does not implement are accepted only at their neutral value.
+``sampling_params`` themselves are :class:`~agentrl.engines.local.sampling.SamplingConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agentrl.engines.local.sampling import InvalidRequestError, validation_message
+
+_INT32 = 2**31 - 1
+Flag = Annotated[bool, Field(strict=True)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=_INT32)]], Field(min_length=1)]
+Count = Annotated[int, Field(strict=True, ge=0, le=_INT32)]
+
+
+class _Body(BaseModel):
+    """Unknown fields refused; fields in ``_NEUTRAL`` accepted only at their neutral value."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...] | None]] = {}
+    """Defined elsewhere, not implemented here: name -> the values that change nothing (None: any value)."""
+
+    @model_validator(mode="after")
+    def _no_unknown(self) -> _Body:
+        for key, value in (self.model_extra or {}).items():
+            if key not in self.NEUTRAL:
+                raise ValueError(f"unknown field {key!r}")
+            allowed = self.NEUTRAL[key]
+            if allowed is not None and not any(value == a and type(value) is type(a) for a in allowed):
+                raise ValueError(f"{key}={value!r} is not supported by the embedded engine")
+        return self
+
+    @classmethod
+    def parse(cls, body: Any, what: str):
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        try:
+            return cls(**body)
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_message(exc, what)) from None
+        except TypeError as exc:  # a key that is not a string
+            raise InvalidRequestError(f"{what}: {exc}") from None
+
+
+class GenerateRequest(_Body):
+    """SGLang's native ``/generate`` body (one request or a batch: lists of inputs)."""
+
+    NEUTRAL = {"logprob_start_len": (None, -1), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
+                "return_hidden_states": (None, False), "image_data": (None,), "audio_data": (None,),
+                "video_data": (None,), "lora_path": (None,), "custom_logit_processor": (None,),
+                "modalities": (None,), "session_params": (None,), "data_parallel_rank": (None,),
+                "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+                "log_metrics": (None, True)}
+
+    text: Annotated[str, Field(strict=True)] | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: Annotated[str, Field(strict=True, max_length=256)] | list[Annotated[str, Field(max_length=256)]] | None = None
+    return_logprob: Flag | list[Flag] | None = None
+    return_text_in_logprobs: Flag = False
+    stream: Flag = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("exactly one of input_ids and text is required")
+        return self
+
+
+class ContentPart(BaseModel):
+    """An OpenAI content part; only text parts can be served by a text-only model."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Annotated[str, Field(strict=True)]
+
+
+class ChatMessage(BaseModel):
+    """An OpenAI chat message. Extra keys (e.g. ``reasoning_content``) go to the chat template as given."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(strict=True)] | list[ContentPart] | None = None
+    name: Annotated[str, Field(strict=True)] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: Annotated[str, Field(strict=True)] | None = None
+
+
+class _OpenAIBody(_Body):
+    """Fields shared by OpenAI completions and chat completions; sampling fields go to :class:`SamplingConfig`."""
+
+    NEUTRAL = {"n": (None, 1), "user": None, "stream_options": None, "frequency_penalty": (None, 0, 0.0),
+                "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None,),
+                "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
+                "metadata": None, "store": (None, False), "service_tier": (None, "auto", "default")}
+
+    model: Annotated[str, Field(strict=True)] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    no_stop_trim: Any = None
+    seed: Any = None  # OpenAI's name for SGLang's sampling_seed
+    stream: Flag = False
+
+    def sampling(self, default_max: int | None) -> dict:
+        """SGLang ``sampling_params`` (validated by the engine, errors naming ``sampling_params.<field>``)."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        sp: dict[str, Any] = {"max_new_tokens": max_tokens if max_tokens is not None else (default_max or 1 << 30)}
+        for key in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+                    "skip_special_tokens", "no_stop_trim"):
+            if getattr(self, key) is not None:
+                sp[key] = getattr(self, key)
+        if self.seed is not None:
+            sp["sampling_seed"] = self.seed
+        return sp
+
+
+class CompletionRequest(_OpenAIBody):
+    """OpenAI ``/v1/completions``: a string, token ids, or a list of either."""
+
+    prompt: (Annotated[str, Field(strict=True)] | TokenIds
+             | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    # the sampled tokens' log-probs; top alternatives (logprobs > 1) are not implemented
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=1)] | None = None
+    echo: Literal[False] = False
+
+
+class ChatCompletionRequest(_OpenAIBody):
+    """OpenAI ``/v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[dict] | None = None
+    tool_choice: Literal["auto"] | None = None  # "none"/"required"/a named tool are not implemented
+    logprobs: Flag = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=0)] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def message_dicts(self) -> list[dict]:
+        """The messages for the chat template: content parts joined into one string."""
+        out = []
+        for m in self.messages:
+            content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
+            d: dict[str, Any] = {"role": m.role, "content": content, **(m.model_extra or {})}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    d[key] = getattr(m, key)
+            out.append(d)
+        return out
