@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default="hermes",
                    help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
                         "hermes (default, the built-in tool template's format), qwen, llama3_json, none")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag); default: "
+                        "$AGENTRL_ENGINE_API_KEY. Set one whenever --host is not loopback")
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     e = sub.add_parser("eval", help="mean reward and pass@k per eval set, against the embedded engine or any engine URL")
@@ -252,6 +255,7 @@ def _exit_when_stdin_closes() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
+    from agentrl.engines.http import API_KEY_ENV
     from agentrl.engines.local.server import openai_tool_parser, serve
 
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
@@ -259,7 +263,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.exit_with_stdin:
         _exit_when_stdin_closes()
     serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
-          context_length=args.context_length, seed=args.seed, tool_parser=tool_parser)
+          context_length=args.context_length, seed=args.seed, tool_parser=tool_parser,
+          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     return 0
 
 
@@ -362,18 +367,29 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitStack) -> list[str]:
-    """``--engine-url`` values, or the URL of an embedded engine started for this command."""
+    """``--engine-url`` values, or the URL of an embedded engine started for this command.
+
+    Sets ``args.engine_api_key``: ``$AGENTRL_ENGINE_API_KEY`` for given URLs, a fresh key for the
+    engine started here (nothing else on the machine can then drive it).
+    """
+    import secrets
+
+    from agentrl.engines.http import API_KEY_ENV
+
     urls = list(args.engine_url)
     if urls:
+        args.engine_api_key = os.environ.get(API_KEY_ENV) or None
         return urls
     from agentrl.checkpoint import cache_dir
     from agentrl.engines.local.process import local_server
 
+    args.engine_api_key = secrets.token_urlsafe(24)
     engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
     engine_log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
     return [stack.enter_context(local_server(
-        ckpt, log_path=engine_log, extra_args=["--max-running-requests", str(args.engine_max_running_requests)]))]
+        ckpt, log_path=engine_log, extra_args=["--max-running-requests", str(args.engine_max_running_requests)],
+        api_key=args.engine_api_key))]
 
 
 # -- eval -------------------------------------------------------------------------------------------
@@ -425,7 +441,7 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.generate import bind_engine_args
 
-    engine = Router([SGLangEngine(u) for u in urls])
+    engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
     from agentrl.sandbox import close_default_pool
 
     closers = [engine.close, close_default_pool]

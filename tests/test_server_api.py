@@ -260,3 +260,31 @@ def test_weight_update_flush_and_abort(http, server):
     out = asyncio.run(abort_one())
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 3000
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+
+
+def test_api_key_closes_every_endpoint_but_health(server):
+    """``build_app(api_key=...)``: SGLang's ``--api-key`` semantics, on the same engine as the other tests."""
+    from agentrl.engines.http import auth_headers
+
+    url, srv, thread = _start(build_app(server["engine"], model_name="tiny", api_key="s3cret"))
+    gen = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/health").status_code == 200 and c.get("/health_generate").status_code == 200
+            for method, path, body in [("POST", "/generate", gen), ("POST", "/v1/chat/completions", chat),
+                                       ("POST", "/update_weights_from_disk", {"model_path": str(server["ckpt"])}),
+                                       ("POST", "/pause_generation", {}), ("POST", "/init_weights_update_group", {}),
+                                       ("GET", "/get_server_info", None), ("GET", "/v1/models", None)]:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = c.request(method, path, json=body, headers=headers)
+                    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, headers, r.text)
+            assert c.post("/generate", json=gen, headers=auth_headers("s3cret")).status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret")
+        assert client.chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope").chat.completions.create(
+                model="tiny", messages=chat["messages"], max_tokens=2)
+    finally:
+        srv.should_exit = True
+        thread.join(10)

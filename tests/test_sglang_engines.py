@@ -116,6 +116,42 @@ def test_agentrl_command_maps_ignores_and_refuses(caplog):
         SGLangLaunch("/m", binary="vllm")
 
 
+def test_api_key_reaches_sglang_by_argv_and_agentrl_serve_by_environment(monkeypatch):
+    argv = build_launch_command(SGLangLaunch("/m", server_args={"api_key": "k1"}), port=30500)
+    assert argv[argv.index("--api-key") + 1] == "k1"  # SGLang reads it from argv only
+    launch = SGLangLaunch("/m", binary="agentrl", api_key="k2")
+    argv = build_launch_command(launch, port=30500)
+    assert "k2" not in " ".join(argv) and launch.process_env()["AGENTRL_ENGINE_API_KEY"] == "k2"
+    assert launch.headers == {"Authorization": "Bearer k2"}
+    monkeypatch.setenv("AGENTRL_ENGINE_API_KEY", "the user's key for --engine-url servers")
+    assert "AGENTRL_ENGINE_API_KEY" not in SGLangLaunch("/m", binary="agentrl").process_env()  # not a launched one's
+
+
+async def test_a_launched_server_with_a_key_refuses_requests_without_it(tiny_ckpt, tmp_path):
+    import httpx
+
+    from agentrl.engines.base import EngineError
+
+    server = SGLangServer(SGLangLaunch(str(tiny_ckpt), binary="agentrl", log_dir=str(tmp_path), api_key="k3",
+                                       startup_timeout=120))
+    try:
+        url = server.start()  # its own readiness check and health checks carry the key
+        assert server.alive()
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(url + "/generate", json=body).status_code == 401
+        assert httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_ckpt)}).status_code == 401
+        ok = SGLangEngine(url, api_key="k3")
+        assert (await ok.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0))).output_ids
+        await ok.close()
+        anon = SGLangEngine(url, max_retries=0)
+        with pytest.raises(EngineError, match="401"):
+            await anon.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        await anon.close()
+        server.load_weights(str(tiny_ckpt), "v2")  # the launcher's weight reload carries it too
+    finally:
+        server.shutdown()
+
+
 def test_startup_failure_reports_the_log_tail(tmp_path):
     """The server dies while starting: the error says so, with the last lines of its log."""
     server = SGLangServer(SGLangLaunch(str(tmp_path / "no-such-model"), binary="agentrl", log_dir=str(tmp_path),
@@ -241,3 +277,22 @@ def test_group_shutdown_leaves_no_server_process(group):
     assert len(pids) == 2 and all(pids) and not any(gone(p) for p in pids)
     group.shutdown()
     assert all(gone(p) for p in pids) and group.actors == []
+
+
+async def test_the_runs_embedded_engines_require_a_fresh_key(ray_local, tiny_ckpt):
+    """``EngineGroup.embedded`` (the default rollout backend) gives its servers a per-run key; its clients send it."""
+    import httpx
+
+    from agentrl.runtime.engines import EngineGroup
+
+    g = EngineGroup.embedded(tiny_ckpt, 1, num_cpus=0.25)
+    try:
+        assert g.api_key and len(g.api_key) >= 24
+        url = g.urls[0]
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/generate", json={"input_ids": PROMPT}).status_code == 401
+        engine = SGLangEngine(url, api_key=g.api_key)
+        assert (await engine.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0))).output_ids
+        await engine.close()
+    finally:
+        g.shutdown()

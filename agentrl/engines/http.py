@@ -39,6 +39,15 @@ def _limits() -> httpx.Limits:
     return httpx.Limits(max_connections=2048, max_keepalive_connections=512)
 
 
+API_KEY_ENV = "AGENTRL_ENGINE_API_KEY"
+"""The API key of engines agentrl did not start (``--engine-url``), and of ``agentrl serve`` without ``--api-key``."""
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header an engine started with ``--api-key`` wants (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class SGLangEngine(Engine):
     """Client for one SGLang-compatible server at ``url`` (e.g. ``http://127.0.0.1:30000``).
 
@@ -46,8 +55,10 @@ class SGLangEngine(Engine):
     than httpx, whose connection pool scans every connection on every request.
     """
 
-    def __init__(self, url: str, *, timeout: float = 600.0, max_retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, *, timeout: float = 600.0, max_retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
+        self.api_key = api_key  # sent as SGLang's --api-key expects: Authorization: Bearer <key>
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
@@ -62,7 +73,8 @@ class SGLangEngine(Engine):
         """The connection pool, created on first use inside the running event loop."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout))
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=auth_headers(self.api_key))
         return self._session
 
     async def _post(self, path: str, payload: dict[str, Any], *, parse: Any = None) -> tuple[int, Any]:
@@ -319,7 +331,7 @@ class ChatCompletionsClient:
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_headers(api_key)
         self.model = model
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=_limits())
 

@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import httpx
 
+from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.router import fan_out
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class SGLangLaunch:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 600.0
     log_dir: str | None = None
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.binary not in BINARIES:
@@ -134,6 +136,8 @@ class SGLangLaunch:
             raise ValueError(f"--sglang-tp-size {tp} disagrees with {self.tp_size} GPUs per engine "
                              "(--rollout-num-gpus-per-engine): give one of them")
         self.tp_size = int(tp if tp is not None else self.tp_size)
+        key = self.server_args.pop("api_key", None)  # --sglang-api-key: the key, not a pass-through arg
+        self.api_key = self.api_key or (str(key) if key else None)
 
     @property
     def health_path(self) -> str:
@@ -154,8 +158,18 @@ class SGLangLaunch:
         else:  # `-m agentrl` must resolve from a Ray worker's directory too
             root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            env.pop(API_KEY_ENV, None)
+            if self.api_key:  # by environment, not argv: other local users can read a process's argv
+                env[API_KEY_ENV] = self.api_key
         env.update(self.env)
         return env
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the launcher's own health checks and weight loads send."""
+        from agentrl.engines.http import auth_headers
+
+        return auth_headers(self.api_key)
 
 
 def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed: int | None = None) -> list[str]:
@@ -177,6 +191,8 @@ def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed:
                             "tp_size": launch.tp_size, "skip_server_warmup": True}
     if launch.colocate:
         args["enable_memory_saver"] = True
+    if launch.api_key:  # SGLang reads its key from argv only
+        args["api_key"] = launch.api_key
     if seed is not None and "random_seed" not in extra:
         args["random_seed"] = int(seed)
     args.update(extra)
@@ -297,7 +313,7 @@ class SGLangServer:
                 raise RuntimeError(f"engine {self.index} ({self.launch.binary}) exited with code {proc.returncode} "
                                    f"during startup. Last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url + "/health_generate", timeout=5.0).status_code == 200:
+                if httpx.get(url + "/health_generate", timeout=5.0, headers=self.launch.headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -312,7 +328,8 @@ class SGLangServer:
         if self._proc is None or self._proc.poll() is not None:
             return False
         try:
-            return httpx.get(self.url() + self.launch.health_path, timeout=timeout).status_code == 200
+            return httpx.get(self.url() + self.launch.health_path, timeout=timeout,
+                             headers=self.launch.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -324,7 +341,7 @@ class SGLangServer:
 
     def load_weights(self, model_path: str, weight_version: str) -> None:
         """``/update_weights_from_disk`` on this server (a restarted engine catching up with the run)."""
-        r = httpx.post(self.url() + "/update_weights_from_disk", timeout=600.0,
+        r = httpx.post(self.url() + "/update_weights_from_disk", timeout=600.0, headers=self.launch.headers,
                        json={"model_path": model_path, "weight_version": weight_version})
         if r.status_code >= 400 or not r.json().get("success", False):
             raise RuntimeError(f"engine {self.index}: loading {model_path} failed: {r.text[:300]}")
@@ -414,6 +431,11 @@ class SGLangEngineGroup:
     @property
     def supports_tensors(self) -> bool:
         return False
+
+    @property
+    def api_key(self) -> str | None:
+        """The key every server requires (``launch.api_key``), for the run's clients."""
+        return self.launch.api_key
 
     def pids(self) -> list[int | None]:
         """Each engine's server pid on its node (None while down)."""

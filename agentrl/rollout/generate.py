@@ -73,10 +73,15 @@ def task_rows(factory: Any, prompt_data: str | Path | None, *, input_key: str = 
 def bind_engine_args(args: Any, engine: Any, tokenizer: Any, template: Any, urls: list[str]) -> None:
     """Give slime-style user functions what they reach for on ``args``.
 
-    ``args.engine``, ``args.tokenizer``, ``args.chat_template_obj``, ``args.engine_urls``, and slime's
-    ``args.sglang_router_ip``/``sglang_router_port`` (the first engine's address).
+    ``args.engine``, ``args.tokenizer``, ``args.chat_template_obj``, ``args.engine_urls``, slime's
+    ``args.sglang_router_ip``/``sglang_router_port`` (the first engine's address), and
+    ``args.engine_headers`` to send with any request of one's own to those URLs (the engines' API key).
     """
+    from agentrl.engines.http import auth_headers
+
     args.engine, args.tokenizer, args.chat_template_obj, args.engine_urls = engine, tokenizer, template, urls
+    first = (getattr(engine, "engines", None) or [engine])[0]
+    args.engine_headers = auth_headers(getattr(first, "api_key", None))
     host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
     args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
 

@@ -67,7 +67,8 @@ class EngineServer:
     """
 
     def __init__(self, checkpoint: str, *, host: str = "127.0.0.1", port: int | None = None,
-                 num_threads: int | None = None, tool_call_parser: str | None = "hermes", **engine_kwargs: Any):
+                 num_threads: int | None = None, tool_call_parser: str | None = "hermes", api_key: str | None = None,
+                 **engine_kwargs: Any):
         import uvicorn
 
         from agentrl.engines.local.engine import LocalEngine
@@ -81,7 +82,7 @@ class EngineServer:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine = LocalEngine(checkpoint, **engine_kwargs)
-        app = build_app(self.engine, tool_parser=openai_tool_parser(tool_call_parser))
+        app = build_app(self.engine, tool_parser=openai_tool_parser(tool_call_parser), api_key=api_key)
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="agentrl-engine-http", daemon=True)
@@ -143,20 +144,26 @@ class EngineGroup:
     """The rollout engines of a run: ``urls`` for the generate loop, and weight updates.
 
     ``EngineGroup.embedded(...)`` starts ``n`` embedded engines as Ray actors (each one CPU, or
-    ``num_gpus`` GPUs, optionally placed in a placement group's bundles);
-    ``EngineGroup.external(urls)`` wraps SGLang servers someone else runs.
+    ``num_gpus`` GPUs, optionally placed in a placement group's bundles), each requiring a fresh
+    per-run ``api_key`` (nothing else on the machine can load weights into them or pause them);
+    ``EngineGroup.external(urls)`` wraps SGLang servers someone else runs (their key, if any, from
+    ``$AGENTRL_ENGINE_API_KEY``). Clients send ``api_key`` (:func:`~agentrl.engines.http.auth_headers`).
     """
 
-    def __init__(self, urls: Sequence[str], actors: Sequence[Any] = ()):
+    def __init__(self, urls: Sequence[str], actors: Sequence[Any] = (), api_key: str | None = None):
         self.urls = list(urls)
         self.actors = list(actors)
+        self.api_key = api_key
 
     @classmethod
     def embedded(cls, checkpoint: str | Path, n: int = 1, *, num_cpus: float = 1, num_gpus: float = 0,
                  placement: Sequence[tuple[Any, int]] = (), num_threads: int | None = None,
-                 **engine_kwargs: Any) -> EngineGroup:
+                 api_key: str | None = None, **engine_kwargs: Any) -> EngineGroup:
+        import secrets
+
         import ray
 
+        api_key = api_key or secrets.token_urlsafe(24)
         remote = ray.remote(EngineServer)
         actors = []
         from agentrl.runtime.cluster import actor_options
@@ -165,13 +172,18 @@ class EngineGroup:
             opts = actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None)
             if num_gpus:
                 engine_kwargs.setdefault("device", "cuda")
-            actors.append(remote.options(**opts).remote(str(checkpoint), num_threads=num_threads, **engine_kwargs))
+            actors.append(remote.options(**opts).remote(str(checkpoint), num_threads=num_threads, api_key=api_key,
+                                                        **engine_kwargs))
         urls = ray.get([a.get_url.remote() for a in actors])
-        return cls(urls, actors)
+        return cls(urls, actors, api_key)
 
     @classmethod
-    def external(cls, urls: Sequence[str]) -> EngineGroup:
-        return cls(urls)
+    def external(cls, urls: Sequence[str], api_key: str | None = None) -> EngineGroup:
+        import os
+
+        from agentrl.engines.http import API_KEY_ENV
+
+        return cls(urls, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
 
     @property
     def supports_tensors(self) -> bool:

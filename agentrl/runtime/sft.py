@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import sys
 import time
@@ -81,7 +82,9 @@ async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], t
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.sandbox import close_default_pool
 
-    engine = Router([SGLangEngine(u) for u in cfg.demo_engine_url])
+    from agentrl.engines.http import API_KEY_ENV
+
+    engine = Router([SGLangEngine(u, api_key=os.environ.get(API_KEY_ENV) or None) for u in cfg.demo_engine_url])
     ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
     try:
         assert cfg.demo_min_reward is not None  # validated

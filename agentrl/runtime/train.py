@@ -253,7 +253,8 @@ class _Runtime:
                     return
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
             return
-        self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir())
+        self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir(),
+                                   api_key=self.engines.api_key)
         if mode == "disk" and hasattr(self.engines, "record_weights"):  # a restarted server loads these first
             self.engines.record_weights(str(Path(self._sync_dir()) / f"weights-{version}"), str(version))
 
@@ -281,7 +282,7 @@ class _Runtime:
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
-        engine = Router([SGLangEngine(u) for u in self.engines.urls])
+        engine = Router([SGLangEngine(u, api_key=self.engines.api_key) for u in self.engines.urls])
         ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
@@ -335,21 +336,21 @@ class _Runtime:
             async with paused_for_update(router, mode=mode, group=group):
                 if group.restarts != seen["restarts"]:
                     seen["restarts"] = list(group.restarts)
-                    _follow_urls(router, group.urls)
+                    _follow_urls(router, group.urls, group.api_key)
                     await asyncio.to_thread(self.trainers.reset_weight_transport)
                 yield
 
         return guard
 
 
-def _follow_urls(router: Any, urls: list[str]) -> None:
+def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
     """Point the router at engines that came back on another address (a lost actor rescheduled)."""
     from agentrl.engines.http import SGLangEngine
 
     for i, url in enumerate(urls):
         old = router.engines[i] if i < len(router.engines) else None
         if old is not None and getattr(old, "url", url) != url:
-            router.engines[i] = SGLangEngine(url)
+            router.engines[i] = SGLangEngine(url, api_key=api_key)
             asyncio.get_running_loop().create_task(old.close())
 
 
@@ -359,6 +360,10 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
 
     log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
     launch = cfg.sglang_launch(str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
+    if not launch.api_key:  # a fresh key per run: nothing else that reaches the ports can drive the servers
+        import secrets
+
+        launch.api_key = secrets.token_urlsafe(24)
     if launch.binary == "agentrl" and cfg.sglang_launcher == "auto":
         log.warning("--rollout-backend sglang: no SGLang with GPUs here (not installed, or --rollout-num-gpus 0); "
                     "launching `agentrl serve` servers (same API and management) instead")

@@ -115,7 +115,8 @@ class TrainerActor:
             self._shm = SharedWeightsWriter()
         return self._shm.write(named)
 
-    def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None) -> None:
+    def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None,
+                     api_key: str | None = None) -> None:
         """Send the full weights to SGLang-compatible engines (``disk``, ``nccl`` or ``tensor``).
 
         Every rank takes part in gathering the weights. ``disk`` and ``nccl`` push from rank 0 to
@@ -138,7 +139,7 @@ class TrainerActor:
         try:
             if getattr(self, "_transport", None) is None:
                 self._push_loop = asyncio.new_event_loop()
-                engines = [SGLangEngine(u) for u in urls]
+                engines = [SGLangEngine(u, api_key=api_key) for u in urls]
                 extra: dict[str, Any] = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
                 if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
                     extra["master_address"] = ray.util.get_node_ip_address()
@@ -258,14 +259,16 @@ class TrainerGroup:
         """Full weights into rank 0's next shared-memory slot: ``(path, layout)`` for the engines."""
         return ray.get([a.write_shared_weights.remote() for a in self.actors])[0]
 
-    def push_weights(self, kind: str, urls: Sequence[str], version: str, folder: str | None = None) -> None:
+    def push_weights(self, kind: str, urls: Sequence[str], version: str, folder: str | None = None,
+                     api_key: str | None = None) -> None:
         """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``), ``nccl`` broadcast, or
         ``tensor`` handles (colocated: engine ``i`` shares the device of rank ``i % world_size``, as placed)."""
         if kind == "tensor":
             shares = [[u for i, u in enumerate(urls) if i % self.world_size == r] for r in range(self.world_size)]
-            ray.get([a.push_weights.remote(kind, shares[r], version, folder) for r, a in enumerate(self.actors)])
+            ray.get([a.push_weights.remote(kind, shares[r], version, folder, api_key)
+                     for r, a in enumerate(self.actors)])
             return
-        ray.get([a.push_weights.remote(kind, list(urls), version, folder) for a in self.actors])
+        ray.get([a.push_weights.remote(kind, list(urls), version, folder, api_key) for a in self.actors])
 
     def reset_weight_transport(self) -> None:
         """Drop rank 0's push transport, so the next ``push_weights`` builds a new one (new NCCL group)."""

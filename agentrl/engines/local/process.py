@@ -38,14 +38,23 @@ def local_server(
     extra_args: list[str] | None = None,
     startup_timeout: float = 600.0,
     log_path: str | Path | None = None,
+    api_key: str | None = None,
 ) -> Iterator[str]:
-    """Start ``agentrl serve`` for ``checkpoint`` and yield its URL; stop it on exit."""
+    """Start ``agentrl serve`` for ``checkpoint`` and yield its URL; stop it on exit.
+
+    ``api_key`` (handed over in the environment, not on argv) is then required by every endpoint
+    but ``/health``: send it with :func:`~agentrl.engines.http.auth_headers`.
+    """
+    from agentrl.engines.http import API_KEY_ENV
+
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "agentrl", "serve", "--hf-checkpoint", str(checkpoint),
            "--host", host, "--port", str(port), "--exit-with-stdin", *(extra_args or [])]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env.update({"PYTHONUNBUFFERED": "1", **({API_KEY_ENV: api_key} if api_key else {})})
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT if log_path else None,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            start_new_session=True, env=env)
     url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -43,11 +45,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from agentrl.chat import ChatTemplate
+from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME, WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
 from agentrl.engines.local.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
+log = logging.getLogger(__name__)
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -134,9 +138,17 @@ class PauseGate:
             self._cond.notify_all()
 
 
-def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path)."""
+def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path).
+
+    With ``api_key`` every endpoint but ``/health*`` and ``/metrics`` needs ``Authorization: Bearer
+    <api_key>`` and answers 401 ``{"error": "Unauthorized"}`` without it, as SGLang's ``--api-key``:
+    weight updates, pauses and disk loads are then closed to whatever else can reach the port.
+    """
     app = FastAPI(title="agentrl embedded engine")
+    if api_key:
+        _require_api_key(app, api_key)
     name = model_name or engine.model_path
     tok = engine.tokenizer
     chat_template = ChatTemplate(tok)
@@ -371,6 +383,20 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         return await memory(request, release=False)
 
 
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        path = request.url.path
+        if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+
 def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
     """Unpack a (possibly batched) ``/generate`` body into ``engine.generate`` keyword arguments."""
     if (body.get("input_ids") is None) == (body.get("text") is None):
@@ -436,12 +462,16 @@ def _version() -> str:
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, *, model_name: str | None = None,
-          log_level: str = "info", tool_parser: ToolParser | None = None, **engine_kwargs: Any) -> None:
+          log_level: str = "info", tool_parser: ToolParser | None = None, api_key: str | None = None,
+          **engine_kwargs: Any) -> None:
     """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until interrupted."""
     import uvicorn
 
+    if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("serving on %s without an API key: anyone who can reach the port can load weights, pause "
+                    "generation and read files as checkpoints; set --api-key (or %s)", host, API_KEY_ENV)
     engine = LocalEngine(checkpoint, **engine_kwargs)
-    app = build_app(engine, model_name=model_name, tool_parser=tool_parser)
+    app = build_app(engine, model_name=model_name, tool_parser=tool_parser, api_key=api_key)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
