@@ -164,3 +164,77 @@ class ChatCompletionRequest(_OpenAIBody):
                     d[key] = getattr(m, key)
             out.append(d)
         return out
+
+
+# ---------------------------------------------------------------- weight and control endpoints (SGLang's bodies)
+
+Version = Annotated[str, Field(strict=True, max_length=256)] | Annotated[int, Field(strict=True)] | None
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    """``/update_weights_from_disk``: a checkpoint folder (SGLang's ``UpdateWeightFromDiskReqInput``)."""
+
+    NEUTRAL = {"load_format": (None, "auto", "safetensors")}
+    model_path: Annotated[str, Field(strict=True, min_length=1, max_length=4096)]
+    weight_version: Version = None
+    abort_all_requests: Flag = False
+    flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
+
+
+class InitWeightsUpdateGroupRequest(_Body):
+    """``/init_weights_update_group``: join the trainer's process group as one rank."""
+
+    master_address: Annotated[str, Field(strict=True, min_length=1, max_length=255)]
+    master_port: Annotated[int, Field(strict=True, ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(strict=True, ge=1, le=65535)]
+    world_size: Annotated[int, Field(strict=True, ge=2, le=65536)]
+    group_name: Annotated[str, Field(strict=True, min_length=1, max_length=256)] = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    """``/update_weights_from_distributed``: one broadcast bucket's metadata (checked by ``check_metadata``)."""
+
+    names: list[Any]
+    dtypes: list[Any]
+    shapes: list[Any]
+    group_name: Annotated[str, Field(strict=True, max_length=256)] = "weight_update_group"
+    weight_version: Version = None
+    load_format: None = None
+    abort_all_requests: Flag = False
+    flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
+
+
+class UpdateWeightsFromTensorRequest(_Body):
+    """``/update_weights_from_tensor``: serialized handles, one payload per TP rank (one here)."""
+
+    NEUTRAL = {"abort_all_requests": (None, False)}
+    serialized_named_tensors: Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1, max_length=1)]
+    load_format: Literal["direct"] | None = None
+    weight_version: Version = None
+    flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
+
+
+class GroupRequest(_Body):
+    """``/destroy_weights_update_group``."""
+
+    group_name: Annotated[str, Field(strict=True, max_length=256)] = "weight_update_group"
+
+
+class PauseRequest(_Body):
+    """``/pause_generation`` (the embedded engine implements mode ``abort`` only)."""
+
+    mode: Annotated[str, Field(strict=True, max_length=32)] = "abort"  # checked against SGLang's modes by the pause gate
+
+
+class AbortRequest(_Body):
+    """``/abort_request``: one request by ``rid``, or all."""
+
+    rid: Annotated[str, Field(strict=True, max_length=256)] | None = None
+    abort_all: Flag = False
+
+
+class MemoryRequest(_Body):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None

@@ -48,6 +48,7 @@ from agentrl.chat import ChatTemplate
 from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME, WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
+from agentrl.engines.local import protocol as P
 from agentrl.engines.local.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
@@ -202,20 +203,18 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
-        body = await _json_body(request)
-        if not isinstance(body.get("model_path"), str):
-            raise InvalidRequestError("model_path (a checkpoint folder) is required")
-        version = body.get("weight_version")
-        out = await engine.update_weights_from_disk(body["model_path"], None if version is None else str(version),
-                                                    abort_all_requests=bool(body.get("abort_all_requests")))
+        req = P.UpdateWeightsFromDiskRequest.parse(await _json_body(request), "")
+        version = req.weight_version
+        out = await engine.update_weights_from_disk(req.model_path, None if version is None else str(version),
+                                                    abort_all_requests=req.abort_all_requests)
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     _weight_sync_routes(app, engine)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        body = await _json_body(request) if await request.body() else {}
-        await gate.pause(str(body.get("mode", "abort")))
+        req = P.PauseRequest.parse(await _json_body(request) if await request.body() else {}, "")
+        await gate.pause(req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
@@ -230,8 +229,8 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _json_body(request)
-        engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
+        req = P.AbortRequest.parse(await _json_body(request), "")
+        engine.abort(req.rid, abort_all=req.abort_all)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -304,23 +303,16 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        body = await _json_body(request)
-        try:
-            args = (str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
-                    int(body["world_size"]), str(body.get("group_name", DEFAULT_GROUP_NAME)),
-                    str(body.get("backend", "nccl")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"master_address, master_port, rank_offset and world_size are required: {exc!r}")
+        req = P.InitWeightsUpdateGroupRequest.parse(await _json_body(request), "")
+        args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend)
         return answer(*await run_in_thread(groups.init, *args))  # blocks until every rank joined
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        body = await _json_body(request)
-        group = body.get("group_name", DEFAULT_GROUP_NAME)
+        req = P.UpdateWeightsFromDistributedRequest.parse(await _json_body(request), "")
+        group = req.group_name
         try:
-            if body.get("load_format") is not None:
-                raise ValueError(f"load_format {body['load_format']!r} is not supported by the embedded engine")
-            meta = check_metadata(body.get("names"), body.get("dtypes"), body.get("shapes"))
+            meta = check_metadata(req.names, req.dtypes, req.shapes)
         except ValueError as exc:
             return answer(False, f"Failed to update parameter online: {exc}")
         if group not in groups:
@@ -330,10 +322,10 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
             received = await run_in_thread(groups.receive, group, meta)
         except Exception as exc:  # noqa: BLE001 - a broken group is a failed update
             return answer(False, f"Failed to update parameter online: {exc}")
-        version = body.get("weight_version")
+        version = req.weight_version
         out = await engine.update_weights_from_tensors(
             dict(received), None if version is None else str(version), partial=True,
-            abort_all_requests=bool(body.get("abort_all_requests")))
+            abort_all_requests=req.abort_all_requests)
         if not out["success"]:
             return answer(False, f"Failed to update parameter online: {out['message']} The model is unchanged.")
         message = "Succeeded to update parameter online."
@@ -346,29 +338,24 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank."""
         from agentrl.engines.tensor_ipc import deserialize_named_tensors
 
-        body = await _json_body(request)
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            return answer(False, "serialized_named_tensors must be a list with one entry (this engine has one rank)")
-        if body.get("load_format") not in (None, "direct"):
-            return answer(False, f"load_format {body.get('load_format')!r} is not supported (use null)")
+        req = P.UpdateWeightsFromTensorRequest.parse(await _json_body(request), "")
         try:
-            named = await asyncio.to_thread(deserialize_named_tensors, payloads[0])
+            named = await asyncio.to_thread(deserialize_named_tensors, req.serialized_named_tensors[0])
         except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
             return answer(False, f"could not read serialized_named_tensors: {exc}")
-        version = body.get("weight_version")
+        version = req.weight_version
         result = await engine.update_weights_from_tensors(dict(named), None if version is None else str(version),
                                                           partial=True)
         return answer(bool(result.get("success")), str(result.get("message", "")))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
-        body = await _json_body(request)
-        return answer(*await run_in_thread(groups.destroy, str(body.get("group_name", DEFAULT_GROUP_NAME))))
+        req = P.GroupRequest.parse(await _json_body(request), "")
+        return answer(*await run_in_thread(groups.destroy, req.group_name))
 
     async def memory(request: Request, release: bool):
-        body = await _json_body(request) if await request.body() else {}
-        tags = body.get("tags")
+        req = P.MemoryRequest.parse(await _json_body(request) if await request.body() else {}, "")
+        tags = req.tags
         out = await (engine.release_memory_occupation(tags) if release else engine.resume_memory_occupation(tags))
         if not out["success"]:
             return _error(out["message"])
