@@ -43,6 +43,10 @@ class ToolError(Exception):
     """
 
 
+class ToolCrashed(RuntimeError):
+    """A tool raised ``SystemExit``/``KeyboardInterrupt``/``GeneratorExit``: the sample fails (not shown to the model)."""
+
+
 @dataclass
 class ToolResult:
     """What a tool call produced: the text the model sees, whether it is an error, and extras.
@@ -240,7 +244,8 @@ def _check_object(value: dict[str, Any], schema: dict[str, Any], path: str, top:
 
 async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | None,
                     sandbox: Any = None, max_time: float | None = None) -> ToolResult:
-    """Validate, call and time-limit one tool call; raises only ``CancelledError`` and ``SandboxError``.
+    """Validate, call and time-limit one tool call; raises only ``CancelledError``, ``SandboxError`` and
+    :class:`ToolCrashed`.
 
     ``timeout`` is the environment's default; the tool's own ``timeout`` wins when set. Every
     failure becomes ``ToolResult(is_error=True)`` whose content starts with ``"Error: "`` and is
@@ -260,7 +265,9 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
         validated = tool.validate(arguments)
     except ToolError as e:
         return _error(str(e), "validation")
-    except Exception as e:  # a broken custom validate() must not kill the episode either
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # a broken custom validate() (even sys.exit) must not kill the episode either
         return _error(f"tool '{name}' could not validate its arguments: {type(e).__name__}: {e}", "validation")
     limit = tool.timeout if tool.timeout is not None else timeout
     if max_time is not None:
@@ -287,6 +294,11 @@ async def _invoke(tool: Tool, name: str, arguments: dict[str, Any]) -> ToolResul
         return _error(str(e), "tool_error")
     except Exception as e:
         return _error(f"tool '{name}' raised {type(e).__name__}: {e}", "exception")
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # SystemExit, KeyboardInterrupt, GeneratorExit: not the model's doing
+        # caught here, inside wait_for's task: an asyncio task re-raises these out of the event loop itself
+        raise ToolCrashed(f"tool '{name}' raised {type(e).__name__}: {e}") from e
     try:
         return _to_result(out)
     except Exception as e:

@@ -155,6 +155,77 @@ async def test_env_that_raises_fails_only_its_sample(tiny_server, tiny_tokenizer
         s.validate()
 
 
+@agentrl.tool
+def quit_tool() -> str:
+    """Calls sys.exit, as model-written code run in-process might."""
+    raise SystemExit(3)
+
+
+class ExitingEnv(TalkEnv):
+    """Odd tasks raise a BaseException (not an Exception) from where ``where`` says."""
+
+    where = "step"
+
+    def __init__(self):
+        if self.where == "init" and ExitingEnv.count_init():
+            raise SystemExit(2)
+
+    @staticmethod
+    def count_init() -> bool:
+        ExitingEnv.made = getattr(ExitingEnv, "made", 0) + 1
+        return ExitingEnv.made % 2 == 0
+
+    async def reset(self, *, seed=None, options=None):
+        self.task_id = int(options["prompt"].split()[-1])
+        if self.where == "reset" and self.task_id % 2:
+            raise KeyboardInterrupt
+        return await super().reset(seed=seed, options=options)
+
+    async def step(self, action):
+        if self.task_id % 2:
+            if self.where == "step":
+                raise SystemExit(2)
+            if self.where == "tool":
+                from agentrl.tool import call_tool
+
+                await call_tool(quit_tool, {}, timeout=5)
+        return await super().step(action)
+
+
+class ExitingSyncEnv(agentrl.Env):
+    def reset(self, *, seed=None, options=None):
+        self.task_id = int(options["prompt"].split()[-1])
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        if self.task_id % 2:
+            raise SystemExit(4)  # raised in a worker thread
+        return [], 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("where", ["init", "reset", "step", "tool", "sync", "reward"])
+async def test_system_exit_anywhere_fails_only_its_sample(tiny_server, tiny_tokenizer, where):
+    """SystemExit / KeyboardInterrupt from an env, a tool or a reward function used to end the whole rollout."""
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    env_cls = ExitingSyncEnv if where == "sync" else type("E", (ExitingEnv,), {"where": where})
+    ExitingEnv.made = 0
+
+    def reward(args, sample):
+        if int(sample.prompt[-1]["content"].split()[-1]) % 2:
+            raise SystemExit(5)
+        return 0.0
+
+    samples, summary = await generate_rollout(ctx, env_cls if where != "reward" else TalkEnv,
+                                              [{"prompt": f"task {i}"} for i in range(4)],
+                                              custom_reward=reward if where == "reward" else None)
+    await ctx.engine.close()
+    failed = [s for s in samples if s.status == Status.FAILED]
+    assert len(samples) == 4 and len(failed) == 2 and summary.status["failed"] == 2, [s.metadata for s in samples]
+    reason = {"reward": "reward_error"}.get(where, "env_error")
+    assert all(s.metadata["status_reason"] == reason for s in failed), [s.metadata for s in failed]
+    assert any(x in failed[0].metadata["error"] for x in ("SystemExit", "KeyboardInterrupt"))
+
+
 class SlowEnv(TalkEnv):
     step_timeout = 0.2
 

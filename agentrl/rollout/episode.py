@@ -147,7 +147,7 @@ async def _timed(coro: Any, timeout: float, what: str) -> Any:
         raise
     except EnvContractError as exc:
         raise _EndEpisode(Status.FAILED, "env_contract", str(exc)) from None
-    except Exception as exc:  # the user's env raised: fail this sample only
+    except BaseException as exc:  # the user's env raised (SystemExit included): fail this sample only
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
         raise _EndEpisode(Status.FAILED, "env_error", f"{what} raised {type(exc).__name__}: {exc}\n{''.join(tb)}") from None
 
@@ -258,7 +258,7 @@ async def run_episode(
         meta["error"] = str(exc)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # an SDK bug or a parser/template surprise: fail the sample, keep the run
+    except BaseException as exc:  # an SDK bug, a parser/template surprise, a stray SystemExit: fail the sample only
         status, reason = Status.FAILED, "internal_error"
         meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
@@ -274,7 +274,7 @@ def _construct(factory: Callable[[], Env]) -> Env:
     """Build the episode's env (a synchronous call: a constructor cannot be timed out, only failed)."""
     try:
         env = factory()
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit included: constructing one env must not end the run
         raise _EndEpisode(Status.FAILED, "env_error", f"constructing the env raised {type(exc).__name__}: {exc}") from None
     if not isinstance(env, Env):
         raise _EndEpisode(Status.FAILED, "env_contract", f"the env factory returned {type(env).__name__}, not an agentrl.Env")
@@ -300,7 +300,7 @@ async def release_sandbox(env: Env, meta: dict[str, Any]) -> None:
         await release()
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # the pool destroyed it; the episode's data is kept
+    except BaseException as exc:  # the pool destroyed it; the episode's data is kept
         meta.setdefault("close_error", f"sandbox release: {type(exc).__name__}: {exc}")
 
 

@@ -139,7 +139,7 @@ async def _custom_episode(fn: GenerateFn, args: Any, ctx: EpisodeContext, task: 
         return out
     except asyncio.CancelledError:
         raise
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit included: the user's function fails its sample only
         sample.status = Status.FAILED
         sample.metadata["status_reason"] = "custom_generate_error"
         sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))

@@ -9,6 +9,7 @@ reason ``reward_error``), like an env that raises.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import traceback
 from typing import Any, Callable
@@ -27,7 +28,9 @@ async def apply_custom_reward(fn: RewardFn, args: Any, sample: Sample) -> Sample
         score = await maybe_await(fn(args, sample))
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise TypeError(f"the reward function returned {score!r}; expected a finite number")
-    except Exception as exc:
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # SystemExit included: the reward function fails its sample only
         sample.status = Status.FAILED
         sample.metadata["status_reason"] = "reward_error"
         sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
@@ -52,7 +55,9 @@ async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, 
         if len(scores) != len(live) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores):
             raise TypeError(f"the group reward function returned {scores!r}; expected {len(live)} finite numbers")
-    except Exception as exc:
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # SystemExit included: fails the group's samples only
         error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
         for s in live:
             s.status = Status.FAILED

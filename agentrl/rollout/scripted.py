@@ -77,14 +77,18 @@ async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, 
                 break
         else:
             result.truncated = True
-    except Exception as e:  # reported per episode, like a failed sample in a rollout
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # reported per episode (SystemExit included), like a failed sample in a rollout
         result.error = f"{type(e).__name__}: {e}"
     finally:
         if env is not None:
             meta: dict[str, Any] = {}
             try:
                 await call_env(env.close)
-            except Exception as e:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
                 meta["close_error"] = f"{type(e).__name__}: {e}"
             await release_sandbox(env, meta)
             result.error = result.error or meta.get("close_error")
