@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from agentrl.config import RolloutConfig
+from agentrl.config import RolloutConfig, naming_flag
 
 log = logging.getLogger("agentrl")
 
@@ -305,7 +305,8 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     from agentrl.env import load_env
 
     sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
-    factory = load_env(args.env)
+    with naming_flag("--env", args.env):
+        factory = load_env(args.env)
     try:
         tasks = _load_task_rows(args, factory)
     except ValueError:
@@ -332,7 +333,9 @@ async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: fl
 def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
     from agentrl.rollout.generate import task_rows
 
-    rows = task_rows(factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key, env_name=args.env)
+    with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
+        rows = task_rows(factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key,
+                         env_name=args.env)
     return rows[: args.num_tasks] if getattr(args, "num_tasks", None) else rows
 
 
@@ -351,7 +354,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if not args.env and not args.custom_generate_function_path:
         raise ValueError("pass --env MODULE:CLASS (or --custom-generate-function-path module:fn)")
-    factory = load_env(args.env) if args.env else None
+    with naming_flag("--env", args.env):
+        factory = load_env(args.env) if args.env else None
     tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
     if not tasks:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
@@ -404,9 +408,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError("--n-samples-per-eval-prompt must be >= 1")
     if not args.env:
         raise ValueError("pass --env MODULE:CLASS")
-    factory = load_env(args.env)
-    datasets = {name: load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
-                for name, path in args.eval_prompt_data}
+    with naming_flag("--env", args.env):
+        factory = load_env(args.env)
+    datasets = {}
+    for name, path in args.eval_prompt_data:
+        with naming_flag("--eval-prompt-data", f"{name} {path}"):
+            datasets[name] = load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)

@@ -7,10 +7,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from agentrl.engines.base import SamplingParams
 from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
@@ -18,6 +19,19 @@ from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
 
 DEFAULT_MAX_TURNS = 4
 """Assistant turns per episode when neither ``--max-turns`` nor the env's ``max_turns`` says."""
+
+
+_INT32 = 2**31 - 1
+
+
+@contextlib.contextmanager
+def naming_flag(flag: str, value: Any) -> Iterator[None]:
+    """Re-raise what loading a flag's value raises (a missing module or file, a bad row) as one
+    ``ValueError`` that starts with the flag and its value, so the user knows which one to fix."""
+    try:
+        yield
+    except (ValueError, OSError, ImportError, AttributeError, TypeError, KeyError) as exc:
+        raise ValueError(f"{flag} {value}: {exc}") from exc
 
 
 @dataclass
@@ -74,9 +88,17 @@ class RolloutConfig:
             (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
             (self.rollout_max_context_len is None or self.rollout_max_context_len >= 2,
              "--rollout-max-context-len must be >= 2"),
-            (self.rollout_temperature >= 0, "--rollout-temperature must be >= 0"),
+            (self.rollout_max_response_len <= _INT32, f"--rollout-max-response-len must be <= {_INT32}"),
+            # the bounds an engine accepts (agentrl.engines.local.sampling): refused here, not by every request
+            (0 <= self.rollout_temperature <= 1e6, "--rollout-temperature must be a finite number in [0, 1e6]"),
             (0 < self.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
-            (self.rollout_top_k == -1 or self.rollout_top_k >= 1, "--rollout-top-k must be -1 (off) or >= 1"),
+            (self.rollout_top_k == -1 or 1 <= self.rollout_top_k <= _INT32,
+             f"--rollout-top-k must be -1 (off) or in [1, {_INT32}]"),
+            (all(0 <= t <= _INT32 for t in self.rollout_stop_token_ids),
+             f"--rollout-stop-token-ids must be token ids in [0, {_INT32}]"),
+            (all(isinstance(x, str) and 0 < len(x) <= 512 for x in self.rollout_stop),
+             "--rollout-stop must be non-empty strings of at most 512 characters"),
+            (0 <= self.rollout_seed < 2**64, "--rollout-seed must be in [0, 2**64)"),
             (self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1"),
             (self.env_step_timeout > 0, "--env-step-timeout must be > 0"),
             (self.tool_template in ("auto", "native", "builtin"), "--tool-template must be auto, native or builtin"),
@@ -670,6 +692,6 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
         cfg.train.logit_temperature = 1.0  # the model itself is fitted, not its sampling distribution
         if values.get("num_rollout") is None and cfg.num_epoch is None:
             cfg.num_epoch = 1
-    elif values.get("num_steps_per_rollout") is None:
+    elif values.get("num_steps_per_rollout") is None and cfg.train.global_batch_size >= 1:  # else validate() says so
         cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
     return cfg

@@ -98,6 +98,32 @@ def test_bad_configuration_is_refused_before_work_starts(flags, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),  # was a ZeroDivisionError traceback
+    (["--rollout-temperature", "1e400"], "--rollout-temperature must be a finite number"),  # was accepted
+    (["--rollout-stop-token-ids", "-5"], "--rollout-stop-token-ids must be token ids"),  # was accepted
+    (["--rollout-top-k", str(2**63)], "--rollout-top-k must be -1 (off) or in [1,"),  # killed the engine
+    (["--env", "nomod:Cls"], "--env nomod:Cls: No module named 'nomod'"),
+    (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: "),
+    (["--eval-prompt-data", "x", "/nonexistent.jsonl"], "--eval-prompt-data x /nonexistent.jsonl: "),
+    (["--load", "FILE"], "is a file; pass the run folder"),  # started a fresh run
+    (["--load", "CORRUPT"], "should hold the newest step number"),  # was a bare int() ValueError
+])
+def test_bad_train_flags_are_refused_naming_the_flag(flags, message, tmp_path, capsys):
+    from agentrl.cli import main
+
+    if "FILE" in flags:
+        (tmp_path / "f").write_text("not a run")
+        flags = [f if f != "FILE" else str(tmp_path / "f") for f in flags]
+    if "CORRUPT" in flags:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("three\n")
+        flags = [f if f != "CORRUPT" else str(tmp_path / "run") for f in flags]
+    assert main(["train", "--env", "envs.calculator:Calculator", "--num-rollout", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_check_env_exit_codes(tmp_path):
     r = run("check-env", "--env", "envs.calculator:Calculator")
     assert r.returncode == 0, r.stdout + r.stderr

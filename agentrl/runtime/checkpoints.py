@@ -30,7 +30,11 @@ def latest_checkpoint(load: str | Path) -> Path | None:
         return root
     tracker = root / TRACKER
     if tracker.exists():
-        step = int(tracker.read_text().strip())
+        text = tracker.read_text().strip()
+        if not text.isdigit():
+            raise ValueError(f"{tracker} should hold the newest step number, not {text[:40]!r}: write the step of "
+                             f"the newest complete iter_* folder into it (or delete it to resume from that folder)")
+        step = int(text)
         path = iter_dir(root, step)
         if (path / "loop_state.json").exists():
             return path

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig
+from agentrl.config import RunConfig, naming_flag
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,17 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     # RL: the trainer's log-probs match the engine's sampling distribution; SFT fits the model itself
     cfg.train.logit_temperature = 1.0 if cfg.is_sft else cfg.rollout.rollout_temperature
     sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
-    factory = load_env(cfg.env) if cfg.env else None
+    with naming_flag("--env", cfg.env):
+        factory = load_env(cfg.env) if cfg.env else None
     # a user data source (--data-source-path) brings its own prompts, --sft-data its own conversations
-    rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
-                      env_name=cfg.env)
-            if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data) else [])
-    eval_sets = {name: load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
-                 for name, path in cfg.eval_prompt_data}
+    with naming_flag("--prompt-data" if cfg.prompt_data else "--env", cfg.prompt_data or cfg.env):
+        rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
+                          env_name=cfg.env)
+                if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data) else [])
+    eval_sets = {}
+    for name, path in cfg.eval_prompt_data:
+        with naming_flag("--eval-prompt-data", f"{name} {path}"):
+            eval_sets[name] = load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
     custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
     custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
     group_filter = None
@@ -135,6 +139,8 @@ def _resume_point(cfg: RunConfig) -> Path | None:
 
     if not cfg.load:
         return None
+    if Path(cfg.load).exists() and not Path(cfg.load).is_dir():
+        raise ValueError(f"--load {cfg.load} is a file; pass the run folder (the --save folder of the run to resume)")
     found = checkpoints.latest_checkpoint(cfg.load)
     if found is not None:
         if checkpoints.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
