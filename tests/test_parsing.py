@@ -300,3 +300,22 @@ def test_hermes_round_trip(calls, filler):
     assert errors == []
     assert [(c.name, json.dumps(c.arguments)) for c in parsed] == [(n.strip(), json.dumps(a)) for n, a in calls]
     assert [c.id for c in parsed] == [f"call_{i}" for i in range(len(calls))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.sampled_from(["call_0", "call_1", "call_0_1", "call_1_1", "call_2", "x"])),
+                min_size=1, max_size=6), st.sampled_from(["hermes", "openai"]))
+def test_call_ids_are_unique_in_a_turn_whatever_ids_the_model_writes(ids, parser_name):
+    """Model-written ids that look like the parser's own (``call_0_1``) never collide with them (issue 18 item 8)."""
+    parser = get_parser(parser_name)
+    objs = [{"name": "f", "arguments": {}, **({"id": i} if i else {})} for i in ids]
+    if parser_name == "hermes":
+        _, calls, errors = parser.parse("".join(f"<tool_call>{json.dumps(o)}</tool_call>" for o in objs))
+    else:
+        entries = [{"type": "function", "function": {"name": "f", "arguments": "{}"}, **({"id": i} if i else {})}
+                   for i in ids]
+        _, calls, errors = parser.parse_message({"role": "assistant", "content": None, "tool_calls": entries})
+    got = [c.id for c in calls] + [e.id for e in errors]
+    assert len(got) == len(ids) and len(set(got)) == len(got), (ids, got)
+    if ids[0] is not None:  # the first model-written id is free: kept as written
+        assert got[0] == ids[0]
