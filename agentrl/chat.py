@@ -21,6 +21,8 @@ system prompt and wraps results in ``<tool_response>``; the matching parser is `
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -146,6 +148,18 @@ class ChatTemplate:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` without tokenizing (a token covers at most
+        :attr:`max_token_bytes` UTF-8 bytes): lets the episode refuse a huge observation that cannot
+        fit the context before spending seconds tokenizing it."""
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one vocabulary entry can stand for (4 per character of its longest piece)."""
+        vocab = self.tokenizer.get_vocab()
+        return 4 * max((len(t) for t in vocab), default=1)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Token ids back to text, byte-exact (no clean-up of spaces around punctuation)."""

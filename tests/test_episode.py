@@ -226,6 +226,36 @@ async def test_system_exit_anywhere_fails_only_its_sample(tiny_server, tiny_toke
     assert any(x in failed[0].metadata["error"] for x in ("SystemExit", "KeyboardInterrupt"))
 
 
+class BigObsEnv(TalkEnv):
+    """Answers the first turn with a big observation (``size`` characters)."""
+
+    size = 1_000_000
+
+    async def step(self, action):
+        return [{"role": "user", "content": "x y " * (self.size // 4)}], 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("size", [1_000_000, 40_000])
+async def test_a_huge_observation_is_never_tokenized_on_the_event_loop(tiny_server, tiny_tokenizer, size):
+    """Issue 18 item 7. 1 MB cannot fit the 4,096-token context even at the most bytes a token can hold: refused
+    before tokenizing. 40,000 characters might (at most 52 bytes a token for this tokenizer): tokenized, in a
+    worker thread, so the event loop keeps serving every other episode meanwhile; then it does not fit either."""
+    ctx = _ctx(tiny_server, tiny_tokenizer, max_turns=2)
+    encoded: list[tuple[int, bool]] = []
+    real = ctx.template.encode
+
+    def encode(text):
+        encoded.append((len(text), threading.current_thread() is threading.main_thread()))
+        return real(text)
+
+    ctx.template.encode = encode
+    samples, _ = await generate_rollout(ctx, type("E", (BigObsEnv,), {"size": size}), [{"prompt": "hi"}])
+    await ctx.engine.close()
+    assert samples[0].metadata["status_reason"] == "context_length", samples[0].metadata.get("error")
+    big = [on_loop for n, on_loop in encoded if n >= size]
+    assert big == ([] if size == 1_000_000 else [False]), encoded
+
+
 class SlowEnv(TalkEnv):
     step_timeout = 0.2
 

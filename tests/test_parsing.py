@@ -319,3 +319,19 @@ def test_call_ids_are_unique_in_a_turn_whatever_ids_the_model_writes(ids, parser
     assert len(got) == len(ids) and len(set(got)) == len(got), (ids, got)
     if ids[0] is not None:  # the first model-written id is free: kept as written
         assert got[0] == ids[0]
+
+
+def test_episode_call_ids_never_repeat_across_turns_or_collide_with_model_ids():
+    """The episode renames parser ids ``call_n`` to ``call_{turn}_n``: a model-written ``call_0_1`` in the same
+    turn used to collide with the parser's second call (issue 18 item 8)."""
+    from agentrl.rollout.episode import unique_call_ids
+
+    seen: set[str] = set()
+    turn0 = [ToolCall(name="f", arguments={}, id="call_0_1"), ToolCall(name="f", arguments={}, id="call_1"),
+             ParseError("bad", "raw", "call_2")]
+    unique_call_ids(turn0, 0, seen)
+    assert [c.id for c in turn0] == ["call_0_1", "call_0_1_1", "call_0_2"]
+    turn1 = [ToolCall(name="f", arguments={}, id="call_0_1"), ToolCall(name="f", arguments={}, id="call_0")]
+    unique_call_ids(turn1, 1, seen)
+    assert [c.id for c in turn1] == ["call_0_1_2", "call_1_0"]  # a model repeating an old id gets a new one
+    assert len(seen) == 5

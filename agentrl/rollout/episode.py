@@ -26,7 +26,7 @@ import traceback
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
@@ -38,6 +38,25 @@ from agentrl.types import Action, Message, Sample, Status
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _PARSER_ID = re.compile(r"call_\d+")
+_BIG_OBSERVATION = 32_768
+"""Observation text (characters) above which it is tokenized in a worker thread, off the event loop."""
+
+
+def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> None:
+    """Make the turn's call ids unique in the episode, in place, and record them in ``seen``.
+
+    The parser numbers a turn's calls ``call_0, call_1, ...``; those become ``call_{turn}_{n}``.
+    An id the model wrote is kept unless already taken. Any id that would repeat one seen earlier
+    in the episode (a model-written ``call_0_1`` beside the parser's ``call_1`` of turn 0) gets a
+    ``_k`` suffix, so a tool result can never answer the wrong call.
+    """
+    for item in items:
+        base = f"call_{turn}_{item.id[5:]}" if _PARSER_ID.fullmatch(item.id) else item.id
+        candidate, k = base, 1
+        while candidate in seen:
+            candidate, k = f"{base}_{k}", k + 1
+        item.id = candidate
+        seen.add(candidate)
 _RUN_KEY = uuid.uuid4().hex[:12]
 _EPISODE_COUNTER = itertools.count()
 
@@ -190,6 +209,7 @@ async def run_episode(
             raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
         ledger = TokenLedger(prompt_ids)
         convo = list(obs)
+        seen_ids: set[str] = set()  # tool-call ids of this episode (unique_call_ids)
         sample.token_exact = ctx.chat is None
         context_len = cfg.rollout_max_context_len
         if context_len is not None and len(ledger) >= context_len:
@@ -222,9 +242,7 @@ async def run_episode(
                 content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
             else:
                 content, calls, errors = parser.parse(text)
-            for item in (*calls, *errors):  # parser ids restart each turn; make them unique per episode
-                if _PARSER_ID.fullmatch(item.id):
-                    item.id = f"call_{turn}_{item.id[5:]}"
+            unique_call_ids((*calls, *errors), turn, seen_ids)
             action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
@@ -245,7 +263,12 @@ async def run_episode(
             except TemplateError as exc:
                 raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
             convo.extend(obs)
-            delta_ids = ctx.template.encode(delta)
+            if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
+                raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
+            if len(delta) > _BIG_OBSERVATION:  # seconds of tokenizing must not stall every other episode
+                delta_ids = await asyncio.to_thread(ctx.template.encode, delta)
+            else:
+                delta_ids = ctx.template.encode(delta)
             if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
                 raise _EndEpisode(Status.TRUNCATED, "context_length")
             ledger.append_env(delta_ids)
