@@ -189,12 +189,16 @@ async def maybe_await(value: Any) -> Any:
 async def call_env(fn: Callable[..., Any], /, *args: Any, _executor: Executor | None = None, **kwargs: Any) -> Any:
     """Call an env method: async ones directly, sync ones in a worker thread (never blocking the loop).
 
-    ``_executor`` is the thread pool for sync methods; the episode loop passes one as large as the
-    rollout's concurrency, because in asyncio's default pool (cores + 4 threads) sync steps would
-    queue for a thread, and that wait would count against their step timeout.
+    ``_executor`` is the thread pool for sync methods; the episode loop passes a
+    :class:`~agentrl.rollout.threads.SyncPool` as large as the rollout's concurrency, because in
+    asyncio's default pool (cores + 4 threads) sync steps would queue for a thread, and that wait
+    would count against their step timeout; a step that times out there is written off and replaced.
     """
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
+    run = getattr(_executor, "run", None)  # a SyncPool: a call abandoned on timeout gives its thread back
+    if run is not None:
+        return await maybe_await(await run(fn, *args, **kwargs))
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await maybe_await(await asyncio.get_running_loop().run_in_executor(_executor, call))
 

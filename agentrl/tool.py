@@ -335,8 +335,10 @@ def find_tool(tools: Iterable[Tool], name: str) -> Tool | None:
 class FunctionTool(Tool):
     """A :class:`Tool` made by :func:`tool` from a function; calling it calls the function.
 
-    Sync functions run in a worker thread (``asyncio.to_thread``) so a slow tool never blocks the
-    event loop that drives the other episodes.
+    Sync functions run in a worker thread of the process's tool pool (a
+    :class:`~agentrl.rollout.threads.SyncPool`) so a slow tool never blocks the event loop that
+    drives the other episodes, and one that times out is written off and replaced instead of
+    holding one of asyncio's few default threads for good.
     """
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
@@ -353,8 +355,21 @@ class FunctionTool(Tool):
     async def __call__(self, *args: Any, **arguments: Any) -> Any:
         if self._is_async:
             return await self.fn(*args, **arguments)
-        out = await asyncio.to_thread(self.fn, *args, **arguments)
+        out = await tool_pool().run(self.fn, *args, **arguments)
         return await out if inspect.isawaitable(out) else out
+
+
+_TOOL_POOL: Any = None
+
+
+def tool_pool() -> Any:
+    """The process's pool for sync tools: 32 threads, up to 64 written off (see :class:`SyncPool`)."""
+    global _TOOL_POOL
+    if _TOOL_POOL is None:
+        from agentrl.rollout.threads import SyncPool
+
+        _TOOL_POOL = SyncPool(32, max_hung=64, name="agentrl-tool")
+    return _TOOL_POOL
 
 
 @typing.overload

@@ -256,6 +256,36 @@ async def test_a_huge_observation_is_never_tokenized_on_the_event_loop(tiny_serv
     assert big == ([] if size == 1_000_000 else [False]), encoded
 
 
+class HangingSyncEnv(agentrl.Env):
+    """A blocking step() that never returns for tasks named 'hang' (until the test releases it)."""
+
+    release = threading.Event()
+
+    def reset(self, *, seed=None, options=None):
+        self.hang = options["prompt"].startswith("hang")
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        if self.hang:
+            HangingSyncEnv.release.wait()
+        return [], 1.0, True, False, {}
+
+
+async def test_hung_sync_steps_never_starve_healthy_episodes(tiny_server, tiny_tokenizer):
+    """Issue 18 item 6: more hung sync steps than the pool's threads (concurrency 2 + 4) used to make every later
+    episode fail env_timeout waiting for a thread; now each hung one is written off and replaced."""
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_concurrency=2, env_step_timeout=0.5)
+    tasks = [{"prompt": f"hang {i}"} for i in range(8)] + [{"prompt": f"ok {i}"} for i in range(4)]
+    try:
+        samples, summary = await generate_rollout(ctx, HangingSyncEnv, tasks)
+    finally:
+        HangingSyncEnv.release.set()
+        await ctx.engine.close()
+    reasons = [s.metadata["status_reason"] for s in sorted(samples, key=lambda s: s.index)]
+    assert reasons[:8] == ["env_timeout"] * 8 and reasons[8:] == ["terminated"] * 4, reasons
+    assert summary.hung_threads == 8 and summary.to_dict()["hung_threads"] == 8
+
+
 class SlowEnv(TalkEnv):
     step_timeout = 0.2
 

@@ -20,7 +20,6 @@ import logging
 import time
 import traceback
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
@@ -28,6 +27,7 @@ from typing import Any, Awaitable, Callable, Iterable
 from agentrl.env import Env
 from agentrl.rollout.episode import EpisodeContext, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward
+from agentrl.rollout.threads import SyncPool
 from agentrl.types import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class RolloutSummary:
     sampled_tokens: int = 0
     seconds: float = 0.0
     sink_errors: int = 0
+    hung_threads: int = 0  # sync env calls that timed out and had not returned by the end
 
     def add(self, s: Sample) -> None:
         self.samples += 1
@@ -122,6 +123,7 @@ class RolloutSummary:
             "seconds": round(self.seconds, 3),
             "sampled_tokens_per_s": self.sampled_tokens / self.seconds if self.seconds > 0 else 0.0,
             "sink_errors": self.sink_errors,
+            "hung_threads": self.hung_threads,
         }
 
 
@@ -173,7 +175,7 @@ async def generate_rollout(
             ctx = dataclasses.replace(ctx, config=cfg)
     own_pool = None
     if ctx.executor is None:
-        own_pool = ThreadPoolExecutor(max_workers=cfg.rollout_concurrency + 4, thread_name_prefix="agentrl-env")
+        own_pool = SyncPool(cfg.rollout_concurrency + 4, max_hung=max(64, cfg.rollout_concurrency), name="agentrl-env")
         ctx = dataclasses.replace(ctx, executor=own_pool)
     sem = asyncio.Semaphore(cfg.rollout_concurrency)
     summary = RolloutSummary()
@@ -207,7 +209,8 @@ async def generate_rollout(
         samples = list(await asyncio.gather(*jobs))
     finally:
         if own_pool is not None:
-            own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its thread
+            own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its (daemon) thread
+            summary.hung_threads = own_pool.hung
     summary.seconds = time.monotonic() - t0
     samples.sort(key=lambda s: (s.index if s.index is not None else 0))
     return samples, summary
