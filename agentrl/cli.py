@@ -307,11 +307,9 @@ def cmd_check_env(args: argparse.Namespace) -> int:
     sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
     with naming_flag("--env", args.env):
         factory = load_env(args.env)
-    try:
-        tasks = _load_task_rows(args, factory)
-    except ValueError:
-        if args.prompt_data:
-            raise
+    if args.prompt_data or getattr(factory, "tasks", None) is not None:
+        tasks = _load_task_rows(args, factory)  # a broken tasks() is an error to report, not to skip
+    else:
         tasks = []  # no task source: check_env plays a generic arithmetic task
     report = asyncio.run(_check_env(factory, tasks[: args.num_tasks], args.step_timeout))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
@@ -454,7 +452,9 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     closers = [engine.close, close_default_pool]
     chat = None
     if args.engine_api == "chat":
-        chat = ChatCompletionsClient(urls[0], model=args.model, api_key=os.environ.get(args.api_key_env))
+        # the engine this command started wants its own key; a given URL, the user's API key
+        key = os.environ.get(args.api_key_env) if args.engine_url else getattr(args, "engine_api_key", None)
+        chat = ChatCompletionsClient(urls[0], model=args.model, api_key=key)
         closers.append(chat.close)
     else:
         await wait_healthy(engine, timeout=60)

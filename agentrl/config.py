@@ -98,7 +98,7 @@ class RolloutConfig:
              f"--rollout-stop-token-ids must be token ids in [0, {_INT32}]"),
             (all(isinstance(x, str) and 0 < len(x) <= 512 for x in self.rollout_stop),
              "--rollout-stop must be non-empty strings of at most 512 characters"),
-            (0 <= self.rollout_seed < 2**64, "--rollout-seed must be in [0, 2**64)"),
+            (0 <= self.rollout_seed < 2**32, "--rollout-seed must be in [0, 2**32) (SGLang's --random-seed range)"),
             (self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1"),
             (self.env_step_timeout > 0, "--env-step-timeout must be > 0"),
             (self.tool_template in ("auto", "native", "builtin"), "--tool-template must be auto, native or builtin"),

@@ -86,7 +86,7 @@ def main() -> None:
     def disk() -> float:
         version[0] += 1
         t0 = time.perf_counter()
-        trainers.push_weights("disk", engines.urls, str(version[0]), folder=str(tmp / "sync"))
+        trainers.push_weights("disk", engines.urls, str(version[0]), folder=str(tmp / "sync"), api_key=engines.api_key)
         return time.perf_counter() - t0
 
     baseline(), object_store(), shared(), shared()  # warm-up (both shared slots touched once)

@@ -124,6 +124,34 @@ def test_bad_train_flags_are_refused_naming_the_flag(flags, message, tmp_path, c
     assert message in err and "Traceback" not in err, err
 
 
+def test_chat_api_against_the_engine_the_command_started(tiny_ckpt, tmp_path):
+    """``--engine-api chat`` without ``--engine-url``: the chat client must send the started engine's own key."""
+    out = tmp_path / "samples.jsonl"
+    r = run("rollout", "--env", "envs.calculator:Calculator", "--prompt-data", "envs/data/calculator.jsonl",
+            "--num-tasks", "2", "--max-turns", "2", "--rollout-max-response-len", "16", "--engine-api", "chat",
+            "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    samples = read_samples(out)
+    assert len(samples) == 2 and all(s["status"] in ("completed", "truncated") for s in samples), samples
+    assert all(s["token_exact"] is False for s in samples)
+
+
+def test_check_env_reports_a_broken_tasks(tmp_path):
+    (tmp_path / "broken.py").write_text(textwrap.dedent("""
+        import agentrl
+        class Broken(agentrl.Env):
+            @staticmethod
+            def tasks():
+                return [{"question": "no prompt key"}]
+            async def reset(self, *, seed=None, options=None):
+                return [{"role": "user", "content": "hi"}], {}
+            async def step(self, action):
+                return [], 0.0, True, False, {}
+    """))
+    r = run("check-env", "--env", f"{tmp_path}/broken.py:Broken")
+    assert r.returncode == 2 and "--env" in r.stderr and "prompt" in r.stderr, r.stdout + r.stderr
+
+
 def test_check_env_exit_codes(tmp_path):
     r = run("check-env", "--env", "envs.calculator:Calculator")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -330,6 +330,18 @@ async def test_a_fault_in_a_batch_fails_its_requests_and_the_loop_goes_on(ckpt):
         assert [o["output_ids"] for o in outs if not isinstance(o, BaseException)] == [before, before]
         assert eng.alive and eng.restarts == 1 and isinstance(eng.last_error, KeyboardInterrupt)
         assert (await eng.generate([5, 6, 7], GREEDY))["output_ids"] == before
+
+        def broken(*a, **k):  # a sticky fault (a broken device): every iteration fails
+            raise RuntimeError("device lost")
+
+        eng.runner.forward = broken
+        for _ in range(3):
+            with pytest.raises(EngineFault, match="device lost"):
+                await asyncio.wait_for(eng.generate([5, 6, 7], GREEDY), 30)
+        assert not eng.alive  # /health answers 503: a supervisor restarts the server
+        eng.runner.forward = real
+        assert (await eng.generate([5, 6, 7], GREEDY))["output_ids"] == before
+        assert eng.alive  # one good iteration and it is healthy again
     finally:
         await eng.close()
     assert not eng.alive

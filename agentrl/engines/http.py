@@ -33,6 +33,10 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class EngineRequestError(EngineError):
     """The engine answered but refused the request (HTTP 4xx); retrying would not help."""
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status, where there was one
+
 
 def _limits() -> httpx.Limits:
     # Hundreds of episodes share one client; httpx's default pool (100) would queue them.
@@ -201,7 +205,7 @@ class SGLangEngine(Engine):
             except ValueError:
                 body = text
         if status >= 400 or (isinstance(body, dict) and body.get("success") is False):
-            raise EngineRequestError(f"{self.url}{path} failed (HTTP {status}): {str(body)[:500]}")
+            raise EngineRequestError(f"{self.url}{path} failed (HTTP {status}): {str(body)[:500]}", status)
         return body
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,

@@ -242,7 +242,13 @@ async def run_episode(
                 content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
             else:
                 content, calls, errors = parser.parse(text)
+            renamed = {id(item): item.id for item in (*calls, *errors)}
             unique_call_ids((*calls, *errors), turn, seen_ids)
+            if out.message is not None and out.message.get("tool_calls"):  # the chat message carries the same ids
+                new_ids = {renamed[id(c)]: c.id for c in calls}
+                out.message = {**out.message, "tool_calls": [
+                    {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
+                    for tc in out.message["tool_calls"]]}
             action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)

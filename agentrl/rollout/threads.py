@@ -69,9 +69,9 @@ class SyncPool(Executor):
             if item is None:
                 return
             fut, fn, args, kwargs = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            with self._lock:
+            with self._lock:  # atomic with abandon(): a call is either cancelled while queued or owned
+                if not fut.set_running_or_notify_cancel():
+                    continue
                 self._owner[fut] = me
             try:
                 result = fn(*args, **kwargs)
@@ -88,9 +88,9 @@ class SyncPool(Executor):
 
     def abandon(self, fut: Future) -> None:
         """The caller gave up on ``fut``: drop it if queued, else write its thread off and replace it."""
-        if fut.cancel():
-            return
         with self._lock:
+            if fut.cancel():  # still queued: it will never run
+                return
             thread = self._owner.get(fut)
             if thread is None or thread in self._written_off or self._shutdown:
                 return

@@ -31,7 +31,7 @@ def latest_checkpoint(load: str | Path) -> Path | None:
     tracker = root / TRACKER
     if tracker.exists():
         text = tracker.read_text().strip()
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise ValueError(f"{tracker} should hold the newest step number, not {text[:40]!r}: write the step of "
                              f"the newest complete iter_* folder into it (or delete it to resume from that folder)")
         step = int(text)

@@ -256,6 +256,7 @@ class TrainLoop:
                 await asyncio.to_thread(self.sync_weights, self.version)
         sync_seconds = time.monotonic() - t1
         extra = {**counts, "weight_version": self.version, "train_samples": len(keep),
+                 "hung_threads": getattr(self.ctx.executor, "hung", 0),
                  "weight_sync_seconds": sync_seconds, "step_train_seconds": train_seconds}
         line = step_metrics(samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
         if self.run_dir is not None and cfg.dump_rollouts:

@@ -222,6 +222,8 @@ class _Runtime:
     def __exit__(self, *exc: Any) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if getattr(self, "env_pool", None) is not None:
+            self.env_pool.shutdown()  # idle workers end; hung ones are daemon threads
         for part in (self.trainers, self.engines):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -284,12 +286,17 @@ class _Runtime:
         from agentrl.metrics import MetricsLogger
         from agentrl.rollout.episode import EpisodeContext
         from agentrl.rollout.generate import bind_engine_args
+        from agentrl.rollout.threads import SyncPool
 
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
         engine = Router([SGLangEngine(u, api_key=self.engines.api_key) for u in self.engines.urls])
-        ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
+        # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
+        pool = SyncPool(cfg.rollout.rollout_concurrency + 4, max_hung=max(64, cfg.rollout.rollout_concurrency),
+                        name="agentrl-env")
+        self.env_pool = pool
+        ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout, executor=pool)
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                      wandb_project=cfg.wandb_project, config=config_dict(cfg),

@@ -191,8 +191,8 @@ class TensorTransport(WeightTransport):
             p, flush_cache=version is not None, weight_version=version) for e, p in zip(self.engines, payloads)),
             return_exceptions=True)
         failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
-        for p, a in zip(payloads, answers):  # never delivered (no HTTP answer): take the references back here
-            if isinstance(a, BaseException) and not isinstance(a, EngineRequestError):
+        for p, a in zip(payloads, answers):  # never read by the server (no answer, or refused unauthenticated):
+            if isinstance(a, BaseException) and (not isinstance(a, EngineRequestError) or a.status == 401):
                 for entry in p:
                     with contextlib.suppress(Exception):
                         deserialize_named_tensors(entry)

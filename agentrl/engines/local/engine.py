@@ -40,6 +40,9 @@ from agentrl.engines.local.weights import WeightUpdateError, apply_weights, read
 
 log = logging.getLogger(__name__)
 
+MAX_CONSECUTIVE_FAULTS = 3
+"""Iterations failing in a row (outside any one request) after which the engine reports itself unhealthy."""
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang's ``tags`` for ``/release_memory_occupation`` and ``/resume_memory_occupation``."""
 
@@ -119,6 +122,7 @@ class LocalEngine:
         self._stop = False
         self.last_error: BaseException | None = None  # the last fault an iteration survived
         self.restarts = 0  # iterations that failed outside any one request (see _run)
+        self.consecutive_faults = 0  # such failures in a row: at MAX_CONSECUTIVE_FAULTS the engine reports unhealthy
         # Owned by the worker thread.
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request | None] = [None] * max_running_requests
@@ -137,8 +141,10 @@ class LocalEngine:
 
     @property
     def alive(self) -> bool:
-        """False once the worker thread ended (only :meth:`close` ends it; health checks then answer 503)."""
-        return self._thread.is_alive() and not self._stop
+        """Whether ``/health`` answers 200: the worker runs, and its iterations have not failed
+        :data:`MAX_CONSECUTIVE_FAULTS` times in a row (a sticky fault, e.g. a broken device, fails every
+        request: a supervisor should restart the server rather than see it healthy)."""
+        return self._thread.is_alive() and not self._stop and self.consecutive_faults < MAX_CONSECUTIVE_FAULTS
 
     @property
     def num_running(self) -> int:
@@ -152,7 +158,7 @@ class LocalEngine:
         Raises :class:`InvalidRequestError` for requests SGLang would answer with HTTP 400.
         Cancelling the awaiting task aborts the request.
         """
-        if not self.alive:
+        if self._stop or not self._thread.is_alive():
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
         sp = SamplingConfig.from_dict(sampling_params or {})
@@ -285,12 +291,13 @@ class LocalEngine:
             try:
                 with torch.inference_mode():
                     while self._iteration():
-                        pass
+                        self.consecutive_faults = 0
                 break
             except BaseException as exc:  # noqa: BLE001 - nothing may end the loop but close()
                 log.exception("embedded engine iteration failed; failing its running requests and going on")
                 self.last_error = exc
                 self.restarts += 1
+                self.consecutive_faults += 1
                 for req in [r for r in self._rows if r is not None]:
                     self._fail(req, exc)
         for req in itertools.chain(self._waiting, self._inbox, (r for r in self._rows if r)):
@@ -299,7 +306,7 @@ class LocalEngine:
         for kind, arg in self._control:
             if kind in ("update", "release", "resume"):
                 fut = arg[2] if kind == "update" else arg[1]
-                fut.get_loop().call_soon_threadsafe(_set_result, fut, {
+                _call_soon(fut.get_loop(), _set_result, fut, {
                     "success": False, "message": "engine closed", "num_paused_requests": 0})
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
@@ -310,7 +317,7 @@ class LocalEngine:
         with contextlib.suppress(ValueError):
             self._waiting.remove(req)
         err = EngineFault(f"the engine failed while serving request {req.rid}: {exc!r}")
-        req.loop.call_soon_threadsafe(_set_exception, req.future, err)
+        _call_soon(req.loop, _set_exception, req.future, err)
 
     def _iteration(self) -> bool:
         with self._cv:
@@ -357,7 +364,7 @@ class LocalEngine:
                 self.last_error = exc
                 if kind != "flush":
                     fut = arg[2] if kind == "update" else arg[1]
-                    fut.get_loop().call_soon_threadsafe(_set_result, fut, {
+                    _call_soon(fut.get_loop(), _set_result, fut, {
                         "success": False, "message": f"{kind} failed: {exc!r}", "num_paused_requests": 0})
                 done = True
             if done:
@@ -371,11 +378,11 @@ class LocalEngine:
         elif kind == "update" and self.num_running == 0:
             path, version, fut, opts = arg
             result = self._load_weights(path, version, **opts)
-            fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+            _call_soon(fut.get_loop(), _set_result, fut, result)
         elif kind in ("release", "resume") and self.num_running == 0:
             tags, fut = arg
             result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
-            fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+            _call_soon(fut.get_loop(), _set_result, fut, result)
         else:
             return False
         return True
@@ -575,7 +582,7 @@ class LocalEngine:
         except BaseException as exc:  # noqa: BLE001 - a response that cannot be built fails its request only
             self._fail(r, exc)
             return
-        r.loop.call_soon_threadsafe(_set_result, r.future, response)
+        _call_soon(r.loop, _set_result, r.future, response)
 
     def _response(self, r: _Request) -> dict:
         sp, fin = r.sp, r.finish or {}
@@ -596,6 +603,14 @@ class LocalEngine:
                 [lp, tok, self.tokenizer.decode([tok]) if r.return_text_in_logprobs else None]
                 for lp, tok in zip(r.logprobs, r.output_ids)]
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """Hand a result to a waiter's event loop; one whose loop is gone is dropped (never raised in the worker)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop was closed: nobody is waiting any more
+        pass
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

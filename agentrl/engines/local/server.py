@@ -189,7 +189,8 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
                 "context_length": engine.context_length, "max_running_requests": engine.max_running_requests,
                 "max_cached_sequences": engine.store.max_sequences, "chunked_prefill_size": engine.chunked_prefill_size,
                 "device": str(engine.runner.device), "dtype": str(next(engine.model.parameters()).dtype),
-                "weight_version": engine.weight_version, "engine": "agentrl-local", "version": _version()}
+                "weight_version": engine.weight_version, "engine": "agentrl-local", "version": _version(),
+                "restarts": engine.restarts, "last_error": repr(engine.last_error) if engine.last_error else None}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -338,7 +339,15 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank."""
         from agentrl.engines.tensor_ipc import deserialize_named_tensors
 
-        req = P.UpdateWeightsFromTensorRequest.parse(await _json_body(request), "")
+        body = await _json_body(request)
+        try:
+            req = P.UpdateWeightsFromTensorRequest.parse(body, "")
+        except InvalidRequestError:  # refused: still give back the shared-memory references it carries
+            entries = body.get("serialized_named_tensors")
+            for entry in entries if isinstance(entries, list) else []:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(deserialize_named_tensors, entry)
+            raise
         try:
             named = await asyncio.to_thread(deserialize_named_tensors, req.serialized_named_tensors[0])
         except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
