@@ -50,3 +50,17 @@ def test_main_job_rl_batches_see_every_template_once():
         batch = src.get_samples(rl.rollout_batch_size)
         shapes = {re.sub(r"\d+", "N", t["prompt"]) for t in batch}  # the problem text without its numbers
         assert len(shapes) == len(batch) == 5, shapes
+
+
+def test_gsm8k_report_configs_are_valid_and_train_on_the_train_split():
+    from agentrl.config import load_config_file, run_config_from_values
+    from envs.gsm8k import GSM8K
+
+    sft = run_config_from_values(load_config_file(REPO / "examples/gsm8k/sft.yaml"))
+    rl = run_config_from_values(load_config_file(REPO / "examples/gsm8k/grpo.yaml"))
+    sft.validate(), rl.validate()
+    assert sft.is_sft and sft.sft_data == "runs/gsm8k/sft.jsonl" and rl.hf_checkpoint == sft.save
+    assert rl.prompt_data is None  # GRPO samples the env's own tasks(): the train split
+    train = {t["prompt"] for t in GSM8K.tasks()}
+    test = {t["prompt"] for t in GSM8K.tasks(split="test")}
+    assert len(train) > 7000 and len(test) > 1300 and not train & test
