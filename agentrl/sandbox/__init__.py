@@ -81,8 +81,11 @@ def resolve_backend(backend: str = "auto") -> str:
     if chosen == "process":
         log.warning(
             "sandbox backend 'process': model-written code runs as a plain process with rlimits and no "
-            "network, but it can READ the host filesystem. Install bubblewrap (apt-get install bubblewrap) "
-            "or start a Docker engine for real isolation.%s",
+            "network, but what stays open is: it can READ the host filesystem, see every host process and its "
+            "command line (tokens passed as arguments included), connect to the host's unix sockets at "
+            "filesystem paths, and write the host's /dev/shm up to its memory limit (as root, a sandbox's files "
+            "there are removed on reset and close; as a normal user they stay). Install bubblewrap "
+            "(apt-get install bubblewrap) or start a Docker engine for real isolation.%s",
             "" if shutil.which("bwrap") else " (bwrap not found)",
         )
     _resolved[backend] = chosen

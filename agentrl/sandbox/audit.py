@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report.escapes:
         weak = [c.name for c in report.escapes if c.expected_escape]
         if weak:
-            console.print(f"[yellow]{', '.join(weak)}: the process backend does not isolate the filesystem "
+            console.print(f"[yellow]{', '.join(weak)}: the process backend does not isolate the filesystem, mounts or pids "
                           "(documented); use --backend docker or local (bubblewrap) for model-written code.[/]")
         return 1
     return 0

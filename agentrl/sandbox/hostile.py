@@ -18,6 +18,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -32,8 +33,9 @@ MARK_PREFIX = "agentrl-audit-"
 """Every hostile program carries ``agentrl-audit-<token>`` in its argv, so the host can find leftovers."""
 SECRET_ENV = "AGENTRL_AUDIT_SECRET"
 """The canary variable the audit sets in its own environment (standing in for HF_TOKEN & co.)."""
-WEAK_ON_PROCESS = frozenset({"read_outside_scratch", "write_outside_scratch"})
-"""Checks the ``process`` backend is documented to fail: it has no filesystem isolation."""
+WEAK_ON_PROCESS = frozenset({"read_outside_scratch", "write_outside_scratch", "unix_socket", "host_proc_argv",
+                             "shm_quota"})
+"""Checks the ``process`` backend is documented to fail: no filesystem, mount or pid isolation."""
 
 
 @dataclass
@@ -437,6 +439,116 @@ async def check_stdout_flood(c: Hostile) -> tuple[bool, str]:
     return ok, f"{size} bytes returned, truncated={r.truncated}, host RSS +{grew:.0f} MB, exit {r.exit_code}"
 
 
+_UNIX = """import socket, sys
+for label, addr in (("path", sys.argv[2]), ("abstract", "\\0" + sys.argv[3])):
+    try:
+        s = socket.socket(socket.AF_UNIX); s.settimeout(3); s.connect(addr); s.sendall(b"hello"); print(label, "connected")
+    except OSError as e:
+        print(label, "connect failed:", e)"""
+
+
+async def check_unix_socket(c: Hostile) -> tuple[bool, str]:
+    """Connect to unix-socket listeners the audit runs on the host: one at a filesystem path (world-writable,
+    in the host's temp dir) and one in the abstract namespace. No connection may arrive."""
+    arrived: list[str] = []
+    servers = []
+    path = os.path.join(tempfile.gettempdir(), f"{c.mark}.sock")
+    try:
+        for label, where in (("path", path), ("abstract", "\0" + c.mark)):
+            def on_connect(reader, writer, label=label):
+                arrived.append(label)
+                writer.close()
+
+            servers.append(await asyncio.start_unix_server(on_connect, where))
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o777)
+        r = await c.py(_UNIX, path, c.mark, timeout=15)
+        await asyncio.sleep(0.2)
+    finally:
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if arrived:
+        return False, f"{len(arrived)} connection(s) reached host unix sockets ({', '.join(arrived)}): {_out(r)}"
+    return True, f"no connection reached the host's unix sockets; inside: {_out(r)}"
+
+
+_ARGV = """import os
+seen, found = 0, []
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        seen += 1
+        try:
+            argv = open(f"/proc/{p}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"argv-" + b"secret-" in argv:  # spelled in two parts, so this program's own argv does not match
+            found.append(argv.replace(b"\\0", b" ").decode(errors="replace"))
+print("pids", seen, "found", found)"""
+
+
+async def check_host_proc_argv(c: Hostile) -> tuple[bool, str]:
+    """A host process carries a secret on its command line (as ``--api-key``s and tokens often do): it must
+    not be readable from inside, and the sandbox should see no more than its own processes."""
+    secret = f"argv-secret-{secrets.token_hex(8)}"
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", secret], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    await asyncio.sleep(0.1)  # exec'd: its argv is in /proc
+    try:
+        r = await c.py(_ARGV, timeout=15)
+    finally:
+        victim.kill()
+        victim.wait()
+    words = r.stdout.split()
+    pids = words[1] if len(words) > 1 else "?"
+    if secret in r.stdout + r.stderr:
+        return False, f"a host process's argv was read ({pids} pids visible): {_out(r, 120)}"
+    return True, f"host argv not visible ({pids} pids visible): {_out(r, 120)}"
+
+
+_SHM = """import os, sys
+prefix, tries, per_file = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+written, why, n = 0, "done", 0
+try:
+    while written < tries << 20:
+        with open(f"{prefix}-{n}", "wb") as f:  # file by file, each under the single-file limit
+            for _ in range(per_file):
+                f.write(b"x" * (1 << 20)); f.flush(); written += 1 << 20
+        n += 1
+except OSError as e:
+    why = e.strerror or str(e)
+print(written >> 20, why, flush=True)"""
+
+
+async def check_shm_quota(c: Hostile) -> tuple[bool, str]:
+    """Write 2x ``scratch_mb`` into ``/dev/shm`` (file by file), then reset the sandbox: the host's
+    ``/dev/shm`` must not get more than ``scratch_mb`` (a private one is fine), and nothing may be left of it
+    after ``reset()``."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return True, "no /dev/shm on this host"
+    name = f"{c.mark}-shm"
+    tries = 2 * c.config.scratch_mb + 16
+    per_file = max(1, min(16, c.config.file_size_mb // 2))
+
+    def on_host() -> int:
+        return sum(p.stat().st_size for p in shm.glob(name + "-*")) >> 20
+
+    try:
+        r = await c.py(_SHM, f"/dev/shm/{name}", tries, per_file, timeout=120)
+        got = on_host()
+        await c.sandbox.reset()
+        left = on_host()
+    finally:
+        for p in shm.glob(name + "-*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    detail = f"inside wrote {_out(r, 60)}; host /dev/shm got {got} MB, {left} MB left after reset"
+    return got <= c.config.scratch_mb + 1 and left == 0, detail
+
+
 CHECKS: dict[str, Callable[[Hostile], Awaitable[tuple[bool, str]]]] = {
     "network_loopback": check_network_loopback,
     "network_interfaces": check_network_interfaces,
@@ -450,5 +562,8 @@ CHECKS: dict[str, Callable[[Hostile], Awaitable[tuple[bool, str]]]] = {
     "mount_chroot_unshare": check_mount_chroot_unshare,
     "fill_disk": check_fill_disk,
     "stdout_flood": check_stdout_flood,
+    "unix_socket": check_unix_socket,
+    "host_proc_argv": check_host_proc_argv,
+    "shm_quota": check_shm_quota,
 }
 """Every check, in the order the report lists them."""

@@ -432,11 +432,29 @@ class LocalSandbox(Sandbox):
         return False
 
     async def reset(self) -> None:
-        """Kill every process (sessions too) and give it an empty scratch and /tmp."""
+        """Kill every process (sessions too) and give it an empty scratch and /tmp (and, for the process
+        backend as root, remove what its uid left in the host's ``/dev/shm``)."""
         self._check_open()
         if not await self._kill_all() and self._cgroup is not None:
             raise SandboxError("processes of this sandbox survived SIGKILL for 5 s; close it and create a new one")
         await asyncio.to_thread(self._fresh_data)
+        await asyncio.to_thread(self._clean_host_shm)
+
+    def _clean_host_shm(self) -> None:
+        """The process backend writes the host's ``/dev/shm`` (it has no mount namespace): as root each
+        sandbox has a uid of its own, so what that uid owns there is this sandbox's and goes. As a normal
+        user the files cannot be told from the user's own and stay (the backend's warning says so)."""
+        if self.bubblewrap or not self._lease.distinct:
+            return
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/dev/shm"):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == self._lease.uid:
+                        if entry.is_dir(follow_symlinks=False):
+                            wipe(entry.path)
+                            os.rmdir(entry.path)
+                        else:
+                            os.unlink(entry.path)
 
     async def close(self) -> None:
         """Kill everything, unmount and delete its dirs, free its cgroup and uid. Idempotent."""
@@ -448,6 +466,7 @@ class LocalSandbox(Sandbox):
         finally:  # nested: whatever fails, the cgroup and the uid (its lock fd) are still freed
             try:
                 await asyncio.to_thread(self._remove_dirs)
+                await asyncio.to_thread(self._clean_host_shm)
             finally:
                 try:
                     if self._cgroup is not None:
