@@ -42,21 +42,24 @@ _BIG_OBSERVATION = 32_768
 """Observation text (characters) above which it is tokenized in a worker thread, off the event loop."""
 
 
-def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> None:
-    """Make the turn's call ids unique in the episode, in place, and record them in ``seen``.
+def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> dict[str, str]:
+    """Make the turn's call ids unique in the episode, in place, record them in ``seen``, and return
+    the renaming (old id -> new id).
 
     The parser numbers a turn's calls ``call_0, call_1, ...``; those become ``call_{turn}_{n}``.
     An id the model wrote is kept unless already taken. Any id that would repeat one seen earlier
     in the episode (a model-written ``call_0_1`` beside the parser's ``call_1`` of turn 0) gets a
     ``_k`` suffix, so a tool result can never answer the wrong call.
     """
+    renamed: dict[str, str] = {}
     for item in items:
         base = f"call_{turn}_{item.id[5:]}" if _PARSER_ID.fullmatch(item.id) else item.id
         candidate, k = base, 1
         while candidate in seen:
             candidate, k = f"{base}_{k}", k + 1
-        item.id = candidate
+        renamed[item.id], item.id = candidate, candidate
         seen.add(candidate)
+    return renamed
 _RUN_KEY = uuid.uuid4().hex[:12]
 _EPISODE_COUNTER = itertools.count()
 
@@ -242,10 +245,8 @@ async def run_episode(
                 content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
             else:
                 content, calls, errors = parser.parse(text)
-            renamed = {id(item): item.id for item in (*calls, *errors)}
-            unique_call_ids((*calls, *errors), turn, seen_ids)
+            new_ids = unique_call_ids((*calls, *errors), turn, seen_ids)
             if out.message is not None and out.message.get("tool_calls"):  # the chat message carries the same ids
-                new_ids = {renamed[id(c)]: c.id for c in calls}
                 out.message = {**out.message, "tool_calls": [
                     {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
                     for tc in out.message["tool_calls"]]}

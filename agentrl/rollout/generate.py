@@ -175,7 +175,7 @@ async def generate_rollout(
             ctx = dataclasses.replace(ctx, config=cfg)
     own_pool = None
     if ctx.executor is None:
-        own_pool = SyncPool(cfg.rollout_concurrency + 4, max_hung=max(64, cfg.rollout_concurrency), name="agentrl-env")
+        own_pool = SyncPool.for_rollout(cfg.rollout_concurrency)
         ctx = dataclasses.replace(ctx, executor=own_pool)
     sem = asyncio.Semaphore(cfg.rollout_concurrency)
     summary = RolloutSummary()

@@ -100,6 +100,12 @@ class SyncPool(Executor):
             if self._written_off[thread]:
                 self._spawn()
 
+    @classmethod
+    def for_rollout(cls, concurrency: int) -> SyncPool:
+        """The pool for a rollout's blocking env steps: every concurrent episode has a thread (plus 4),
+        and up to ``max(64, concurrency)`` hung calls are replaced."""
+        return cls(concurrency + 4, max_hung=max(64, concurrency), name="agentrl-env")
+
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``await`` ``fn(*args, **kwargs)`` in a worker (the caller's contextvars included); cancelling abandons it."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)

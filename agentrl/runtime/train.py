@@ -293,8 +293,7 @@ class _Runtime:
         template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
         engine = Router([SGLangEngine(u, api_key=self.engines.api_key) for u in self.engines.urls])
         # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
-        pool = SyncPool(cfg.rollout.rollout_concurrency + 4, max_hung=max(64, cfg.rollout.rollout_concurrency),
-                        name="agentrl-env")
+        pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
         self.env_pool = pool
         ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout, executor=pool)
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)

@@ -15,16 +15,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentrl.engines.local.sampling import InvalidRequestError, validation_message
+from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME
+from agentrl.engines.local.sampling import INT32, Flag, InvalidRequestError, validation_message
 
-_INT32 = 2**31 - 1
-Flag = Annotated[bool, Field(strict=True)]
-TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=_INT32)]], Field(min_length=1)]
-Count = Annotated[int, Field(strict=True, ge=0, le=_INT32)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], Field(min_length=1)]
+Count = Annotated[int, Field(strict=True, ge=0, le=INT32)]
 
 
 class _Body(BaseModel):
-    """Unknown fields refused; fields in ``_NEUTRAL`` accepted only at their neutral value."""
+    """Unknown fields refused; fields in ``NEUTRAL`` accepted only at their neutral value."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...] | None]] = {}
@@ -41,15 +40,16 @@ class _Body(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, body: Any, what: str):
+    def parse(cls, body: Any):
+        """``body`` validated, or :class:`InvalidRequestError` (HTTP 400) naming the field."""
         if not isinstance(body, dict):
             raise InvalidRequestError("request body must be a JSON object")
         try:
             return cls(**body)
         except ValidationError as exc:
-            raise InvalidRequestError(validation_message(exc, what)) from None
+            raise InvalidRequestError(validation_message(exc, "")) from None
         except TypeError as exc:  # a key that is not a string
-            raise InvalidRequestError(f"{what}: {exc}") from None
+            raise InvalidRequestError(str(exc)) from None
 
 
 class GenerateRequest(_Body):
@@ -188,7 +188,7 @@ class InitWeightsUpdateGroupRequest(_Body):
     master_port: Annotated[int, Field(strict=True, ge=1, le=65535)]
     rank_offset: Annotated[int, Field(strict=True, ge=1, le=65535)]
     world_size: Annotated[int, Field(strict=True, ge=2, le=65536)]
-    group_name: Annotated[str, Field(strict=True, min_length=1, max_length=256)] = "weight_update_group"
+    group_name: Annotated[str, Field(strict=True, min_length=1, max_length=256)] = DEFAULT_GROUP_NAME
     backend: Literal["nccl", "gloo"] = "nccl"
 
 
@@ -198,7 +198,7 @@ class UpdateWeightsFromDistributedRequest(_Body):
     names: list[Any]
     dtypes: list[Any]
     shapes: list[Any]
-    group_name: Annotated[str, Field(strict=True, max_length=256)] = "weight_update_group"
+    group_name: Annotated[str, Field(strict=True, max_length=256)] = DEFAULT_GROUP_NAME
     weight_version: Version = None
     load_format: None = None
     abort_all_requests: Flag = False
@@ -218,7 +218,7 @@ class UpdateWeightsFromTensorRequest(_Body):
 class GroupRequest(_Body):
     """``/destroy_weights_update_group``."""
 
-    group_name: Annotated[str, Field(strict=True, max_length=256)] = "weight_update_group"
+    group_name: Annotated[str, Field(strict=True, max_length=256)] = DEFAULT_GROUP_NAME
 
 
 class PauseRequest(_Body):

@@ -25,8 +25,8 @@ _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penal
             "logit_bias": None, "stop_regex": None}
 
 
-_INT32 = 2**31 - 1
-_Flag = Annotated[bool, Field(strict=True)]
+INT32 = 2**31 - 1
+Flag = Annotated[bool, Field(strict=True)]
 
 
 class SamplingConfig(BaseModel):
@@ -39,18 +39,18 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_new_tokens: Annotated[int, Field(strict=True, ge=0, le=_INT32)] = 128
+    max_new_tokens: Annotated[int, Field(strict=True, ge=0, le=INT32)] = 128
     temperature: Annotated[float, Field(strict=True, ge=0, le=1e6)] = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(strict=True, ge=-1, le=_INT32)] = -1
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32)] = -1
     min_p: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.0
     stop: Annotated[list[Annotated[str, Field(strict=True, min_length=1, max_length=512)]],
                     Field(max_length=64)] = PydanticField(default_factory=list)
-    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0, le=_INT32)]],
+    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]],
                               Field(max_length=1024)] = PydanticField(default_factory=list)
-    ignore_eos: _Flag = False
-    skip_special_tokens: _Flag = True
-    no_stop_trim: _Flag = False
+    ignore_eos: Flag = False
+    skip_special_tokens: Flag = True
+    no_stop_trim: Flag = False
     sampling_seed: Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)] | None = None
 
     @field_validator("stop", mode="before")

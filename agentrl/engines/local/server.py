@@ -46,10 +46,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from agentrl.chat import ChatTemplate
 from agentrl.engines.http import API_KEY_ENV
-from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME, WeightUpdateGroups, check_metadata, run_in_thread
+from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
 from agentrl.engines.local import protocol as P
-from agentrl.engines.local.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
 log = logging.getLogger(__name__)
@@ -195,7 +194,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         body = await _json_body(request)
-        GenerateRequest.parse(body, "")
+        P.GenerateRequest.parse(body)
         batch, jobs = _generate_jobs(engine, body)
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
@@ -204,7 +203,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
-        req = P.UpdateWeightsFromDiskRequest.parse(await _json_body(request), "")
+        req = P.UpdateWeightsFromDiskRequest.parse(await _json_body(request))
         version = req.weight_version
         out = await engine.update_weights_from_disk(req.model_path, None if version is None else str(version),
                                                     abort_all_requests=req.abort_all_requests)
@@ -214,7 +213,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        req = P.PauseRequest.parse(await _json_body(request) if await request.body() else {}, "")
+        req = P.PauseRequest.parse(await _json_body(request) if await request.body() else {})
         await gate.pause(req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -230,7 +229,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        req = P.AbortRequest.parse(await _json_body(request), "")
+        req = P.AbortRequest.parse(await _json_body(request))
         engine.abort(req.rid, abort_all=req.abort_all)
         return Response(status_code=200)
 
@@ -242,7 +241,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = CompletionRequest.parse(await _json_body(request), "")
+        req = P.CompletionRequest.parse(await _json_body(request))
         prompts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
         sp = req.sampling(default_max=16)
         nlp = req.logprobs
@@ -265,7 +264,7 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = ChatCompletionRequest.parse(await _json_body(request), "")
+        req = P.ChatCompletionRequest.parse(await _json_body(request))
         ids = _render_chat(tok, chat_template, req.message_dicts(), req.tools, req.chat_template_kwargs or {})
         sp = req.sampling(default_max=None)
         want_lp = req.logprobs
@@ -304,13 +303,13 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        req = P.InitWeightsUpdateGroupRequest.parse(await _json_body(request), "")
+        req = P.InitWeightsUpdateGroupRequest.parse(await _json_body(request))
         args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend)
         return answer(*await run_in_thread(groups.init, *args))  # blocks until every rank joined
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        req = P.UpdateWeightsFromDistributedRequest.parse(await _json_body(request), "")
+        req = P.UpdateWeightsFromDistributedRequest.parse(await _json_body(request))
         group = req.group_name
         try:
             meta = check_metadata(req.names, req.dtypes, req.shapes)
@@ -341,7 +340,7 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
 
         body = await _json_body(request)
         try:
-            req = P.UpdateWeightsFromTensorRequest.parse(body, "")
+            req = P.UpdateWeightsFromTensorRequest.parse(body)
         except InvalidRequestError:  # refused: still give back the shared-memory references it carries
             entries = body.get("serialized_named_tensors")
             for entry in entries if isinstance(entries, list) else []:
@@ -359,11 +358,11 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
-        req = P.GroupRequest.parse(await _json_body(request), "")
+        req = P.GroupRequest.parse(await _json_body(request))
         return answer(*await run_in_thread(groups.destroy, req.group_name))
 
     async def memory(request: Request, release: bool):
-        req = P.MemoryRequest.parse(await _json_body(request) if await request.body() else {}, "")
+        req = P.MemoryRequest.parse(await _json_body(request) if await request.body() else {})
         tags = req.tags
         out = await (engine.release_memory_occupation(tags) if release else engine.resume_memory_occupation(tags))
         if not out["success"]:
@@ -394,9 +393,8 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 
 
 def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
-    """Unpack a (possibly batched) ``/generate`` body into ``engine.generate`` keyword arguments."""
-    if (body.get("input_ids") is None) == (body.get("text") is None):
-        raise InvalidRequestError("exactly one of input_ids and text is required")
+    """Unpack a (possibly batched) ``/generate`` body, already checked by :class:`~.protocol.GenerateRequest`,
+    into ``engine.generate`` keyword arguments."""
     if body.get("input_ids") is not None:
         inputs = body["input_ids"]
         batch = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
@@ -405,8 +403,6 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
         text = body["text"]
         batch = isinstance(text, list)
         texts = text if batch else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise InvalidRequestError("text must be a string or a list of strings")
         ids = [engine.tokenizer.encode(t) for t in texts]
 
     def per_item(key: str, default: Any) -> list:
