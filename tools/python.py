@@ -6,14 +6,22 @@ one interpreter per episode (a :class:`agentrl.sandbox.Session` called ``"python
 imports and functions persist between calls until the episode ends, a call times out, or the
 process dies (each of those is told to the model, who then knows its state is gone).
 
-The interpreter runs :data:`REPL_SOURCE`, a small read-eval-print loop speaking one JSON line per
-request and per reply. It must survive whatever the model's code does, so at startup it moves its
-protocol pipes to private descriptors and points fd 0 at ``/dev/null`` and fds 1 and 2 at a
-capture pipe: ``print``, ``os.write(1, ...)`` and subprocess output all land in the captured text,
-in the order they were written. Code that deliberately finds the private descriptors (``/proc/self/fd``)
-and writes to them gets what a crash gets: the session is restarted and the model reads why; it is
-never a sandbox failure (which would fail, and so hide, the sample). The capture keeps only the first ``max_output_bytes`` (the sandbox config's cap) and counts the rest,
+The session runs :data:`REPL_SOURCE`, a supervisor speaking one JSON line per request and per reply,
+which runs the model's code in a child interpreter (:data:`WORKER_SOURCE`). The split is what keeps
+the replies honest: the supervisor alone holds the session's protocol pipes and makes itself
+non-dumpable, so no code the model writes (walking frames, ``gc``, ``/proc/<pid>/fd``) can reach
+them and write or queue a reply; every reply is framed by the supervisor from the child's fds 1 and
+2 (a capture pipe: ``print``, ``os.write(1, ...)`` and subprocess output all land there, in the
+order they were written) and a one-line result that must carry that request's fresh random token.
+Code that writes to the child's own pipes gets what a crash gets: the session is restarted and the
+model reads why; it is never a sandbox failure (which would fail, and so hide, the sample). The
+capture keeps only the first ``max_output_bytes`` (the sandbox config's cap) and counts the rest,
 so printing 10 MB costs the model one truncation marker, not its context window.
+
+What the split does not (and cannot) do is protect the session from itself: variables, threads
+and patched modules persist by design, so an earlier call can change what a later one prints.
+An env that grades the model's work must do it outside the session, in a fresh process
+(``sandbox.run``, as :class:`envs.python_code.PythonCode` does), never by running checks in it.
 
 As in Jupyter, when the last statement is an expression its ``repr`` is shown (unless it is
 ``None``); top-level ``await`` works. An exception is shown as a short traceback of the model's
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import time
 import weakref
@@ -33,17 +42,124 @@ from typing import Any
 from agentrl.sandbox import Sandbox, SandboxError, Session, truncate_output
 from agentrl.tool import Tool, ToolError, ToolResult
 
-__all__ = ["REPL_SOURCE", "PythonTool", "python"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["REPL_SOURCE", "WORKER_SOURCE", "PythonTool", "python"]
 
 START_TIMEOUT = 30.0
 """Seconds a new interpreter may take to say it is ready (a cold container can be slow)."""
 
-REPL_SOURCE = r'''
-import ast, base64, builtins, json, linecache, os, secrets, sys, threading, time, traceback, types
+WORKER_SOURCE = r'''
+import ast, builtins, json, linecache, os, sys, traceback, types
+
+
+def no_input(prompt=""):
+    raise EOFError("input() is not available: the python tool has no stdin; put the values in the code")
+
+
+def format_exception(e):
+    tb = e.__traceback__
+    skip = tb
+    while skip is not None and not skip.tb_frame.f_code.co_filename.startswith("<cell "):
+        skip = skip.tb_next
+    te = traceback.TracebackException(type(e), e, skip if skip is not None else tb)
+    te.stack = traceback.StackSummary.from_list(  # the worker's own helpers are noise to the model
+        [f for f in te.stack if not (f.filename == "<string>" and f.name == "no_input")])
+    text = "".join(te.format())
+    if len(text) > 6000:
+        text = text[:1000] + "\n[... %d characters of traceback cut ...]\n" % (len(text) - 5000) + text[-4000:]
+    return text
+
+
+def run_code(code, ns, filename):
+    """Exec `code` in `ns`; print the last expression's repr. Returns (error text or None, is_error)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    try:
+        tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST | flags)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        body = compile(tree, filename, "exec", flags)
+        tail = compile(last, filename, "eval", flags) if last is not None else None
+    except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as e:
+        return "".join(traceback.format_exception_only(type(e), e)), True
+    try:
+        evaluate(body, ns)
+        if tail is not None:
+            value = evaluate(tail, ns)
+            if value is not None:
+                ns["_"] = value
+                print(repr(value))
+    except SystemExit as e:
+        failed = e.code not in (None, 0)
+        return "SystemExit: %r (exit() does not end the session; variables are kept)\n" % (e.code,), failed
+    except BaseException as e:
+        return format_exception(e), True
+    return None, False
+
+
+def evaluate(code, ns):
+    if code.co_flags & 0x80:  # CO_COROUTINE: top-level await
+        import asyncio
+        return asyncio.run(eval(code, ns))
+    return eval(code, ns)
+
+
+def main():
+    try:  # die with the supervisor (prctl(PR_SET_PDEATHSIG, SIGKILL)); the session's kill gets us anyway
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
+    except Exception:
+        pass
+    requests, results = int(sys.argv[1]), int(sys.argv[2])
+    for fd in (requests, results):
+        os.set_inheritable(fd, False)  # os.system and exec'd children must not get them
+    requests, results = os.fdopen(requests, "rb"), os.fdopen(results, "wb")
+    sys.argv = ["-c"]
+    null, out = os.open(os.devnull, os.O_RDWR), os.dup(1)  # fd 1 is the supervisor's capture pipe
+    main_pid = os.getpid()
+    module = types.ModuleType("__main__")  # the user's namespace is a real __main__ (pickle works)
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    builtins.input = no_input
+    results.write(b'{"hello": true}\n')
+    results.flush()
+    for line in requests:
+        request = json.loads(line)
+        os.dup2(null, 0)  # the code may have closed or moved fds 0-2 last time
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        error, failed = run_code(request["code"], module.__dict__, "<cell %d>" % request["n"])
+        if os.getpid() != main_pid:  # a fork of the user's code must not answer requests
+            os._exit(0)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        results.write(json.dumps({"token": request["token"], "error": error, "is_error": failed}).encode() + b"\n")
+        results.flush()
+
+
+main()
+'''
+"""The program that runs the model's code (``python3 -u -c WORKER_SOURCE <request fd> <result fd>``).
+
+Started by the supervisor (:data:`REPL_SOURCE`), it holds only its own pipes to it: one JSON line
+per request ``{"n": cell, "code": "...", "token": t}`` in, ``{"token": t, "error": traceback text or
+null, "is_error": bool}`` out; fds 1 and 2 are the supervisor's capture pipe, fd 0 is ``/dev/null``.
+"""
+
+_SUPERVISOR = r'''
+import base64, json, os, secrets, select, subprocess, sys, threading, time
+
+WORKER = None  # WORKER_SOURCE, filled in below
+RESULT_LIMIT = 1 << 16
 
 
 class Capture:
-    """fds 1 and 2 point at a pipe; a thread drains it, keeping the first `limit` bytes."""
+    """The worker's fds 1 and 2 point at a pipe; a thread drains it, keeping the first `limit` bytes."""
 
     def __init__(self):
         self.r, self.w = os.pipe()
@@ -102,81 +218,100 @@ class Capture:
         return self.result
 
 
-def no_input(prompt=""):
-    raise EOFError("input() is not available: the python tool has no stdin; put the values in the code")
-
-
-def format_exception(e):
-    tb = e.__traceback__
-    skip = tb
-    while skip is not None and not skip.tb_frame.f_code.co_filename.startswith("<cell "):
-        skip = skip.tb_next
-    te = traceback.TracebackException(type(e), e, skip if skip is not None else tb)
-    te.stack = traceback.StackSummary.from_list(  # the REPL's own helpers are noise to the model
-        [f for f in te.stack if not (f.filename == "<string>" and f.name == "no_input")])
-    text = "".join(te.format())
-    if len(text) > 6000:
-        text = text[:1000] + "\n[... %d characters of traceback cut ...]\n" % (len(text) - 5000) + text[-4000:]
-    return text
-
-
-def run_code(code, ns, filename):
-    """Exec `code` in `ns`; print the last expression's repr. Returns (error text or None, is_error)."""
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+def private():
+    """Make this process non-dumpable (prctl PR_SET_DUMPABLE 0): its /proc/<pid>/fd, mem and ptrace are
+    then closed to processes of the same uid without CAP_SYS_PTRACE, i.e. to the worker."""
     try:
-        tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST | flags)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        body = compile(tree, filename, "exec", flags)
-        tail = compile(last, filename, "eval", flags) if last is not None else None
-    except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as e:
-        return "".join(traceback.format_exception_only(type(e), e)), True
-    try:
-        evaluate(body, ns)
-        if tail is not None:
-            value = evaluate(tail, ns)
-            if value is not None:
-                ns["_"] = value
-                print(repr(value))
-    except SystemExit as e:
-        failed = e.code not in (None, 0)
-        return "SystemExit: %r (exit() does not end the session; variables are kept)\n" % (e.code,), failed
-    except BaseException as e:
-        return format_exception(e), True
-    return None, False
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
+    except Exception:
+        return False
 
 
-def evaluate(code, ns):
-    if code.co_flags & 0x80:  # CO_COROUTINE: top-level await
-        import asyncio
-        return asyncio.run(eval(code, ns))
-    return eval(code, ns)
+class Worker:
+    """The child interpreter running the model's code, and the supervisor's two pipes to it."""
+
+    def __init__(self, capture):
+        req_r, self.requests = os.pipe()
+        self.results, res_w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", WORKER, str(req_r), str(res_w)],
+                                     stdin=subprocess.DEVNULL, stdout=capture.w, stderr=capture.w,
+                                     pass_fds=(req_r, res_w), close_fds=True)
+        os.close(req_r)
+        os.close(res_w)
+        self.buffer = b""
+
+    def drain(self):
+        """Drop whatever the worker wrote while idle (code from an earlier cell may still be running)."""
+        while select.select([self.results], [], [], 0)[0]:
+            if not os.read(self.results, 65536):
+                return
+        self.buffer = b""
+
+    def send(self, obj):
+        data = json.dumps(obj).encode() + b"\n"
+        try:
+            while data:
+                data = data[os.write(self.requests, data):]
+        except OSError:  # the worker is gone: the wait below says so
+            pass
+
+    def message(self):
+        """The worker's next line as an object, or ("died", exit code) / ("protocol", None)."""
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > RESULT_LIMIT:
+                return "protocol", None
+            if select.select([self.results], [], [], 0.2)[0]:
+                data = os.read(self.results, 65536)
+                if data:
+                    self.buffer += data
+                    continue
+            code = self.proc.poll()  # polled, not EOF: a forked child may hold the pipe open
+            if code is not None:
+                return "died", code
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return "protocol", None
+        return ("ok", msg) if isinstance(msg, dict) else ("protocol", None)
+
+    def result(self, token):
+        """("ok", result) for the request holding `token`, or ("died", exit code) / ("protocol", None)."""
+        status, msg = self.message()
+        if status == "ok" and not (msg.get("token") == token and isinstance(msg.get("is_error"), bool)
+                                   and (msg.get("error") is None or isinstance(msg.get("error"), str))):
+            return "protocol", None
+        return status, msg
+
+    def stop(self):
+        try:
+            self.proc.kill()
+            self.proc.wait(5)
+        except Exception:
+            pass
 
 
 def main():
+    isolated = private()
     proto_in = os.fdopen(os.dup(0), "rb")  # private copies; os.dup makes them non-inheritable
     proto_out = os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
     capture = Capture()
-    main_pid = os.getpid()
-    module = types.ModuleType("__main__")  # the user's namespace is a real __main__ (pickle works)
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    builtins.input = no_input
+    worker = Worker(capture)
 
     def reply(obj):
         proto_out.write(json.dumps(obj).encode() + b"\n")
         proto_out.flush()
 
-    def redirect():
-        os.dup2(null, 0)
-        os.dup2(capture.w, 1)
-        os.dup2(capture.w, 2)
-
-    redirect()
-    reply({"ready": True, "python": sys.version.split()[0]})
+    status, hello = worker.message()
+    if status != "ok" or hello.get("hello") is not True:
+        reply({"ready": False, "error": "the worker interpreter did not start (%s %r)" % (status, hello)})
+        worker.stop()
+        return
+    reply({"ready": True, "python": sys.version.split()[0], "isolated": isolated})
     for n, line in enumerate(proto_in, 1):
         try:
             request = json.loads(line)
@@ -184,30 +319,41 @@ def main():
         except (ValueError, KeyError, TypeError) as e:
             reply({"id": None, "protocol_error": repr(e)[:200]})
             continue
-        redirect()  # the code may have closed or moved fds 0-2 last time
         capture.limit = max(limit, 1)
+        worker.drain()
+        token = secrets.token_hex(16)
         start = time.monotonic()
-        error, failed = run_code(code, module.__dict__, "<cell %d>" % n)
-        if os.getpid() != main_pid:  # a fork of the user's code must not answer requests
-            os._exit(0)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
+        worker.send({"n": n, "code": code, "token": token})
+        status, value = worker.result(token)
         head, total = capture.finish()
-        reply({"id": request.get("id"), "output": base64.b64encode(head[:limit]).decode(), "total": total,
-               "error": error, "is_error": failed, "duration": time.monotonic() - start})
+        answer = {"id": request.get("id"), "output": base64.b64encode(head[:limit]).decode(), "total": total,
+                  "duration": time.monotonic() - start}
+        if status == "ok":
+            reply(dict(answer, error=value["error"], is_error=value["is_error"]))
+            continue
+        reply(dict(answer, lost=status, exit_code=value))  # the session ends: the host restarts it
+        worker.stop()
+        return
+    worker.stop()
 
 
 main()
 '''
-"""The interpreter's program (run as ``python3 -u -c REPL_SOURCE``); see the module docstring.
+REPL_SOURCE = _SUPERVISOR.replace("WORKER = None", f"WORKER = {WORKER_SOURCE!r}", 1)
+"""The python tool's session program, a supervisor (run as ``python3 -u -c REPL_SOURCE``).
 
-Protocol: after startup it writes ``{"ready": true, "python": "3.x.y"}``; then for each request line
-``{"id": n, "code": "...", "max_output_bytes": N}`` it answers one line ``{"id": n, "output":
-base64 of the first N bytes, "total": bytes written, "error": traceback text or null, "is_error":
-bool, "duration": s}``. Only the standard library is used (the sandbox image has nothing else).
+It owns the protocol pipes (fds 0 and 1 of the session), makes itself non-dumpable, and runs the
+model's code in a child interpreter (:data:`WORKER_SOURCE`) that has none of them, so nothing the
+code does can write a reply: the supervisor frames every reply itself from the child's captured
+fds 1 and 2 and its one-line result, which must carry the request's fresh random token.
+
+Protocol: after startup it writes ``{"ready": true, "python": "3.x.y", "isolated": bool}``
+(``isolated`` false: ``prctl`` was unavailable, so same-uid code could still reach the pipes
+through ``/proc``); then for each request line ``{"id": n, "code": "...", "max_output_bytes": N}``
+it answers one line ``{"id": n, "output": base64 of the first N bytes, "total": bytes written,
+"error": traceback text or null, "is_error": bool, "duration": s}``; a reply with ``"lost":
+"died"`` (and ``"exit_code"``) or ``"lost": "protocol"`` (the child wrote a result that was not its
+own) is the session's last. Only the standard library is used (the sandbox image has nothing else).
 """
 
 _SESSION_ENV = {"PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
@@ -262,7 +408,7 @@ class PythonTool(Tool):
         try:
             await session.send(json.dumps(request).encode() + b"\n")
             reply = await self._reply(session, request_id, limit, cap)
-            if "protocol_error" in reply:  # the model's code can reach the protocol fd: its doing, not ours
+            if "protocol_error" in reply:  # our request was malformed: a bug here, not the model's doing
                 raise ValueError(f"python: the session refused a request: {reply['protocol_error']}")
         except (TimeoutError, EOFError, ValueError) as e:
             await session.kill()
@@ -270,6 +416,11 @@ class PythonTool(Tool):
         except BaseException:  # cancelled mid-call: the interpreter is busy with stale work
             await session.kill()
             raise
+        if "lost" in reply:  # the worker died, or wrote a result that was not its own: the session ended
+            await session.kill()
+            error = EOFError(reply.get("exit_code")) if reply["lost"] == "died" else ValueError(reply["lost"])
+            lost = self._lost(error, limit, time.monotonic() - started)
+            return self._result(reply, cap, lost.metadata["duration"], lost)
         return self._result(reply, cap, time.monotonic() - started)
 
     def _check(self, code: Any, timeout: Any, sandbox: Any) -> float:
@@ -305,6 +456,8 @@ class PythonTool(Tool):
             await session.kill()
             raise SandboxError("the sandbox's python3 could not start the python tool's session: check that the "
                                f"sandbox image ({sandbox.config.image}) has a working python3 >= 3.8")
+        if not json.loads(line).get("isolated"):
+            _warn_not_isolated(sandbox.config.image)
         _READY.add(session)
         return session
 
@@ -325,23 +478,40 @@ class PythonTool(Tool):
             text, kind = (f"Error: timed out after {limit:g}s; the Python session was restarted and its variables "
                           "are lost."), "timeout"
         elif isinstance(error, EOFError):
-            text, kind = ("Error: the Python process exited (os._exit, a crash or the memory limit); the session "
-                          "will be restarted on the next call and its variables are lost."), "died"
+            code = error.args[0] if error.args and isinstance(error.args[0], int) else None
+            how = "" if code is None else f" (killed by signal {-code})" if code < 0 else f" with code {code}"
+            text, kind = (f"Error: the Python process exited{how} (os._exit, a crash or the memory limit); the "
+                          "session will be restarted on the next call and its variables are lost."), "died"
         else:
-            text, kind = ("Error: the Python session sent an unreadable reply and was restarted; its variables "
-                          "are lost."), "protocol"
+            text, kind = ("Error: the Python session's control pipe was written to by the code (or sent an "
+                          "unreadable reply), so it was restarted; its variables are lost."), "protocol"
         return ToolResult(text, is_error=True, metadata={"error": kind, "duration": duration, "restarted": True})
 
-    def _result(self, reply: dict[str, Any], cap: int, duration: float) -> ToolResult:
+    def _result(self, reply: dict[str, Any], cap: int, duration: float, lost: ToolResult | None = None) -> ToolResult:
+        """The model's view of a reply: its output, then the traceback (or, for ``lost``, why the session ended)."""
         raw = b64decode(reply.get("output") or "")
         output, truncated = truncate_output(raw, cap, int(reply.get("total") or 0))
         parts = [output.rstrip("\n")] if output.strip() else []
-        if reply.get("error"):
+        if lost is not None:
+            parts.append(lost.content)
+        elif reply.get("error"):
             parts.append(str(reply["error"]).rstrip("\n"))
         text = "\n".join(parts) if parts else "[no output]"
         metadata = {"duration": duration, "exec_duration": reply.get("duration"), "truncated": truncated,
-                    "output_bytes": reply.get("total")}
-        return ToolResult(text, is_error=bool(reply.get("is_error")), metadata=metadata)
+                    "output_bytes": reply.get("total")} | (lost.metadata if lost is not None else {})
+        return ToolResult(text, is_error=lost is not None or bool(reply.get("is_error")), metadata=metadata)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_not_isolated(image: str) -> None:
+    """Once per image: its python3 could not make the session's supervisor non-dumpable (no ctypes)."""
+    if image not in _WARNED:
+        _WARNED.add(image)
+        logger.warning("python tool: the sandbox's python3 (image %s) has no working ctypes/prctl, so the "
+                       "session's reply pipe is reachable through /proc from the model's code; install a "
+                       "python3 with ctypes in the image to close it", image)
 
 
 _READY: "weakref.WeakSet[Session]" = weakref.WeakSet()
