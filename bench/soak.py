@@ -8,8 +8,9 @@ Each run is a child process (so its exit can be timed) that rolls out ``--episod
 ``step()`` forever (written off at ``--step-timeout``), 5% return garbage (wrong shapes, a NaN
 reward, a non-dict info), the rest play 2 turns. Two runs, in the same invocation: ``baseline``
 (every episode healthy) and ``soak``. Reported for each: the status counts against what the mix
-implies (they must match exactly), the driver's peak RSS, and the seconds from the last sample to
-the process's exit (hung threads must not hold it); ``soak / baseline`` for RSS and wall time.
+implies (they must match exactly), the driver's peak RSS and the engine server's (its process
+tree's summed ``VmHWM``), and the seconds from the last sample to the process's exit (hung threads
+must not hold it); ``soak / baseline`` for both RSS figures and wall time.
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ class SoakEnv(agentrl.Env):
         return ([] if done else [{"role": "user", "content": "go on"}]), 1.0, done, False, {}
 
 
+def descendants_peak_rss_mb(pid: int) -> float:
+    """Summed peak RSS (``VmHWM``) of ``pid``'s descendants: the engine server and whatever it started."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with open(task) as f:
+                kids = [int(c) for c in f.read().split()]
+            for kid in kids:
+                todo.append(kid)
+                try:
+                    status = Path(f"/proc/{kid}/status").read_text()
+                except OSError:
+                    continue
+                total += next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM:")), 0) / 1024
+    return total
+
+
 def child(a: argparse.Namespace) -> None:
     import asyncio
 
@@ -91,6 +110,7 @@ def child(a: argparse.Namespace) -> None:
             return samples, summary, time.perf_counter() - t
 
         samples, summary, seconds = asyncio.run(run())
+        engine_rss = descendants_peak_rss_mb(os.getpid())  # before local_server stops it
     reasons: dict[str, dict[str, int]] = {}
     for s, task in zip(sorted(samples, key=lambda s: s.index), tasks):
         r = reasons.setdefault(task["kind"], {})
@@ -98,7 +118,8 @@ def child(a: argparse.Namespace) -> None:
         r[key] = r.get(key, 0) + 1
     out = {"mode": a.mode, "episodes": len(samples), "seconds": seconds, "by_kind": reasons,
            "hung_threads": summary.hung_threads,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "engine_peak_rss_mb": engine_rss}
     print("RESULT " + json.dumps(out), flush=True)
     print(f"LAST_SAMPLE_AT {time.time()}", flush=True)
 
@@ -156,6 +177,7 @@ def main() -> None:
     b, s = results["baseline"], results["soak"]
     summary = {"results": results, "soak_over_baseline": {
         "peak_rss": round(s["peak_rss_mb"] / b["peak_rss_mb"], 3),
+        "engine_peak_rss": round(s["engine_peak_rss_mb"] / b["engine_peak_rss_mb"], 3),
         "rollout_seconds": round(s["seconds"] / b["seconds"], 3)}}
     print(json.dumps(summary, indent=2))
     bad = b["problems"] + s["problems"]
