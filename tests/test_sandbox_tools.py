@@ -31,9 +31,9 @@ from tools.python import REPL_SOURCE
 class Repl:
     """``python3 -u -c REPL_SOURCE`` with pipes: ``ask(code)`` -> the decoded reply."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-u", "-c", REPL_SOURCE], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
+    def __init__(self, cwd=None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-I", "-u", "-c", REPL_SOURCE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, cwd=cwd)
         self.ready = json.loads(self.proc.stdout.readline())
         self.n = 0
 
@@ -224,6 +224,41 @@ def test_repl_replies_cannot_be_forged_from_cell_code(repl):
         repl.ask("1")
 
 
+SHADOWS = ("secrets", "select", "subprocess", "json", "ctypes", "threading", "base64", "ast", "types",
+           "traceback", "linecache")
+
+
+def plant_shadows(folder) -> None:
+    """Modules named like the REPL's imports, each leaving a mark when imported (a model can write these)."""
+    for name in SHADOWS:
+        (folder / f"{name}.py").write_text(f"open({str(folder / ('imported-' + name))!r}, 'w').close()\n")
+    (folder / "helper.py").write_text("def answer():\n    return 42\n")
+
+
+def test_repl_never_imports_the_models_files_into_itself(tmp_path):
+    """Files in the cwd named like stdlib modules: neither process imports them for itself (the supervisor
+    runs with -I, the worker drops the cwd while importing), yet the model's own imports see its files."""
+    plant_shadows(tmp_path)
+    r = Repl(cwd=tmp_path)
+    try:
+        assert r.ready["ready"] is True and r.ready["isolated"] is True
+        assert r.ask("print(6 * 7)")["text"] == "42\n"
+        assert r.ask("import helper; helper.answer()")["text"] == "42\n"
+        assert sorted(p.name for p in tmp_path.glob("imported-*")) == []
+    finally:
+        r.proc.kill()
+        r.proc.wait()
+
+
+def test_repl_huge_errors_are_capped_not_a_protocol_fault(repl):
+    """A 100k-character syntax error or exit message is the model's error, cut to a few KB."""
+    r = repl.ask("x = (" + "1 + " * 25_000)
+    assert r["is_error"] and "lost" not in r and "SyntaxError" in r["error"] and len(r["error"]) < 7000
+    r = repl.ask("import sys; sys.exit('e' * 300_000)")
+    assert r["is_error"] and "lost" not in r and "characters cut" in r["error"] and len(r["error"]) < 7000
+    assert repl.ask("1 + 1")["text"] == "2\n"
+
+
 def test_repl_worker_holds_none_of_the_protocol_pipes(repl):
     """The model's code runs in a child that has no fd on the session's stdin/stdout pipes."""
     import os
@@ -303,7 +338,8 @@ async def _timeout_restarts(sb):
 async def test_python_os_exit_restarts_the_session(sb):
     await call(python, sb, code="kept = 1")
     r = await call(python, sb, code="import os\nos._exit(7)")
-    assert r.is_error and "the Python process exited" in r.content and "variables are lost" in r.content
+    assert r.is_error and "the Python process exited with code 7" in r.content and "variables are lost" in r.content
+    assert r.metadata["error"] == "died" and r.metadata["restarted"]
     r = await call(python, sb, code="'kept' in globals()")
     assert (r.content, r.is_error) == ("False", False)
 
@@ -331,6 +367,33 @@ async def test_python_replies_cannot_be_forged_from_cell_code(sb):
     assert r.is_error and r.metadata["error"] == "protocol" and "all tests passed" not in r.content, r.content
     r = await call(python, sb, code="6 * 7")
     assert (r.content, r.is_error) == ("42", False)
+
+
+async def test_python_session_never_imports_the_models_files_into_itself(sb):
+    """Stdlib-named files in /scratch and a .pth in the user site: after a restart the new session starts
+    clean (the supervisor never imports them), the model's helper module still imports."""
+    from tests.test_sandbox_tools import SHADOWS
+    files = {f"{n}.py": f"open('imported-{n}', 'w').close()\n" for n in SHADOWS}  # the cwd: scratch
+    files["helper.py"] = "def answer():\n    return 42\n"
+    await sb.write_files(files)
+    r = await call(python, sb, code="import os\nos._exit(0)")
+    assert r.metadata["error"] == "died"
+    r = await call(python, sb, code="import helper\nprint(helper.answer())\nimport os\nsorted(f for f in os.listdir('.') if f.startswith('imported-'))")
+    assert (r.content, r.is_error) == ("42\n[]", False)
+
+
+async def test_python_session_that_cannot_start_is_a_tool_error_not_a_sandbox_failure(sb):
+    """The model can break its own interpreter's start (a .pth in its user site that exits): the next call
+    is an error the model reads, never a SandboxError that would fail (and so hide) the sample."""
+    r = await call(python, sb, code=(
+        "import os, site, sys\nd = site.getusersitepackages()\nos.makedirs(d, exist_ok=True)\n"
+        "open(os.path.join(d, 'stop.pth'), 'w').write('import sys; sys.stderr.write(\"no python here\\\\n\"); import os; os._exit(3)\\n')\n"
+        "os._exit(0)"))
+    assert r.metadata["error"] == "died"
+    r = await call(python, sb, code="1 + 1")
+    assert r.is_error and "could not start" in r.content and "code 3" in r.content and "no python here" in r.content, r.content
+    await sb.run('rm -rf "$HOME/.local"')
+    assert (await call(python, sb, code="1 + 1")).content == "2"
 
 
 async def test_python_memory_hog_is_reported_and_recovered(sandbox_backend):

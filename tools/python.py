@@ -8,9 +8,10 @@ process dies (each of those is told to the model, who then knows its state is go
 
 The session runs :data:`REPL_SOURCE`, a supervisor speaking one JSON line per request and per reply,
 which runs the model's code in a child interpreter (:data:`WORKER_SOURCE`). The split is what keeps
-the replies honest: the supervisor alone holds the session's protocol pipes and makes itself
-non-dumpable, so no code the model writes (walking frames, ``gc``, ``/proc/<pid>/fd``) can reach
-them and write or queue a reply; every reply is framed by the supervisor from the child's fds 1 and
+the reply channel out of the code's reach: the supervisor alone holds the session's protocol pipes,
+makes itself non-dumpable and runs with ``python3 -I`` (so no file the model writes in the cwd or
+the user site is ever imported into it), and nothing the model's code does (walking frames,
+``gc``, ``/proc/<pid>/fd``) can write or queue a reply; every reply is framed by the supervisor from the child's fds 1 and
 2 (a capture pipe: ``print``, ``os.write(1, ...)`` and subprocess output all land there, in the
 order they were written) and a one-line result that must carry that request's fresh random token.
 Code that writes to the child's own pipes gets what a crash gets: the session is restarted and the
@@ -19,9 +20,11 @@ capture keeps only the first ``max_output_bytes`` (the sandbox config's cap) and
 so printing 10 MB costs the model one truncation marker, not its context window.
 
 What the split does not (and cannot) do is protect the session from itself: variables, threads
-and patched modules persist by design, so an earlier call can change what a later one prints.
-An env that grades the model's work must do it outside the session, in a fresh process
-(``sandbox.run``, as :class:`envs.python_code.PythonCode` does), never by running checks in it.
+and patched modules persist by design, and code from an earlier call can patch the child's own
+loop (its frames are the model's), so it controls everything in a later reply but the request id,
+``duration`` and whether the child died (``lost``, ``exit_code``). An env that grades the model's
+work must do it outside the session, in a fresh process (``sandbox.run``, as
+:class:`envs.python_code.PythonCode` does), never by running checks in it.
 
 As in Jupyter, when the last statement is an expression its ``repr`` is shown (unless it is
 ``None``); top-level ``await`` works. An exception is shown as a short traceback of the model's
@@ -50,7 +53,22 @@ START_TIMEOUT = 30.0
 """Seconds a new interpreter may take to say it is ready (a cold container can be slow)."""
 
 WORKER_SOURCE = r'''
-import ast, builtins, json, linecache, os, sys, traceback, types
+import sys
+_cwd = sys.path.pop(0) if sys.path and sys.path[0] == "" else None  # our imports: the stdlib, not /scratch
+import ast, builtins, json, linecache, os, traceback, types
+try:
+    import ctypes
+except Exception:
+    ctypes = None
+if _cwd is not None:
+    sys.path.insert(0, _cwd)  # the model's own imports see its files, as `python -c` would
+MAX_ERROR = 6000
+
+
+def cap(text):
+    if len(text) > MAX_ERROR:
+        text = text[:1000] + "\n[... %d characters cut ...]\n" % (len(text) - 5000) + text[-4000:]
+    return text
 
 
 def no_input(prompt=""):
@@ -65,10 +83,7 @@ def format_exception(e):
     te = traceback.TracebackException(type(e), e, skip if skip is not None else tb)
     te.stack = traceback.StackSummary.from_list(  # the worker's own helpers are noise to the model
         [f for f in te.stack if not (f.filename == "<string>" and f.name == "no_input")])
-    text = "".join(te.format())
-    if len(text) > 6000:
-        text = text[:1000] + "\n[... %d characters of traceback cut ...]\n" % (len(text) - 5000) + text[-4000:]
-    return text
+    return cap("".join(te.format()))
 
 
 def run_code(code, ns, filename):
@@ -83,7 +98,7 @@ def run_code(code, ns, filename):
         body = compile(tree, filename, "exec", flags)
         tail = compile(last, filename, "eval", flags) if last is not None else None
     except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as e:
-        return "".join(traceback.format_exception_only(type(e), e)), True
+        return cap("".join(traceback.format_exception_only(type(e), e))), True
     try:
         evaluate(body, ns)
         if tail is not None:
@@ -93,7 +108,7 @@ def run_code(code, ns, filename):
                 print(repr(value))
     except SystemExit as e:
         failed = e.code not in (None, 0)
-        return "SystemExit: %r (exit() does not end the session; variables are kept)\n" % (e.code,), failed
+        return cap("SystemExit: %r (exit() does not end the session; variables are kept)\n" % (e.code,)), failed
     except BaseException as e:
         return format_exception(e), True
     return None, False
@@ -108,7 +123,6 @@ def evaluate(code, ns):
 
 def main():
     try:  # die with the supervisor (prctl(PR_SET_PDEATHSIG, SIGKILL)); the session's kill gets us anyway
-        import ctypes
         ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
     except Exception:
         pass
@@ -155,7 +169,7 @@ _SUPERVISOR = r'''
 import base64, json, os, secrets, select, subprocess, sys, threading, time
 
 WORKER = None  # WORKER_SOURCE, filled in below
-RESULT_LIMIT = 1 << 16
+RESULT_LIMIT = 1 << 20  # a worker result line (its texts are capped at 6000 characters, JSON-escaped)
 
 
 class Capture:
@@ -245,7 +259,7 @@ class Worker:
         """Drop whatever the worker wrote while idle (code from an earlier cell may still be running)."""
         while select.select([self.results], [], [], 0)[0]:
             if not os.read(self.results, 65536):
-                return
+                break
         self.buffer = b""
 
     def send(self, obj):
@@ -270,6 +284,8 @@ class Worker:
             if code is not None:
                 return "died", code
         line, _, self.buffer = self.buffer.partition(b"\n")
+        if len(line) > RESULT_LIMIT:  # however the reads were split
+            return "protocol", None
         try:
             msg = json.loads(line)
         except ValueError:
@@ -300,16 +316,23 @@ def main():
     os.dup2(null, 0)
     os.dup2(null, 1)
     capture = Capture()
-    worker = Worker(capture)
 
     def reply(obj):
         proto_out.write(json.dumps(obj).encode() + b"\n")
         proto_out.flush()
 
+    try:
+        worker = Worker(capture)
+    except OSError as e:  # e.g. EAGAIN: the sandbox is out of processes
+        reply({"ready": False, "error": "could not start the interpreter: %r" % (e,)})
+        return
     status, hello = worker.message()
     if status != "ok" or hello.get("hello") is not True:
-        reply({"ready": False, "error": "the worker interpreter did not start (%s %r)" % (status, hello)})
         worker.stop()
+        head, total = capture.finish()
+        why = "it exited with code %s" % hello if status == "died" else "it wrote %r" % (hello,)
+        tail = head[-2000:].decode("utf-8", "replace").strip()
+        reply({"ready": False, "error": "the interpreter did not start (%s)%s" % (why, ": " + tail if tail else "")})
         return
     reply({"ready": True, "python": sys.version.split()[0], "isolated": isolated})
     for n, line in enumerate(proto_in, 1):
@@ -340,7 +363,7 @@ def main():
 main()
 '''
 REPL_SOURCE = _SUPERVISOR.replace("WORKER = None", f"WORKER = {WORKER_SOURCE!r}", 1)
-"""The python tool's session program, a supervisor (run as ``python3 -u -c REPL_SOURCE``).
+"""The python tool's session program, a supervisor (run as ``python3 -I -u -c REPL_SOURCE``).
 
 It owns the protocol pipes (fds 0 and 1 of the session), makes itself non-dumpable, and runs the
 model's code in a child interpreter (:data:`WORKER_SOURCE`) that has none of them, so nothing the
@@ -349,7 +372,7 @@ fds 1 and 2 and its one-line result, which must carry the request's fresh random
 
 Protocol: after startup it writes ``{"ready": true, "python": "3.x.y", "isolated": bool}``
 (``isolated`` false: ``prctl`` was unavailable, so same-uid code could still reach the pipes
-through ``/proc``); then for each request line ``{"id": n, "code": "...", "max_output_bytes": N}``
+through ``/proc``) or ``{"ready": false, "error": why}`` (the child could not start); then for each request line ``{"id": n, "code": "...", "max_output_bytes": N}``
 it answers one line ``{"id": n, "output": base64 of the first N bytes, "total": bytes written,
 "error": traceback text or null, "is_error": bool, "duration": s}``; a reply with ``"lost":
 "died"`` (and ``"exit_code"``) or ``"lost": "protocol"`` (the child wrote a result that was not its
@@ -440,23 +463,29 @@ class PythonTool(Tool):
 
     async def _session(self, sandbox: Sandbox) -> Session:
         """The episode's interpreter; a new one must say it is ready first (or the image is broken)."""
-        session = await sandbox.session(self.session_name, ["python3", "-u", "-c", REPL_SOURCE], env=_SESSION_ENV)
+        # -I: the supervisor's own imports never come from the cwd (/scratch), the user site or $PYTHON*
+        session = await sandbox.session(self.session_name, ["python3", "-I", "-u", "-c", REPL_SOURCE],
+                                        env=_SESSION_ENV)
         if session in _READY:
             return session
+        hello: Any = None
         try:
-            line = await session.readline(START_TIMEOUT)
-            ready = json.loads(line).get("ready") is True
+            hello = json.loads(await session.readline(START_TIMEOUT))
         except TimeoutError:
             await session.kill()
             raise ToolError(f"python: the Python session did not start within {START_TIMEOUT:g}s "
                             "(the sandbox may be out of memory or processes); try again") from None
-        except (EOFError, ValueError, AttributeError):
-            ready = False
-        if not ready:
+        except (EOFError, ValueError):
+            pass
+        if not isinstance(hello, dict) or hello.get("ready") is not True:
             await session.kill()
+            if isinstance(hello, dict) and isinstance(hello.get("error"), str):
+                # the supervisor runs, the model's interpreter did not: something in the sandbox (files
+                # the model wrote, no processes left) broke it; the model reads why, the sample lives on
+                raise ToolError(f"python: the Python session could not start: {hello['error'][-2500:]}")
             raise SandboxError("the sandbox's python3 could not start the python tool's session: check that the "
                                f"sandbox image ({sandbox.config.image}) has a working python3 >= 3.8")
-        if not json.loads(line).get("isolated"):
+        if not hello.get("isolated"):
             _warn_not_isolated(sandbox.config.image)
         _READY.add(session)
         return session
@@ -514,7 +543,7 @@ def _warn_not_isolated(image: str) -> None:
                        "python3 with ctypes in the image to close it", image)
 
 
-_READY: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_READY: weakref.WeakSet[Session] = weakref.WeakSet()
 """Sessions whose ready line was read (shared by all PythonTool instances using one sandbox)."""
 
 python = PythonTool()
