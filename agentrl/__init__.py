@@ -15,18 +15,17 @@ The scale path is imported on first use (it pulls in megatron-core and Ray): the
 and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
 """
 
+from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
 from agentrl.check import check_env
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
-from agentrl.env import Env, ToolEnv, load_env, make, register
-from agentrl.tool import Tool, ToolError, ToolResult, tool
-from agentrl.runtime.train import train
-from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
-from agentrl.sandbox import ExecResult, Sandbox, SandboxConfig, create_sandbox
-from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
-from agentrl.rollout.scripted import play
-from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
 from agentrl.data import read_rows
-
+from agentrl.env import Env, ToolEnv, load_env, make, register
+from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
+from agentrl.rollout.scripted import play
+from agentrl.runtime.train import train
+from agentrl.sandbox import ExecResult, Sandbox, SandboxConfig, create_sandbox
+from agentrl.tool import Tool, ToolError, ToolResult, tool
+from agentrl.types import Action, Message, ParseError, Sample, Status, ToolCall
 
 __all__ = [
     "Action",

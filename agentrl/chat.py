@@ -22,10 +22,10 @@ system prompt and wraps results in ``<tool_response>``; the matching parser is `
 from __future__ import annotations
 
 import functools
-
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from agentrl.types import Message
 
@@ -198,10 +198,6 @@ class ChatTemplate:
                 raise TemplateError("the chat template drops assistant content; cannot build deltas")
             self._tail_cache[key] = (stand_in, r0, r0[idx + len(_SENTINEL):])
         return self._tail_cache[key]
-
-    def assistant_tail(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> str:
-        """What the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
-        return self.delta_context(tools, first_messages)[2]
 
     def observation_delta(
         self,

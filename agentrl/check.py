@@ -17,8 +17,9 @@ import json
 import random
 import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from agentrl.env import Env, call_env
 from agentrl.parsing import Llama3JsonParser, get_parser
@@ -59,7 +60,7 @@ class CheckReport:
 
 
 def _value_for(schema: dict[str, Any], rng: random.Random) -> Any:
-    t = schema.get("type")
+    t: Any = schema.get("type")
     if "enum" in schema:
         return schema["enum"][0]
     if isinstance(t, list):
@@ -147,7 +148,7 @@ async def _guarded(what: str, fn: Callable[..., Any], *args: Any, timeout: float
     async with _LoopWatch() as watch:
         try:
             result = await asyncio.wait_for(call_env(fn, *args, **kwargs), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EnvContractError(f"{what} did not return within {timeout:g}s") from None
         except EnvContractError:
             raise

@@ -16,8 +16,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from agentrl.config import RolloutConfig, naming_flag
 
@@ -271,10 +272,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # -- train ----------------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from agentrl.config import load_config_file, run_config_from_values
+    from agentrl.config import load_config_file, parse_passthrough_flags, run_config_from_values
     from agentrl.runtime.train import train
-
-    from agentrl.config import parse_passthrough_flags
 
     values = dict(vars(args))
     passthrough = parse_passthrough_flags(values.pop("passthrough", None) or [])

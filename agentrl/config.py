@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from agentrl.engines.base import SamplingParams
 from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
-
 
 DEFAULT_MAX_TURNS = 4
 """Assistant turns per episode when neither ``--max-turns`` nor the env's ``max_turns`` says."""

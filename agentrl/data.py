@@ -10,8 +10,9 @@ can name the exact row to fix. Parquet and ``datasets`` folders need the ``datas
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["read_rows"]
 

@@ -23,10 +23,11 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from agentrl.parsing import format_tool_error
 from agentrl.sandbox import Sandbox, SandboxPool, default_pool
@@ -104,17 +105,19 @@ class ToolEnv(Env):
 
     async def sandbox(self) -> Sandbox:
         """The episode's sandbox (acquired from the pool on first call; the same one afterwards)."""
-        if getattr(self, "_sandbox", None) is None:
+        sandbox = getattr(self, "_sandbox", None)
+        if sandbox is None:
             pool = self.sandbox_pool or default_pool()
-            self._sandbox = await pool.acquire()
+            sandbox = self._sandbox = await pool.acquire()
             self._sandbox_pool = pool
-        return self._sandbox
+        return sandbox
 
     async def release_sandbox(self) -> None:
         """Return the episode's sandbox to its pool, which resets it. Idempotent."""
         sandbox, self._sandbox = getattr(self, "_sandbox", None), None
-        if sandbox is not None and getattr(self, "_sandbox_pool", None) is not None:
-            await self._sandbox_pool.release(sandbox)
+        pool = getattr(self, "_sandbox_pool", None)
+        if sandbox is not None and pool is not None:
+            await pool.release(sandbox)
 
     async def close(self) -> None:
         """Release the episode's sandbox; subclasses that override this call ``super().close()``."""

@@ -29,8 +29,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, TextIO
 
 from agentrl.types import Sample, Status
 
@@ -447,8 +448,3 @@ def _wandb_run(run_dir: Path | None, project: str | None, config: dict[str, Any]
         raise ImportError(f"Weights & Biases logging was asked for but wandb is not installed ({exc}); "
                           "pip install wandb (or drop the W&B option)") from exc
     return wandb.init(project=project, config=config, dir=str(run_dir) if run_dir is not None else None)
-
-
-def iter_rollout_files(run_dir: str | Path) -> Iterable[Path]:
-    """The rollout dumps of a run, by step (what ``agentrl view`` lists)."""
-    return sorted((Path(run_dir) / "rollouts").glob("rollout_*.jsonl"))

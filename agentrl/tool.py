@@ -281,7 +281,7 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
                 return _error(f"tool '{name}' needs a sandbox and none was given", "exception")
             validated = {**validated, "sandbox": sandbox}
         return await asyncio.wait_for(_invoke(tool, name, validated), limit)
-    except (asyncio.TimeoutError, TimeoutError):  # only wait_for's own: _invoke catches the tool's exceptions
+    except TimeoutError:  # only wait_for's own: _invoke catches the tool's exceptions
         return _error(f"tool '{name}' timed out after {limit:.3g}s", "timeout")
 
 

@@ -30,8 +30,9 @@ import json
 import logging
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from agentrl.types import Sample
 

@@ -53,6 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # for agentrl.tiny, as the other bench scripts do
 from bench.main_job import agentrl  # noqa: E402
+
 ENV = ["--env", "envs.wordle:Wordle"]
 ARMS: dict[str, list[str]] = {"outcome": [], "per_turn": ["--per-turn-credit"]}
 # (warm-start steps, warm-start lr, RL lr) per model; the tiny one starts from random weights

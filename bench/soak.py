@@ -83,6 +83,8 @@ def descendants_peak_rss_mb(pid: int) -> float:
 def child(a: argparse.Namespace) -> None:
     import asyncio
 
+    from transformers import AutoTokenizer
+
     from agentrl.chat import ChatTemplate
     from agentrl.config import RolloutConfig
     from agentrl.engines.http import SGLangEngine
@@ -90,8 +92,6 @@ def child(a: argparse.Namespace) -> None:
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.generate import generate_rollout
     from agentrl.tiny import build_model
-
-    from transformers import AutoTokenizer
 
     ckpt = build_model(Path(a.workdir) / "tiny", mean_turn_tokens=10.0)
     hostile = a.mode == "soak"

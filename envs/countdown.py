@@ -30,9 +30,10 @@ import ast
 import random
 import re
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import agentrl
 from agentrl.parsing import last_tag

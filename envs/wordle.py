@@ -38,8 +38,9 @@ import random
 import re
 import string
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import agentrl
 from agentrl.parsing import last_tag

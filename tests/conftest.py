@@ -39,9 +39,9 @@ def tiny_server(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray cluster shared by the tests that start actors (started once: ~4 s)."""
-    from agentrl.runtime.cluster import init_ray
-
     import ray
+
+    from agentrl.runtime.cluster import init_ray
 
     started = not ray.is_initialized()
     init_ray(num_cpus=2)

@@ -17,7 +17,8 @@ import socket
 import string
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -31,7 +32,6 @@ from agentrl.check import check_env
 from agentrl.env import call_env
 from agentrl.types import Action
 from tests.test_cli import read_samples, run
-
 
 # -- Gymnasium envs under test ----------------------------------------------------------------------
 
@@ -228,7 +228,9 @@ SERVER_STATS = {"created": 0, "closed": 0}
 def _word_game_app(max_envs: int) -> Any:
     """An openenv-core app: say words, the transcript comes back; 'stop' or 4 words end it; 1.0 for 'w<seed>'."""
     from openenv.core.env_server import Environment, create_app
-    from openenv.core.env_server.types import Action as OEAction, Observation as OEObservation, State
+    from openenv.core.env_server.types import Action as OEAction
+    from openenv.core.env_server.types import Observation as OEObservation
+    from openenv.core.env_server.types import State
     from pydantic import Field
 
     class WordAction(OEAction):

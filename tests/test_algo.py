@@ -348,7 +348,7 @@ def test_gspo_gradient_matches_sequence_formula():
     # L = (1/3) sum_i -min(s_i A_i, clip(s_i, .8, 1.28) A_i)
     x = (old + delta).requires_grad_(True)
     ref = 0.0
-    for i, idx in enumerate([[0, 1], [3, 4], [5]]):
+    for idx in [[0, 1], [3, 4], [5]]:
         s = torch.exp((x[idx] - old[idx]).mean())
         a = adv[idx[0]]
         ref = ref - torch.minimum(s * a, s.clamp(0.8, 1.28) * a) / 3

@@ -12,7 +12,6 @@ import agentrl
 from agentrl.env import load_function
 from agentrl.parsing import get_parser
 
-
 # The example's tool, used as a user would write it.
 add = load_function(str(Path(__file__).resolve().parent.parent / "examples/arithmetic/env.py") + ":add")
 

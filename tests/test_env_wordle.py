@@ -9,8 +9,17 @@ import pytest
 
 import agentrl
 from agentrl.rollout.scripted import play
-from envs.wordle import (INFO_CREDIT, MAX_GUESSES, SOLVE_DECAY, SOLVE_REWARD, Wordle, feedback, load_words,
-                         random_policy, solver_policy)
+from envs.wordle import (
+    INFO_CREDIT,
+    MAX_GUESSES,
+    SOLVE_DECAY,
+    SOLVE_REWARD,
+    Wordle,
+    feedback,
+    load_words,
+    random_policy,
+    solver_policy,
+)
 from tests.test_cli import read_samples, run
 
 

@@ -20,13 +20,13 @@ import httpx
 import pytest
 import torch
 
+from tests.test_weight_sync import N_NEW, PROMPT, reference  # the same greedy reference as the CPU test
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang"),
 ]
-
-from tests.test_weight_sync import N_NEW, PROMPT, reference  # the same greedy reference as the CPU test
 
 
 def _free_port() -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 
 STEPS = 24

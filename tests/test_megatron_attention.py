@@ -25,8 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from agentrl.trainer import megatron_attention  # noqa: E402
 from agentrl.trainer import megatron_model as mm  # noqa: E402
 from agentrl.trainer.megatron_attention import PackedCoreAttention, packed_seq_params, segment_bounds  # noqa: E402
-from agentrl.trainer.megatron_compat import (apply_cpu_workarounds, destroy_megatron_parallel,  # noqa: E402
-                                             init_megatron_parallel)
+from agentrl.trainer.megatron_compat import apply_cpu_workarounds, destroy_megatron_parallel, init_megatron_parallel  # noqa: E402
 
 LENGTHS = [5, 7, 5, 1, 12, 7]  # 37 tokens; 5 and 7 twice: equal lengths share one SDPA call
 

@@ -333,7 +333,7 @@ async def test_when_no_exec_can_kill_a_timed_out_program_pid_1_does(sb, monkeypa
         return 126, b"OCI runtime exec failed: exec failed: resource temporarily unavailable", b""
 
     monkeypatch.setattr(sb, "_exec_quiet", kill_exec_fails)
-    for failure in ("raise", "126"):
+    for failure in ("raise", "126"):  # noqa: B007 (read by kill_exec_fails)
         s = await sb.session("s", ["python3", "-u", "-c", "import sys\nfor l in sys.stdin: print(l, end='')"])
         r = await sb.run("sleep 60 & setsid sleep 61 & sleep 62", timeout=0.5)
         assert r.timed_out and r.exit_code is None and r.duration < 3, r  # a result, not a SandboxError

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.sandbox import SandboxError
-from agentrl.sandbox import jail, local
+from agentrl.sandbox import SandboxError, jail, local
 from agentrl.sandbox.local import LocalSandbox, bubblewrap_unavailable_reason
 from tests.conftest import sandbox_config
 

@@ -22,8 +22,14 @@ import pytest
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.http import SGLangEngine
 from agentrl.engines.router import Router
-from agentrl.engines.sglang import (SGLangEngineGroup, SGLangLaunch, SGLangServer, build_launch_command,
-                                    paused_for_update, server_args_from_flags)
+from agentrl.engines.sglang import (
+    SGLangEngineGroup,
+    SGLangLaunch,
+    SGLangServer,
+    build_launch_command,
+    paused_for_update,
+    server_args_from_flags,
+)
 
 PROMPT = [5, 17, 42, 99, 7]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import pytest
 from hypothesis import given, settings
@@ -31,7 +31,7 @@ def search(
     k: int = 5,
     mode: Literal["web", "news"] = "web",
     tags: list[str] | None = None,
-    site: Optional[str] = None,
+    site: str | None = None,
     filters: dict[str, int] | None = None,
     exact: bool = False,
 ) -> dict:

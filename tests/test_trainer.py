@@ -25,7 +25,7 @@ def make_samples(n: int, seed: int = 0, *, adv: float | None = None) -> list[Tra
     """Random prompts/responses of varying lengths, some masked-out tokens, varied advantages."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         p, r = rng.randint(3, 9), rng.randint(2, 12)
         mask = [1] * r
         if r > 4:
@@ -386,7 +386,7 @@ def test_zero_advantage_samples_skip_the_model_and_leave_the_step_unchanged(tiny
         seen = capture_grads(trainer)
         tokens: list[int] = []
         forward = trainer.model.forward
-        trainer.model.forward = lambda *a, **k: (tokens.append(k["input_ids"].numel()), forward(*a, **k))[1]
+        trainer.model.forward = lambda *a, **k: (tokens.append(k["input_ids"].numel()), forward(*a, **k))[1]  # noqa: B023 (called in this iteration)
         m1 = trainer.train_step(step1 if mode != "live only" else step1[1::2])
         after1 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         m2 = trainer.train_step(step2) if mode != "live only" else None

@@ -8,8 +8,8 @@ and injected markup shown as text instead of executed.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

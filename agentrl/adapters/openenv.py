@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -160,7 +161,7 @@ class OpenEnvEnv(Env):
                 # the server closes its environment, then the socket: wait for that, so a closed
                 # episode holds no server slot when close() returns
                 await asyncio.wait_for(ws.receive(), min(self.timeout, 10.0))
-            except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionError, aiohttp.ClientError):
                 pass  # the server is gone or slow: nothing more to wait for
             await ws.close()
         if http is not None:
@@ -186,7 +187,7 @@ class OpenEnvEnv(Env):
                     if resp.status != 200:
                         raise OpenEnvError(f"GET {self.http_url}/schema answered HTTP {resp.status}: is this an OpenEnv server?")
                     schema = await resp.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise OpenEnvError(f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
                                    "Is it running (uvicorn ... --port N), and is the address right?") from None
             _action_fields[self.http_url] = text_field(schema.get("action", {}))
@@ -198,7 +199,7 @@ class OpenEnvEnv(Env):
         except aiohttp.WSServerHandshakeError as exc:
             raise OpenEnvError(f"{self.ws_url} refused the WebSocket session (HTTP {exc.status}): the server is not an "
                                "OpenEnv server with the /ws session endpoint (openenv-core >= 0.2)") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise OpenEnvError(f"cannot reach the OpenEnv server at {self.ws_url}: {type(exc).__name__}: {exc}. "
                                "Is it running (uvicorn ... --port N), and is the address right?") from None
 
@@ -227,7 +228,7 @@ class OpenEnvEnv(Env):
             pass  # the server closed the socket; it may have said why first (read below)
         try:
             msg = await asyncio.wait_for(self._ws.receive(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise OpenEnvError(f"the OpenEnv server at {self.ws_url} did not answer {what} within {self.timeout:g}s") from None
         if msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
             try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

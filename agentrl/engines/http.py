@@ -108,7 +108,7 @@ class SGLangEngine(Engine):
                     last = EngineError(f"{self.url}{path} answered HTTP {resp.status}: {text[:300]}")
             except EngineError as exc:  # a 2xx reply without the expected shape
                 last = exc
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # refused, reset, timed out
+            except (TimeoutError, aiohttp.ClientError) as exc:  # refused, reset, timed out
                 last = exc
                 if isinstance(exc, asyncio.TimeoutError) and "rid" in payload:
                     self._abort_later(payload["rid"])
@@ -155,7 +155,7 @@ class SGLangEngine(Engine):
         try:
             async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def context_length(self) -> int | None:
@@ -166,7 +166,7 @@ class SGLangEngine(Engine):
                 async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     if resp.status == 200:
                         return int(read(await resp.json(content_type=None)))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError):
                 continue
         return None
 
@@ -198,7 +198,7 @@ class SGLangEngine(Engine):
             try:
                 async with self.session.post(self.url + path, json=payload) as resp:
                     status, text = resp.status, await resp.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 raise EngineError(f"{self.url}{path} failed: {exc!r}") from exc
             try:
                 body = json.loads(text)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
 from agentrl.engines.http import EngineRequestError

@@ -32,10 +32,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 import httpx
 

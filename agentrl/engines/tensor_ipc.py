@@ -24,7 +24,8 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

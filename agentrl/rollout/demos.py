@@ -26,10 +26,12 @@ Three sources, all ending as :class:`~agentrl.Sample` objects with ``token_exact
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
+from agentrl.metrics import scalar_reward
 from agentrl.types import Message, Sample, Status
 
 __all__ = ["DemoError", "DemoStats", "DemoBuilder", "conversation_samples", "scripted_samples", "rejection_samples",
@@ -324,7 +326,7 @@ def conversation_samples(rows: Iterable[tuple[str, dict[str, Any]]], template: C
         stats.add(sample)
         samples.append(sample)
     if stats.problems:
-        more = " (stopped at the first %d)" % max_problems if len(stats.problems) >= max_problems else ""
+        more = f" (stopped at the first {max_problems})" if len(stats.problems) >= max_problems else ""
         raise DemoError(f"{len(stats.problems)} demonstration(s) refused{more}:\n  " + "\n  ".join(stats.problems))
     if not samples:
         raise DemoError("no demonstrations: the file has no rows")
@@ -400,13 +402,14 @@ async def rejection_samples(ctx: Any, make_env: Callable[[], Any], tasks: Sequen
         if s.status not in (Status.COMPLETED, Status.TRUNCATED) or cut or not s.token_exact or not s.response_length:
             stats.failed_episodes += 1
             continue
-        if float(s.reward or 0.0) < min_reward:
+        reward = scalar_reward(s)
+        if reward is None or reward < min_reward:  # None: a dict reward has no value to compare
             stats.below_min_reward += 1
             continue
         s.metadata["demo"] = True
         g = int(s.group_index or 0)
         if best_of_n:
-            if g not in best or float(s.reward or 0) > float(best[g].reward or 0):
+            if g not in best or reward > (scalar_reward(best[g]) or 0.0):
                 best[g] = s
         else:
             kept.append(s)

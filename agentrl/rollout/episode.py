@@ -24,9 +24,10 @@ import re
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
@@ -153,17 +154,15 @@ def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | Non
 
 
 async def _within(coro: Any, timeout: float) -> Any:
-    """``await coro`` with a deadline; ``asyncio.timeout`` where available, as it creates no extra task."""
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout):
-            return await coro
-    return await asyncio.wait_for(coro, timeout)  # Python 3.10
+    """``await coro`` with a deadline (``asyncio.timeout``: unlike ``wait_for`` it creates no extra task)."""
+    async with asyncio.timeout(timeout):
+        return await coro
 
 
 async def _timed(coro: Any, timeout: float, what: str) -> Any:
     try:
         return await _within(coro, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise _EndEpisode(Status.FAILED, "env_timeout", f"{what} took longer than {timeout:g}s") from None
     except (_EndEpisode, asyncio.CancelledError):
         raise

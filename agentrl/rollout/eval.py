@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from agentrl.env import Env
 from agentrl.metrics import TRAINABLE, scalar_reward, step_metrics

@@ -20,9 +20,10 @@ import logging
 import time
 import traceback
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
 
 from agentrl.env import Env
 from agentrl.rollout.episode import EpisodeContext, run_episode

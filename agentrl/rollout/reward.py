@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from agentrl.env import maybe_await
 from agentrl.types import Sample, Status

@@ -20,8 +20,9 @@ import contextvars
 import functools
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import Any, Callable
+from typing import Any
 
 
 class HungThreadsError(RuntimeError):

@@ -22,7 +22,8 @@ slime's Data Buffer, with the same two user hooks:
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from agentrl.types import Sample, Status
 

@@ -15,8 +15,9 @@ import asyncio
 import logging
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

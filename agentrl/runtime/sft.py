@@ -21,8 +21,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from agentrl.config import RunConfig
 from agentrl.runtime import checkpoints
@@ -76,13 +77,11 @@ async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], templ
 
 
 async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], template: Any) -> Any:
-    from agentrl.engines.http import SGLangEngine
+    from agentrl.engines.http import API_KEY_ENV, SGLangEngine
     from agentrl.engines.router import Router
     from agentrl.rollout.demos import rejection_samples
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.sandbox import close_default_pool
-
-    from agentrl.engines.http import API_KEY_ENV
 
     engine = Router([SGLangEngine(u, api_key=os.environ.get(API_KEY_ENV) or None) for u in cfg.demo_engine_url])
     ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)

@@ -25,9 +25,9 @@ import os
 import re
 import uuid
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

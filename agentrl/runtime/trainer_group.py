@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 

@@ -40,8 +40,13 @@ import torch.distributed as dist
 
 from agentrl.engines.base import EngineError
 from agentrl.engines.http import EngineRequestError, SGLangEngine
-from agentrl.engines.local.distributed import (DEFAULT_GROUP_NAME, comm_device, init_custom_process_group,
-                                               resolve_backend, run_in_thread)
+from agentrl.engines.local.distributed import (
+    DEFAULT_GROUP_NAME,
+    comm_device,
+    init_custom_process_group,
+    resolve_backend,
+    run_in_thread,
+)
 from agentrl.engines.local.process import free_port
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -306,7 +311,7 @@ class DistributedTransport(WeightTransport):
         # malformed metadata), so the group cannot be trusted: drop it; the next push builds a new one.
         try:
             await asyncio.wait_for(asyncio.shield(sending), self.refusal_grace)
-        except (asyncio.TimeoutError, RuntimeError):
+        except (TimeoutError, RuntimeError):
             pass
         await self._drop(sending)
         raise EngineRequestError("update_weights_from_distributed failed on " + " | ".join(errors))

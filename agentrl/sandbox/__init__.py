@@ -46,7 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _config = SandboxConfig()
-_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxPool]" = weakref.WeakKeyDictionary()
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxPool] = weakref.WeakKeyDictionary()
 _resolved: dict[str, str] = {}
 
 

@@ -173,7 +173,7 @@ def program_argv(command: str | Sequence[str] | None, code: str | None) -> list[
         return ["python3", "-c", code]
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
-    argv = list(command)
+    argv = list(command or ())  # not None: exactly one of command and code was given
     if not argv or not all(isinstance(a, str) for a in argv):
         raise TypeError(f"command must be a shell string or a non-empty list of str (an argv), got {command!r}")
     return argv
@@ -281,7 +281,7 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Destroy it (container removed, scratch deleted). Idempotent."""
 
-    async def __aenter__(self) -> "Sandbox":
+    async def __aenter__(self) -> Sandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

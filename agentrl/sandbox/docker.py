@@ -43,9 +43,27 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from agentrl.sandbox.base import SCRATCH, ExecResult, Sandbox, SandboxConfig, SandboxError, check_relative_path
-from agentrl.sandbox.docker_exec import (CALL, KILL, OOM_MARK, PID1, READ, RESET, SESSION, Capped, DockerSession, ExecStream,
-                                         SandboxGone, container_gone, engine_error, env_prefix, exit_code,
-                                         open_exec, program_argv, scratch_tar, settle)
+from agentrl.sandbox.docker_exec import (
+    CALL,
+    KILL,
+    OOM_MARK,
+    PID1,
+    READ,
+    RESET,
+    SESSION,
+    Capped,
+    DockerSession,
+    ExecStream,
+    SandboxGone,
+    container_gone,
+    engine_error,
+    env_prefix,
+    exit_code,
+    open_exec,
+    program_argv,
+    scratch_tar,
+    settle,
+)
 from agentrl.sandbox.image import SANDBOX_UID, ensure_image
 
 __all__ = ["DockerSandbox", "DockerSession", "docker_client", "reap", "run_id", "unavailable_reason"]
@@ -59,7 +77,7 @@ Ender = Callable[[ExecStream], Awaitable[object]]  # stops what a started exec r
 
 # -- engine connection ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def docker_client() -> Any:
     """The process's ``docker.DockerClient`` (``DOCKER_HOST`` honoured, so Podman's socket works too)."""
     import docker

@@ -32,8 +32,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from agentrl.sandbox.base import program_argv as base_program_argv
 from agentrl.sandbox.base import SandboxError, Session, normalize_files, truncate_output
+from agentrl.sandbox.base import program_argv as base_program_argv
 from agentrl.sandbox.image import SANDBOX_UID
 
 __all__ = ["CALL", "KILL", "OOM_MARK", "PID1", "READ", "RESET", "SESSION", "Capped", "DockerSession", "ExecStream",

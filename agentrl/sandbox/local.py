@@ -47,12 +47,39 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.sandbox.base import (ExecResult, Sandbox, SandboxConfig, SandboxError, Session,
-                                  check_relative_path, normalize_files, program_argv, truncate_output)
-from agentrl.sandbox.jail import (ETC_FROM_HOST, MB, Cgroup, UidLease, bubblewrap_unavailable_reason, bwrap_base,
-                                  kill_uid, mount_tmpfs, open_beneath, preexec, privileged,
-                                  process_unavailable_reason, reap_stale, rlimits, runtime_dir, start_time, umount,
-                                  usage_bytes, wipe, write_etc)
+from agentrl.sandbox.base import (
+    ExecResult,
+    Sandbox,
+    SandboxConfig,
+    SandboxError,
+    Session,
+    check_relative_path,
+    normalize_files,
+    program_argv,
+    truncate_output,
+)
+from agentrl.sandbox.jail import (
+    ETC_FROM_HOST,
+    MB,
+    Cgroup,
+    UidLease,
+    bubblewrap_unavailable_reason,
+    bwrap_base,
+    kill_uid,
+    mount_tmpfs,
+    open_beneath,
+    preexec,
+    privileged,
+    process_unavailable_reason,
+    reap_stale,
+    rlimits,
+    runtime_dir,
+    start_time,
+    umount,
+    usage_bytes,
+    wipe,
+    write_etc,
+)
 
 __all__ = ["LocalSandbox", "bubblewrap_unavailable_reason"]
 

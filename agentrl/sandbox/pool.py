@@ -23,7 +23,7 @@ __all__ = ["SandboxPool"]
 log = logging.getLogger(__name__)
 
 
-def _close_orphan(task: "asyncio.Future[Sandbox]") -> None:
+def _close_orphan(task: asyncio.Future[Sandbox]) -> None:
     """Close a sandbox whose creation finished after its caller was cancelled."""
     if not task.cancelled() and task.exception() is None:
         asyncio.ensure_future(task.result().close())

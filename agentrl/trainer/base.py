@@ -13,11 +13,12 @@ some estimators and the KL/TIS terms need), then ``train_step`` with advantages 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from pathlib import Path
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch

@@ -22,8 +22,8 @@ that order, so ``logits[logit_positions]`` lines up with ``targets``, ``mask`` a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on ``device``."""
         moved = {
             f.name: getattr(self, f.name).to(device)

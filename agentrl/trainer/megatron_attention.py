@@ -154,7 +154,8 @@ class PackedCoreAttention(MegatronModule):
         for length, idx in by_length.items():
             starts = [bounds[i][0] for i in idx]
 
-            def take(t: torch.Tensor) -> torch.Tensor:  # -> [len(idx) * b, n, length, hn]
+            def take(t: torch.Tensor, starts: list[int] = starts, length: int = length) -> torch.Tensor:
+                # -> [len(idx) * b, n, length, hn]
                 if len(starts) == 1:
                     return t[:, :, starts[0]:starts[0] + length]
                 return torch.cat([t[:, :, s:s + length] for s in starts])

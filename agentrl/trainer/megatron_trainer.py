@@ -50,11 +50,12 @@ import dataclasses
 import socket
 import zlib
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ class MegatronParallel:
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "MegatronParallel":
+    def from_config(cls, cfg: TrainConfig) -> MegatronParallel:
         """The layout a TrainConfig asks for (its megatron fields, where this version of it has them)."""
         return cls(tensor_model_parallel_size=getattr(cfg, "tensor_model_parallel_size", 1),
                    pipeline_model_parallel_size=getattr(cfg, "pipeline_model_parallel_size", 1),

@@ -37,8 +37,9 @@ import contextlib
 import random
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -66,8 +66,7 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     helper, then register its rank map so collectives can translate ranks. Blocks until every rank
     has joined or ``timeout`` seconds pass; the same timeout then bounds every collective on it.
     """
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     td = timedelta(seconds=timeout)
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=td))
@@ -204,7 +203,3 @@ class WeightUpdateGroups:
         except Exception as exc:  # noqa: BLE001
             return False, f"Failed to destroy custom process group: {exc}."
         return True, "Succeeded to destroy custom process group."
-
-    def destroy_all(self) -> None:
-        for name in list(self._groups):
-            self.destroy(name)

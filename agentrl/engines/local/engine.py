@@ -98,7 +98,7 @@ class LocalEngine:
         self.model.requires_grad_(False)
         cfg = self.model.config
         ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
-        windows = [w for w in (getattr(l.self_attn, "sliding_window", None) for l in self.model.model.layers) if w]
+        windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.model.model.layers) if w]
         if windows and min(windows) < ctx:
             log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
             ctx = min(windows)

@@ -46,9 +46,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from agentrl.chat import ChatTemplate
 from agentrl.engines.http import API_KEY_ENV
+from agentrl.engines.local import protocol as P
 from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
-from agentrl.engines.local import protocol as P
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
 log = logging.getLogger(__name__)
