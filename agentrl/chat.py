@@ -70,8 +70,11 @@ except ImportError:  # pragma: no cover - other transformers versions: always us
 
 def _plain(message: Message) -> bool:
     """Whether transformers' message preprocessing would leave ``message`` as it is (minus None values)."""
-    return isinstance(message.get("content"), str) and message.keys() <= _PLAIN_KEYS and all(
-        type(v) in (str, list, dict, type(None)) for v in message.values())
+    return (
+        isinstance(message.get("content"), str)
+        and message.keys() <= _PLAIN_KEYS
+        and all(type(v) in (str, list, dict, type(None)) for v in message.values())
+    )
 
 
 class TemplateError(ValueError):
@@ -119,7 +122,9 @@ class ChatTemplate:
             return BUILTIN_TOOL_TEMPLATE
         return self.native
 
-    def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool
+    ) -> str:
         """Render ``messages`` (and ``tools``, OpenAI schema dicts) to template text.
 
         Plain messages (string content, the usual OpenAI keys) are rendered by the compiled template
@@ -130,8 +135,12 @@ class ChatTemplate:
         source = self.template_for(tools)
         if _compile_jinja_template is not None and all(_plain(m) for m in messages):
             return _compile_jinja_template(source).render(
-                messages=[{k: v for k, v in m.items() if v is not None} for m in messages], tools=list(tools) if tools else None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self._special_tokens)
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
         kwargs: dict[str, Any] = {}
         if tools:
             kwargs["tools"] = list(tools)
@@ -165,8 +174,9 @@ class ChatTemplate:
         """Token ids back to text, byte-exact (no clean-up of spaces around punctuation)."""
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
         """The first observation as prompt text and ids, ending with the generation prompt."""
@@ -182,7 +192,9 @@ class ChatTemplate:
             head.append(messages[0])
         return head + [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
 
-    def delta_context(self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()) -> tuple[list[Message], str, str]:
+    def delta_context(
+        self, tools: Sequence[dict] | None, first_messages: Sequence[Message] = ()
+    ) -> tuple[list[Message], str, str]:
         """The stand-in history, its rendering and the assistant tail for a conversation.
 
         The same for every turn of an episode (and cached across episodes with the same tools and
@@ -196,7 +208,7 @@ class ChatTemplate:
             idx = r0.rfind(_SENTINEL)
             if idx < 0:
                 raise TemplateError("the chat template drops assistant content; cannot build deltas")
-            self._tail_cache[key] = (stand_in, r0, r0[idx + len(_SENTINEL):])
+            self._tail_cache[key] = (stand_in, r0, r0[idx + len(_SENTINEL) :])
         return self._tail_cache[key]
 
     def observation_delta(
@@ -226,8 +238,8 @@ class ChatTemplate:
             )
         bridge = tail
         if last_token_text and tail.startswith(last_token_text):
-            bridge = tail[len(last_token_text):]
-        return bridge + r1[len(r0):]
+            bridge = tail[len(last_token_text) :]
+        return bridge + r1[len(r0) :]
 
     # -- end-of-turn tokens ----------------------------------------------------------------------
     def _end_token_ids(self) -> list[int]:

@@ -49,13 +49,16 @@ class CheckReport:
         return not self.violations
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "violations": len(self.violations),
-                "results": [r.__dict__ for r in self.results]}
+        return {"ok": self.ok, "violations": len(self.violations), "results": [r.__dict__ for r in self.results]}
 
     def format(self) -> str:
-        lines = [f"{'ok  ' if r.ok else 'FAIL'} {r.scenario}" + (f": {r.detail}" if r.detail else "") for r in self.results]
-        lines.append(f"{len(self.results) - len(self.violations)}/{len(self.results)} scenarios passed; "
-                     f"{len(self.violations)} contract violation(s)")
+        lines = [
+            f"{'ok  ' if r.ok else 'FAIL'} {r.scenario}" + (f": {r.detail}" if r.detail else "") for r in self.results
+        ]
+        lines.append(
+            f"{len(self.results) - len(self.violations)}/{len(self.results)} scenarios passed; "
+            f"{len(self.violations)} contract violation(s)"
+        )
         return "\n".join(lines)
 
 
@@ -100,7 +103,12 @@ def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[
         good = {k: _value_for(v, rng) for k, v in props.items()}
         out.append((f"valid call of {t.name}", _call_text(t.name, good)))
         if props:
-            out.append((f"wrong argument types for {t.name}", _call_text(t.name, {k: _wrong_value(v) for k, v in props.items()})))
+            out.append(
+                (
+                    f"wrong argument types for {t.name}",
+                    _call_text(t.name, {k: _wrong_value(v) for k, v in props.items()}),
+                )
+            )
             out.append((f"missing arguments for {t.name}", _call_text(t.name, {})))
     if env.tools:  # an env without tools need not answer tool-call text with tool messages
         out += [
@@ -144,7 +152,9 @@ class _LoopWatch:
             pass
 
 
-async def _guarded(what: str, fn: Callable[..., Any], *args: Any, timeout: float, block_threshold: float, **kwargs: Any) -> Any:
+async def _guarded(
+    what: str, fn: Callable[..., Any], *args: Any, timeout: float, block_threshold: float, **kwargs: Any
+) -> Any:
     async with _LoopWatch() as watch:
         try:
             result = await asyncio.wait_for(call_env(fn, *args, **kwargs), timeout)
@@ -155,12 +165,23 @@ async def _guarded(what: str, fn: Callable[..., Any], *args: Any, timeout: float
         except Exception as exc:
             raise EnvContractError(f"{what} raised {type(exc).__name__}: {exc}") from None
     if inspect.iscoroutinefunction(fn) and watch.max_lag > block_threshold:
-        raise EnvContractError(f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)")
+        raise EnvContractError(
+            f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)"
+        )
     return result
 
 
-async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int, max_steps: int, timeout: float,
-                block_threshold: float, rng: random.Random) -> str:
+async def _play(
+    factory: Callable[[], Env],
+    task: dict,
+    text: str,
+    *,
+    seed: int,
+    max_steps: int,
+    timeout: float,
+    block_threshold: float,
+    rng: random.Random,
+) -> str:
     try:
         env = factory()
     except Exception as exc:
@@ -173,11 +194,22 @@ async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int,
         raise EnvContractError(f"tool_parser {env.tool_parser!r}: {exc}") from None
     steps = 0
     try:
-        check_reset(await _guarded("reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold))
+        check_reset(
+            await _guarded(
+                "reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold
+            )
+        )
         while True:
             _, calls, errors = parser.parse(text)
-            result = check_step(await _guarded("step()", env.step, Action(text=text, tool_calls=calls, errors=errors),
-                                               timeout=timeout, block_threshold=block_threshold))
+            result = check_step(
+                await _guarded(
+                    "step()",
+                    env.step,
+                    Action(text=text, tool_calls=calls, errors=errors),
+                    timeout=timeout,
+                    block_threshold=block_threshold,
+                )
+            )
             steps += 1
             obs, _, terminated, truncated, _ = result
             if calls or errors:
@@ -186,7 +218,9 @@ async def _play(factory: Callable[[], Env], task: dict, text: str, *, seed: int,
                 if missing and not (terminated or truncated):
                     raise EnvContractError(f"step() answered no tool message for call id(s) {missing}")
             if terminated or truncated or steps >= max_steps:
-                return f"{steps} step(s), " + ("terminated" if terminated else "truncated" if truncated else "still running")
+                return f"{steps} step(s), " + (
+                    "terminated" if terminated else "truncated" if truncated else "still running"
+                )
             text = str(task.get("label", "done")) if rng.random() < 0.5 else "thinking..."
     finally:
         await _guarded("close()", env.close, timeout=timeout, block_threshold=block_threshold)
@@ -212,12 +246,16 @@ async def check_env(
         report.results.append(CheckResult("construct env", False, f"{type(exc).__name__}: {exc}"))
         return report
     if not isinstance(probe, Env):
-        report.results.append(CheckResult("construct env", False, f"the env factory returned {type(probe).__name__}, not an agentrl.Env"))
+        report.results.append(
+            CheckResult("construct env", False, f"the env factory returned {type(probe).__name__}, not an agentrl.Env")
+        )
         return report
     try:
         plays = [(ti, task, name, text) for ti, task in enumerate(tasks) for name, text in scenarios(probe, task, rng)]
     except Exception as exc:  # e.g. a tool whose ``parameters`` is not a JSON-schema object
-        report.results.append(CheckResult("build scenarios from the env's tools", False, f"{type(exc).__name__}: {exc}"))
+        report.results.append(
+            CheckResult("build scenarios from the env's tools", False, f"{type(exc).__name__}: {exc}")
+        )
         plays = []
     finally:
         try:
@@ -227,8 +265,16 @@ async def check_env(
     for ti, task, name, text in plays:
         label = f"task {ti}: {name}"
         try:
-            detail = await _play(env_factory, task, text, seed=seed + ti, max_steps=max_steps, timeout=step_timeout,
-                                 block_threshold=block_threshold, rng=rng)
+            detail = await _play(
+                env_factory,
+                task,
+                text,
+                seed=seed + ti,
+                max_steps=max_steps,
+                timeout=step_timeout,
+                block_threshold=block_threshold,
+                rng=rng,
+            )
             report.results.append(CheckResult(label, True, detail))
         except EnvContractError as exc:
             report.results.append(CheckResult(label, False, str(exc)))

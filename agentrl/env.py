@@ -139,7 +139,13 @@ class ToolEnv(Env):
     async def step(self, action: Action) -> StepResult:
         if action.tool_calls or action.errors:
             messages = await self.call_tools(action)
-            return messages, 0.0, False, False, {"tool_calls": len(action.tool_calls), "tool_errors": len(action.errors)}
+            return (
+                messages,
+                0.0,
+                False,
+                False,
+                {"tool_calls": len(action.tool_calls), "tool_errors": len(action.errors)},
+            )
         reward = await maybe_await(self.reward(action))
         return [], float(reward), True, False, {}
 
@@ -167,15 +173,15 @@ class ToolEnv(Env):
             results.append({"role": "tool", "tool_call_id": err.id, "content": format_tool_error(err)})
         return results
 
-
     async def _call(self, tool: Tool, arguments: dict[str, Any], deadline: float) -> ToolResult:
         if not getattr(tool, "sandboxed", False):
             return await call_tool(tool, arguments, timeout=self.tool_timeout, max_time=self._left(deadline))
         lock = self.__dict__.setdefault("_sandbox_lock", asyncio.Lock())
         async with lock:  # one program at a time in the episode's sandbox
             sandbox = await self.sandbox()
-            return await call_tool(tool, arguments, timeout=self.tool_timeout, sandbox=sandbox,
-                                   max_time=self._left(deadline))
+            return await call_tool(
+                tool, arguments, timeout=self.tool_timeout, sandbox=sandbox, max_time=self._left(deadline)
+            )
 
     @staticmethod
     def _left(deadline: float) -> float:
@@ -207,6 +213,7 @@ async def call_env(fn: Callable[..., Any], /, *args: Any, _executor: Executor | 
 
 
 # -- finding environments -------------------------------------------------------------------------
+
 
 @dataclass
 class EnvSpec:
@@ -306,8 +313,10 @@ def load_env(spec: str | type[Env]) -> Callable[[], Env]:
         return functools.partial(target, **reg.kwargs)
     if ":" not in spec:
         known = ", ".join(sorted(registry)) or "none"
-        raise ValueError(f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
-                         f"nor a registered env id (known: {known})")
+        raise ValueError(
+            f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
+            f"nor a registered env id (known: {known})"
+        )
     target = _import_object(spec)
     if not callable(target):
         raise TypeError(f"{spec!r} is not a class or factory")

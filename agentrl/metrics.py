@@ -44,6 +44,7 @@ TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 
 # -- the standard per-step line -------------------------------------------------------------------
 
+
 def scalar_reward(sample: Sample) -> float | None:
     """The sample's reward as a float: ``None`` reward counts as 0.0; a dict reward (slime allows
     them for custom reward models) has no single value and gives ``None``."""
@@ -67,8 +68,13 @@ def _std(xs: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
-def step_metrics(samples: Sequence[Sample], *, rollout_seconds: float, train_metrics: dict[str, Any] | None = None,
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def step_metrics(
+    samples: Sequence[Sample],
+    *,
+    rollout_seconds: float,
+    train_metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
     Per-episode statistics (``reward_*``, ``response_length_mean``, ``turns_mean``,
@@ -109,13 +115,18 @@ def step_metrics(samples: Sequence[Sample], *, rollout_seconds: float, train_met
 
 # -- rollout dumps --------------------------------------------------------------------------------
 
+
 def rollout_path(run_dir: str | Path, step: int) -> Path:
     """Where :func:`dump_rollout` writes step ``step``: ``run_dir/rollouts/rollout_{step:06d}.jsonl``."""
     return Path(run_dir) / "rollouts" / f"rollout_{step:06d}.jsonl"
 
 
-def dump_rollout(run_dir: str | Path, step: int, samples: Sequence[Sample],
-                 advantages: Sequence[Sequence[float] | None] | None = None) -> Path:
+def dump_rollout(
+    run_dir: str | Path,
+    step: int,
+    samples: Sequence[Sample],
+    advantages: Sequence[Sequence[float] | None] | None = None,
+) -> Path:
     """Write one step's samples, one :meth:`Sample.to_json`-style line each, for ``agentrl view``.
 
     Each line is the sample's fields plus ``step`` and, when given, ``advantages`` (one value per
@@ -145,6 +156,7 @@ def dump_rollout(run_dir: str | Path, step: int, samples: Sequence[Sample],
 
 # -- the reward curve -----------------------------------------------------------------------------
 
+
 def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, Any]]:
     """The lines of a ``metrics.jsonl``; a torn last line (the run was killed mid-write) is skipped."""
     rows = []
@@ -164,7 +176,7 @@ def _smooth(ys: Sequence[float], weight: float = 0.8) -> list[float]:
     out, acc = [], 0.0
     for t, y in enumerate(ys, 1):
         acc = weight * acc + (1 - weight) * y
-        out.append(acc / (1 - weight ** t))
+        out.append(acc / (1 - weight**t))
     return out
 
 
@@ -196,8 +208,14 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path, key: str = "rew
     if rows:
         stds = [float(r.get(std_key) or 0.0) for r in rows]
         if any(stds):
-            ax.fill_between(xs, [y - s for y, s in zip(ys, stds)], [y + s for y, s in zip(ys, stds)],
-                            alpha=0.2, linewidth=0, label="± std")
+            ax.fill_between(
+                xs,
+                [y - s for y, s in zip(ys, stds)],
+                [y + s for y, s in zip(ys, stds)],
+                alpha=0.2,
+                linewidth=0,
+                label="± std",
+            )
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, alpha=0.5, label=key)
         if len(xs) >= 3:
             ax.plot(xs, _smooth(ys), linewidth=2, label="smoothed")
@@ -220,6 +238,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path, key: str = "rew
 
 
 # -- the logger -----------------------------------------------------------------------------------
+
 
 def _jsonable(v: Any) -> Any:
     """A metric value as JSON: finite numbers as is, NaN/inf as None, tensors/numpy scalars as float."""
@@ -248,8 +267,11 @@ def _metric_parts(metrics: dict[str, Any]) -> list[str]:
         if "reward_std" in metrics:
             r += f" ± {_fmt(metrics['reward_std'], '.2g')}"
         parts.append(r)
-    for key, label, spec in (("response_length_mean", "len", ".0f"), ("rollout_seconds", "rollout", ".1f"),
-                             ("train_seconds", "train", ".1f")):
+    for key, label, spec in (
+        ("response_length_mean", "len", ".0f"),
+        ("rollout_seconds", "rollout", ".1f"),
+        ("train_seconds", "train", ".1f"),
+    ):
         if key in metrics:
             parts.append(f"{label} {_fmt(metrics[key], spec)}" + ("s" if key.endswith("seconds") else ""))
     return parts
@@ -275,10 +297,21 @@ class MetricsLogger:
     the progress bar is used only when it is a terminal.
     """
 
-    def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str | None = None, config: dict[str, Any] | None = None, console: bool = True,
-                 total_steps: int | None = None, resume_step: int | None = None, plot_every: int = 1,
-                 stream: TextIO | None = None, curve_key: str = "reward_mean"):
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str | None = None,
+        config: dict[str, Any] | None = None,
+        console: bool = True,
+        total_steps: int | None = None,
+        resume_step: int | None = None,
+        plot_every: int = 1,
+        stream: TextIO | None = None,
+        curve_key: str = "reward_mean",
+    ):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.curve_key = curve_key  # what the curve shows: reward_mean (RL) or loss (a warm start)
         self.curve_file = CURVE_FILE if curve_key == "reward_mean" else f"{curve_key}_curve.png"
@@ -409,7 +442,8 @@ class MetricsLogger:
             TextColumn(step, table_column=Column(no_wrap=True, min_width=len(format_step(0, {}, self.total_steps)))),
             BarColumn(bar_width=20, table_column=Column(min_width=20, no_wrap=True)),
             TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True)),  # cut at the edge, bar kept
-            console=Console(file=self._stream), transient=False,
+            console=Console(file=self._stream),
+            transient=False,
         )
         self._progress.start()
         self._bar = self._progress.add_task("train", total=self.total_steps, completed=completed, info="")
@@ -436,8 +470,9 @@ def _tensorboard_writer(run_dir: Path | None, resume_step: int | None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ImportError(f"TensorBoard logging was asked for but cannot be imported ({exc}); "
-                          "pip install tensorboard") from exc
+        raise ImportError(
+            f"TensorBoard logging was asked for but cannot be imported ({exc}); pip install tensorboard"
+        ) from exc
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
 
 
@@ -445,6 +480,8 @@ def _wandb_run(run_dir: Path | None, project: str | None, config: dict[str, Any]
     try:
         import wandb
     except ImportError as exc:
-        raise ImportError(f"Weights & Biases logging was asked for but wandb is not installed ({exc}); "
-                          "pip install wandb (or drop the W&B option)") from exc
+        raise ImportError(
+            f"Weights & Biases logging was asked for but wandb is not installed ({exc}); "
+            "pip install wandb (or drop the W&B option)"
+        ) from exc
     return wandb.init(project=project, config=config, dir=str(run_dir) if run_dir is not None else None)

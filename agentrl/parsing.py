@@ -24,8 +24,14 @@ from typing import Any
 from agentrl.types import ParseError, ToolCall
 
 __all__ = [
-    "PARSERS", "HermesParser", "Llama3JsonParser", "OpenAIToolCallsParser", "ToolCallParser",
-    "format_tool_error", "get_parser", "last_tag",
+    "PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "OpenAIToolCallsParser",
+    "ToolCallParser",
+    "format_tool_error",
+    "get_parser",
+    "last_tag",
 ]
 
 ParseResult = tuple[str, list[ToolCall], list[ParseError]]

@@ -122,8 +122,13 @@ class _Invalid(Exception):
 
 
 _TYPE_WORDS = {
-    "string": "a string", "number": "a number", "integer": "an integer", "boolean": "a boolean",
-    "array": "an array", "object": "an object", "null": "null",
+    "string": "a string",
+    "number": "a number",
+    "integer": "an integer",
+    "boolean": "a boolean",
+    "array": "an array",
+    "object": "an object",
+    "null": "null",
 }
 
 
@@ -242,8 +247,9 @@ def _check_object(value: dict[str, Any], schema: dict[str, Any], path: str, top:
 # calling a tool safely
 
 
-async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | None,
-                    sandbox: Any = None, max_time: float | None = None) -> ToolResult:
+async def call_tool(
+    tool: Tool, arguments: dict[str, Any], *, timeout: float | None, sandbox: Any = None, max_time: float | None = None
+) -> ToolResult:
     """Validate, call and time-limit one tool call; raises only ``CancelledError``, ``SandboxError`` and
     :class:`ToolCrashed`.
 
@@ -272,8 +278,10 @@ async def call_tool(tool: Tool, arguments: dict[str, Any], *, timeout: float | N
     limit = tool.timeout if tool.timeout is not None else timeout
     if max_time is not None:
         if max_time <= 0:
-            return _error(f"tool '{name}' was not run: this turn's time for tool calls is used up; "
-                          "make fewer or faster calls", "timeout")
+            return _error(
+                f"tool '{name}' was not run: this turn's time for tool calls is used up; make fewer or faster calls",
+                "timeout",
+            )
         limit = max_time if limit is None else min(limit, max_time)
     try:
         if getattr(tool, "sandboxed", False):
@@ -341,8 +349,14 @@ class FunctionTool(Tool):
     holding one of asyncio's few default threads for good.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
         functools.update_wrapper(self, fn)
         doc_description, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
         self.fn = fn
@@ -375,12 +389,19 @@ def tool_pool() -> Any:
 @typing.overload
 def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
 @typing.overload
-def tool(*, name: str | None = None, description: str | None = None,
-         timeout: float | None = None) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+def tool(
+    *, name: str | None = None, description: str | None = None, timeout: float | None = None
+) -> Callable[[Callable[..., Any]], FunctionTool]: ...
 
 
-def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, description: str | None = None,
-         timeout: float | None = None) -> Any:
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+) -> Any:
     """Turn a typed function into a :class:`Tool`: ``@tool`` or ``@tool(name=..., timeout=...)``.
 
     The JSON schema comes from the type hints (``str``, ``int``, ``float``, ``bool``, ``list[X]``,
@@ -465,8 +486,11 @@ def _union_schema(args: tuple[Any, ...]) -> dict[str, Any]:
     return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
 
 
-_SECTION = re.compile(r"^(Args|Arguments|Parameters|Params|Returns?|Yields?|Raises|Examples?|Notes?|"
-                      r"Attributes|See Also|Warnings?|Todo)\s*:\s*$", re.IGNORECASE)
+_SECTION = re.compile(
+    r"^(Args|Arguments|Parameters|Params|Returns?|Yields?|Raises|Examples?|Notes?|"
+    r"Attributes|See Also|Warnings?|Todo)\s*:\s*$",
+    re.IGNORECASE,
+)
 _ARG_LINE = re.compile(r"^(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
 

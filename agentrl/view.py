@@ -74,7 +74,9 @@ def token_table(tokenizer: Any, ids: Iterable[int]) -> tuple[dict[str, str | lis
     """
     ids = sorted(set(ids))
     added = {int(i): t for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
-    special = sorted(i for i, t in added.items() if getattr(t, "special", False)) or list(getattr(tokenizer, "all_special_ids", []))
+    special = sorted(i for i, t in added.items() if getattr(t, "special", False)) or list(
+        getattr(tokenizer, "all_special_ids", [])
+    )
     byte_level = _is_byte_level(tokenizer)
     table: dict[str, str | list[int]] = {}
     for i in ids:
@@ -110,7 +112,9 @@ def _num(x: Any) -> Any:
 
 def _text_of(prompt: Any) -> str:
     if isinstance(prompt, list):
-        return "\n".join(f"[{m.get('role', '?')}] {m.get('content') or ''}" if isinstance(m, dict) else str(m) for m in prompt)
+        return "\n".join(
+            f"[{m.get('role', '?')}] {m.get('content') or ''}" if isinstance(m, dict) else str(m) for m in prompt
+        )
     return "" if prompt is None else str(prompt)
 
 
@@ -133,11 +137,21 @@ def _record(row: dict[str, Any], i: int) -> dict[str, Any]:
         mask = [1 if m else 0 for m in list(mask)[:n]] + [1] * max(0, n - len(mask))
     status = row.get("status") or "pending"
     rec: dict[str, Any] = {
-        "i": i, "idx": row.get("index"), "g": row.get("group_index"), "st": str(getattr(status, "value", status)),
-        "why": meta.get("status_reason"), "err": meta.get("error"), "r": _reward(row.get("reward")),
-        "tr": [_num(x) for x in meta.get("turn_rewards") or []], "nt": meta.get("num_turns"),
-        "wv": [str(v) for v in row.get("weight_versions") or []], "te": row.get("token_exact", True) is not False,
-        "t": tokens, "p": len(tokens) - n, "m": mask, "ns": sum(mask) if mask is not None else n,
+        "i": i,
+        "idx": row.get("index"),
+        "g": row.get("group_index"),
+        "st": str(getattr(status, "value", status)),
+        "why": meta.get("status_reason"),
+        "err": meta.get("error"),
+        "r": _reward(row.get("reward")),
+        "tr": [_num(x) for x in meta.get("turn_rewards") or []],
+        "nt": meta.get("num_turns"),
+        "wv": [str(v) for v in row.get("weight_versions") or []],
+        "te": row.get("token_exact", True) is not False,
+        "t": tokens,
+        "p": len(tokens) - n,
+        "m": mask,
+        "ns": sum(mask) if mask is not None else n,
         "lp": [_num(x) for x in lps] if isinstance(lps, list) else None,
         "adv": [_num(x) for x in adv] if isinstance(adv, list) else _num(adv),
         "x": {k: str(v) for k in ("rollout_id", "step") if (v := row.get(k, extra.get(k))) is not None},
@@ -148,7 +162,11 @@ def _record(row: dict[str, Any], i: int) -> dict[str, Any]:
         rec["lab"] = label if isinstance(label, str) else json.dumps(label, ensure_ascii=False, default=str)
     if not tokens:
         rec["txt"] = "\n".join(s for s in (_text_of(row.get("prompt")), str(row.get("response") or "")) if s)
-    rest = {k: v for k, v in meta.items() if k not in _SHOWN_META and not (k == "extra" and set(v) <= {"advantages", "rollout_id", "step"})}
+    rest = {
+        k: v
+        for k, v in meta.items()
+        if k not in _SHOWN_META and not (k == "extra" and set(v) <= {"advantages", "rollout_id", "step"})
+    }
     if rest:
         dumped = json.dumps(rest, ensure_ascii=False, indent=1, default=str)
         rec["meta"] = dumped if len(dumped) <= _META_CHARS else dumped[:_META_CHARS] + "\n… (truncated)"
@@ -171,8 +189,13 @@ def render_html(samples: list[dict | Sample], tokenizer: Any, *, title: str = "a
         table, special = {str(i): f"[{i}]" for i in all_ids}, []
     else:
         table, special = token_table(tokenizer, all_ids)
-    data = json.dumps({"vocab": table, "special": special, "samples": records},
-                      ensure_ascii=False, separators=(",", ":"), default=str, allow_nan=False)
+    data = json.dumps(
+        {"vocab": table, "special": special, "samples": records},
+        ensure_ascii=False,
+        separators=(",", ":"),
+        default=str,
+        allow_nan=False,
+    )
     data = data.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
     fill = {"TITLE": html.escape(title), "DATA": data}
     return re.sub(r"__(TITLE|DATA)__", lambda m: fill[m.group(1)], _TEMPLATE)
@@ -247,8 +270,14 @@ def load_tokenizer(samples_path: str | Path, hf_checkpoint: str | None = None) -
     return AutoTokenizer.from_pretrained(resolve_hf_checkpoint(hf_checkpoint or find_run_checkpoint(samples_path)))
 
 
-def write_view(path_in: str | Path, path_out: str | Path, tokenizer: Any = None, limit: int | None = None,
-               *, hf_checkpoint: str | None = None) -> Path:
+def write_view(
+    path_in: str | Path,
+    path_out: str | Path,
+    tokenizer: Any = None,
+    limit: int | None = None,
+    *,
+    hf_checkpoint: str | None = None,
+) -> Path:
     """Read a JSONL of samples and write its HTML page; returns ``path_out``.
 
     Without ``tokenizer`` one is loaded as :func:`load_tokenizer` says.
@@ -271,8 +300,9 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{path_in}: no such file")
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
-    out = write_view(path_in, args.output or path_in.with_suffix(".html"), limit=args.limit,
-                     hf_checkpoint=args.hf_checkpoint)
+    out = write_view(
+        path_in, args.output or path_in.with_suffix(".html"), limit=args.limit, hf_checkpoint=args.hf_checkpoint
+    )
     print(out)
     return 0
 

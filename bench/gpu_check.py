@@ -39,17 +39,29 @@ def _samples(ckpt: str, n: int, max_new: int, dtype: str):
     from agentrl.trainer.base import TrainSample
 
     tok = AutoTokenizer.from_pretrained(ckpt)
-    questions = ["What is 17 * 23? Think step by step.", "Write a haiku about gradient descent.",
-                 "Name three prime numbers above 100.", "Explain what a KV cache is in two sentences."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
-                                       add_generation_prompt=True, tokenize=True) for i in range(n)]
+    questions = [
+        "What is 17 * 23? Think step by step.",
+        "Write a haiku about gradient descent.",
+        "Name three prime numbers above 100.",
+        "Explain what a KV cache is in two sentences.",
+    ]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": questions[i % len(questions)]}], add_generation_prompt=True, tokenize=True
+        )
+        for i in range(n)
+    ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
 
     async def run() -> list[dict]:
         engine = LocalEngine(ckpt, device="cuda", dtype=dtype, max_running_requests=n, seed=0)
         try:
-            return await asyncio.gather(*(engine.generate(p, {"max_new_tokens": max_new, "temperature": 1.0},
-                                                          return_logprob=True) for p in prompts))
+            return await asyncio.gather(
+                *(
+                    engine.generate(p, {"max_new_tokens": max_new, "temperature": 1.0}, return_logprob=True)
+                    for p in prompts
+                )
+            )
         finally:
             await engine.close()
 
@@ -58,8 +70,9 @@ def _samples(ckpt: str, n: int, max_new: int, dtype: str):
     for p, out in zip(prompts, outs):
         ids = list(out["output_ids"])
         lps = [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
-        samples.append(TrainSample(tokens=p + ids, response_length=len(ids), loss_mask=[1] * len(ids),
-                                   rollout_log_probs=lps))
+        samples.append(
+            TrainSample(tokens=p + ids, response_length=len(ids), loss_mask=[1] * len(ids), rollout_log_probs=lps)
+        )
     lengths = [s.response_length for s in samples]
     mean = statistics.mean(lengths)
     for s in samples:  # "longer is better": a reward with non-zero spread, so the step moves the weights
@@ -79,8 +92,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
-    ap.add_argument("--max-mean-delta", type=float, default=0.05,
-                    help="fail when mean |delta log-prob| engine-vs-trainer exceeds this")
+    ap.add_argument(
+        "--max-mean-delta",
+        type=float,
+        default=0.05,
+        help="fail when mean |delta log-prob| engine-vs-trainer exceeds this",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
 
@@ -97,15 +114,24 @@ def main() -> int:
     ckpt = str(resolve_hf_checkpoint(None if a.model == "default" else a.model))
     samples = _samples(ckpt, a.samples, a.max_new_tokens, a.dtype)
     cfg = TrainConfig(lr=1e-6, dtype=a.dtype, global_batch_size=len(samples), max_tokens_per_gpu=8192)
-    report: dict = {"model": ckpt, "gpu": torch.cuda.get_device_name(0), "dtype": a.dtype,
-                    "samples": len(samples), "response_tokens": sum(s.response_length for s in samples)}
-    trainers = {"megatron": MegatronTrainer(ckpt, cfg, device="cuda", parallel=MegatronParallel()),
-                "torch": TorchTrainer(ckpt, cfg, device="cuda")}
+    report: dict = {
+        "model": ckpt,
+        "gpu": torch.cuda.get_device_name(0),
+        "dtype": a.dtype,
+        "samples": len(samples),
+        "response_tokens": sum(s.response_length for s in samples),
+    }
+    trainers = {
+        "megatron": MegatronTrainer(ckpt, cfg, device="cuda", parallel=MegatronParallel()),
+        "torch": TorchTrainer(ckpt, cfg, device="cuda"),
+    }
     rollout = [s.rollout_log_probs for s in samples]
     logps = {name: t.compute_log_probs(samples, ref=False).old for name, t in trainers.items()}
-    report["logprob_delta"] = {"engine_vs_megatron": _delta(rollout, logps["megatron"]),
-                               "engine_vs_torch": _delta(rollout, logps["torch"]),
-                               "megatron_vs_torch": _delta(logps["megatron"], logps["torch"])}
+    report["logprob_delta"] = {
+        "engine_vs_megatron": _delta(rollout, logps["megatron"]),
+        "engine_vs_torch": _delta(rollout, logps["torch"]),
+        "megatron_vs_torch": _delta(logps["megatron"], logps["torch"]),
+    }
     runs: dict[str, list[dict]] = {name: [] for name in trainers}
     for _ in range(a.steps):  # interleaved, so both see the same GPU state and clocks
         for name, t in trainers.items():
@@ -115,14 +141,17 @@ def main() -> int:
             torch.cuda.synchronize()
             m["wall_s"] = time.perf_counter() - t0
             runs[name].append(m)
-    report["train"] = {name: [{k: round(float(m[k]), 6) for k in ("loss", "grad_norm", "tokens_per_s", "wall_s")}
-                              for m in ms] for name, ms in runs.items()}
+    report["train"] = {
+        name: [{k: round(float(m[k]), 6) for k in ("loss", "grad_norm", "tokens_per_s", "wall_s")} for m in ms]
+        for name, ms in runs.items()
+    }
     steady = slice(1, None) if a.steps > 1 else slice(None)  # the first step pays for kernels' warm-up
     ratio = [m["wall_s"] / t["wall_s"] for m, t in zip(runs["torch"][steady], runs["megatron"][steady])]
     report["megatron_over_torch_speed"] = statistics.median(ratio)
     report["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    ok = (report["logprob_delta"]["engine_vs_megatron"]["mean"] <= a.max_mean_delta
-          and all(torch.isfinite(torch.tensor(m["loss"])) for ms in runs.values() for m in ms))
+    ok = report["logprob_delta"]["engine_vs_megatron"]["mean"] <= a.max_mean_delta and all(
+        torch.isfinite(torch.tensor(m["loss"])) for ms in runs.values() for m in ms
+    )
     report["ok"] = bool(ok)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_check.json").write_text(json.dumps(report, indent=2))

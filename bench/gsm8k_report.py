@@ -31,30 +31,59 @@ from main_job import REPO, agentrl  # noqa: E402
 TEST = REPO / "envs" / "data" / "gsm8k" / "test.jsonl"
 
 
-def evaluate(checkpoint: str | None, out: Path, name: str, *, problems: int, samples: int,
-             temperature: float) -> dict:
+def evaluate(checkpoint: str | None, out: Path, name: str, *, problems: int, samples: int, temperature: float) -> dict:
     """One held-out GSM8K eval of ``checkpoint`` (None: the default model), reused when its file exists."""
     path = out / f"eval_{name}.json"
     if not path.exists():
-        agentrl("eval", "--env", "envs.gsm8k:GSM8K", "--eval-prompt-data", "test", str(TEST),
-                "--input-key", "question", "--label-key", "answer", "--num-tasks", str(problems),
-                "--n-samples-per-eval-prompt", str(samples), "--rollout-temperature", str(temperature),
-                "--rollout-max-response-len", "256", "--rollout-concurrency", "64",
-                "--engine-max-running-requests", "64",
-                *(["--hf-checkpoint", checkpoint] if checkpoint else []), "--output", str(path))
+        agentrl(
+            "eval",
+            "--env",
+            "envs.gsm8k:GSM8K",
+            "--eval-prompt-data",
+            "test",
+            str(TEST),
+            "--input-key",
+            "question",
+            "--label-key",
+            "answer",
+            "--num-tasks",
+            str(problems),
+            "--n-samples-per-eval-prompt",
+            str(samples),
+            "--rollout-temperature",
+            str(temperature),
+            "--rollout-max-response-len",
+            "256",
+            "--rollout-concurrency",
+            "64",
+            "--engine-max-running-requests",
+            "64",
+            *(["--hf-checkpoint", checkpoint] if checkpoint else []),
+            "--output",
+            str(path),
+        )
     r = json.loads(path.read_text())["test"]
     return {k: r[k] for k in r if k.startswith("pass@")} | {
-        "tool_call_rate": r["tool_call_rate"], "turns_mean": r["turns_mean"], "problems": r["num_prompts"],
-        "samples": r["num_samples"], "truncated": r["count_truncated"], "seconds": r["seconds"]}
+        "tool_call_rate": r["tool_call_rate"],
+        "turns_mean": r["turns_mean"],
+        "problems": r["num_prompts"],
+        "samples": r["num_samples"],
+        "truncated": r["count_truncated"],
+        "seconds": r["seconds"],
+    }
 
 
 def table(results: dict, k: int) -> str:
-    lines = [f"| checkpoint | greedy accuracy | tool-call rate | turns | pass@1 (T 0.7) | pass@{k} (T 0.7) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| checkpoint | greedy accuracy | tool-call rate | turns | pass@1 (T 0.7) | pass@{k} (T 0.7) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         g, s = r["greedy"], r["sampled"]
-        lines.append(f"| {name} | {g['pass@1']:.3f} | {g['tool_call_rate']:.2f} | {g['turns_mean']:.1f} "
-                     f"| {s['pass@1']:.3f} | {s[f'pass@{k}']:.3f} |")
+        lines.append(
+            f"| {name} | {g['pass@1']:.3f} | {g['tool_call_rate']:.2f} | {g['turns_mean']:.1f} "
+            f"| {s['pass@1']:.3f} | {s[f'pass@{k}']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -69,20 +98,23 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     demos = out / "sft.jsonl"
     if not demos.exists():
-        subprocess.run([sys.executable, "-m", "envs.gsm8k", "--split", "train", "--output", str(demos)],
-                       cwd=REPO, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "envs.gsm8k", "--split", "train", "--output", str(demos)], cwd=REPO, check=True
+        )
     seconds: dict[str, float] = {}
     results: dict[str, dict] = {}
-    steps = [("default model", "base", None, None, None),
-             ("after SFT", "sft", "runs/gsm8k_sft", "sft", "examples/gsm8k/sft.yaml"),
-             ("after SFT + GRPO", "grpo", "runs/gsm8k_grpo", "train", "examples/gsm8k/grpo.yaml")]
+    steps = [
+        ("default model", "base", None, None, None),
+        ("after SFT", "sft", "runs/gsm8k_sft", "sft", "examples/gsm8k/sft.yaml"),
+        ("after SFT + GRPO", "grpo", "runs/gsm8k_grpo", "train", "examples/gsm8k/grpo.yaml"),
+    ]
     for name, key, ckpt, command, config in steps:
         if command and not (REPO / ckpt / "latest_checkpointed_iteration.txt").exists():
             seconds[key] = agentrl(command, "--config", config)
         results[name] = {
             "greedy": evaluate(ckpt, out, f"{key}_greedy", problems=a.problems, samples=1, temperature=0.0),
-            "sampled": evaluate(ckpt, out, f"{key}_sampled", problems=a.pass_problems, samples=a.k,
-                                temperature=0.7)}
+            "sampled": evaluate(ckpt, out, f"{key}_sampled", problems=a.pass_problems, samples=a.k, temperature=0.7),
+        }
     summary = {"results": results, "train_seconds": seconds}
     (out / "gsm8k_report.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -27,8 +27,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = REPO / "envs" / "data" / "calculator_test.jsonl"
-EVAL = ["--env", "envs.calculator:Calculator", "--eval-prompt-data", "heldout", str(HELD_OUT),
-        "--rollout-temperature", "0", "--max-turns", "3", "--rollout-max-response-len", "64"]
+EVAL = [
+    "--env",
+    "envs.calculator:Calculator",
+    "--eval-prompt-data",
+    "heldout",
+    str(HELD_OUT),
+    "--rollout-temperature",
+    "0",
+    "--max-turns",
+    "3",
+    "--rollout-max-response-len",
+    "64",
+]
 
 
 def agentrl(*args: str, env: dict[str, str] | None = None) -> float:
@@ -41,11 +52,16 @@ def agentrl(*args: str, env: dict[str, str] | None = None) -> float:
 def evaluate(checkpoint: str | None, out: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> dict:
     """The README's held-out eval (``EVAL`` plus ``extra`` flags) of a checkpoint (None: the default model)."""
     path = out / f"eval_{name}.json"
-    agentrl("eval", *EVAL, *(["--hf-checkpoint", checkpoint] if checkpoint else []), *extra, "--output", str(path),
-            env=env)
+    agentrl(
+        "eval", *EVAL, *(["--hf-checkpoint", checkpoint] if checkpoint else []), *extra, "--output", str(path), env=env
+    )
     r = json.loads(path.read_text())["heldout"]
-    return {"accuracy": r["pass@1"], "tool_call_rate": r["tool_call_rate"], "turns_mean": r["turns_mean"],
-            "problems": r["num_prompts"]}
+    return {
+        "accuracy": r["pass@1"],
+        "tool_call_rate": r["tool_call_rate"],
+        "turns_mean": r["turns_mean"],
+        "problems": r["num_prompts"],
+    }
 
 
 def plot(results: dict, png: Path) -> None:
@@ -85,8 +101,11 @@ def main() -> None:
     if not a.skip_train:
         seconds["grpo"] = agentrl("train", "--config", "examples/calculator_agent/grpo.yaml")
     results["after GRPO"] = evaluate("runs/calculator_agent", out, "grpo")
-    summary = {"results": results, "train_seconds": seconds,
-               "rl_adds_points": round(100 * (results["after GRPO"]["accuracy"] - results["after warm start"]["accuracy"]), 1)}
+    summary = {
+        "results": results,
+        "train_seconds": seconds,
+        "rl_adds_points": round(100 * (results["after GRPO"]["accuracy"] - results["after warm start"]["accuracy"]), 1),
+    }
     (out / "main_job.json").write_text(json.dumps(summary, indent=2))
     plot(results, out / "main_job.png")
     print(json.dumps(summary, indent=2))

@@ -14,13 +14,21 @@ import uvicorn
 
 
 def make_app(turn_ids: list[int]):
-    body = json.dumps({
-        "text": "ok", "output_ids": turn_ids,
-        "meta_info": {"id": "noop", "finish_reason": {"type": "stop", "matched": turn_ids[-1]},
-                      "prompt_tokens": 0, "completion_tokens": len(turn_ids), "cached_tokens": 0,
-                      "weight_version": "default",
-                      "output_token_logprobs": [[-0.5, t, None] for t in turn_ids]},
-    }).encode()
+    body = json.dumps(
+        {
+            "text": "ok",
+            "output_ids": turn_ids,
+            "meta_info": {
+                "id": "noop",
+                "finish_reason": {"type": "stop", "matched": turn_ids[-1]},
+                "prompt_tokens": 0,
+                "completion_tokens": len(turn_ids),
+                "cached_tokens": 0,
+                "weight_version": "default",
+                "output_token_logprobs": [[-0.5, t, None] for t in turn_ids],
+            },
+        }
+    ).encode()
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -30,8 +38,13 @@ def make_app(turn_ids: list[int]):
             msg = await receive()
             more = msg.get("more_body", False)
         payload = b"" if scope["path"] == "/health" else body
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
     return app

@@ -40,8 +40,9 @@ async def sdk_run(url: str, template: ChatTemplate, episodes: int, turns: int, m
     TalkEnv.turns = turns
     engine = RecordingEngine(SGLangEngine(url))
     # Turns end at the first sentence ("." stop string), so episodes stay multi-turn on any model.
-    cfg = RolloutConfig(max_turns=turns + 1, rollout_concurrency=episodes, rollout_max_response_len=max_new,
-                        rollout_stop=["."])
+    cfg = RolloutConfig(
+        max_turns=turns + 1, rollout_concurrency=episodes, rollout_max_response_len=max_new, rollout_stop=["."]
+    )
     ctx = EpisodeContext(engine=engine, template=template, config=cfg)
     tasks = [{"prompt": f"Tell me about the number {i}.", "label": None} for i in range(episodes)]
     t = time.perf_counter()
@@ -78,11 +79,15 @@ def main() -> None:
             per_token.append((t_sdk / sdk_tokens) / (t_direct / direct_tokens))
             n_req = sum(len(c) for c in calls.values())
             turns = summary.turns_sum / max(summary.samples, 1)
-            print(f"round {r}: {turns:.2f} turns/episode; SDK {t_sdk:.2f}s, direct {t_direct:.2f}s for {n_req} engine calls "
-                  f"({sdk_tokens} vs {direct_tokens} generated tokens, {differing} replayed outputs differed); "
-                  f"ratio {t_sdk / t_direct:.3f}, per generated token {per_token[-1]:.3f}")
-        print(f"P1 loop overhead (SDK time / direct engine calls), median of {a.rounds}: "
-              f"{statistics.median(ratios):.3f}  (goal <= 1.02); per generated token: {statistics.median(per_token):.3f}")
+            print(
+                f"round {r}: {turns:.2f} turns/episode; SDK {t_sdk:.2f}s, direct {t_direct:.2f}s for {n_req} engine calls "
+                f"({sdk_tokens} vs {direct_tokens} generated tokens, {differing} replayed outputs differed); "
+                f"ratio {t_sdk / t_direct:.3f}, per generated token {per_token[-1]:.3f}"
+            )
+        print(
+            f"P1 loop overhead (SDK time / direct engine calls), median of {a.rounds}: "
+            f"{statistics.median(ratios):.3f}  (goal <= 1.02); per generated token: {statistics.median(per_token):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,16 @@ def main() -> None:
     template = ChatTemplate(tok)
     turn_ids = template.encode("ok") + [tok.eos_token_id]
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "noop_engine.py"), "--port", str(port),
-                               "--turn-ids", ",".join(map(str, turn_ids))])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "noop_engine.py"),
+            "--port",
+            str(port),
+            "--turn-ids",
+            ",".join(map(str, turn_ids)),
+        ]
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(100):
@@ -88,10 +96,14 @@ def main() -> None:
             t_floor, _, _ = asyncio.run(replay(url, calls, a.concurrency))
             ratios.append(t_floor / t_sdk)
             n_req = sum(len(c) for c in calls.values())
-            print(f"round {r}: SDK {a.episodes / t_sdk:.1f} episodes/s ({n_req} requests in {t_sdk:.2f}s); "
-                  f"floor {a.episodes / t_floor:.1f} episodes/s ({t_floor:.2f}s); ratio {t_floor / t_sdk:.3f}")
-        print(f"P2 loop capacity ratio (SDK episodes/s / HTTP floor), median of {a.rounds}: "
-              f"{statistics.median(ratios):.3f}  (goal >= 0.5)")
+            print(
+                f"round {r}: SDK {a.episodes / t_sdk:.1f} episodes/s ({n_req} requests in {t_sdk:.2f}s); "
+                f"floor {a.episodes / t_floor:.1f} episodes/s ({t_floor:.2f}s); ratio {t_floor / t_sdk:.3f}"
+            )
+        print(
+            f"P2 loop capacity ratio (SDK episodes/s / HTTP floor), median of {a.rounds}: "
+            f"{statistics.median(ratios):.3f}  (goal >= 0.5)"
+        )
     finally:
         server.terminate()
         server.wait()

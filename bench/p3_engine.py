@@ -26,10 +26,40 @@ import time
 
 import torch
 
-TOPICS = ["the moon", "tea", "rivers", "chess", "volcanoes", "bread", "owls", "glass", "trains", "rain",
-          "bees", "maps", "salt", "jazz", "ice", "paper", "copper", "kites", "deserts", "clocks",
-          "whales", "silk", "bridges", "coffee", "comets", "sand", "violins", "forests", "mirrors", "wheat",
-          "lighthouses", "ants"]
+TOPICS = [
+    "the moon",
+    "tea",
+    "rivers",
+    "chess",
+    "volcanoes",
+    "bread",
+    "owls",
+    "glass",
+    "trains",
+    "rain",
+    "bees",
+    "maps",
+    "salt",
+    "jazz",
+    "ice",
+    "paper",
+    "copper",
+    "kites",
+    "deserts",
+    "clocks",
+    "whales",
+    "silk",
+    "bridges",
+    "coffee",
+    "comets",
+    "sand",
+    "violins",
+    "forests",
+    "mirrors",
+    "wheat",
+    "lighthouses",
+    "ants",
+]
 
 
 def make_prompts(tok, n: int) -> list[list[int]]:
@@ -63,8 +93,16 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new: int, eos: set[int
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=max_new, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            pad_token_id=pad,
+        )
     dt = time.perf_counter() - t0
     useful = 0
     for row in out[:, width:].tolist():
@@ -82,8 +120,10 @@ async def engine_generate(engine, prompts: list[list[int]], max_new: int) -> tup
 
 def report(label: str, ours: tuple[int, float], hf: tuple[int, float]) -> None:
     a, b = ours[0] / ours[1], hf[0] / hf[1]
-    print(f"{label}: engine {ours[0]} tok / {ours[1]:.1f}s = {a:.1f} tok/s | "
-          f"HF generate {hf[0]} tok / {hf[1]:.1f}s = {b:.1f} tok/s")
+    print(
+        f"{label}: engine {ours[0]} tok / {ours[1]:.1f}s = {a:.1f} tok/s | "
+        f"HF generate {hf[0]} tok / {hf[1]:.1f}s = {b:.1f} tok/s"
+    )
     print(f"P3 {label} ratio (engine / HF generate) = {a / b:.2f}  (goal >= 2)")
 
 
@@ -123,7 +163,7 @@ async def main() -> None:
         if not args.skip_96:
             ours = await engine_generate(engine, prompts, max_new)
             engine.flush_cache()
-            runs = [hf_generate(model, tok, prompts[i:i + 32], max_new, eos) for i in (0, 32, 64)]
+            runs = [hf_generate(model, tok, prompts[i : i + 32], max_new, eos) for i in (0, 32, 64)]
             report(f"{name} B (96 requests, 32 at a time)", ours, (sum(r[0] for r in runs), sum(r[1] for r in runs)))
     await engine.close()
 

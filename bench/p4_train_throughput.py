@@ -88,8 +88,16 @@ class AgentrlSide:
         self.name = f"agentrl@{max_tokens}"
         from agentrl.trainer.torch_trainer import TorchTrainer
 
-        cfg = TrainConfig(lr=LR, global_batch_size=len(samples), num_steps_per_rollout=1, max_tokens_per_gpu=max_tokens,
-                          dtype="float32", gradient_checkpointing=False, clip_grad=1.0, weight_decay=0.0)
+        cfg = TrainConfig(
+            lr=LR,
+            global_batch_size=len(samples),
+            num_steps_per_rollout=1,
+            max_tokens_per_gpu=max_tokens,
+            dtype="float32",
+            gradient_checkpointing=False,
+            clip_grad=1.0,
+            weight_decay=0.0,
+        )
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
         self.samples = samples
 
@@ -103,8 +111,8 @@ def _trl_batch(samples: list[TrainSample], pad_id: int) -> dict:
     """The dict ``GRPOTrainer._generate_and_score_completions`` returns, for these samples."""
     from trl.trainer.utils import pad
 
-    prompts = [torch.tensor(s.tokens[:s.prompt_length]) for s in samples]
-    completions = [torch.tensor(s.tokens[s.prompt_length:]) for s in samples]
+    prompts = [torch.tensor(s.tokens[: s.prompt_length]) for s in samples]
+    completions = [torch.tensor(s.tokens[s.prompt_length :]) for s in samples]
     tool_mask = pad([torch.tensor(s.loss_mask) for s in samples], padding_value=1, padding_side="right")
     completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
     return {
@@ -141,11 +149,30 @@ class TrlSide:
         self.accum = len(samples) // micro_batch
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         args = GRPOConfig(
-            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
-            per_device_train_batch_size=micro_batch, gradient_accumulation_steps=self.accum, num_generations=2,
-            loss_type="grpo", beta=0.0, learning_rate=LR, adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.0,
-            max_grad_norm=1.0, optim="adamw_torch", lr_scheduler_type="constant", disable_dropout=True,
-            max_completion_length=RESPONSE_LEN[1], save_strategy="no", logging_steps=10**9, seed=0)
+            output_dir=out_dir,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            report_to=[],
+            per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=self.accum,
+            num_generations=2,
+            loss_type="grpo",
+            beta=0.0,
+            learning_rate=LR,
+            adam_beta1=0.9,
+            adam_beta2=0.98,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            lr_scheduler_type="constant",
+            disable_dropout=True,
+            max_completion_length=RESPONSE_LEN[1],
+            save_strategy="no",
+            logging_steps=10**9,
+            seed=0,
+        )
 
         def zero_reward(completions, **kwargs):
             return [0.0] * len(completions)
@@ -154,8 +181,9 @@ class TrlSide:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             placeholder = Dataset.from_dict({"prompt": ["placeholder"] * len(samples)})
-            self.trainer = ReplayGRPOTrainer(model=model, reward_funcs=zero_reward, args=args, processing_class=tok,
-                                             train_dataset=placeholder)
+            self.trainer = ReplayGRPOTrainer(
+                model=model, reward_funcs=zero_reward, args=args, processing_class=tok, train_dataset=placeholder
+            )
         self.trainer.batch = _trl_batch(samples, tok.pad_token_id if tok.pad_token_id is not None else 0)
         self.trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
 
@@ -180,9 +208,12 @@ def main() -> None:
     p.add_argument("--hf-checkpoint", default=None, help="any local HF checkpoint (overrides --model)")
     p.add_argument("--samples", type=int, default=16, help="samples per optimizer step (both sides)")
     p.add_argument("--micro-batch", type=int, default=4, help="TRL per_device_train_batch_size")
-    p.add_argument("--max-tokens-per-gpu", default=None,
-                   help="agentrl packing budget(s), comma-separated (default: micro-batch x L, L = longest "
-                        "possible sample = 320, and TrainConfig's default 4096)")
+    p.add_argument(
+        "--max-tokens-per-gpu",
+        default=None,
+        help="agentrl packing budget(s), comma-separated (default: micro-batch x L, L = longest "
+        "possible sample = 320, and TrainConfig's default 4096)",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     a = p.parse_args()
@@ -205,13 +236,18 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(str(ckpt)).vocab_size
     samples = make_samples(a.samples, vocab)
     longest = PROMPT_LEN[1] + RESPONSE_LEN[1]
-    budgets = [int(b) for b in a.max_tokens_per_gpu.split(",")] if a.max_tokens_per_gpu else \
-        [a.micro_batch * longest, TrainConfig.max_tokens_per_gpu]
+    budgets = (
+        [int(b) for b in a.max_tokens_per_gpu.split(",")]
+        if a.max_tokens_per_gpu
+        else [a.micro_batch * longest, TrainConfig.max_tokens_per_gpu]
+    )
     tokens = sum(len(s.tokens) for s in samples)
     padded = a.samples * (max(s.prompt_length for s in samples) + max(s.response_length for s in samples))
-    print(f"model {ckpt} (vocab {vocab}), torch threads {torch.get_num_threads()}; {a.samples} samples/step, "
-          f"{tokens} tokens, {padded} as TRL pads them (x{padded / tokens:.2f}: the ceiling of packing's gain "
-          f"at equal per-token cost); TRL micro-batch {a.micro_batch}, agentrl budgets {budgets} tokens")
+    print(
+        f"model {ckpt} (vocab {vocab}), torch threads {torch.get_num_threads()}; {a.samples} samples/step, "
+        f"{tokens} tokens, {padded} as TRL pads them (x{padded / tokens:.2f}: the ceiling of packing's gain "
+        f"at equal per-token cost); TRL micro-batch {a.micro_batch}, agentrl budgets {budgets} tokens"
+    )
 
     sides = [AgentrlSide(ckpt, samples, b) for b in budgets] + [TrlSide(ckpt, samples, a.micro_batch, tmp)]
     for side in sides:  # warm-up (allocator, AdamW state), not counted
@@ -219,20 +255,32 @@ def main() -> None:
     names = [s.name for s in sides]
     rates: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[:-1]}
-    print("rep " + " ".join(f"{n + ' tok/s':>22}" for n in names) + " " + " ".join(f"{'ratio@' + str(b):>11}"
-                                                                                    for b in budgets))
+    print(
+        "rep "
+        + " ".join(f"{n + ' tok/s':>22}" for n in names)
+        + " "
+        + " ".join(f"{'ratio@' + str(b):>11}" for b in budgets)
+    )
     for r in range(a.reps):
         order = sides if r % 2 == 0 else sides[::-1]  # A,B then B,A: neither side always runs first
         for side in order:
             rates[side.name].append(tokens / side.step())
         for n in ratios:
             ratios[n].append(rates[n][-1] / rates["TRL"][-1])
-        print(f"{r:>3} " + " ".join(f"{rates[n][-1]:>22.1f}" for n in names) + " "
-              + " ".join(f"{ratios[n][-1]:>11.2f}" for n in ratios), flush=True)
+        print(
+            f"{r:>3} "
+            + " ".join(f"{rates[n][-1]:>22.1f}" for n in names)
+            + " "
+            + " ".join(f"{ratios[n][-1]:>11.2f}" for n in ratios),
+            flush=True,
+        )
     for b, n in zip(budgets, ratios):
-        print(f"P4 train tokens/s (agentrl torch, {b}-token micro-batches / TRL GRPOTrainer, micro-batch "
-              f"{a.micro_batch}), median of {a.reps}: {statistics.median(ratios[n]):.2f}  (goal >= 1.5)")
+        print(
+            f"P4 train tokens/s (agentrl torch, {b}-token micro-batches / TRL GRPOTrainer, micro-batch "
+            f"{a.micro_batch}), median of {a.reps}: {statistics.median(ratios[n]):.2f}  (goal >= 1.5)"
+        )
     shutil.rmtree(tmp, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

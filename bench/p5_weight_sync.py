@@ -98,10 +98,17 @@ def main() -> None:
             continue
         pairs = [(baseline(), fn()) for _ in range(a.reps)]
         results[name] = statistics.median(b / t for b, t in pairs)
-        print(f"{name:14s} " + "  ".join(f"{nbytes / t / 1e9:5.2f}" for _, t in pairs) + " GB/s   copy "
-              + "  ".join(f"{nbytes / b / 1e9:5.2f}" for b, _ in pairs) + " GB/s")
-    print(f"P5 weight sync / in-memory copy, median of {a.reps} (goal >= 0.5): "
-          + "   ".join(f"{k} {v:.3f}" for k, v in results.items()))
+        print(
+            f"{name:14s} "
+            + "  ".join(f"{nbytes / t / 1e9:5.2f}" for _, t in pairs)
+            + " GB/s   copy "
+            + "  ".join(f"{nbytes / b / 1e9:5.2f}" for b, _ in pairs)
+            + " GB/s"
+        )
+    print(
+        f"P5 weight sync / in-memory copy, median of {a.reps} (goal >= 0.5): "
+        + "   ".join(f"{k} {v:.3f}" for k, v in results.items())
+    )
     trainers.shutdown()
     engines.shutdown()
     ray.shutdown()

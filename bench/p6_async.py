@@ -83,11 +83,20 @@ def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_m
 
     n = a.rollout_batch_size * a.n_samples_per_prompt
     cfg = RunConfig(
-        env=f"{Path(__file__).resolve()}:SleepEnv", prompt_data=str(tasks), hf_checkpoint=str(ckpt),
-        num_rollout=a.num_rollout, rollout_batch_size=a.rollout_batch_size, save=str(save), async_mode=async_mode,
+        env=f"{Path(__file__).resolve()}:SleepEnv",
+        prompt_data=str(tasks),
+        hf_checkpoint=str(ckpt),
+        num_rollout=a.num_rollout,
+        rollout_batch_size=a.rollout_batch_size,
+        save=str(save),
+        async_mode=async_mode,
         dump_rollouts=False,
-        rollout=RolloutConfig(n_samples_per_prompt=a.n_samples_per_prompt, max_turns=a.turns,
-                              rollout_max_response_len=a.max_response_len, rollout_seed=7),
+        rollout=RolloutConfig(
+            n_samples_per_prompt=a.n_samples_per_prompt,
+            max_turns=a.turns,
+            rollout_max_response_len=a.max_response_len,
+            rollout_seed=7,
+        ),
         train=TrainConfig(lr=1e-5, global_batch_size=n, seed=7, max_tokens_per_gpu=a.max_tokens_per_gpu),
     )
     summary = train(cfg)
@@ -96,9 +105,14 @@ def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_m
     def med(key: str) -> float:
         return statistics.median(float(x.get(key) or 0.0) for x in lines)
 
-    return {"wall": float(summary["wall_seconds"]), "rollout": med("rollout_seconds"),
-            "train": med("step_train_seconds"), "sync": med("weight_sync_seconds"),
-            "stale": sum(int(x.get("dropped_stale") or 0) for x in lines), "steps": len(lines)}
+    return {
+        "wall": float(summary["wall_seconds"]),
+        "rollout": med("rollout_seconds"),
+        "train": med("step_train_seconds"),
+        "sync": med("weight_sync_seconds"),
+        "stale": sum(int(x.get("dropped_stale") or 0) for x in lines),
+        "steps": len(lines),
+    }
 
 
 def main() -> None:
@@ -120,24 +134,34 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="p6_"))
     ckpt = build_model(tmp / "model", hidden_size=a.hidden, num_layers=a.layers)
     tasks = write_tasks(tmp / "tasks.jsonl", a.turns)
-    print(f"tiny Llama hidden {a.hidden} x {a.layers} layers; {a.num_rollout} steps of "
-          f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s")
+    print(
+        f"tiny Llama hidden {a.hidden} x {a.layers} layers; {a.num_rollout} steps of "
+        f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s"
+    )
     ratios = []
     for r in range(a.reps):
         res = {}
-        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+        for mode in (False, True) if r % 2 == 0 else (True, False):
             res[mode] = x = run_once(a, ckpt, tasks, tmp / f"run{r}_{'async' if mode else 'sync'}", mode)
-            print(f"rep {r} {'async' if mode else 'sync '}: wall {x['wall']:.1f}s over {x['steps']} steps; per step "
-                  f"(median) rollout {x['rollout']:.2f}s, train {x['train']:.2f}s, weight sync {x['sync']:.2f}s; "
-                  f"stale samples dropped {x['stale']}", flush=True)
+            print(
+                f"rep {r} {'async' if mode else 'sync '}: wall {x['wall']:.1f}s over {x['steps']} steps; per step "
+                f"(median) rollout {x['rollout']:.2f}s, train {x['train']:.2f}s, weight sync {x['sync']:.2f}s; "
+                f"stale samples dropped {x['stale']}",
+                flush=True,
+            )
         ratios.append(res[False]["wall"] / res[True]["wall"])
         x = res[True]
         ideal = x["rollout"] + (a.num_rollout - 1) * max(x["rollout"], x["train"] + x["sync"]) + x["train"]
-        print(f"rep {r}: sync/async wall = {ratios[-1]:.2f}; perfect overlap of the async run's own rollout and "
-              f"train times would take {ideal:.1f}s (it took {x['wall']:.1f}s)", flush=True)
+        print(
+            f"rep {r}: sync/async wall = {ratios[-1]:.2f}; perfect overlap of the async run's own rollout and "
+            f"train times would take {ideal:.1f}s (it took {x['wall']:.1f}s)",
+            flush=True,
+        )
     bound = 2 * a.num_rollout / (a.num_rollout + 1)
-    print(f"P6 wall time (sync / async), median of {a.reps}: {statistics.median(ratios):.2f}  (goal >= 1.6; "
-          f"perfect overlap of equal rollout and train times would give {bound:.2f})")
+    print(
+        f"P6 wall time (sync / async), median of {a.reps}: {statistics.median(ratios):.2f}  (goal >= 1.6; "
+        f"perfect overlap of equal rollout and train times would give {bound:.2f})"
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -92,8 +92,10 @@ async def bench(backends: list[str], reps: int) -> None:
         made = time.perf_counter() - t0
         t0 = time.perf_counter()
         await boxes[name].reset()
-        print(f"{name:10s} create {made * 1000:7.1f} ms, reset {(time.perf_counter() - t0) * 1000:6.1f} ms "
-              f"[{boxes[name].isolation}]")
+        print(
+            f"{name:10s} create {made * 1000:7.1f} ms, reset {(time.perf_counter() - t0) * 1000:6.1f} ms "
+            f"[{boxes[name].isolation}]"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="p7-"))
     times: dict[tuple[str, str], list[float]] = {}
     try:
@@ -111,24 +113,38 @@ async def bench(backends: list[str], reps: int) -> None:
             await sb.close()
     ms = {k: statistics.median(v) * 1000 for k, v in times.items()}
     # the median of per-repetition ratios (each pair measured back to back), as the other bench/ scripts report
-    ratio = {(name, op): statistics.median(s / b for s, b in zip(times[name, op], times["baseline", op]))
-             for name in boxes for op in ops}
+    ratio = {
+        (name, op): statistics.median(s / b for s, b in zip(times[name, op], times["baseline", op]))
+        for name in boxes
+        for op in ops
+    }
     print(f"\nmedian ms per call over {reps} reps (median ratio to the subprocess.run baseline):")
     print(f"{'':10s}" + "".join(f"{op:>26s}" for op in ops))
     for name in ["baseline", *boxes]:
-        cells = [f"{ms[name, op]:8.2f} ms" + (f" (x{ratio[name, op]:6.1f})" if name != "baseline" else " " * 10)
-                 for op in ops]
+        cells = [
+            f"{ms[name, op]:8.2f} ms" + (f" (x{ratio[name, op]:6.1f})" if name != "baseline" else " " * 10)
+            for op in ops
+        ]
         print(f"{name:10s}" + "".join(f"{c:>26s}" for c in cells))
-    print("P7 sandbox cost per call / subprocess.run: " + "   ".join(
-        f"{name} true x{ratio[name, 'true']:.1f}, python x{ratio[name, 'python3 -c pass']:.1f}, "
-        f"1 MB x{ratio[name, '1 MB round trip']:.1f}" for name in boxes))
+    print(
+        "P7 sandbox cost per call / subprocess.run: "
+        + "   ".join(
+            f"{name} true x{ratio[name, 'true']:.1f}, python x{ratio[name, 'python3 -c pass']:.1f}, "
+            f"1 MB x{ratio[name, '1 MB round trip']:.1f}"
+            for name in boxes
+        )
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--backend", action="append", choices=["docker", "bubblewrap", "process"],
-                    help="backend to measure (repeatable; default: every one available here)")
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=["docker", "bubblewrap", "process"],
+        help="backend to measure (repeatable; default: every one available here)",
+    )
     a = ap.parse_args()
     logging.getLogger("agentrl.sandbox").setLevel(logging.ERROR)  # the process backend's warning is known here
     backends = []

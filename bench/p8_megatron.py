@@ -58,13 +58,16 @@ def main() -> None:
         ckpt = Path(resolve_hf_checkpoint(None))
     samples = make_samples(a.samples, AutoConfig.from_pretrained(str(ckpt)).vocab_size)
     tokens = sum(len(s.tokens) for s in samples)
-    cfg = TrainConfig(lr=1e-6, global_batch_size=a.samples, max_tokens_per_gpu=a.max_tokens_per_gpu, dtype="float32",
-                      clip_grad=1.0)
+    cfg = TrainConfig(
+        lr=1e-6, global_batch_size=a.samples, max_tokens_per_gpu=a.max_tokens_per_gpu, dtype="float32", clip_grad=1.0
+    )
     sides = {"megatron": MegatronTrainer(ckpt, cfg, device="cpu"), "torch": TorchTrainer(ckpt, cfg, device="cpu")}
     lp = {n: [x for row in t.compute_log_probs(samples, ref=False).old for x in row] for n, t in sides.items()}
     delta = max(abs(x - y) for x, y in zip(lp["megatron"], lp["torch"]))
-    print(f"model {ckpt}, torch threads {torch.get_num_threads()}, {a.samples} samples, {tokens} tokens, "
-          f"budget {a.max_tokens_per_gpu}; max |delta log-prob| megatron vs torch: {delta:.2e}")
+    print(
+        f"model {ckpt}, torch threads {torch.get_num_threads()}, {a.samples} samples, {tokens} tokens, "
+        f"budget {a.max_tokens_per_gpu}; max |delta log-prob| megatron vs torch: {delta:.2e}"
+    )
 
     def step(name: str) -> float:
         t0 = time.perf_counter()
@@ -78,8 +81,11 @@ def main() -> None:
         order = ["megatron", "torch"] if r % 2 == 0 else ["torch", "megatron"]
         secs = {n: step(n) for n in order}
         ratios.append(secs["torch"] / secs["megatron"])
-        print(f"rep {r}: megatron {tokens / secs['megatron']:.0f} tok/s, torch {tokens / secs['torch']:.0f} tok/s, "
-              f"ratio {ratios[-1]:.2f}", flush=True)
+        print(
+            f"rep {r}: megatron {tokens / secs['megatron']:.0f} tok/s, torch {tokens / secs['torch']:.0f} tok/s, "
+            f"ratio {ratios[-1]:.2f}",
+            flush=True,
+        )
     print(f"P8 train tokens/s megatron / torch, median of {a.reps}: {statistics.median(ratios):.2f}")
     sides["megatron"].close()
 

@@ -58,7 +58,9 @@ def _marked_template() -> str:
     src = BUILTIN_TOOL_TEMPLATE
     assert src.count(head) == 1 and src.count(tail) == 1, "the built-in template changed: update the markers"
     src = src.replace(head, "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- (message['content'] or '') }}")
-    return src.replace(tail, "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n{%- elif message['role'] == 'tool' %}")
+    return src.replace(
+        tail, "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n{%- elif message['role'] == 'tool' %}"
+    )
 
 
 def conversations(n: int, out_dir: str) -> list[dict]:
@@ -85,11 +87,27 @@ class AgentrlSide:
         self.name = f"agentrl@{max_tokens}"
         template = ChatTemplate(AutoTokenizer.from_pretrained(str(ckpt)))
         demos, _ = conversation_samples([(f"row {i}", r) for i, r in enumerate(rows)], template)
-        self.samples = [TrainSample(tokens=s.tokens, response_length=s.response_length, loss_mask=s.loss_mask,
-                                    advantages=[0.0] * s.response_length) for s in demos]
-        cfg = TrainConfig(loss_type="sft_loss", lr=LR, global_batch_size=len(rows), num_steps_per_rollout=1,
-                          max_tokens_per_gpu=max_tokens, dtype="float32", gradient_checkpointing=False,
-                          clip_grad=1.0, weight_decay=0.0, calculate_per_token_loss=True)
+        self.samples = [
+            TrainSample(
+                tokens=s.tokens,
+                response_length=s.response_length,
+                loss_mask=s.loss_mask,
+                advantages=[0.0] * s.response_length,
+            )
+            for s in demos
+        ]
+        cfg = TrainConfig(
+            loss_type="sft_loss",
+            lr=LR,
+            global_batch_size=len(rows),
+            num_steps_per_rollout=1,
+            max_tokens_per_gpu=max_tokens,
+            dtype="float32",
+            gradient_checkpointing=False,
+            clip_grad=1.0,
+            weight_decay=0.0,
+            calculate_per_token_loss=True,
+        )
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
         self.lengths = sorted(len(s.tokens) for s in self.samples)
         self.trained = sum(sum(s.loss_mask) for s in self.samples)
@@ -116,11 +134,28 @@ class TrlSide:
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         tok.chat_template = _marked_template()
         args = SFTConfig(
-            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
-            per_device_train_batch_size=micro_batch, gradient_accumulation_steps=self.accum, assistant_only_loss=True,
-            max_length=None, learning_rate=LR, adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.0, max_grad_norm=1.0,
-            optim="adamw_torch", lr_scheduler_type="constant", save_strategy="no", logging_steps=10**9, seed=0,
-            dataloader_drop_last=False)
+            output_dir=out_dir,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            report_to=[],
+            per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=self.accum,
+            assistant_only_loss=True,
+            max_length=None,
+            learning_rate=LR,
+            adam_beta1=0.9,
+            adam_beta2=0.98,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            lr_scheduler_type="constant",
+            save_strategy="no",
+            logging_steps=10**9,
+            seed=0,
+            dataloader_drop_last=False,
+        )
         model = load_causal_lm(ckpt, torch.float32, torch.device("cpu"))
         data = Dataset.from_list([{"messages": r["messages"], "tools": json.dumps(r["tools"])} for r in rows])
         with warnings.catch_warnings():
@@ -197,8 +232,10 @@ def main() -> None:
         sides = [AgentrlSide(ckpt, rows, a.max_tokens_per_gpu), TrlSide(ckpt, rows, a.micro_batch, tmp)]
         ours, trl = sides
         tokens = sum(ours.lengths)
-        print(f"model {ckpt}, torch threads {torch.get_num_threads()}; {len(rows)} conversations/step, {tokens} tokens "
-              f"({ours.trained} assistant tokens trained); TRL: {sum(trl.lengths)} tokens ({trl.trained} trained)")
+        print(
+            f"model {ckpt}, torch threads {torch.get_num_threads()}; {len(rows)} conversations/step, {tokens} tokens "
+            f"({ours.trained} assistant tokens trained); TRL: {sum(trl.lengths)} tokens ({trl.trained} trained)"
+        )
         extra = [t - o for o, t in zip(ours.lengths, trl.lengths)]
         if ours.trained != trl.trained or any(d not in (0, 1) for d in extra):
             print("WARNING: the two sides do not train the same tokens; the ratio compares different work")
@@ -208,23 +245,38 @@ def main() -> None:
             print(f"warm-up {side.name}: {side.step():.2f}s", flush=True)
         ratios, rates = [], {s.name: [] for s in sides}
         for r in range(a.reps):
-            for side in (sides if r % 2 == 0 else sides[::-1]):
+            for side in sides if r % 2 == 0 else sides[::-1]:
                 rates[side.name].append(tokens / side.step())
             ratios.append(rates[ours.name][-1] / rates["TRL"][-1])
-            print(f"rep {r}: agentrl {rates[ours.name][-1]:.1f} tok/s, TRL {rates['TRL'][-1]:.1f} tok/s, "
-                  f"ratio {ratios[-1]:.2f}", flush=True)
+            print(
+                f"rep {r}: agentrl {rates[ours.name][-1]:.1f} tok/s, TRL {rates['TRL'][-1]:.1f} tok/s, "
+                f"ratio {ratios[-1]:.2f}",
+                flush=True,
+            )
         del sides, ours, trl
         peaks = {}
         for name in ("agentrl", "TRL"):
-            cmd = [sys.executable, __file__, "--memory-only", name, "--conversations", str(a.conversations),
-                   "--micro-batch", str(a.micro_batch), "--max-tokens-per-gpu", str(a.max_tokens_per_gpu)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--memory-only",
+                name,
+                "--conversations",
+                str(a.conversations),
+                "--micro-batch",
+                str(a.micro_batch),
+                "--max-tokens-per-gpu",
+                str(a.max_tokens_per_gpu),
+            ]
             cmd += ["--hf-checkpoint", str(ckpt)] + (["--threads", str(a.threads)] if a.threads else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             peaks[name] = json.loads(out)["peak_rss_mb"]
-        print(f"P9 SFT train tokens/s (agentrl torch, {a.max_tokens_per_gpu}-token packed micro-batches / TRL "
-              f"SFTTrainer, micro-batch {a.micro_batch}), median of {a.reps}: {statistics.median(ratios):.2f} "
-              f"(range {min(ratios):.2f}-{max(ratios):.2f}; goal >= 1.5); peak RSS agentrl {peaks['agentrl']:.0f} MB, "
-              f"TRL {peaks['TRL']:.0f} MB")
+        print(
+            f"P9 SFT train tokens/s (agentrl torch, {a.max_tokens_per_gpu}-token packed micro-batches / TRL "
+            f"SFTTrainer, micro-batch {a.micro_batch}), median of {a.reps}: {statistics.median(ratios):.2f} "
+            f"(range {min(ratios):.2f}-{max(ratios):.2f}; goal >= 1.5); peak RSS agentrl {peaks['agentrl']:.0f} MB, "
+            f"TRL {peaks['TRL']:.0f} MB"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

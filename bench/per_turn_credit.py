@@ -68,10 +68,14 @@ def plot(results: dict[str, dict], title: str, png: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for arm, r in results.items():
-        curves = list(r["curves"].values())                                   # [seeds][steps]
+        curves = list(r["curves"].values())  # [seeds][steps]
         xs = range(1, len(r["mean"]) + 1)
-        line, = ax.plot(xs, r["mean"], marker="o" if len(r["mean"]) < 3 else None, label=f"{arm} (final {r['final']:.3f})")
-        ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)], color=line.get_color(), alpha=0.2)
+        (line,) = ax.plot(
+            xs, r["mean"], marker="o" if len(r["mean"]) < 3 else None, label=f"{arm} (final {r['final']:.3f})"
+        )
+        ax.fill_between(
+            xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)], color=line.get_color(), alpha=0.2
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward_mean (episode reward)")
     ax.set_title(title)
@@ -97,8 +101,10 @@ def main() -> None:
     p.add_argument("--max-response-len", type=int, default=48, help="tokens per turn")
     p.add_argument("--last", type=int, default=5, help="steps averaged into 'final'")
     a = p.parse_args()
-    warm_steps, warm_lr, lr = (given if given is not None else default
-                               for given, default in zip((a.warm_steps, a.warm_lr, a.lr), DEFAULTS[a.model]))
+    warm_steps, warm_lr, lr = (
+        given if given is not None else default
+        for given, default in zip((a.warm_steps, a.warm_lr, a.lr), DEFAULTS[a.model])
+    )
     out = Path(a.out) if Path(a.out).is_absolute() else REPO / a.out
     out.mkdir(parents=True, exist_ok=True)
     warm = out / "warm"
@@ -110,37 +116,92 @@ def main() -> None:
 
             base = ["--hf-checkpoint", str(build_model(out / "tiny_model"))]
         shutil.rmtree(warm, ignore_errors=True)
-        seconds["warm"] = agentrl("sft", *ENV, *base, "--demo-policy", "envs.wordle:solver_policy",
-                                  "--demo-min-reward", "0.5", "--num-rollout", str(warm_steps),
-                                  "--global-batch-size", str(a.warm_batch), "--lr", str(warm_lr), "--save", str(warm))
+        seconds["warm"] = agentrl(
+            "sft",
+            *ENV,
+            *base,
+            "--demo-policy",
+            "envs.wordle:solver_policy",
+            "--demo-min-reward",
+            "0.5",
+            "--num-rollout",
+            str(warm_steps),
+            "--global-batch-size",
+            str(a.warm_batch),
+            "--lr",
+            str(warm_lr),
+            "--save",
+            str(warm),
+        )
     seeds = [int(s) for s in a.seeds.split(",")]
     results: dict[str, dict] = {arm: {"curves": {}, "seconds": {}} for arm in ARMS}
     for seed in seeds:  # interleaved (outcome, per_turn, outcome, ...): machine noise hits both arms alike
         for arm, flags in ARMS.items():
             run = out / f"{arm}_s{seed}"
             shutil.rmtree(run, ignore_errors=True)
-            results[arm]["seconds"][seed] = round(agentrl(
-                "train", *ENV, "--hf-checkpoint", str(warm), "--seed", str(seed), "--rollout-seed", str(seed),
-                "--num-rollout", str(a.steps), "--rollout-batch-size", str(a.prompts),
-                "--n-samples-per-prompt", str(a.samples), "--global-batch-size", str(a.prompts * a.samples),
-                "--lr", str(lr), "--gamma", str(a.gamma), "--rollout-max-response-len", str(a.max_response_len),
-                "--save", str(run), *flags), 1)
+            results[arm]["seconds"][seed] = round(
+                agentrl(
+                    "train",
+                    *ENV,
+                    "--hf-checkpoint",
+                    str(warm),
+                    "--seed",
+                    str(seed),
+                    "--rollout-seed",
+                    str(seed),
+                    "--num-rollout",
+                    str(a.steps),
+                    "--rollout-batch-size",
+                    str(a.prompts),
+                    "--n-samples-per-prompt",
+                    str(a.samples),
+                    "--global-batch-size",
+                    str(a.prompts * a.samples),
+                    "--lr",
+                    str(lr),
+                    "--gamma",
+                    str(a.gamma),
+                    "--rollout-max-response-len",
+                    str(a.max_response_len),
+                    "--save",
+                    str(run),
+                    *flags,
+                ),
+                1,
+            )
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
             results[arm]["curves"][seed] = [r["reward_mean"] for r in sorted(rows, key=lambda r: r["step"])]
     for r in results.values():
-        curves = list(r["curves"].values())                                   # [seeds][steps]
+        curves = list(r["curves"].values())  # [seeds][steps]
         r["mean"] = [sum(c) / len(c) for c in zip(*curves)]
-        r["final"] = sum(r["mean"][-a.last:]) / len(r["mean"][-a.last:])
-    summary = {"model": a.model, "seeds": seeds, "steps": a.steps, "prompts": a.prompts, "samples": a.samples,
-               "warm_steps": warm_steps, "warm_lr": warm_lr, "lr": lr, "gamma": a.gamma, "last": a.last,
-               "warm_seconds": round(seconds["warm"], 1) if "warm" in seconds else None, "arms": results}
+        r["final"] = sum(r["mean"][-a.last :]) / len(r["mean"][-a.last :])
+    summary = {
+        "model": a.model,
+        "seeds": seeds,
+        "steps": a.steps,
+        "prompts": a.prompts,
+        "samples": a.samples,
+        "warm_steps": warm_steps,
+        "warm_lr": warm_lr,
+        "lr": lr,
+        "gamma": a.gamma,
+        "last": a.last,
+        "warm_seconds": round(seconds["warm"], 1) if "warm" in seconds else None,
+        "arms": results,
+    }
     (out / "per_turn_credit.json").write_text(json.dumps(summary, indent=2))
-    plot(results, f"Wordle, {a.model} model: {len(seeds)} seeds x {a.prompts}x{a.samples} samples/step", out / "per_turn_credit.png")
+    plot(
+        results,
+        f"Wordle, {a.model} model: {len(seeds)} seeds x {a.prompts}x{a.samples} samples/step",
+        out / "per_turn_credit.png",
+    )
     print(f"\n{'arm':<10} {'first':>7} {'final':>7} {'min..max final per seed':>24} {'s/run':>7}")
     for arm, r in results.items():
-        per_seed = [sum(c[-a.last:]) / len(c[-a.last:]) for c in r["curves"].values()]
-        print(f"{arm:<10} {r['mean'][0]:7.3f} {r['final']:7.3f} {min(per_seed):11.3f}..{max(per_seed):<12.3f}"
-              f" {sum(r['seconds'].values()) / len(seeds):7.1f}")
+        per_seed = [sum(c[-a.last :]) / len(c[-a.last :]) for c in r["curves"].values()]
+        print(
+            f"{arm:<10} {r['mean'][0]:7.3f} {r['final']:7.3f} {min(per_seed):11.3f}..{max(per_seed):<12.3f}"
+            f" {sum(r['seconds'].values()) / len(seeds):7.1f}"
+        )
     print(f"wrote {out / 'per_turn_credit.json'} and {out / 'per_turn_credit.png'}")
 
 

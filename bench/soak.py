@@ -96,12 +96,23 @@ def child(a: argparse.Namespace) -> None:
     ckpt = build_model(Path(a.workdir) / "tiny", mean_turn_tokens=10.0)
     hostile = a.mode == "soak"
     tasks = [{"prompt": f"task {i}", "kind": kind(i, hostile), "i": i} for i in range(a.episodes)]
-    with local_server(ckpt, api_key="soak-key", extra_args=["--max-running-requests", "64"],
-                      log_path=Path(a.workdir) / f"engine-{a.mode}.log") as url:
-        cfg = RolloutConfig(max_turns=3, rollout_concurrency=a.concurrency, rollout_max_response_len=200,
-                            env_step_timeout=a.step_timeout)
-        ctx = EpisodeContext(engine=SGLangEngine(url, api_key="soak-key"),
-                             template=ChatTemplate(AutoTokenizer.from_pretrained(ckpt)), config=cfg)
+    with local_server(
+        ckpt,
+        api_key="soak-key",
+        extra_args=["--max-running-requests", "64"],
+        log_path=Path(a.workdir) / f"engine-{a.mode}.log",
+    ) as url:
+        cfg = RolloutConfig(
+            max_turns=3,
+            rollout_concurrency=a.concurrency,
+            rollout_max_response_len=200,
+            env_step_timeout=a.step_timeout,
+        )
+        ctx = EpisodeContext(
+            engine=SGLangEngine(url, api_key="soak-key"),
+            template=ChatTemplate(AutoTokenizer.from_pretrained(ckpt)),
+            config=cfg,
+        )
 
         async def run():
             t = time.perf_counter()
@@ -116,10 +127,15 @@ def child(a: argparse.Namespace) -> None:
         r = reasons.setdefault(task["kind"], {})
         key = f"{s.status.value}/{s.metadata.get('status_reason')}"
         r[key] = r.get(key, 0) + 1
-    out = {"mode": a.mode, "episodes": len(samples), "seconds": seconds, "by_kind": reasons,
-           "hung_threads": summary.hung_threads,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "engine_peak_rss_mb": engine_rss}
+    out = {
+        "mode": a.mode,
+        "episodes": len(samples),
+        "seconds": seconds,
+        "by_kind": reasons,
+        "hung_threads": summary.hung_threads,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "engine_peak_rss_mb": engine_rss,
+    }
     print("RESULT " + json.dumps(out), flush=True)
     print(f"LAST_SAMPLE_AT {time.time()}", flush=True)
 
@@ -133,8 +149,12 @@ def expected(episodes: int, hostile: bool) -> dict[str, int]:
 
 def check(res: dict, episodes: int, hostile: bool) -> list[str]:
     """What went wrong: every kind's episodes must end exactly as that kind should."""
-    want = {"ok": "completed/terminated", "raise": "failed/env_error", "hang": "failed/env_timeout",
-            "garbage": "failed/env_contract"}
+    want = {
+        "ok": "completed/terminated",
+        "raise": "failed/env_error",
+        "hang": "failed/env_timeout",
+        "garbage": "failed/env_contract",
+    }
     problems = []
     for k, n in expected(episodes, hostile).items():
         got = res["by_kind"].get(k, {})
@@ -160,10 +180,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for mode in ("baseline", "soak"):
             t0 = time.time()
-            proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--workdir", work, "--episodes",
-                                   str(a.episodes), "--concurrency", str(a.concurrency), "--step-timeout",
-                                   str(a.step_timeout)], capture_output=True, text=True, timeout=1800,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--mode",
+                    mode,
+                    "--workdir",
+                    work,
+                    "--episodes",
+                    str(a.episodes),
+                    "--concurrency",
+                    str(a.concurrency),
+                    "--step-timeout",
+                    str(a.step_timeout),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             exited = time.time()
             lines = proc.stdout.splitlines()
             res = next((json.loads(x[7:]) for x in lines if x.startswith("RESULT ")), None)
@@ -175,10 +211,14 @@ def main() -> None:
             res["problems"] = check(res, a.episodes, mode == "soak")
             results[mode] = res
     b, s = results["baseline"], results["soak"]
-    summary = {"results": results, "soak_over_baseline": {
-        "peak_rss": round(s["peak_rss_mb"] / b["peak_rss_mb"], 3),
-        "engine_peak_rss": round(s["engine_peak_rss_mb"] / b["engine_peak_rss_mb"], 3),
-        "rollout_seconds": round(s["seconds"] / b["seconds"], 3)}}
+    summary = {
+        "results": results,
+        "soak_over_baseline": {
+            "peak_rss": round(s["peak_rss_mb"] / b["peak_rss_mb"], 3),
+            "engine_peak_rss": round(s["engine_peak_rss_mb"] / b["engine_peak_rss_mb"], 3),
+            "rollout_seconds": round(s["seconds"] / b["seconds"], 3),
+        },
+    }
     print(json.dumps(summary, indent=2))
     bad = b["problems"] + s["problems"]
     if bad:

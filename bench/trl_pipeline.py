@@ -192,8 +192,7 @@ def sft_rows(results: list[Any]) -> list[dict]:
     return rows
 
 
-def train_sft(base: Path, results: list[Any], agentrl_samples: list[Any], cfg: dict, steps: int,
-              out: Path) -> dict:
+def train_sft(base: Path, results: list[Any], agentrl_samples: list[Any], cfg: dict, steps: int, out: Path) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -206,23 +205,51 @@ def train_sft(base: Path, results: list[Any], agentrl_samples: list[Any], cfg: d
     tok = AutoTokenizer.from_pretrained(str(base))
     tok.chat_template = _marked_template()
     args = SFTConfig(
-        output_dir=str(out / "trl_sft_work"), use_cpu=True, bf16=False, fp16=False, report_to=[], seed=SEED,
-        per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=batch // MICRO_BATCH, max_steps=steps,
-        learning_rate=float(cfg["lr"]), lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", assistant_only_loss=True, max_length=None,
-        save_strategy="no", logging_steps=1, dataloader_drop_last=False)
+        output_dir=str(out / "trl_sft_work"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to=[],
+        seed=SEED,
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=batch // MICRO_BATCH,
+        max_steps=steps,
+        learning_rate=float(cfg["lr"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        assistant_only_loss=True,
+        max_length=None,
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_drop_last=False,
+    )
     model = load_causal_lm(base, torch.float32, torch.device("cpu"))
     timer = StepTimer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(sft_rows(results)),
-                             processing_class=tok, callbacks=[timer])
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(sft_rows(results)),
+            processing_class=tok,
+            callbacks=[timer],
+        )
     ds = trainer.train_dataset
-    same = sum(ids[:len(s.tokens)] == list(s.tokens) and sum(1 for x in lab if x != -100) == sum(s.loss_mask)
-               for ids, lab, s in zip(ds["input_ids"], ds["labels"], agentrl_samples))
-    check = {"rows": len(ds), "rows_same_tokens_as_agentrl": same,
-             "trained_tokens": sum(sum(1 for x in lab if x != -100) for lab in ds["labels"]),
-             "agentrl_trained_tokens": sum(sum(s.loss_mask) for s in agentrl_samples)}
+    same = sum(
+        ids[: len(s.tokens)] == list(s.tokens) and sum(1 for x in lab if x != -100) == sum(s.loss_mask)
+        for ids, lab, s in zip(ds["input_ids"], ds["labels"], agentrl_samples)
+    )
+    check = {
+        "rows": len(ds),
+        "rows_same_tokens_as_agentrl": same,
+        "trained_tokens": sum(sum(1 for x in lab if x != -100) for lab in ds["labels"]),
+        "agentrl_trained_tokens": sum(sum(s.loss_mask) for s in agentrl_samples),
+    }
     if same != len(ds):
         print(f"WARNING: TRL's SFT rows differ from agentrl's demonstrations: {check}", file=sys.stderr)
     t1 = time.monotonic()
@@ -230,8 +257,14 @@ def train_sft(base: Path, results: list[Any], agentrl_samples: list[Any], cfg: d
     train_s = time.monotonic() - t1
     save_checkpoint(trainer.model, base, out / "trl_sft")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"seconds": round(time.monotonic() - t0, 1), "train_seconds": round(train_s, 1), "steps": steps,
-            "step_seconds": timer.seconds, "loss": losses, "token_check": check}
+    return {
+        "seconds": round(time.monotonic() - t0, 1),
+        "train_seconds": round(train_s, 1),
+        "steps": steps,
+        "step_seconds": timer.seconds,
+        "loss": losses,
+        "token_check": check,
+    }
 
 
 def _add_response_schema(tok: Any) -> str:
@@ -252,8 +285,10 @@ def tool_support_probe(base: Path) -> dict:
     from agentrl.chat import BUILTIN_TOOL_TEMPLATE
 
     tok = AutoTokenizer.from_pretrained(str(base))
-    probe: dict[str, Any] = {"native_template_supports_tool_calling": supports_tool_calling(tok),
-                             "add_response_schema_native": _add_response_schema(tok)}
+    probe: dict[str, Any] = {
+        "native_template_supports_tool_calling": supports_tool_calling(tok),
+        "add_response_schema_native": _add_response_schema(tok),
+    }
     try:  # what SFTTrainer(assistant_only_loss=True) does with a template without {% generation %} markers
         get_training_chat_template(tok)
         probe["sft_training_template_native"] = "ok"
@@ -283,7 +318,8 @@ def train_grpo(start: Path, base: Path, results: list[Any], cfg: dict, steps: in
     prompts = [r.messages[:2] for r in results]  # system + user, as the env's reset gives them
     trl_prompt = tok.apply_chat_template(prompts[0], tools=[calculator], add_generation_prompt=True, tokenize=False)
     agentrl_prompt = ChatTemplate(AutoTokenizer.from_pretrained(str(base))).render(
-        prompts[0], results[0].tools, add_generation_prompt=True)
+        prompts[0], results[0].tools, add_generation_prompt=True
+    )
     if trl_prompt != agentrl_prompt:
         print("WARNING: TRL renders a different prompt than agentrl's rollout", file=sys.stderr)
     group = int(cfg["n_samples_per_prompt"])  # micro-batch = one group: TRL needs batches divisible by it
@@ -291,32 +327,70 @@ def train_grpo(start: Path, base: Path, results: list[Any], cfg: dict, steps: in
     temperature = float(cfg.get("rollout_temperature", 1.0))
     max_turns, turn_len = int(cfg["max_turns"]), int(cfg["rollout_max_response_len"])
     args = GRPOConfig(
-        output_dir=str(out / "trl_grpo_work"), use_cpu=True, bf16=False, fp16=False, report_to=[], seed=SEED,
-        per_device_train_batch_size=group, gradient_accumulation_steps=per_step // group,
-        max_steps=steps, num_generations=int(cfg["n_samples_per_prompt"]), num_iterations=1,
-        learning_rate=float(cfg["lr"]), lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", beta=0.0, epsilon=0.2, loss_type="grpo",
-        scale_rewards="group", temperature=temperature, top_p=1.0, top_k=0,
+        output_dir=str(out / "trl_grpo_work"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to=[],
+        seed=SEED,
+        per_device_train_batch_size=group,
+        gradient_accumulation_steps=per_step // group,
+        max_steps=steps,
+        num_generations=int(cfg["n_samples_per_prompt"]),
+        num_iterations=1,
+        learning_rate=float(cfg["lr"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
         shuffle_dataset=bool(cfg.get("shuffle_prompts", True)),
-        max_completion_length=max_turns * turn_len, max_tool_calling_iterations=max_turns - 1,
-        save_strategy="no", logging_steps=1, log_completions=False)
+        max_completion_length=max_turns * turn_len,
+        max_tool_calling_iterations=max_turns - 1,
+        save_strategy="no",
+        logging_steps=1,
+        log_completions=False,
+    )
     model = load_causal_lm(start, torch.float32, torch.device("cpu"))
     data = Dataset.from_list([{"prompt": p, "label": r.task["label"]} for p, r in zip(prompts, results)])
     timer = StepTimer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=data,
-                              processing_class=tok, tools=[calculator], callbacks=[timer])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=exact_answer,
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            tools=[calculator],
+            callbacks=[timer],
+        )
     t1 = time.monotonic()
     trainer.train()
     train_s = time.monotonic() - t1
     save_checkpoint(trainer.model, base, out / "trl_grpo")
     keys = ("reward", "tools/call_frequency", "tools/failure_frequency", "completions/mean_length", "loss")
     log = [{k: round(h[k], 4) for k in keys if k in h} for h in trainer.state.log_history if "reward" in h]
-    return {"seconds": round(time.monotonic() - t0, 1), "train_seconds": round(train_s, 1), "steps": steps,
-            "step_seconds": timer.seconds, "tool_schema_same_as_agentrl": schema_same,
-            "prompt_same_as_agentrl": trl_prompt == agentrl_prompt, "samples_per_step": per_step,
-            "max_completion_length": max_turns * turn_len, "log": log}
+    return {
+        "seconds": round(time.monotonic() - t0, 1),
+        "train_seconds": round(train_s, 1),
+        "steps": steps,
+        "step_seconds": timer.seconds,
+        "tool_schema_same_as_agentrl": schema_same,
+        "prompt_same_as_agentrl": trl_prompt == agentrl_prompt,
+        "samples_per_step": per_step,
+        "max_completion_length": max_turns * turn_len,
+        "log": log,
+    }
 
 
 def evaluate(checkpoint: Path, out: Path, name: str, limit: int | None, threads: int | None) -> dict:
@@ -345,10 +419,16 @@ def main() -> None:
     sft_steps = a.sft_steps or int(sft_cfg["num_rollout"])
     rl_steps = a.rl_steps or int(grpo_cfg["num_rollout"])
     base = base_checkpoint(a.model, out)
-    print(f"model {base}, torch threads {torch.get_num_threads()}, SFT {sft_steps} steps, GRPO {rl_steps} steps",
-          flush=True)
-    summary: dict[str, Any] = {"model": str(base), "threads": torch.get_num_threads(), "limit": a.limit,
-                               "tool_support_probe": tool_support_probe(base)}
+    print(
+        f"model {base}, torch threads {torch.get_num_threads()}, SFT {sft_steps} steps, GRPO {rl_steps} steps",
+        flush=True,
+    )
+    summary: dict[str, Any] = {
+        "model": str(base),
+        "threads": torch.get_num_threads(),
+        "limit": a.limit,
+        "tool_support_probe": tool_support_probe(base),
+    }
     t = time.monotonic()
     results, samples = demonstrations(base, int(sft_cfg["max_turns"]))
     summary["demo_seconds"] = round(time.monotonic() - t, 1)
@@ -375,10 +455,14 @@ def main() -> None:
     print(f"\n{'checkpoint':<14} {'accuracy':>8} {'tool calls':>10} {'turns':>6} {'train s':>8} {'eval s':>7}")
     train_s = {"TRL SFT": summary["sft"]["train_seconds"], "TRL SFT+GRPO": summary["grpo"].get("train_seconds", "")}
     for name, r in summary["results"].items():
-        print(f"{name:<14} {r['accuracy']:>8.3f} {r['tool_call_rate']:>10.3f} {r['turns_mean']:>6.2f} "
-              f"{train_s.get(name, ''):>8} {r['seconds']:>7}")
-    print(f"SFT step seconds {summary['sft']['step_seconds']}; GRPO step seconds "
-          f"{summary['grpo'].get('step_seconds', summary['grpo'].get('error'))}; wrote {out / 'trl_pipeline.json'}")
+        print(
+            f"{name:<14} {r['accuracy']:>8.3f} {r['tool_call_rate']:>10.3f} {r['turns_mean']:>6.2f} "
+            f"{train_s.get(name, ''):>8} {r['seconds']:>7}"
+        )
+    print(
+        f"SFT step seconds {summary['sft']['step_seconds']}; GRPO step seconds "
+        f"{summary['grpo'].get('step_seconds', summary['grpo'].get('error'))}; wrote {out / 'trl_pipeline.json'}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,16 +31,20 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 BREVITY_WORDS = 60
 
 _TEMPLATES = [  # (problem, the expression that solves it)
-    ("A shop has {a} apples and receives {b} boxes of {c} apples each. How many apples does it have now?",
-     "{a} + {b} * {c}"),
-    ("A train travels {b} km per hour for {c} hours, then {a} km more. How many km did it travel?",
-     "{b} * {c} + {a}"),
-    ("Tom had {a} coins, spent {b} of them and then found {c} times as many as he spent. How many coins does he have?",
-     "{a} - {b} + {b} * {c}"),
-    ("A box holds {c} rows of {b} cans. {a} cans are taken out. How many cans are left?",
-     "{b} * {c} - {a}"),
-    ("There are {a} students in each of {b} classes, and {c} teachers. How many people are there in total?",
-     "{a} * {b} + {c}"),
+    (
+        "A shop has {a} apples and receives {b} boxes of {c} apples each. How many apples does it have now?",
+        "{a} + {b} * {c}",
+    ),
+    ("A train travels {b} km per hour for {c} hours, then {a} km more. How many km did it travel?", "{b} * {c} + {a}"),
+    (
+        "Tom had {a} coins, spent {b} of them and then found {c} times as many as he spent. How many coins does he have?",
+        "{a} - {b} + {b} * {c}",
+    ),
+    ("A box holds {c} rows of {b} cans. {a} cans are taken out. How many cans are left?", "{b} * {c} - {a}"),
+    (
+        "There are {a} students in each of {b} classes, and {c} teachers. How many people are there in total?",
+        "{a} * {b} + {c}",
+    ),
 ]
 
 
@@ -63,8 +67,9 @@ class Calculator(agentrl.ToolEnv):
             text, expr = _TEMPLATES[i % len(_TEMPLATES)]
             a, b, c = rng.randint(10, 99), rng.randint(2, 30), rng.randint(2, 30)
             expression = expr.format(a=a, b=b, c=c)
-            rows.append({"prompt": text.format(a=a, b=b, c=c), "label": str(evaluate(expression)),
-                         "expression": expression})
+            rows.append(
+                {"prompt": text.format(a=a, b=b, c=c), "label": str(evaluate(expression)), "expression": expression}
+            )
         return rows
 
     async def reset(self, *, seed=None, options=None):

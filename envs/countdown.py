@@ -141,6 +141,7 @@ def make_prompt(numbers: Sequence[int], target: int) -> str:
 
 # -- tasks ------------------------------------------------------------------------------------------
 
+
 def _combine(rng: random.Random, a: tuple[int, str], b: tuple[int, str]) -> tuple[int, str]:
     """One random positive-integer operation on two (value, expression) pairs."""
     (x, ex), (y, ey) = (a, b) if a[0] >= b[0] else (b, a)
@@ -166,6 +167,7 @@ def _make_task(rng: random.Random, k: int) -> dict[str, Any]:
 
 # -- scripted solver ------------------------------------------------------------------------------
 
+
 def solve(numbers: Sequence[int], target: int) -> str | None:
     """An expression over ``numbers`` equal to ``target`` with positive whole intermediates, or None.
 
@@ -185,7 +187,7 @@ def solve(numbers: Sequence[int], target: int) -> str | None:
         seen.add(key)
         for i in range(len(items)):
             for j in range(i + 1, len(items)):
-                rest = items[:i] + items[i + 1:j] + items[j + 1:]
+                rest = items[:i] + items[i + 1 : j] + items[j + 1 :]
                 for made in _results(items[i], items[j]):
                     found = search(rest + [made])
                     if found is not None:
@@ -240,8 +242,10 @@ def task_numbers(task: dict[str, Any]) -> tuple[list[int], int]:
         if any(str(p) != str(n).strip() for p, n in zip(parsed, numbers)) or str(int(target)) != str(target).strip():
             raise TypeError
     except (TypeError, ValueError):
-        raise ValueError("a Countdown task needs 'numbers' (a non-empty list of integers) and 'target' (an integer); "
-                         f"got numbers={numbers!r}, target={target!r} (row keys: {sorted(task)})") from None
+        raise ValueError(
+            "a Countdown task needs 'numbers' (a non-empty list of integers) and 'target' (an integer); "
+            f"got numbers={numbers!r}, target={target!r} (row keys: {sorted(task)})"
+        ) from None
     return parsed, int(target)
 
 
@@ -266,6 +270,9 @@ class Countdown(agentrl.Env):
 
     async def step(self, action: agentrl.Action):
         verdict = score(action.text, self.numbers, self.target)
-        info = {"correct": verdict.correct, "error": verdict.error,
-                "value": None if verdict.value is None else str(verdict.value)}
+        info = {
+            "correct": verdict.correct,
+            "error": verdict.error,
+            "value": None if verdict.value is None else str(verdict.value),
+        }
         return [], verdict.reward, True, False, info

@@ -29,8 +29,10 @@ class Digits(agentrl.Env):
     @staticmethod
     def tasks(n: int = 32, seed: int = 0) -> list[dict]:
         rng = random.Random(seed)
-        return [{"prompt": f"How many {rng.choice(_TOPICS)} are there? Answer with numbers only.", "label": None}
-                for _ in range(n)]
+        return [
+            {"prompt": f"How many {rng.choice(_TOPICS)} are there? Answer with numbers only.", "label": None}
+            for _ in range(n)
+        ]
 
     async def reset(self, *, seed=None, options=None):
         self.task = options or {}

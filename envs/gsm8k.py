@@ -55,8 +55,15 @@ def _read_split(split: str) -> tuple[dict[str, Any], ...]:
     with open(DATA / f"{split}.jsonl", encoding="utf-8") as f:
         for i, line in enumerate(f):
             row = json.loads(line)
-            rows.append({"prompt": row["question"], "label": reference_answer(row["answer"]),
-                         "answer": row["answer"], "split": split, "id": f"{split}-{i}"})
+            rows.append(
+                {
+                    "prompt": row["question"],
+                    "label": reference_answer(row["answer"]),
+                    "answer": row["answer"],
+                    "split": split,
+                    "id": f"{split}-{i}",
+                }
+            )
     return tuple(rows)
 
 
@@ -137,8 +144,18 @@ def write_conversations(split: str, output: str | Path, *, limit: int | None = N
         for r in results:
             if r.error is not None or r.reward < 1.0:
                 continue
-            f.write(json.dumps({"messages": _openai_messages(r.messages), "tools": tools, "label": r.task["label"],
-                                "id": r.task["id"]}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": _openai_messages(r.messages),
+                        "tools": tools,
+                        "label": r.task["label"],
+                        "id": r.task["id"],
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
             written += 1
     return {"played": len(results), "written": written}
 

@@ -44,7 +44,7 @@ _warned_weak = False
 
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-HARNESS = r'''
+HARNESS = r"""
 import json, os, signal, sys
 
 class TestTimeout(BaseException):
@@ -97,7 +97,7 @@ def main():
             emit({"i": i, "fail": describe(e)})
 
 main()
-'''
+"""
 """Runs in the sandbox as ``python3 -I harness.py``; reads ``{marker, entry_point, inputs, timeout}``
 on stdin (each input a JSON array of arguments) and prints one marked JSON line per test."""
 
@@ -133,7 +133,7 @@ def parse_results(stdout: str, marker: str, n: int) -> tuple[list[Any], str | No
         if not line.startswith(marker):
             continue
         try:
-            msg = json.loads(line[len(marker):])
+            msg = json.loads(line[len(marker) :])
             if not isinstance(msg, dict):
                 continue
             if "error" in msg:
@@ -151,8 +151,11 @@ def _warn_if_weak(isolation: str) -> None:
     global _warned_weak
     if isolation.startswith("process") and not _warned_weak:
         _warned_weak = True
-        log.warning("python_code: the %r sandbox lets a submission read the host's files, including the hidden "
-                    "tests in the task file; train with --sandbox docker or local (bubblewrap)", isolation)
+        log.warning(
+            "python_code: the %r sandbox lets a submission read the host's files, including the hidden "
+            "tests in the task file; train with --sandbox docker or local (bubblewrap)",
+            isolation,
+        )
 
 
 class PythonCode(agentrl.ToolEnv):
@@ -196,14 +199,23 @@ class PythonCode(agentrl.ToolEnv):
         _warn_if_weak(sandbox.isolation)
         await sandbox.reset()  # nothing the model left in the sandbox (files, interpreters) survives
         marker = f"@@result-{secrets.token_hex(16)}@@"
-        request = {"marker": marker, "entry_point": entry_point, "timeout": self.test_timeout,
-                   "inputs": [json.dumps(t["args"]) for t in tests]}
+        request = {
+            "marker": marker,
+            "entry_point": entry_point,
+            "timeout": self.test_timeout,
+            "inputs": [json.dumps(t["args"]) for t in tests],
+        }
         limit = min(self.max_total_timeout, self.test_timeout * (len(tests) + 1) + 5.0)
-        result = await sandbox.run(["python3", "-I", "harness.py"], stdin=json.dumps(request), timeout=limit,
-                                   files={"harness.py": HARNESS, "solution.py": code})
+        result = await sandbox.run(
+            ["python3", "-I", "harness.py"],
+            stdin=json.dumps(request),
+            timeout=limit,
+            files={"harness.py": HARNESS, "solution.py": code},
+        )
         results, error = parse_results(result.stdout, marker, len(tests))
-        passed = sum(1 for r, t in zip(results, tests)
-                     if r is not None and r[0] == "ok" and same_value(r[1], t["expected"]))
+        passed = sum(
+            1 for r, t in zip(results, tests) if r is not None and r[0] == "ok" and same_value(r[1], t["expected"])
+        )
         if error is None and result.timed_out and passed < len(tests):
             error = "the test run timed out"
         return passed, len(tests), error

@@ -102,29 +102,74 @@ class SearchQA(agentrl.ToolEnv):
 # Every invented word is used once in the whole corpus, and every answer value (year, name, number)
 # is unique, so an answer string occurs in exactly one document and an entity's name finds it.
 
-_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "th", "v",
-           "z", "qu"]
+_ONSETS = [
+    "b",
+    "br",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "kr",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "v",
+    "z",
+    "qu",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou"]
 _CODAS = ["", "", "n", "r", "l", "s", "th", "x", "m", "sk"]
-_REGIONS = ["the Ostrakan Highlands", "the Pale Coast", "the Merrow Basin", "the Sallow Marches", "the Tern Valley",
-            "the Cinder Plains", "the Hollin Forest", "the Vey Archipelago"]
+_REGIONS = [
+    "the Ostrakan Highlands",
+    "the Pale Coast",
+    "the Merrow Basin",
+    "the Sallow Marches",
+    "the Tern Valley",
+    "the Cinder Plains",
+    "the Hollin Forest",
+    "the Vey Archipelago",
+]
 _COLORS = ["blue", "amber", "green", "scarlet", "grey", "violet", "golden", "black", "white", "copper"]
 _GOODS = ["glass", "cheese", "rope", "lace", "honey", "pottery", "wool", "ink", "bells", "cider", "salt", "paper"]
 _PROFESSIONS = ["cartographer", "astronomer", "poet", "engineer", "botanist", "physician", "composer", "architect"]
 _ADJECTIVES = ["Silent", "Copper", "Winter", "Hollow", "Seventh", "Drowned", "Patient", "Iron", "Lantern", "Salt"]
 _NOUNS = ["Almanac", "Orchard", "Ledger", "Harbour", "Garden", "Atlas", "Chronicle", "Mirror", "Compass", "Choir"]
 _DEVICES = ["loom", "compass", "lamp", "pump", "clock", "kiln", "press", "lens", "bellows", "sextant"]
-_PURPOSES = ["measuring the tides", "weaving sailcloth", "lighting mine shafts", "draining flooded fields",
-             "keeping time at sea", "firing glazed tiles", "printing maps", "grinding spectacles",
-             "smelting tin", "finding the latitude"]
+_PURPOSES = [
+    "measuring the tides",
+    "weaving sailcloth",
+    "lighting mine shafts",
+    "draining flooded fields",
+    "keeping time at sea",
+    "firing glazed tiles",
+    "printing maps",
+    "grinding spectacles",
+    "smelting tin",
+    "finding the latitude",
+]
 
 TEMPLATES = {
-    "town": ("{name} is a town in {region}, on the banks of the river {river}. It was founded in {year} by "
-             "{founder}. About {population} people live there today, and the town is known for its {product}."),
-    "person": ("{name} (born {year} in the village of {village}) was a {profession}. {pronoun} is best remembered "
-               "for the book {work}, and received the {award}."),
-    "invention": ("The {name} is a device for {purpose}. It was invented by {inventor} in {year} and first shown "
-                  "in public in the city of {place}."),
+    "town": (
+        "{name} is a town in {region}, on the banks of the river {river}. It was founded in {year} by "
+        "{founder}. About {population} people live there today, and the town is known for its {product}."
+    ),
+    "person": (
+        "{name} (born {year} in the village of {village}) was a {profession}. {pronoun} is best remembered "
+        "for the book {work}, and received the {award}."
+    ),
+    "invention": (
+        "The {name} is a device for {purpose}. It was invented by {inventor} in {year} and first shown "
+        "in public in the city of {place}."
+    ),
 }
 
 QUESTIONS = {
@@ -167,8 +212,9 @@ def _unique(rng: random.Random, pool: list, n: int) -> list:
     return rng.sample(pool, n)
 
 
-def generate_world(seed: int = 0, towns: int = 60, people: int = 50, inventions: int = 40,
-                   questions: int = 200) -> tuple[list[dict], list[dict]]:
+def generate_world(
+    seed: int = 0, towns: int = 60, people: int = 50, inventions: int = 40, questions: int = 200
+) -> tuple[list[dict], list[dict]]:
     """``(documents, qa_rows)`` of a fictional world: documents ``{id, title, text}``, rows
     ``{prompt, label, doc_id, kind}``. Deterministic for a seed."""
     rng, words = random.Random(seed), _Words(random.Random(seed + 1))
@@ -180,26 +226,69 @@ def generate_world(seed: int = 0, towns: int = 60, people: int = 50, inventions:
     devices = iter(_unique(rng, device_kinds, inventions))
     entities: list[tuple[str, dict]] = []
     for _ in range(towns):
-        entities.append(("town", {
-            "name": words.word(), "region": rng.choice(_REGIONS), "river": words.word(), "year": next(years),
-            "founder": words.name(), "population": f"{next(populations):,}", "product": next(products)}))
+        entities.append(
+            (
+                "town",
+                {
+                    "name": words.word(),
+                    "region": rng.choice(_REGIONS),
+                    "river": words.word(),
+                    "year": next(years),
+                    "founder": words.name(),
+                    "population": f"{next(populations):,}",
+                    "product": next(products),
+                },
+            )
+        )
     for _ in range(people):
-        entities.append(("person", {
-            "name": words.name(), "year": next(years), "village": words.word(), "profession": rng.choice(_PROFESSIONS),
-            "pronoun": rng.choice(["She", "He"]), "work": next(works), "award": f"{words.word()} Medal"}))
+        entities.append(
+            (
+                "person",
+                {
+                    "name": words.name(),
+                    "year": next(years),
+                    "village": words.word(),
+                    "profession": rng.choice(_PROFESSIONS),
+                    "pronoun": rng.choice(["She", "He"]),
+                    "work": next(works),
+                    "award": f"{words.word()} Medal",
+                },
+            )
+        )
     for _ in range(inventions):
         device, purpose = next(devices)
-        entities.append(("invention", {
-            "name": f"{words.word()} {device}", "purpose": purpose, "inventor": words.name(), "year": next(years),
-            "place": words.word()}))
+        entities.append(
+            (
+                "invention",
+                {
+                    "name": f"{words.word()} {device}",
+                    "purpose": purpose,
+                    "inventor": words.name(),
+                    "year": next(years),
+                    "place": words.word(),
+                },
+            )
+        )
     docs, facts = [], []
     for i, (kind, f) in enumerate(entities):
         doc_id = f"{kind[0]}{i:03d}"
-        docs.append({"id": doc_id, "title": f["name"] if kind != "invention" else f"The {f['name']}",
-                     "text": TEMPLATES[kind].format(**f)})
+        docs.append(
+            {
+                "id": doc_id,
+                "title": f["name"] if kind != "invention" else f"The {f['name']}",
+                "text": TEMPLATES[kind].format(**f),
+            }
+        )
         facts += [(q, doc_id, f) for q, (k, _, _) in QUESTIONS.items() if k == kind]
-    rows = [{"prompt": QUESTIONS[q][1].format(name=f["name"]), "label": str(f[QUESTIONS[q][2]]), "doc_id": doc_id,
-             "kind": q} for q, doc_id, f in _unique(rng, facts, questions)]
+    rows = [
+        {
+            "prompt": QUESTIONS[q][1].format(name=f["name"]),
+            "label": str(f[QUESTIONS[q][2]]),
+            "doc_id": doc_id,
+            "kind": q,
+        }
+        for q, doc_id, f in _unique(rng, facts, questions)
+    ]
     return docs, rows
 
 

@@ -123,7 +123,9 @@ class Wordle(agentrl.Env):
         self.task = dict(options or {})
         secret = str(self.task.get("label") or "").strip().lower()
         if len(secret) != 5 or not secret.isascii() or not secret.isalpha():
-            raise ValueError(f"a Wordle task's 'label' must be the secret 5-letter word, got {self.task.get('label')!r}")
+            raise ValueError(
+                f"a Wordle task's 'label' must be the secret 5-letter word, got {self.task.get('label')!r}"
+            )
         self.secret = secret
         self.allowed = self.allowed | {secret}
         self.guesses = 0
@@ -135,8 +137,12 @@ class Wordle(agentrl.Env):
         self.guesses += 1
         left = MAX_GUESSES - self.guesses
         word, error = parse_guess(action.text, self.allowed)
-        info: dict[str, Any] = {"guess": word, "valid": word is not None, "solved": word == self.secret,
-                                "guesses_used": self.guesses}
+        info: dict[str, Any] = {
+            "guess": word,
+            "valid": word is not None,
+            "solved": word == self.secret,
+            "guesses_used": self.guesses,
+        }
         if word is None:
             reward, line = 0.0, f"Guess {self.guesses} of {MAX_GUESSES}: invalid. {error}"
         else:
@@ -163,6 +169,7 @@ class Wordle(agentrl.Env):
 
 
 # -- scripted policies ------------------------------------------------------------------------------
+
 
 def history(messages: list[agentrl.Message]) -> list[tuple[str, str]]:
     """``(guess, marks)`` pairs read back from the environment's feedback lines in ``messages``."""

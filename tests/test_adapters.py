@@ -35,6 +35,7 @@ from tests.test_cli import read_samples, run
 
 # -- Gymnasium envs under test ----------------------------------------------------------------------
 
+
 class GuessNumber(gymnasium.Env):
     """Guess a number in 1..high (both drawn from the seed): hints, +1 when right, -0.1 per wrong guess."""
 
@@ -88,7 +89,11 @@ class Corridor(gymnasium.Env):
         self.pos = min(max(self.pos + (1 if action == 1 else -1), 0), self.length - 1)
         self.visited[self.pos] = 1
         done = self.pos == self.length - 1
-        info = {"visited": self.visited.copy(), "progress": np.float32(self.pos / (self.length - 1)), "undefined": float("nan")}
+        info = {
+            "visited": self.visited.copy(),
+            "progress": np.float32(self.pos / (self.length - 1)),
+            "undefined": float("nan"),
+        }
         return np.int64(self.pos), float(done), done, False, info
 
 
@@ -110,12 +115,15 @@ CORRIDOR = "gym:agentrl-test/Corridor-v0"
 
 # -- Gymnasium ---------------------------------------------------------------------------------------
 
+
 async def test_gym_text_env_plays_a_scripted_game_off_the_event_loop():
     env = agentrl.load_env(GUESS)(system_prompt="Play the game.")
     obs, info = await call_env(env.reset, seed=123, options={"prompt": "", "seed": 7})
     high = info["high"]
-    assert type(high) is int and obs == [{"role": "system", "content": "Play the game."},
-                                         {"role": "user", "content": f"Guess my number between 1 and {high}."}]
+    assert type(high) is int and obs == [
+        {"role": "system", "content": "Play the game."},
+        {"role": "user", "content": f"Guess my number between 1 and {high}."},
+    ]
     lo, hi, rewards = 1, high, []
     for _ in range(8):  # binary search: at most 7 guesses below 100, inside the TimeLimit of 8
         guess = (lo + hi) // 2
@@ -140,10 +148,18 @@ async def test_gym_text_env_plays_a_scripted_game_off_the_event_loop():
 async def test_gym_invalid_reply_costs_a_turn_but_no_env_step():
     env = agentrl.load_env(GUESS)(invalid_action_reward=-0.5)
     await call_env(env.reset, options={"seed": 3, "options": {"secret": 0}})  # options reach gymnasium: never guessed
-    replies = {"x" * 40: "reply with 1 to 16 characters; yours had 40", "12; go": "yours contained ';'", "   ": "yours had 0"}
+    replies = {
+        "x" * 40: "reply with 1 to 16 characters; yours had 40",
+        "12; go": "yours contained ';'",
+        "   ": "yours had 0",
+    }
     for text, why in replies.items():
         msgs, reward, terminated, truncated, info = await call_env(env.step, Action(text=text))
-        assert msgs[0]["role"] == "user" and msgs[0]["content"].startswith("Invalid action: ") and why in msgs[0]["content"]
+        assert (
+            msgs[0]["role"] == "user"
+            and msgs[0]["content"].startswith("Invalid action: ")
+            and why in msgs[0]["content"]
+        )
         assert (reward, terminated, truncated) == (-0.5, False, False) and why in info["invalid_action"]
     assert env.gym_env.unwrapped.steps == 0
     results = [await call_env(env.step, Action(text="1")) for _ in range(8)]
@@ -155,12 +171,14 @@ async def test_gym_discrete_actions_and_non_text_observations():
     env = agentrl.load_env(CORRIDOR)()
     obs, info = await call_env(env.reset, seed=0)
     assert obs == [{"role": "user", "content": "0"}] and info == {"length": 5}
-    msgs, reward, *_ , info = await call_env(env.step, Action(text="Step 1: move right"))  # the first integer: 1
+    msgs, reward, *_, info = await call_env(env.step, Action(text="Step 1: move right"))  # the first integer: 1
     assert msgs == [{"role": "user", "content": "1"}] and reward == 0.0
     assert info == {"visited": [0, 1, 0, 0, 0], "progress": 0.25, "undefined": "nan"}
     json.dumps(info, allow_nan=False)
-    for text, why in [("go left", "reply with one whole number from 0 to 1; 'go left' contains none"),
-                      ("7", "7 is not an action here: reply with one whole number from 0 to 1")]:
+    for text, why in [
+        ("go left", "reply with one whole number from 0 to 1; 'go left' contains none"),
+        ("7", "7 is not an action here: reply with one whole number from 0 to 1"),
+    ]:
         msgs, reward, terminated, _, _ = await call_env(env.step, Action(text=text))
         assert msgs[0]["content"] == f"Invalid action: {why}" and not terminated
     for _ in range(3):
@@ -199,9 +217,25 @@ async def test_gym_envs_pass_check_env(spec):
 
 def test_gym_rollout_end_to_end(tiny_server, tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "gym:tests.test_adapters:agentrl-test/GuessNumber-v0", "--num-tasks", "2",
-            "--n-samples-per-prompt", "2", "--max-turns", "3", "--rollout-max-response-len", "48",
-            "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "gym:tests.test_adapters:agentrl-test/GuessNumber-v0",
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "3",
+        "--rollout-max-response-len",
+        "48",
+        "--engine-url",
+        tiny_server,
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert len(samples) == 4 and sorted(s["group_index"] for s in samples) == [0, 0, 1, 1]
@@ -249,7 +283,9 @@ def _word_game_app(max_envs: int) -> Any:
 
         def reset(self, seed=None, episode_id=None, **kwargs) -> WordObservation:
             self._seed, self._words, self._state = seed, [], State(episode_id=episode_id, step_count=0)
-            return WordObservation(transcript=f"seed {seed}: say words about {kwargs.get('topic', 'anything')}; 'stop' ends")
+            return WordObservation(
+                transcript=f"seed {seed}: say words about {kwargs.get('topic', 'anything')}; 'stop' ends"
+            )
 
         def step(self, action: WordAction, timeout_s=None, **kwargs) -> WordObservation:
             word = action.word.strip()
@@ -258,7 +294,9 @@ def _word_game_app(max_envs: int) -> Any:
             self._words.append(word)
             self._state.step_count += 1
             done = word.lower() == "stop" or len(self._words) >= 4
-            return WordObservation(transcript=" ".join(self._words), reward=1.0 if word == f"w{self._seed}" else 0.1, done=done)
+            return WordObservation(
+                transcript=" ".join(self._words), reward=1.0 if word == f"w{self._seed}" else 0.1, done=done
+            )
 
         @property
         def state(self) -> State:
@@ -276,8 +314,10 @@ def serve_openenv(max_envs: int) -> Iterator[str]:
     try:
         import openenv.core.env_server  # noqa: F401
     except ImportError:
-        reason = ("openenv-core is not installed (pip install --no-deps openenv-core==0.3.0 && "
-                  "pip install fastapi uvicorn websockets pydantic fastmcp)")
+        reason = (
+            "openenv-core is not installed (pip install --no-deps openenv-core==0.3.0 && "
+            "pip install fastapi uvicorn websockets pydantic fastmcp)"
+        )
         if os.environ.get("AGENTRL_REQUIRE_OPENENV") == "1":
             pytest.fail(reason + " and AGENTRL_REQUIRE_OPENENV=1")
         pytest.skip(reason)
@@ -369,7 +409,10 @@ async def test_openenv_bad_actions_are_shown_to_the_model(openenv_url):
 
 async def test_openenv_refuses_bad_addresses_and_down_servers():  # needs no openenv-core: the adapter is plain HTTP
     port = _closed_port()
-    for env in (OpenEnvEnv(f"http://127.0.0.1:{port}"), OpenEnvEnv(f"http://127.0.0.1:{port}", action_from_text=lambda t: {"word": t})):
+    for env in (
+        OpenEnvEnv(f"http://127.0.0.1:{port}"),
+        OpenEnvEnv(f"http://127.0.0.1:{port}", action_from_text=lambda t: {"word": t}),
+    ):
         with pytest.raises(OpenEnvError, match=f"cannot reach the OpenEnv server at (http|ws)://127.0.0.1:{port}"):
             await env.reset(seed=0)
         await env.close()
@@ -379,7 +422,10 @@ async def test_openenv_refuses_bad_addresses_and_down_servers():  # needs no ope
         agentrl.load_env("openenv:")
     with pytest.raises(ValueError, match="action_from_text"):
         text_field({"properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a", "b"]})
-    assert text_field({"properties": {"metadata": {"type": "object"}, "code": {"type": "string"}}, "required": ["code"]}) == "code"
+    assert (
+        text_field({"properties": {"metadata": {"type": "object"}, "code": {"type": "string"}}, "required": ["code"]})
+        == "code"
+    )
 
 
 async def test_openenv_server_failures_raise():
@@ -427,14 +473,28 @@ async def test_openenv_passes_check_env(openenv_url):
 
 def test_openenv_rollout_end_to_end(openenv_url, tiny_server, tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    common = ["--num-tasks", "2", "--n-samples-per-prompt", "2", "--max-turns", "3", "--rollout-max-response-len", "48",
-              "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt)]
+    common = [
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "3",
+        "--rollout-max-response-len",
+        "48",
+        "--engine-url",
+        tiny_server,
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+    ]
     r = run("rollout", "--env", f"openenv:{openenv_url}", *common, "--output", str(out))
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert len(samples) == 4 and sorted(s["group_index"] for s in samples) == [0, 0, 1, 1]
     for s in samples:
-        assert s["prompt"] == [{"role": "user", "content": f"seed {s['group_index']}: say words about anything; 'stop' ends"}]
+        assert s["prompt"] == [
+            {"role": "user", "content": f"seed {s['group_index']}: say words about anything; 'stop' ends"}
+        ]
         assert s["status"] in ("completed", "truncated"), s["metadata"].get("error")
         assert set(s["metadata"]["turn_rewards"]) <= {0.0, 0.1, 1.0}
         assert s["reward"] == pytest.approx(sum(s["metadata"]["turn_rewards"]))

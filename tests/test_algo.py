@@ -33,8 +33,9 @@ T = torch.tensor
 
 
 def close(a, b, tol: float = 1e-5) -> bool:
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
-                          atol=tol, rtol=tol)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=tol
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +173,16 @@ def test_per_turn_grpo_hand_computed():
     assert close(a[0], [-0.25 / s1, -0.25 / s1, 0, 0, 1 / s1, 1 / s1, 0]) and close(a[1], [0, 0])
     assert close(a[2], [-0.25 / s1, -0.25 / s1, 0]) and close(a[3], [0.5 / s2, 0, -1 / s2])
     # same thing through the entry point
-    b = compute_advantages("gspo", rewards=[1.0, 2.0, 0.5, 1.0], group_ids=ids, loss_masks=masks,
-                           turn_rewards=tr, turn_spans=spans, gamma=0.5, per_turn=True)
+    b = compute_advantages(
+        "gspo",
+        rewards=[1.0, 2.0, 0.5, 1.0],
+        group_ids=ids,
+        loss_masks=masks,
+        turn_rewards=tr,
+        turn_spans=spans,
+        gamma=0.5,
+        per_turn=True,
+    )
     assert all(close(u, v) for u, v in zip(a, b))
 
 
@@ -215,9 +224,11 @@ def _two_turn_game(th0: float, th1: float, s: float, c: float):
     probability, turn rewards and grad log pi of each turn as (d th0, d th1)."""
     p0, p1 = 1 / (1 + math.exp(-th0)), 1 / (1 + math.exp(-th1))
     true = (p0 * (1 - p0) * (c + p1 - s), p0 * p1 * (1 - p1))
-    outcomes = {"stop": (1 - p0, [s], [(-p0, 0.0)]),
-                "good": (p0 * p1, [c, 1.0], [(1 - p0, 0.0), (0.0, 1 - p1)]),
-                "bad": (p0 * (1 - p1), [c, 0.0], [(1 - p0, 0.0), (0.0, -p1)])}
+    outcomes = {
+        "stop": (1 - p0, [s], [(-p0, 0.0)]),
+        "good": (p0 * p1, [c, 1.0], [(1 - p0, 0.0), (0.0, 1 - p1)]),
+        "bad": (p0 * (1 - p1), [c, 0.0], [(1 - p0, 0.0), (0.0, -p1)]),
+    }
     return true, outcomes
 
 
@@ -243,6 +254,7 @@ def _ours(std_normalize: bool):
         masks = [torch.ones(len(r)) for r in turn_rewards]
         adv = per_turn_grpo(turn_rewards, spans, group_ids, masks, std_normalize=std_normalize)
         return [a.tolist() for a in adv]
+
     return advantages
 
 
@@ -251,7 +263,7 @@ def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
     normalization), summed over every joint outcome of the batch, when the episodes of a group have
     different numbers of turns chosen by the policy: the case where a baseline or a scale that
     contains the sample's own turns is biased (verl issue 7244)."""
-    true, outcomes = _two_turn_game(0.0, 0.0, 1.0, 0.5)     # stopping is worth s = 1 = c + p1, going on too
+    true, outcomes = _two_turn_game(0.0, 0.0, 1.0, 0.5)  # stopping is worth s = 1 = c + p1, going on too
     assert true[0] == pytest.approx(0.0) and true[1] == pytest.approx(0.125)
     one_group = [0, 0, 0]
     assert _expected_update(outcomes, _ours(False), one_group) == pytest.approx(true, abs=1e-6)
@@ -262,7 +274,7 @@ def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
     for ids in (one_group, [0, 0, 1, 1]):
         got = _expected_update(outcomes, _ours(True), ids)
         assert got[0] == pytest.approx(0.0, abs=1e-6) and got[1] > 0.1, (ids, got)
-    true, outcomes = _two_turn_game(0.3, -0.4, 0.6, 0.5)    # both components non-zero
+    true, outcomes = _two_turn_game(0.3, -0.4, 0.6, 0.5)  # both components non-zero
     for ids in ([0, 0, 0], [0, 0, 1, 1]):
         got = _expected_update(outcomes, _ours(True), ids)
         assert got[0] / true[0] == pytest.approx(got[1] / true[1], rel=1e-4) and got[0] / true[0] > 0, (ids, got)
@@ -271,7 +283,7 @@ def test_per_turn_grpo_is_unbiased_when_the_policy_chooses_when_to_stop():
 def test_per_turn_grpo_bad_spans():
     tr, spans, ids, masks = _per_turn_example()
     with pytest.raises(ValueError):
-        per_turn_grpo(tr, [[(0, 2)], [(0, 2)], [(0, 3)]], ids, masks)       # 1 span for 2 rewards
+        per_turn_grpo(tr, [[(0, 2)], [(0, 2)], [(0, 3)]], ids, masks)  # 1 span for 2 rewards
     with pytest.raises(ValueError):
         per_turn_grpo(tr, [[(0, 2), (4, 9)], [(0, 2)], [(0, 3)]], ids, masks)  # past the response
 
@@ -285,8 +297,15 @@ def test_per_turn_grpo_bad_spans():
 def test_compute_advantages_masked_tokens_zero(estimator):
     torch.manual_seed(5)
     masks = [T([0.0, 1, 1, 0]), T([1.0, 0, 1]), T([1.0, 1]), T([0.0, 1])]
-    out = compute_advantages(estimator, rewards=T([1.0, 0, 0, 1]), group_ids=[1, 1, 2, 2], loss_masks=masks,
-                             kl=[torch.rand(len(m)) for m in masks], kl_coef=0.1, gamma=0.9)
+    out = compute_advantages(
+        estimator,
+        rewards=T([1.0, 0, 0, 1]),
+        group_ids=[1, 1, 2, 2],
+        loss_masks=masks,
+        kl=[torch.rand(len(m)) for m in masks],
+        kl_coef=0.1,
+        gamma=0.9,
+    )
     assert [len(a) for a in out] == [4, 3, 2, 2]
     for a, m in zip(out, masks):
         assert torch.all(a[m == 0] == 0)
@@ -298,8 +317,9 @@ def test_compute_advantages_broadcast_grpo():
     out = compute_advantages("grpo", rewards=[1.0, 0.0], group_ids=[3, 3], loss_masks=[T([1.0, 0, 1]), T([1.0])])
     h = math.sqrt(0.5)
     assert close(out[0], [h, 0, h]) and close(out[1], [-h])
-    out = compute_advantages("grpo", rewards=[1.0, 0.0], group_ids=[3, 3], loss_masks=[T([1.0]), T([1.0])],
-                             std_normalize=False)
+    out = compute_advantages(
+        "grpo", rewards=[1.0, 0.0], group_ids=[3, 3], loss_masks=[T([1.0]), T([1.0])], std_normalize=False
+    )
     assert close(out[0], [0.5]) and close(out[1], [-0.5])
 
 
@@ -338,7 +358,7 @@ def test_gspo_gradient_matches_sequence_formula():
     mask = T([1.0, 1, 0, 1, 1, 1])
     old = torch.randn(6) - 1
     adv = T([1.0, 1, 1, -0.5, -0.5, 2.0])
-    delta = T([0.1, -0.05, 3.0, 0.02, 0.01, 0.6])     # seq 2: s = e^.6 = 1.82 > 1.28 -> clipped
+    delta = T([0.1, -0.05, 3.0, 0.02, 0.01, 0.6])  # seq 2: s = e^.6 = 1.82 > 1.28 -> clipped
     logp = (old + delta).requires_grad_(True)
     loss_t, clipped = gspo_loss(logp, old, adv, mask, seq_ids, 3, 0.2, 0.28)
     total = aggregate(loss_t, mask, seq_ids, per_token=False, num_tokens=5, num_seqs=3)
@@ -354,7 +374,7 @@ def test_gspo_gradient_matches_sequence_formula():
         ref = ref - torch.minimum(s * a, s.clamp(0.8, 1.28) * a) / 3
     (g_ref,) = torch.autograd.grad(ref, x)
     assert close(total, ref) and close(g_tok, g_ref)
-    assert g_tok[2] == 0 and g_tok[5] == 0           # masked token; clipped sequence
+    assert g_tok[2] == 0 and g_tok[5] == 0  # masked token; clipped sequence
     assert clipped.tolist() == [False] * 5 + [True]
 
 
@@ -370,7 +390,7 @@ def test_kl_estimators():
     logp, ref = T([0.0, -1.0]), T([-1.0, 0.0])
     # log ratio = logp - ref = [1, -1]
     assert close(kl_penalty(logp, ref, "k1"), [1.0, -1.0])
-    assert close(kl_penalty(logp, ref, "k2"), [0.5, 0.5])                       # .5 * 1^2
+    assert close(kl_penalty(logp, ref, "k2"), [0.5, 0.5])  # .5 * 1^2
     # k3: ref - logp = [-1, 1] -> e^-1 + 1 - 1 = .367879; e^1 - 1 - 1 = .718282
     assert close(kl_penalty(logp, ref, "k3"), [math.exp(-1), math.e - 2])
     torch.manual_seed(1)
@@ -390,10 +410,10 @@ def test_tis_truncation():
 
 def test_entropy_matches_categorical():
     torch.manual_seed(2)
-    logits = torch.randn(7, 11) * T([[1.0]] * 3 + [[50.0]] * 4)      # include very peaked rows
+    logits = torch.randn(7, 11) * T([[1.0]] * 3 + [[50.0]] * 4)  # include very peaked rows
     ref = torch.distributions.Categorical(logits=logits).entropy()
     assert close(entropy_from_logits(logits, chunk_size=3), ref, 1e-4)
-    assert close(entropy_from_logits(torch.zeros(2, 4)), [math.log(4)] * 2)   # uniform: log V
+    assert close(entropy_from_logits(torch.zeros(2, 4)), [math.log(4)] * 2)  # uniform: log V
     # -inf entries (banned tokens) contribute 0 and keep gradients finite
     z = T([[0.0, 0.0, -float("inf")]], requires_grad=True)
     h = entropy_from_logits(z)
@@ -417,16 +437,18 @@ def test_aggregate_hand_computed_and_micro_batches():
     n_tok, n_seq = float(m.sum()), 4
     for per_token in (True, False):
         whole = aggregate(v, m, seq, per_token=per_token, num_tokens=n_tok, num_seqs=n_seq)
-        parts = (aggregate(v[:5], m[:5], seq[:5], per_token=per_token, num_tokens=n_tok, num_seqs=n_seq)
-                 + aggregate(v[5:], m[5:], seq[5:] - 2, per_token=per_token, num_tokens=n_tok, num_seqs=n_seq))
+        parts = aggregate(v[:5], m[:5], seq[:5], per_token=per_token, num_tokens=n_tok, num_seqs=n_seq) + aggregate(
+            v[5:], m[5:], seq[5:] - 2, per_token=per_token, num_tokens=n_tok, num_seqs=n_seq
+        )
         assert close(whole, parts)
 
 
 def test_policy_loss_hand_computed():
-    cfg = TrainConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01,
-                      calculate_per_token_loss=True)
+    cfg = TrainConfig(
+        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01, calculate_per_token_loss=True
+    )
     old = T([-1.0, -2.0, -3.0])
-    logp = old.clone().requires_grad_(True)                 # ratio 1 everywhere
+    logp = old.clone().requires_grad_(True)  # ratio 1 everywhere
     adv, m, seq = T([1.0, 3.0, 5.0]), T([1.0, 1, 0]), T([0, 0, 1])
     ref = old - T([0.5, 0.1, 9.0])
     ent = T([1.0, 2.0, 100.0])
@@ -449,8 +471,15 @@ def test_policy_loss_hand_computed():
 @pytest.mark.parametrize("per_token", [True, False])
 def test_policy_loss_micro_batches_sum(estimator, per_token):
     torch.manual_seed(4)
-    cfg = TrainConfig(advantage_estimator=estimator, calculate_per_token_loss=per_token, use_kl_loss=True,
-                      kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01, eps_clip=0.1)
+    cfg = TrainConfig(
+        advantage_estimator=estimator,
+        calculate_per_token_loss=per_token,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="k3",
+        entropy_coef=0.01,
+        eps_clip=0.1,
+    )
     n = 9
     logp, old, ref = torch.randn(n) * 0.2 - 1, torch.randn(n) * 0.2 - 1, torch.randn(n) * 0.2 - 1
     adv, ent, m = torch.randn(n), torch.rand(n), T([1.0, 1, 0, 1, 1, 1, 0, 1, 1])
@@ -476,9 +505,8 @@ def test_grpo_step_moves_log_prob(estimator, sign):
     cfg = TrainConfig(advantage_estimator=estimator)
     opt = torch.optim.SGD([z], lr=0.5)
     before = torch.log_softmax(z, -1)[0].item()
-    logp = torch.log_softmax(z, -1)[tokens]                                     # [2]
-    loss, _ = policy_loss(logp, logp.detach(), torch.cat(adv), torch.ones(2), T([0, 1]), cfg,
-                          num_tokens=2, num_seqs=2)
+    logp = torch.log_softmax(z, -1)[tokens]  # [2]
+    loss, _ = policy_loss(logp, logp.detach(), torch.cat(adv), torch.ones(2), T([0, 1]), cfg, num_tokens=2, num_seqs=2)
     loss.backward()
     opt.step()
     after = torch.log_softmax(z, -1)[0].item()

@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 
 from agentrl.chat import BUILTIN_TOOL_TEMPLATE, ChatTemplate, TemplateError, TokenLedger
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-                                            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    }
+]
 
 NATIVE_WITH_TOOLS = (
     "{% if tools %}<|im_start|>system\nTOOLS:{{ tools | tojson }}<|im_end|>\n{% endif %}"
@@ -41,7 +49,10 @@ def test_tools_fall_back_to_builtin_when_native_ignores_them(template):
 def test_native_template_with_tool_support_is_kept(tiny_tokenizer):
     t = ChatTemplate(tiny_tokenizer, template=NATIVE_WITH_TOOLS)
     assert t.native_supports_tools and t.template_for(TOOLS) == NATIVE_WITH_TOOLS
-    assert ChatTemplate(tiny_tokenizer, template=NATIVE_WITH_TOOLS, tool_template="builtin").template_for(TOOLS) == BUILTIN_TOOL_TEMPLATE
+    assert (
+        ChatTemplate(tiny_tokenizer, template=NATIVE_WITH_TOOLS, tool_template="builtin").template_for(TOOLS)
+        == BUILTIN_TOOL_TEMPLATE
+    )
 
 
 def test_delta_after_eos_turn_writes_only_the_bridge(template):
@@ -55,18 +66,27 @@ def test_delta_after_stop_string_closes_the_turn(template):
 
 
 def test_delta_groups_consecutive_tool_results(template):
-    msgs = [{"role": "tool", "content": "3", "tool_call_id": "a"}, {"role": "tool", "content": "4", "tool_call_id": "b"}]
+    msgs = [
+        {"role": "tool", "content": "3", "tool_call_id": "a"},
+        {"role": "tool", "content": "4", "tool_call_id": "b"},
+    ]
     delta = template.observation_delta(msgs, TOOLS, last_token_text="<|im_end|>")
-    assert delta == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response>"
-                     "<|im_end|>\n<|im_start|>assistant\n")
+    assert delta == (
+        "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_prompt_plus_deltas_equal_full_render(template):
     """Prompt + sampled turns + deltas reproduce what the template renders for the whole conversation."""
     first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
-    turns = [("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2}}\n</tool_call>",
-              [{"role": "tool", "content": "4", "tool_call_id": "c0"}]),
-             ("Checking.", [{"role": "user", "content": "Sure?"}])]
+    turns = [
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>',
+            [{"role": "tool", "content": "4", "tool_call_id": "c0"}],
+        ),
+        ("Checking.", [{"role": "user", "content": "Sure?"}]),
+    ]
     text, _ = template.prompt(first, TOOLS)
     convo = list(first)
     for assistant, obs in turns:
@@ -115,8 +135,11 @@ def test_ledger_fuzz_env_text_roundtrips(tiny_tokenizer, parts):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["user", "tool", "system"]), st.text(max_size=60)), min_size=0, max_size=4),
-       st.sampled_from([None, "<|im_end|>", "<|endoftext|>"]), st.booleans())
+@given(
+    st.lists(st.tuples(st.sampled_from(["user", "tool", "system"]), st.text(max_size=60)), min_size=0, max_size=4),
+    st.sampled_from([None, "<|im_end|>", "<|endoftext|>"]),
+    st.booleans(),
+)
 def test_observation_delta_fuzz(tiny_tokenizer, msgs, last_token_text, with_tools):
     """Arbitrary observation text never crashes the delta renderer, and the delta round-trips through ids."""
     t = ChatTemplate(tiny_tokenizer)
@@ -127,15 +150,25 @@ def test_observation_delta_fuzz(tiny_tokenizer, msgs, last_token_text, with_tool
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool", "system"]), st.text(max_size=30)), min_size=1, max_size=5),
-       st.booleans(), st.booleans())
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["user", "assistant", "tool", "system"]), st.text(max_size=30)),
+        min_size=1,
+        max_size=5,
+    ),
+    st.booleans(),
+    st.booleans(),
+)
 def test_fast_render_equals_apply_chat_template(tiny_tokenizer, msgs, with_tools, gen_prompt):
     """The direct render path gives exactly what transformers' apply_chat_template gives."""
     t = ChatTemplate(tiny_tokenizer)
     messages = [{"role": r, "content": c, "tool_call_id": "x" if r == "tool" else None} for r, c in msgs]
     if msgs[0][0] == "assistant":
-        messages[0]["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+        messages[0]["tool_calls"] = [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        ]
     tools = TOOLS if with_tools else None
-    slow = tiny_tokenizer.apply_chat_template(messages, chat_template=t.template_for(tools), tools=tools,
-                                              add_generation_prompt=gen_prompt, tokenize=False)
+    slow = tiny_tokenizer.apply_chat_template(
+        messages, chat_template=t.template_for(tools), tools=tools, add_generation_prompt=gen_prompt, tokenize=False
+    )
     assert t.render(messages, tools, add_generation_prompt=gen_prompt) == slow

@@ -79,7 +79,9 @@ async def test_non_hermes_envs_get_their_tools_exercised_and_bad_factories_are_r
     r = await check_env(Llama3Calculator, Calculator.tasks(1))
     assert r.ok, r.format()
     valid = next(x for x in r.results if x.scenario.endswith("valid call of calculator"))
-    assert valid.detail.startswith("2 step(s)") or "still running" in valid.detail  # the call was answered, not taken as a final answer
+    assert (
+        valid.detail.startswith("2 step(s)") or "still running" in valid.detail
+    )  # the call was answered, not taken as a final answer
     r = await check_env(UnknownParser, [])
     assert not r.ok and "tool_parser 'no_such_format'" in r.violations[0].detail
 

@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_samples(path: Path) -> list[dict]:
@@ -23,9 +25,25 @@ def read_samples(path: Path) -> list[dict]:
 
 def test_rollout_starts_the_embedded_engine_itself(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.calculator:Calculator", "--prompt-data", "envs/data/calculator.jsonl",
-            "--num-tasks", "3", "--n-samples-per-prompt", "2", "--max-turns", "3", "--rollout-max-response-len", "32",
-            "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.calculator:Calculator",
+        "--prompt-data",
+        "envs/data/calculator.jsonl",
+        "--num-tasks",
+        "3",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "3",
+        "--rollout-max-response-len",
+        "32",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     samples = read_samples(out)
@@ -41,15 +59,30 @@ def test_rollout_starts_the_embedded_engine_itself(tiny_ckpt, tmp_path):
 
 def test_rollout_against_running_engines_with_registered_id(tiny_server, tiny_ckpt, tmp_path):
     out = tmp_path / "s.jsonl"
-    r = run("rollout", "--env", "agentrl/Calculator-v0", "--num-tasks", "2", "--engine-url", tiny_server,
-            "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt), "--rollout-max-response-len", "16",
-            "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "agentrl/Calculator-v0",
+        "--num-tasks",
+        "2",
+        "--engine-url",
+        tiny_server,
+        "--engine-url",
+        tiny_server,
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--rollout-max-response-len",
+        "16",
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert len(read_samples(out)) == 2
 
 
 def test_custom_generate_and_reward_functions(tiny_server, tiny_ckpt, tmp_path):
-    (tmp_path / "custom.py").write_text(textwrap.dedent("""
+    (tmp_path / "custom.py").write_text(
+        textwrap.dedent("""
         from agentrl.engines.base import SamplingParams
 
         async def generate(args, sample, sampling_params):
@@ -65,14 +98,32 @@ def test_custom_generate_and_reward_functions(tiny_server, tiny_ckpt, tmp_path):
 
         def reward_func(args, sample):
             return 1.0 if sample.label == "yes" else 0.5
-    """))
+    """)
+    )
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"question": "a?", "answer": "yes"}\n{"question": "b?", "answer": "no"}\n')
     out = tmp_path / "s.jsonl"
-    r = run("rollout", "--custom-generate-function-path", f"{tmp_path}/custom.py:generate",
-            "--custom-rm-path", f"{tmp_path}/custom.py:reward_func", "--prompt-data", str(data),
-            "--input-key", "question", "--label-key", "answer", "--engine-url", tiny_server,
-            "--hf-checkpoint", str(tiny_ckpt), "--rollout-max-response-len", "8", "--output", str(out))
+    r = run(
+        "rollout",
+        "--custom-generate-function-path",
+        f"{tmp_path}/custom.py:generate",
+        "--custom-rm-path",
+        f"{tmp_path}/custom.py:reward_func",
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "question",
+        "--label-key",
+        "answer",
+        "--engine-url",
+        tiny_server,
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--rollout-max-response-len",
+        "8",
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = sorted(read_samples(out), key=lambda s: s["index"])
     assert [s["reward"] for s in samples] == [1.25, 0.75]
@@ -80,14 +131,17 @@ def test_custom_generate_and_reward_functions(tiny_server, tiny_ckpt, tmp_path):
     assert [s["prompt"] for s in samples] == ["a?", "b?"] and samples[0]["status"] == "completed"
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
-    (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
-    (["--env", "envs.calculator:Nope"], "has no attribute 'Nope'"),
-    (["--prompt-data", "/nonexistent.jsonl"], "No such file"),
-    (["--input-key", "question"], "no 'question' key"),
-    (["--hf-checkpoint", "/nonexistent"], "not a local Hugging Face checkpoint"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+        (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+        (["--env", "envs.calculator:Nope"], "has no attribute 'Nope'"),
+        (["--prompt-data", "/nonexistent.jsonl"], "No such file"),
+        (["--input-key", "question"], "no 'question' key"),
+        (["--hf-checkpoint", "/nonexistent"], "not a local Hugging Face checkpoint"),
+    ],
+)
 def test_bad_configuration_is_refused_before_work_starts(flags, message):
     base = {"--env": "envs.calculator:Calculator", "--prompt-data": "envs/data/calculator.jsonl"}
     args = ["rollout"]
@@ -98,17 +152,20 @@ def test_bad_configuration_is_refused_before_work_starts(flags, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),  # was a ZeroDivisionError traceback
-    (["--rollout-temperature", "1e400"], "--rollout-temperature must be a finite number"),  # was accepted
-    (["--rollout-stop-token-ids", "-5"], "--rollout-stop-token-ids must be token ids"),  # was accepted
-    (["--rollout-top-k", str(2**63)], "--rollout-top-k must be -1 (off) or in [1,"),  # killed the engine
-    (["--env", "nomod:Cls"], "--env nomod:Cls: No module named 'nomod'"),
-    (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: "),
-    (["--eval-prompt-data", "x", "/nonexistent.jsonl"], "--eval-prompt-data x /nonexistent.jsonl: "),
-    (["--load", "FILE"], "is a file; pass the run folder"),  # started a fresh run
-    (["--load", "CORRUPT"], "should hold the newest step number"),  # was a bare int() ValueError
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),  # was a ZeroDivisionError traceback
+        (["--rollout-temperature", "1e400"], "--rollout-temperature must be a finite number"),  # was accepted
+        (["--rollout-stop-token-ids", "-5"], "--rollout-stop-token-ids must be token ids"),  # was accepted
+        (["--rollout-top-k", str(2**63)], "--rollout-top-k must be -1 (off) or in [1,"),  # killed the engine
+        (["--env", "nomod:Cls"], "--env nomod:Cls: No module named 'nomod'"),
+        (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: "),
+        (["--eval-prompt-data", "x", "/nonexistent.jsonl"], "--eval-prompt-data x /nonexistent.jsonl: "),
+        (["--load", "FILE"], "is a file; pass the run folder"),  # started a fresh run
+        (["--load", "CORRUPT"], "should hold the newest step number"),  # was a bare int() ValueError
+    ],
+)
 def test_bad_train_flags_are_refused_naming_the_flag(flags, message, tmp_path, capsys):
     from agentrl.cli import main
 
@@ -127,9 +184,25 @@ def test_bad_train_flags_are_refused_naming_the_flag(flags, message, tmp_path, c
 def test_chat_api_against_the_engine_the_command_started(tiny_ckpt, tmp_path):
     """``--engine-api chat`` without ``--engine-url``: the chat client must send the started engine's own key."""
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.calculator:Calculator", "--prompt-data", "envs/data/calculator.jsonl",
-            "--num-tasks", "2", "--max-turns", "2", "--rollout-max-response-len", "16", "--engine-api", "chat",
-            "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.calculator:Calculator",
+        "--prompt-data",
+        "envs/data/calculator.jsonl",
+        "--num-tasks",
+        "2",
+        "--max-turns",
+        "2",
+        "--rollout-max-response-len",
+        "16",
+        "--engine-api",
+        "chat",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     samples = read_samples(out)
     assert len(samples) == 2 and all(s["status"] in ("completed", "truncated") for s in samples), samples
@@ -137,7 +210,8 @@ def test_chat_api_against_the_engine_the_command_started(tiny_ckpt, tmp_path):
 
 
 def test_check_env_reports_a_broken_tasks(tmp_path):
-    (tmp_path / "broken.py").write_text(textwrap.dedent("""
+    (tmp_path / "broken.py").write_text(
+        textwrap.dedent("""
         import agentrl
         class Broken(agentrl.Env):
             @staticmethod
@@ -147,7 +221,8 @@ def test_check_env_reports_a_broken_tasks(tmp_path):
                 return [{"role": "user", "content": "hi"}], {}
             async def step(self, action):
                 return [], 0.0, True, False, {}
-    """))
+    """)
+    )
     r = run("check-env", "--env", f"{tmp_path}/broken.py:Broken")
     assert r.returncode == 2 and "--env" in r.stderr and "prompt" in r.stderr, r.stdout + r.stderr
 
@@ -156,12 +231,14 @@ def test_check_env_exit_codes(tmp_path):
     r = run("check-env", "--env", "envs.calculator:Calculator")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 contract violation(s)" in r.stdout
-    (tmp_path / "bad.py").write_text(textwrap.dedent("""
+    (tmp_path / "bad.py").write_text(
+        textwrap.dedent("""
         import agentrl
         class Bad(agentrl.Env):
             async def reset(self, *, seed=None, options=None):
                 return "hello", {}
-    """))
+    """)
+    )
     r = run("check-env", "--env", f"{tmp_path}/bad.py:Bad", "--json")
     assert r.returncode == 1
     report = json.loads(r.stdout)

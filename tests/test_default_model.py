@@ -29,13 +29,16 @@ async def test_default_model_multi_turn_samples_are_token_exact():
     tok = AutoTokenizer.from_pretrained(ckpt)
     with local_server(ckpt, extra_args=["--seed", "0"]) as url:
         engine = SGLangEngine(url)
-        ctx = EpisodeContext(engine=engine, template=ChatTemplate(tok),
-                             config=RolloutConfig(rollout_max_response_len=24, max_turns=3, n_samples_per_prompt=2))
+        ctx = EpisodeContext(
+            engine=engine,
+            template=ChatTemplate(tok),
+            config=RolloutConfig(rollout_max_response_len=24, max_turns=3, n_samples_per_prompt=2),
+        )
         samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "Name a prime number."}])
         await engine.close()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     for s in samples:
         s.validate()
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)
-        rescored = _rescore(model, s.tokens, 1.0)[s.prompt_length - 1:]
+        rescored = _rescore(model, s.tokens, 1.0)[s.prompt_length - 1 :]
         assert (rescored[mask] - torch.tensor(s.rollout_log_probs)[mask]).abs().max().item() < 1e-3

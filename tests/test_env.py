@@ -43,7 +43,7 @@ def _action(text: str) -> agentrl.Action:
 def _call(name: str, args) -> str:
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 async def test_tool_env_runs_calls_and_scores_the_final_answer():
@@ -57,13 +57,16 @@ async def test_tool_env_runs_calls_and_scores_the_final_answer():
     assert (obs, r, term) == ([], 1.0, True)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1,</tool_call>', "Error: could not parse tool call"),
-    (_call("nope", {}), "Error: unknown tool 'nope'. Available tools: add, slow."),
-    (_call("add", {"a": "one", "b": 2}), "Error: add: argument 'a' must be a number"),
-    (_call("add", {"a": 1}), "Error: add: missing required argument 'b'"),
-    (_call("slow", {"x": 1}), "Error: tool 'slow' timed out after 0.05s"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1,</tool_call>', "Error: could not parse tool call"),
+        (_call("nope", {}), "Error: unknown tool 'nope'. Available tools: add, slow."),
+        (_call("add", {"a": "one", "b": 2}), "Error: add: argument 'a' must be a number"),
+        (_call("add", {"a": 1}), "Error: add: missing required argument 'b'"),
+        (_call("slow", {"x": 1}), "Error: tool 'slow' timed out after 0.05s"),
+    ],
+)
 async def test_bad_tool_calls_become_error_messages_the_model_sees(text, expected):
     env = Arithmetic()
     await env.reset(options={"prompt": "q", "label": "3"})
@@ -88,13 +91,15 @@ def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
     assert agentrl.load_env("envs.calculator:Calculator") is Calculator
     assert agentrl.load_env("agentrl/Calculator-v0") is Calculator
     f = tmp_path / "my_env.py"
-    f.write_text(textwrap.dedent("""
+    f.write_text(
+        textwrap.dedent("""
         import agentrl
         class Mine(agentrl.Env):
             async def reset(self, *, seed=None, options=None):
                 return [{"role": "user", "content": "hi"}], {}
         agentrl.register("test/Mine-v0", Mine)
-    """))
+    """)
+    )
     cls = agentrl.load_env(f"{f}:Mine")
     assert cls.__name__ == "Mine"
     monkeypatch.chdir(tmp_path)

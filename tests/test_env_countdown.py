@@ -15,22 +15,25 @@ from tests.test_cli import read_samples, run
 NUMBERS = [1, 3, 4, 6]
 
 
-@pytest.mark.parametrize("text,reward", [
-    ("<answer>6 / (1 - 3 / 4)</answer>", 1.0),  # exact fractions: 3/4 is not rounded away
-    ("I think... <answer>4 * 6</answer> no wait <answer>(3 - 1) * (6 + 4) + 4</answer>", 0.0),  # last tag, 4 twice
-    ("<answer>4 * 6 = 24</answer>", 1.0),  # a trailing '= ...' is ignored
-    ("<answer>4 × 6</answer>", 1.0),
-    ("<answer>(6 + 4) * 3 - 1</answer>", FORMAT_CREDIT),  # valid but 29
-    ("<answer>6 / (4 - 4)</answer>", 0.0),  # 4 used twice (checked before evaluating)
-    ("<answer>8 * 3</answer>", 0.0),  # 8 is not given
-    ("<answer>6 ** 4</answer>", 0.0),
-    ("<answer>-1 + 25</answer>", 0.0),
-    ("<answer>24.0</answer>", 0.0),
-    ("<answer>__import__('os')</answer>", 0.0),
-    ("<answer>" + "(" * 500 + "6" + ")" * 500 + "</answer>", 0.0),
-    ("<answer></answer>", 0.0),
-    ("24", 0.0),  # no tag
-])
+@pytest.mark.parametrize(
+    "text,reward",
+    [
+        ("<answer>6 / (1 - 3 / 4)</answer>", 1.0),  # exact fractions: 3/4 is not rounded away
+        ("I think... <answer>4 * 6</answer> no wait <answer>(3 - 1) * (6 + 4) + 4</answer>", 0.0),  # last tag, 4 twice
+        ("<answer>4 * 6 = 24</answer>", 1.0),  # a trailing '= ...' is ignored
+        ("<answer>4 × 6</answer>", 1.0),
+        ("<answer>(6 + 4) * 3 - 1</answer>", FORMAT_CREDIT),  # valid but 29
+        ("<answer>6 / (4 - 4)</answer>", 0.0),  # 4 used twice (checked before evaluating)
+        ("<answer>8 * 3</answer>", 0.0),  # 8 is not given
+        ("<answer>6 ** 4</answer>", 0.0),
+        ("<answer>-1 + 25</answer>", 0.0),
+        ("<answer>24.0</answer>", 0.0),
+        ("<answer>__import__('os')</answer>", 0.0),
+        ("<answer>" + "(" * 500 + "6" + ")" * 500 + "</answer>", 0.0),
+        ("<answer></answer>", 0.0),
+        ("24", 0.0),  # no tag
+    ],
+)
 def test_verifier(text, reward):
     assert score(text, NUMBERS, 24).reward == reward
 
@@ -75,7 +78,9 @@ async def test_solver_scores_high_and_random_policies_low():
     assert all(r.turns == 1 and r.terminated for r in solved)
     solver_mean = statistics.mean(r.reward for r in solved)
     random_mean = statistics.mean(r.reward for r in await play(Countdown, random_policy(0), tasks))
-    junk_mean = statistics.mean(r.reward for r in await play(Countdown, lambda m, t: "<answer>" + t["prompt"][-90:], tasks))
+    junk_mean = statistics.mean(
+        r.reward for r in await play(Countdown, lambda m, t: "<answer>" + t["prompt"][-90:], tasks)
+    )
     assert solver_mean >= 0.95, solver_mean
     assert FORMAT_CREDIT * 0.9 <= random_mean < 0.2, random_mean  # mostly format credit
     assert junk_mean == 0.0
@@ -83,8 +88,21 @@ async def test_solver_scores_high_and_random_policies_low():
 
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.countdown:Countdown", "--num-tasks", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "48", "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.countdown:Countdown",
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "48",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert json.loads(r.stdout)["samples"] == len(samples) == 4

@@ -57,7 +57,12 @@ def test_written_conversations_load_as_token_exact_demonstrations(tmp_path, tiny
     first = rows[0][1]["messages"]
     assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert json.loads(first[2]["tool_calls"][0]["function"]["arguments"]) == {"expression": "48/2"}
-    assert first[3] == {"role": "tool", "content": "24", "name": "calculator", "tool_call_id": first[2]["tool_calls"][0]["id"]}
+    assert first[3] == {
+        "role": "tool",
+        "content": "24",
+        "name": "calculator",
+        "tool_call_id": first[2]["tool_calls"][0]["id"],
+    }
     samples, stats = conversation_samples(rows, ChatTemplate(tiny_tokenizer), env_tools=GSM8K().tool_schemas())
     assert stats.kept == counts["written"] and all(s.token_exact for s in samples)
     assert stats.assistant_turns == sum(sum(m["role"] == "assistant" for m in r["messages"]) for _, r in rows)

@@ -38,7 +38,9 @@ async def score(env_cls, task_id: str, code: str, *, before: list[agentrl.ToolCa
         for call in before:
             obs, _, done, _, _ = await env.step(agentrl.Action(text="", tool_calls=[call]))
             assert not done and obs[0]["role"] == "tool" and not obs[0]["content"].startswith("Error"), obs
-        _, reward, done, _, info = await env.step(agentrl.Action(text=f"Here it is:\n```python\n{textwrap.dedent(code)}\n```"))
+        _, reward, done, _, info = await env.step(
+            agentrl.Action(text=f"Here it is:\n```python\n{textwrap.dedent(code)}\n```")
+        )
         assert done
         return reward, info
     finally:
@@ -88,7 +90,9 @@ def test_shipped_tasks_are_well_formed():
 
 
 def test_extract_code_and_compare_values():
-    text = "try\n```python\ndef f(x):\n    return 1\n```\nbetter:\n```py\ndef f(x):\n    return 2\n```\n```\nprint(3)\n```"
+    text = (
+        "try\n```python\ndef f(x):\n    return 1\n```\nbetter:\n```py\ndef f(x):\n    return 2\n```\n```\nprint(3)\n```"
+    )
     assert extract_code(text, "f") == "def f(x):\n    return 2\n"
     assert extract_code(text, "g") == "print(3)\n" and extract_code("no code", "f") is None
     assert same_value([1, 2.0000001, {"a": [True]}], [1, 2, {"a": [True]}])
@@ -98,12 +102,18 @@ def test_extract_code_and_compare_values():
 
 def test_parse_results_keeps_only_marked_first_results():
     m = "@@result-abc@@"
-    stdout = "\n".join([
-        '{"i": 0, "value": "99"}',  # unmarked junk
-        m + '{"i": 0, "value": "1"}', m + '{"i": 0, "value": "2"}',  # first wins
-        m + '{"i": 2, "fail": "timeout"}', m + "not json", m + '{"i": 7, "value": "1"}', m + '{"i": "1", "value": "1"}',
-        "@@result-xyz@@" + '{"i": 1, "value": "5"}',
-    ])
+    stdout = "\n".join(
+        [
+            '{"i": 0, "value": "99"}',  # unmarked junk
+            m + '{"i": 0, "value": "1"}',
+            m + '{"i": 0, "value": "2"}',  # first wins
+            m + '{"i": 2, "fail": "timeout"}',
+            m + "not json",
+            m + '{"i": 7, "value": "1"}',
+            m + '{"i": "1", "value": "1"}',
+            "@@result-xyz@@" + '{"i": 1, "value": "5"}',
+        ]
+    )
     results, error = parse_results(stdout, m, 3)
     assert results == [("ok", 1), None, ("fail", "timeout")] and error is None
     assert parse_results(m + '{"error": "boom"}', m, 2) == ([None, None], "boom")
@@ -114,7 +124,9 @@ def test_parse_results_keeps_only_marked_first_results():
 
 async def test_scripted_solver_scores_one(env_cls, sandbox_backend):
     """Every task on the fast process backend (the references vs. the expected values); a third elsewhere."""
-    tasks = [t for i, t in enumerate(TASKS.values()) if sandbox_backend == "process" or i % 3 == 0 or t["id"] in TRIED_FIRST]
+    tasks = [
+        t for i, t in enumerate(TASKS.values()) if sandbox_backend == "process" or i % 3 == 0 or t["id"] in TRIED_FIRST
+    ]
     results = await play(env_cls, solver, tasks)
     assert [r.error for r in results if r.error] == []
     low = [(r.task["id"], r.reward, r.messages[-1]) for r in results if r.reward < 1.0]
@@ -131,14 +143,19 @@ async def test_random_policy_scores_low(env_cls):
 
 SUBMISSIONS = {  # name: (code, reward, start of info["error"]); gcd's hidden tests expect 6, 1, 9, 0, 21, 10**9
     "constant guess": ("def gcd(a, b):\n    return 1", 1 / 6, None),
-    "hangs on a == 0": ("import math\ndef gcd(a, b):\n    while a == 0:\n        pass\n    return math.gcd(a, b)", 4 / 6, None),
+    "hangs on a == 0": (
+        "import math\ndef gcd(a, b):\n    while a == 0:\n        pass\n    return math.gcd(a, b)",
+        4 / 6,
+        None,
+    ),
     "not JSON": ("def gcd(a, b):\n    return {a, b}", 0.0, None),
     "sys.exit on import": ("import sys\nsys.exit(0)", 0.0, "loading the solution raised SystemExit: 0"),
     "syntax error": ("def gcd(a, b)\n    return a", 0.0, "loading the solution raised SyntaxError"),
     "wrong name": ("def other(a, b):\n    return a", 0.0, "the solution defines no function gcd"),
     "os._exit on import": ("import os\nos._exit(0)", 0.0, None),
     "sleeps on import": ("import time\ntime.sleep(60)", 0.0, "loading the solution timed out"),
-    "fake result lines": ("""
+    "fake result lines": (
+        """
         import json, sys
         for i in range(6):
             print("@@result-00000000000000000000000000000000@@" + json.dumps({"i": i, "value": "6"}))
@@ -146,38 +163,55 @@ SUBMISSIONS = {  # name: (code, reward, start of info["error"]); gcd's hidden te
         def gcd(a, b):
             print('{"i": 0, "value": "6"}')
             return None
-    """, 0.0, None),
-    "monkeypatched harness": ("""
+    """,
+        0.0,
+        None,
+    ),
+    "monkeypatched harness": (
+        """
         import builtins, json
         json.dumps = lambda *a, **k: '"patched"'
         builtins.print = lambda *a, **k: None
         def gcd(a, b):
             return -1
-    """, 0.0, None),
-    "always-equal result": ("""
+    """,
+        0.0,
+        None,
+    ),
+    "always-equal result": (
+        """
         class Yes(int):
             def __eq__(self, other):
                 return True
             __hash__ = int.__hash__
         def gcd(a, b):
             return Yes(-1)
-    """, 0.0, None),
-    "stolen marker": ("""
+    """,
+        0.0,
+        None,
+    ),
+    "stolen marker": (
+        """
         import sys
         def gcd(a, b):
             emit = sys._getframe(1).f_locals["emit"]  # the harness's own writer, marker and all
             for i in range(6):
                 emit({"i": i, "value": "6"})  # claims every test, but must still guess the values
             return -1
-    """, 1 / 6, None),  # "6" is right for gcd(12, 18) only: exactly what returning 6 would earn
+    """,
+        1 / 6,
+        None,
+    ),  # "6" is right for gcd(12, 18) only: exactly what returning 6 would earn
 }
 
 
 async def test_partial_failing_and_forged_submissions(env_cls):
     names = list(SUBMISSIONS)
     outcomes = await asyncio.gather(*(score(env_cls, "gcd", SUBMISSIONS[n][0]) for n in names))
-    got = {n: (round(r, 4), info["total"], (info["error"] or "")[:len(SUBMISSIONS[n][2] or "")])
-           for n, (r, info) in zip(names, outcomes)}
+    got = {
+        n: (round(r, 4), info["total"], (info["error"] or "")[: len(SUBMISSIONS[n][2] or "")])
+        for n, (r, info) in zip(names, outcomes)
+    }
     want = {n: (round(r, 4), 6, e or "") for n, (_, r, e) in SUBMISSIONS.items()}
     assert got == want
     assert all(info["error"] is None for n, (_, info) in zip(names, outcomes) if SUBMISSIONS[n][2] is None)
@@ -198,13 +232,19 @@ async def test_the_tests_cannot_be_read_inside_isolated_sandboxes(env_cls, sandb
 
 
 async def test_what_the_model_left_in_the_sandbox_is_gone_before_the_tests(env_cls):
-    plant = agentrl.ToolCall("python", {"code": textwrap.dedent("""
+    plant = agentrl.ToolCall(
+        "python",
+        {
+            "code": textwrap.dedent("""
         import subprocess
         open("json.py", "w").write("raise SystemExit('shadowed')")
         open("solution.py", "w").write("def gcd(a, b): return 0")
         subprocess.Popen(["sh", "-c", "while true; do echo junk > harness.py; sleep 0.01; done"])
         print("planted")
-    """)}, "c0")
+    """)
+        },
+        "c0",
+    )
     reference = extract_code(TASKS["gcd"]["label"], "gcd")
     assert await score(env_cls, "gcd", reference, before=[plant]) == (1.0, {"passed": 6, "total": 6, "error": None})
 
@@ -213,7 +253,11 @@ async def test_answers_without_code_are_scored_without_a_sandbox():
     env = PythonCode()
     await env.reset(options=TASKS["fizzbuzz"])
     _, reward, done, _, info = await env.step(agentrl.Action(text="I would use a loop."))
-    assert (reward, done, info) == (0.0, True, {"passed": 0, "total": 6, "error": "no ```python code block in the answer"})
+    assert (reward, done, info) == (
+        0.0,
+        True,
+        {"passed": 0, "total": 6, "error": "no ```python code block in the answer"},
+    )
     assert env._sandbox is None
     await env.close()
 
@@ -227,9 +271,25 @@ async def test_check_env_finds_no_violations(env_cls):
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     sandbox_config("bubblewrap")  # skips where bubblewrap cannot run
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.python_code:PythonCode", "--num-tasks", "2", "--n-samples-per-prompt", "2",
-            "--max-turns", "2", "--rollout-max-response-len", "24", "--sandbox", "local",
-            "--hf-checkpoint", str(tiny_ckpt), "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.python_code:PythonCode",
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "2",
+        "--rollout-max-response-len",
+        "24",
+        "--sandbox",
+        "local",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert len(samples) == 4 and sorted({s["group_index"] for s in samples}) == [0, 1]

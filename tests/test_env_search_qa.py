@@ -16,19 +16,26 @@ from tests.test_cli import read_samples, run
 
 # What the scripted solver knows: for each question kind, where the answer sits in the template sentence.
 ANSWER_IN_DOC = {
-    "town_year": r"founded in (\d{4})", "town_founder": r"founded in \d{4} by ([^.]+)\.",
-    "town_river": r"the river (\w+)\.", "town_population": r"About ([\d,]+) people",
-    "town_product": r"known for its ([^.]+)\.", "person_year": r"\(born (\d{4})",
-    "person_village": r"village of (\w+)\)", "person_work": r"the book (.+?), and",
-    "person_award": r"received the (.+?)\.", "invention_inventor": r"invented by (.+?) in \d{4}",
-    "invention_year": r"invented by .+? in (\d{4})", "invention_place": r"the city of (\w+)\.",
+    "town_year": r"founded in (\d{4})",
+    "town_founder": r"founded in \d{4} by ([^.]+)\.",
+    "town_river": r"the river (\w+)\.",
+    "town_population": r"About ([\d,]+) people",
+    "town_product": r"known for its ([^.]+)\.",
+    "person_year": r"\(born (\d{4})",
+    "person_village": r"village of (\w+)\)",
+    "person_work": r"the book (.+?), and",
+    "person_award": r"received the (.+?)\.",
+    "invention_inventor": r"invented by (.+?) in \d{4}",
+    "invention_year": r"invented by .+? in (\d{4})",
+    "invention_place": r"the city of (\w+)\.",
 }
-KIND_OF_QUESTION = [(re.compile("^" + re.escape(q).replace(r"\{name\}", "(.+)") + "$"), kind)
-                    for kind, (_, q, _) in QUESTIONS.items()]
+KIND_OF_QUESTION = [
+    (re.compile("^" + re.escape(q).replace(r"\{name\}", "(.+)") + "$"), kind) for kind, (_, q, _) in QUESTIONS.items()
+]
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def solver(messages, task):
@@ -84,7 +91,10 @@ async def test_reward_is_f1_and_info_records_exact_match():
         assert obs == [] and done and not truncated
         return reward, info
 
-    assert await final("<answer>the copper almanac.</answer>") == (1.0, {"f1": 1.0, "exact_match": True, "answer_tag": True})
+    assert await final("<answer>the copper almanac.</answer>") == (
+        1.0,
+        {"f1": 1.0, "exact_match": True, "answer_tag": True},
+    )
     reward, info = await final("<answer>Copper Almanac Doom</answer>")
     assert reward == pytest.approx(0.8) and info["exact_match"] is False
     reward, info = await final("It is the Copper Almanac, I believe, after reading many documents about it.")
@@ -139,9 +149,23 @@ async def test_scripted_solver_earns_the_reward_and_random_policy_does_not():
 
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.search_qa:SearchQA", "--num-tasks", "2", "--n-samples-per-prompt", "2",
-            "--max-turns", "2", "--rollout-max-response-len", "24", "--hf-checkpoint", str(tiny_ckpt),
-            "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.search_qa:SearchQA",
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "2",
+        "--rollout-max-response-len",
+        "24",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert len(samples) == 4 and sorted({s["group_index"] for s in samples}) == [0, 1]

@@ -23,13 +23,16 @@ from envs.wordle import (
 from tests.test_cli import read_samples, run
 
 
-@pytest.mark.parametrize("guess,secret,marks", [
-    ("crane", "crane", "GGGGG"),
-    ("paper", "apple", "YYGY-"),
-    ("bobby", "abbey", "Y-G-G"),  # the third b has no unmatched copy left
-    ("speed", "abide", "--Y-Y"),  # one e in the secret: only the first e gets a mark
-    ("eerie", "crane", "--Y-G"),  # the green e uses up the secret's only e
-])
+@pytest.mark.parametrize(
+    "guess,secret,marks",
+    [
+        ("crane", "crane", "GGGGG"),
+        ("paper", "apple", "YYGY-"),
+        ("bobby", "abbey", "Y-G-G"),  # the third b has no unmatched copy left
+        ("speed", "abide", "--Y-Y"),  # one e in the secret: only the first e gets a mark
+        ("eerie", "crane", "--Y-G"),  # the green e uses up the secret's only e
+    ],
+)
 def test_feedback_marks_repeated_letters_like_wordle(guess, secret, marks):
     assert feedback(guess, secret) == marks
 
@@ -54,12 +57,15 @@ async def _play(secret: str, texts: list[str]) -> tuple[list[float], list[list[d
 
 
 async def test_per_turn_rewards_for_new_information_and_the_solve():
-    rewards, obs, done, info = await _play("crane", ["<guess>slate</guess>", "<guess>trace</guess>",
-                                                     "<GUESS> Crane </GUESS>"])
+    rewards, obs, done, info = await _play(
+        "crane", ["<guess>slate</guess>", "<guess>trace</guess>", "<GUESS> Crane </GUESS>"]
+    )
     # slate: a (G), e (G) -> 2 letters + 2 positions; trace: r, c new letters, r position new.
     assert rewards[0] == pytest.approx(4 * INFO_CREDIT)
     assert rewards[1] == pytest.approx(3 * INFO_CREDIT)
-    assert rewards[2] == pytest.approx(INFO_CREDIT * 3 + SOLVE_REWARD - 2 * SOLVE_DECAY)  # n: letter + position; c: position
+    assert rewards[2] == pytest.approx(
+        INFO_CREDIT * 3 + SOLVE_REWARD - 2 * SOLVE_DECAY
+    )  # n: letter + position; c: position
     assert done and info["solved"] and info["secret"] == "crane" and obs[2] == []
     assert obs[0][0]["content"] == "Guess 1 of 6: SLATE -> - - G - G\n5 guesses left."
 
@@ -70,8 +76,14 @@ async def test_first_guess_solve_is_worth_exactly_one():
 
 
 async def test_invalid_guesses_cost_a_turn_and_earn_nothing():
-    texts = ["crane", "<guess>cran</guess>", "<guess>zzzzz</guess>", "<guess>" + "x" * 5000 + "</guess>",
-             "\x00\ufffd<guess>🙂🙂🙂🙂🙂</guess>", "<guess>slate</guess>"]
+    texts = [
+        "crane",
+        "<guess>cran</guess>",
+        "<guess>zzzzz</guess>",
+        "<guess>" + "x" * 5000 + "</guess>",
+        "\x00\ufffd<guess>🙂🙂🙂🙂🙂</guess>",
+        "<guess>slate</guess>",
+    ]
     rewards, obs, done, info = await _play("crane", texts)
     assert rewards[:5] == [0.0] * 5 and done and not info["solved"] and info["guesses_used"] == MAX_GUESSES
     assert "Write your guess as <guess>word</guess>" in obs[0][0]["content"]
@@ -82,8 +94,9 @@ async def test_invalid_guesses_cost_a_turn_and_earn_nothing():
 async def test_any_solve_beats_any_loss():
     late_solve, _, _, _ = await _play("crane", ["x"] * 5 + ["<guess>crane</guess>"])
     # A loss that finds every letter and every position of the secret (3 letters, 5 positions).
-    loss, _, done, info = await _play("geese", [f"<guess>{w}</guess>" for w in
-                                                ["green", "seedy", "raise", "green", "seedy", "raise"]])
+    loss, _, done, info = await _play(
+        "geese", [f"<guess>{w}</guess>" for w in ["green", "seedy", "raise", "green", "seedy", "raise"]]
+    )
     assert done and not info["solved"]
     assert sum(late_solve) == pytest.approx(SOLVE_REWARD - 5 * SOLVE_DECAY + 10 * INFO_CREDIT)
     assert sum(loss) == pytest.approx(8 * INFO_CREDIT) and 10 * INFO_CREDIT < sum(late_solve)
@@ -114,9 +127,23 @@ async def test_solver_solves_and_random_policies_score_low():
 
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", "envs.wordle:Wordle", "--num-tasks", "2", "--n-samples-per-prompt", "2",
-            "--max-turns", "6", "--rollout-max-response-len", "48", "--hf-checkpoint", str(tiny_ckpt),
-            "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        "envs.wordle:Wordle",
+        "--num-tasks",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "6",
+        "--rollout-max-response-len",
+        "48",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert json.loads(r.stdout)["samples"] == len(samples) == 4

@@ -28,7 +28,13 @@ class TalkEnv(agentrl.Env):
     async def step(self, action):
         self.n += 1
         done = self.n >= 3
-        return [{"role": "user", "content": f"Turn {self.n}: say more about {len(action.text)} chars."}], 0.5, done, False, {}
+        return (
+            [{"role": "user", "content": f"Turn {self.n}: say more about {len(action.text)} chars."}],
+            0.5,
+            done,
+            False,
+            {},
+        )
 
 
 @agentrl.tool
@@ -52,8 +58,10 @@ class ToolTalkEnv(agentrl.Env):
 
     async def step(self, action):
         self.n += 1
-        obs = [{"role": "tool", "tool_call_id": f"c{self.n}", "content": f"result {self.n}"},
-               {"role": "tool", "tool_call_id": f"d{self.n}", "content": "ok"}]
+        obs = [
+            {"role": "tool", "tool_call_id": f"c{self.n}", "content": f"result {self.n}"},
+            {"role": "tool", "tool_call_id": f"d{self.n}", "content": "ok"},
+        ]
         return obs, 1.0, self.n >= 3, False, {}
 
 
@@ -72,7 +80,9 @@ def _rescore(model, tokens: list[int], temperature: float) -> torch.Tensor:
     return lp[:-1].gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
 
 
-@pytest.mark.parametrize("env_cls,temperature,stop", [(TalkEnv, 1.0, []), (ToolTalkEnv, 0.8, []), (TalkEnv, 1.0, ["e", "a"])])
+@pytest.mark.parametrize(
+    "env_cls,temperature,stop", [(TalkEnv, 1.0, []), (ToolTalkEnv, 0.8, []), (TalkEnv, 1.0, ["e", "a"])]
+)
 async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_tokenizer, env_cls, temperature, stop):
     """Turns ending on the sampled EOS (the template's tail minus the stop token is bridged) and on a
     stop string (the whole tail is written by the environment's delta) are both exact."""
@@ -91,7 +101,7 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         assert s.tokens[: s.prompt_length] == template.prompt(s.prompt, [t.schema() for t in env_cls.tools])[1]
         # 1. every sampled position re-scores to the engine's log-prob
         full = _rescore(model, s.tokens, temperature)
-        resp_lp = full[s.prompt_length - 1:]
+        resp_lp = full[s.prompt_length - 1 :]
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)
         assert mask.sum() > 0
         diff = (resp_lp[mask] - torch.tensor(s.rollout_log_probs)[mask]).abs().max().item()
@@ -101,28 +111,32 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         convo = list(s.prompt)
         env_iter = iter(s.metadata["env_spans"])
         for a, b in s.metadata["turn_spans"]:
-            ids = s.tokens[s.prompt_length + a: s.prompt_length + b]
+            ids = s.tokens[s.prompt_length + a : s.prompt_length + b]
             ended = ids[-1:] == [tiny_tokenizer.eos_token_id]
             stop_string_turns += not ended
             bridge = "\n" if ended else "<|im_end|>\n"
             convo.append({"role": "assistant", "content": template.decode(ids[:-1] if ended else ids)})
             span = next(env_iter, None)
             if span is not None:
-                env_text = template.decode(s.tokens[s.prompt_length + span[0]: s.prompt_length + span[1]])
+                env_text = template.decode(s.tokens[s.prompt_length + span[0] : s.prompt_length + span[1]])
                 # 3. each mask-0 span is exactly the observation as the template renders it
                 if env_cls is TalkEnv:
-                    body = env_text.removeprefix(bridge + "<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
+                    body = env_text.removeprefix(bridge + "<|im_start|>user\n").removesuffix(
+                        "<|im_end|>\n<|im_start|>assistant\n"
+                    )
                     assert env_text == f"{bridge}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
                     assert body.startswith(f"Turn {len(convo) // 2}: say more")
                     convo.append({"role": "user", "content": body})
                 else:
                     n = (len(convo) - 2 + 1) // 3 + 1
-                    assert env_text == (f"{bridge}<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response>\n"
-                                        "<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+                    assert env_text == (
+                        f"{bridge}<|im_start|>user\n<tool_response>\nresult {n}\n</tool_response>\n"
+                        "<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+                    )
                     convo += [{"role": "tool", "content": f"result {n}"}, {"role": "tool", "content": "ok"}]
         rendered = template.render(convo, [t.schema() for t in env_cls.tools], add_generation_prompt=False)
         decoded = template.decode(s.tokens)
-        assert rendered.startswith(decoded) and rendered[len(decoded):] in ("\n", "<|im_end|>\n")
+        assert rendered.startswith(decoded) and rendered[len(decoded) :] in ("\n", "<|im_end|>\n")
         assert s.reward == pytest.approx(sum(s.metadata["turn_rewards"]))
         multi_turn += len(s.metadata["turn_spans"]) >= 2
     assert multi_turn >= 3, "the tiny model should produce several multi-turn episodes"
@@ -215,9 +229,12 @@ async def test_system_exit_anywhere_fails_only_its_sample(tiny_server, tiny_toke
             raise SystemExit(5)
         return 0.0
 
-    samples, summary = await generate_rollout(ctx, env_cls if where != "reward" else TalkEnv,
-                                              [{"prompt": f"task {i}"} for i in range(4)],
-                                              custom_reward=reward if where == "reward" else None)
+    samples, summary = await generate_rollout(
+        ctx,
+        env_cls if where != "reward" else TalkEnv,
+        [{"prompt": f"task {i}"} for i in range(4)],
+        custom_reward=reward if where == "reward" else None,
+    )
     await ctx.engine.close()
     failed = [s for s in samples if s.status == Status.FAILED]
     assert len(samples) == 4 and len(failed) == 2 and summary.status["failed"] == 2, [s.metadata for s in samples]
@@ -344,10 +361,16 @@ async def test_a_turn_cut_off_at_the_length_limit_earns_zero(tiny_server, tiny_t
         tr, spans = s.metadata["turn_rewards"], s.metadata["turn_spans"]
         assert len(tr) == len(spans) and tr[-1] == 0.0 and s.reward == pytest.approx(sum(tr))
     from agentrl.algo.advantages import compute_advantages
-    adv = compute_advantages("grpo", rewards=[s.reward for s in samples], group_ids=[0] * len(samples),
-                             loss_masks=[s.loss_mask for s in samples], per_turn=True,
-                             turn_rewards=[s.metadata["turn_rewards"] for s in samples],
-                             turn_spans=[[tuple(x) for x in s.metadata["turn_spans"]] for s in samples])
+
+    adv = compute_advantages(
+        "grpo",
+        rewards=[s.reward for s in samples],
+        group_ids=[0] * len(samples),
+        loss_masks=[s.loss_mask for s in samples],
+        per_turn=True,
+        turn_rewards=[s.metadata["turn_rewards"] for s in samples],
+        turn_spans=[[tuple(x) for x in s.metadata["turn_spans"]] for s in samples],
+    )
     assert [len(a) for a in adv] == [s.response_length for s in samples]
 
 
@@ -375,7 +398,9 @@ async def test_no_engine_left_aborts_samples_not_the_run(tiny_tokenizer):
     samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}] * 2)
     await ctx.engine.close()
     assert summary.status == {"aborted": 2}
-    assert all(s.metadata["status_reason"] == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples)
+    assert all(
+        s.metadata["status_reason"] == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples
+    )
 
 
 async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, tiny_tokenizer):
@@ -391,7 +416,10 @@ async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, 
         assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
         assert s.token_exact is False and set(s.weight_versions) == {"api"}
         assert all(lp == 0.0 for lp in s.rollout_log_probs)
-    assert all(s.token_exact for s in (await generate_rollout(_ctx(tiny_server, tiny_tokenizer), OneTurnEnv, [{"prompt": "x"}]))[0])
+    assert all(
+        s.token_exact
+        for s in (await generate_rollout(_ctx(tiny_server, tiny_tokenizer), OneTurnEnv, [{"prompt": "x"}]))[0]
+    )
 
 
 async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
@@ -455,7 +483,9 @@ async def test_engine_context_length_truncates_instead_of_aborting(tiny_ckpt, ti
             obs, r, _, trunc, info = await super().step(action)
             return obs, r, False, trunc, info  # never terminates: only the context can end it
 
-    with local_server(tiny_ckpt, extra_args=["--context-length", "96", "--seed", "1"], log_path=tmp_path / "e.log") as url:
+    with local_server(
+        tiny_ckpt, extra_args=["--context-length", "96", "--seed", "1"], log_path=tmp_path / "e.log"
+    ) as url:
         ctx = _ctx(url, tiny_tokenizer, max_turns=50)
         assert ctx.config.rollout_max_context_len is None
         samples, summary = await generate_rollout(ctx, LongTalk, [{"prompt": "go"}] * 4)
@@ -474,7 +504,9 @@ async def test_unserializable_env_info_does_not_stop_the_run(tiny_server, tiny_t
 
     lines = []
     ctx = _ctx(tiny_server, tiny_tokenizer)
-    samples, summary = await generate_rollout(ctx, LockInfo, [{"prompt": "x"}] * 2, on_sample=lambda s: lines.append(s.to_json()))
+    samples, summary = await generate_rollout(
+        ctx, LockInfo, [{"prompt": "x"}] * 2, on_sample=lambda s: lines.append(s.to_json())
+    )
     await ctx.engine.close()
     assert len(lines) == 2 and summary.sink_errors == 0 and "<unlocked _thread.lock" in lines[0]
 
@@ -496,7 +528,8 @@ async def test_malformed_engine_replies_abort_after_retries(tiny_tokenizer, tmp_
         "    body = b'{\"text\": \"hi\", \"meta_info\": {}}' if scope['path'] == '/generate' else b'not json'\n"
         "    await send({'type': 'http.response.start', 'status': 200, 'headers': [(b'content-type', b'application/json')]})\n"
         "    await send({'type': 'http.response.body', 'body': body})\n"
-        f"uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning')\n")
+        f"uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning')\n"
+    )
     proc = subprocess.Popen([sys.executable, str(app)])
     try:
         engine = SGLangEngine(f"http://127.0.0.1:{port}", max_retries=2, backoff=0.01)
@@ -538,8 +571,10 @@ async def test_chat_mode_shows_tools_to_a_model_whose_template_ignores_them(tiny
 
     tools = [echo.schema()]
     async with aiohttp.ClientSession() as s:
-        async with s.post(tiny_server + "/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}) as r:
+        async with s.post(
+            tiny_server + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4},
+        ) as r:
             body = await r.json()
     expected = ChatTemplate(tiny_tokenizer).prompt([{"role": "user", "content": "hi"}], tools)[1]
     assert body["usage"]["prompt_tokens"] == len(expected)

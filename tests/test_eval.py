@@ -59,8 +59,13 @@ async def test_evaluate_end_to_end(tiny_server, tiny_tokenizer):
     assert table.splitlines()[0].split()[:5] == ["dataset", "prompts", "samples", "reward", "pass@1"]
     assert len(table.splitlines()) == 3
     # a threshold above every reward: nothing passes
-    high = await evaluate(EpisodeContext(engine=SGLangEngine(tiny_server), template=ctx.template, config=config),
-                          ParityEnv, {"odd": datasets["odd"]}, n_samples=2, success_threshold=2.0)
+    high = await evaluate(
+        EpisodeContext(engine=SGLangEngine(tiny_server), template=ctx.template, config=config),
+        ParityEnv,
+        {"odd": datasets["odd"]},
+        n_samples=2,
+        success_threshold=2.0,
+    )
     assert high["odd"]["pass@1"] == high["odd"]["pass@2"] == 0.0
 
 
@@ -68,8 +73,9 @@ async def test_evaluate_through_chat_completions(tiny_server, tiny_tokenizer):
     from agentrl.engines.http import ChatCompletionsClient
 
     config = RolloutConfig(rollout_max_response_len=200, max_turns=2)
-    ctx = EpisodeContext(engine=None, template=ChatTemplate(tiny_tokenizer), config=config,
-                         chat=ChatCompletionsClient(tiny_server))
+    ctx = EpisodeContext(
+        engine=None, template=ChatTemplate(tiny_tokenizer), config=config, chat=ChatCompletionsClient(tiny_server)
+    )
     try:
         results = await evaluate(ctx, ParityEnv, {"d": [{"prompt": "Hi"}, {"prompt": "Yo"}]}, n_samples=2)
     finally:

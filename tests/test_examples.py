@@ -12,9 +12,25 @@ def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_pat
     r = run("check-env", "--env", env, "--prompt-data", data)
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "samples.jsonl"
-    r = run("rollout", "--env", env, "--prompt-data", data, "--n-samples-per-prompt", "2", "--max-turns", "4",
-            "--rollout-max-response-len", "32", "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt),
-            "--output", str(out))
+    r = run(
+        "rollout",
+        "--env",
+        env,
+        "--prompt-data",
+        data,
+        "--n-samples-per-prompt",
+        "2",
+        "--max-turns",
+        "4",
+        "--rollout-max-response-len",
+        "32",
+        "--engine-url",
+        tiny_server,
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--output",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     samples = read_samples(out)
     assert len(samples) == 8 and json.loads(r.stdout)["samples"] == 8

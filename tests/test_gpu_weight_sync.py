@@ -52,9 +52,28 @@ def two_gpus() -> bool:
 def sglang_url(ckpt, two_gpus, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("gpu_sync_logs") / "sglang.log"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--mem-fraction-static", "0.2", "--disable-cuda-graph",
-           "--random-seed", "0", "--base-gpu-id", "1" if two_gpus else "0", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(ckpt),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--mem-fraction-static",
+        "0.2",
+        "--disable-cuda-graph",
+        "--random-seed",
+        "0",
+        "--base-gpu-id",
+        "1" if two_gpus else "0",
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}  # as SGLang's own RL tests set them
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -94,8 +113,11 @@ def dominated(model, base: dict, token: int) -> dict:
 
 
 def generate(url: str) -> tuple[list[int], list[float]]:
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
+    }
     meta = httpx.post(url + "/generate", json=body, timeout=120).json()["meta_info"]
     return [t for _, t, _ in meta["output_token_logprobs"]], [lp for lp, _, _ in meta["output_token_logprobs"]]
 
@@ -113,8 +135,9 @@ async def test_broadcast_into_sglang(sglang_url, ckpt, two_gpus):
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     engine = SGLangEngine(sglang_url)
-    transport = DistributedTransport([engine], backend="nccl" if two_gpus else "gloo",
-                                     bucket_bytes=256 << 10, timeout=300)
+    transport = DistributedTransport(
+        [engine], backend="nccl" if two_gpus else "gloo", bucket_bytes=256 << 10, timeout=300
+    )
     before = generate(sglang_url)
     try:
         for version, token in (("v1", 10), ("v2", 11)):  # the second push reuses the group
@@ -126,10 +149,12 @@ async def test_broadcast_into_sglang(sglang_url, ckpt, two_gpus):
             assert ids == ref_ids != before[0]
             assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 0.05
             assert httpx.get(sglang_url + "/get_model_info").json()["weight_version"] == version
-            row = httpx.post(sglang_url + "/get_weights_by_name",
-                             json={"name": "lm_head.weight", "truncate_size": 16}).json()
-            assert torch.allclose(torch.tensor(row, dtype=torch.float32)[token],
-                                  state["lm_head.weight"][token], rtol=2e-2, atol=1e-3)
+            row = httpx.post(
+                sglang_url + "/get_weights_by_name", json={"name": "lm_head.weight", "truncate_size": 16}
+            ).json()
+            assert torch.allclose(
+                torch.tensor(row, dtype=torch.float32)[token], state["lm_head.weight"][token], rtol=2e-2, atol=1e-3
+            )
         await engine.release_memory_occupation()
         await engine.resume_memory_occupation()
         assert generate(sglang_url)[0] == [11] * N_NEW

@@ -48,7 +48,7 @@ def rescore(model, prompt: list[int], output: list[int], temperature: float) -> 
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()
     t = temperature if temperature >= 1e-6 else 1.0
-    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1: -1]
+    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1 : -1]
     return logp.gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
@@ -69,9 +69,16 @@ def prompts(n: int, base: int = 3) -> list[list[int]]:
 async def test_logprobs_equal_full_rescore_under_concurrency(engine, ref_model):
     ps = prompts(12)
     temps = [1.0, 0.7, 0.0] * 4
-    params = [{"temperature": t, "max_new_tokens": 5 + 7 * (i % 5), "ignore_eos": i % 2 == 0,
-               "top_p": 0.9 if i % 3 == 1 else 1.0, "top_k": 20 if i % 4 == 3 else -1}
-              for i, t in enumerate(temps)]
+    params = [
+        {
+            "temperature": t,
+            "max_new_tokens": 5 + 7 * (i % 5),
+            "ignore_eos": i % 2 == 0,
+            "top_p": 0.9 if i % 3 == 1 else 1.0,
+            "top_k": 20 if i % 4 == 3 else -1,
+        }
+        for i, t in enumerate(temps)
+    ]
     outs = await asyncio.gather(*(engine.generate(p, sp, return_logprob=True) for p, sp in zip(ps, params)))
     for p, sp, out in zip(ps, params, outs):
         assert_exact(ref_model, p, out, sp["temperature"])
@@ -86,8 +93,9 @@ async def test_logprobs_equal_full_rescore_under_concurrency(engine, ref_model):
 
     # Next turn of each conversation: the whole history is re-sent and hits the prefix cache.
     turn2 = [p + o["output_ids"] + [20, 21, 22] for p, o in zip(ps[:6], outs[:6])]
-    outs2 = await asyncio.gather(*(engine.generate(p, {"temperature": 0.7, "max_new_tokens": 6}, return_logprob=True)
-                                   for p in turn2))
+    outs2 = await asyncio.gather(
+        *(engine.generate(p, {"temperature": 0.7, "max_new_tokens": 6}, return_logprob=True) for p in turn2)
+    )
     for p, prev, out in zip(ps, outs, outs2):
         assert_exact(ref_model, turn2[ps.index(p)], out, 0.7)
         assert out["meta_info"]["cached_tokens"] >= len(p) + len(prev["output_ids"]) - 1
@@ -176,28 +184,31 @@ async def test_context_length_clamps_and_rejects(ckpt):
         await eng.close()
 
 
-@pytest.mark.parametrize("ids, sp, match", [
-    ([], {}, "non-empty"),
-    ([1, 2, 10**6], {}, "lie in"),
-    ([1, 2], {"top_p": 0}, "top_p"),
-    ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
-    ([1, 2], {"top_k": 0}, "top_k"),
-    ([1, 2], {"temperature": -0.5}, "temperature"),
-    ([1, 2], {"frequency_penalty": 0.5}, "not supported"),
-    ([1, 2], {"tempreature": 1.0}, "unknown"),
-    ([1, 2], {"stop": [""]}, "stop"),
-    # each of these used to kill the worker loop for every request (issue 18), or answer 500
-    ([1, 2], {"skip_special_tokens": "no"}, "sampling_params.skip_special_tokens"),
-    ([1, 2], {"top_k": 2**63}, "sampling_params.top_k"),
-    ([1, 2], {"temperature": 10**400}, "sampling_params.temperature"),
-    ([1, 2], {"temperature": float("inf")}, "sampling_params.temperature"),
-    ([1, 2], {"stop": 5}, "sampling_params.stop"),
-    ([1, 2], {"stop_token_ids": 5}, "sampling_params.stop_token_ids"),
-    ([1, 2], {"stop_token_ids": [-5]}, "sampling_params.stop_token_ids"),
-    ([1, 2], {"sampling_seed": 2**64}, "sampling_params.sampling_seed"),
-    ([1, 2], {"max_new_tokens": True}, "sampling_params.max_new_tokens"),
-    ([1, 2], {"stop": ["x" * 600]}, "sampling_params.stop"),
-])
+@pytest.mark.parametrize(
+    "ids, sp, match",
+    [
+        ([], {}, "non-empty"),
+        ([1, 2, 10**6], {}, "lie in"),
+        ([1, 2], {"top_p": 0}, "top_p"),
+        ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
+        ([1, 2], {"top_k": 0}, "top_k"),
+        ([1, 2], {"temperature": -0.5}, "temperature"),
+        ([1, 2], {"frequency_penalty": 0.5}, "not supported"),
+        ([1, 2], {"tempreature": 1.0}, "unknown"),
+        ([1, 2], {"stop": [""]}, "stop"),
+        # each of these used to kill the worker loop for every request (issue 18), or answer 500
+        ([1, 2], {"skip_special_tokens": "no"}, "sampling_params.skip_special_tokens"),
+        ([1, 2], {"top_k": 2**63}, "sampling_params.top_k"),
+        ([1, 2], {"temperature": 10**400}, "sampling_params.temperature"),
+        ([1, 2], {"temperature": float("inf")}, "sampling_params.temperature"),
+        ([1, 2], {"stop": 5}, "sampling_params.stop"),
+        ([1, 2], {"stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+        ([1, 2], {"stop_token_ids": [-5]}, "sampling_params.stop_token_ids"),
+        ([1, 2], {"sampling_seed": 2**64}, "sampling_params.sampling_seed"),
+        ([1, 2], {"max_new_tokens": True}, "sampling_params.max_new_tokens"),
+        ([1, 2], {"stop": ["x" * 600]}, "sampling_params.stop"),
+    ],
+)
 async def test_bad_requests_are_refused(engine, ids, sp, match):
     with pytest.raises(InvalidRequestError, match=match):
         await engine.generate(ids, sp)
@@ -234,8 +245,16 @@ async def test_weight_update_from_disk(ckpt, tmp_path):
         bad = await eng.update_weights_from_disk(str(tmp_path / "missing"))
         assert bad["success"] is False and "safetensors" in bad["message"]
         small = tmp_path / "small"
-        LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(small)
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=400,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        ).save_pretrained(small)
         bad = await eng.update_weights_from_disk(str(small))
         assert bad["success"] is False and "does not match" in bad["message"]
         assert (await eng.generate(p, sp))["output_ids"] == before["output_ids"]  # unchanged
@@ -298,8 +317,9 @@ async def test_a_fault_in_one_request_fails_only_that_request(ckpt, monkeypatch)
         alone = [(await eng.generate(p, GREEDY))["output_ids"] for p in prompts_]
         monkeypatch.setattr(engine_mod, "sample_batch", faulty)
         poison = eng.generate([9, 9, 9], {"temperature": 1.0, "top_p": 0.123, "max_new_tokens": 6})
-        outs = await asyncio.wait_for(asyncio.gather(poison, *(eng.generate(p, GREEDY) for p in prompts_),
-                                                     return_exceptions=True), 30)
+        outs = await asyncio.wait_for(
+            asyncio.gather(poison, *(eng.generate(p, GREEDY) for p in prompts_), return_exceptions=True), 30
+        )
         assert isinstance(outs[0], EngineFault) and "SystemExit" in str(outs[0])
         assert [o["output_ids"] for o in outs[1:]] == alone
         assert eng.alive and eng.restarts == 0 and eng.num_running == 0
@@ -323,8 +343,9 @@ async def test_a_fault_in_a_batch_fails_its_requests_and_the_loop_goes_on(ckpt):
             return real(*a, **k)
 
         eng.runner.forward = forward
-        outs = await asyncio.wait_for(asyncio.gather(*(eng.generate([5, 6, 7], GREEDY) for _ in range(4)),
-                                                     return_exceptions=True), 30)
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(eng.generate([5, 6, 7], GREEDY) for _ in range(4)), return_exceptions=True), 30
+        )
         failed = [o for o in outs if isinstance(o, BaseException)]
         assert len(failed) == 2 and all(isinstance(o, EngineFault) for o in failed), outs
         assert [o["output_ids"] for o in outs if not isinstance(o, BaseException)] == [before, before]
@@ -358,8 +379,12 @@ async def test_weight_updates_are_checked_before_the_swap(ckpt, bad):
         first, last = names[0], names[-1]
         tensors[first] = tensors[first] + 1.0  # a valid change that must not land either
         shape = tensors[last].shape
-        tensors[last] = {"meta": torch.empty(shape, device="meta"), "nan": torch.full(shape, float("nan")),
-                         "int": torch.zeros(shape, dtype=torch.int64), "list": [[0.0]]}[bad]
+        tensors[last] = {
+            "meta": torch.empty(shape, device="meta"),
+            "nan": torch.full(shape, float("nan")),
+            "int": torch.zeros(shape, dtype=torch.int64),
+            "list": [[0.0]],
+        }[bad]
         out = await eng.update_weights_from_tensors(tensors, weight_version="bad")
         assert out["success"] is False and (last in out["message"] or "bad tensors" in out["message"]), out
         assert eng.weight_version == "default"

@@ -52,10 +52,23 @@ def megatron_world():
 
 
 def _modules(heads: int, groups: int, head_dim: int = 16, layer_number: int = 1, **extra):
-    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=heads, num_query_groups=groups,
-                               kv_channels=head_dim, attention_dropout=0.0, masked_softmax_fusion=False, **extra)
-    kw = dict(config=config, layer_number=layer_number, attn_mask_type=AttnMaskType.causal, attention_type="self",
-              softmax_scale=config.softmax_scale)
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        **extra,
+    )
+    kw = dict(
+        config=config,
+        layer_number=layer_number,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        softmax_scale=config.softmax_scale,
+    )
     return PackedCoreAttention(**kw), DotProductAttention(**kw)
 
 
@@ -75,8 +88,9 @@ def _grads(out, inputs, seed=1):
 
 
 @pytest.mark.parametrize("heads,groups,expand", [(4, 4, False), (4, 2, False), (4, 1, False), (4, 2, True)])
-def test_per_sample_attention_equals_block_causal_dot_product_attention(megatron_world, monkeypatch, heads, groups,
-                                                                        expand):
+def test_per_sample_attention_equals_block_causal_dot_product_attention(
+    megatron_world, monkeypatch, heads, groups, expand
+):
     if expand:  # GQA by repeating k/v heads, the path taken on CUDA (CPU uses SDPA's enable_gqa)
         monkeypatch.setattr(megatron_attention, "_SDPA_HAS_GQA", False)
     packed, reference = _modules(heads, groups)
@@ -106,7 +120,7 @@ def test_softmax_scale_and_query_key_layer_scaling_match_megatron(megatron_world
         out = packed(*qkv, None, packed_seq_params=packed_seq_params(_positions(LENGTHS)))
         torch.testing.assert_close(out, reference(*qkv, mm.packed_attention_mask(LENGTHS)), rtol=1e-5, atol=1e-5)
     plain, _ = _modules(4, 2, head_dim=24)
-    assert plain.softmax_scale == pytest.approx(24 ** -0.5)
+    assert plain.softmax_scale == pytest.approx(24**-0.5)
 
 
 def test_attention_does_not_leak_across_samples(megatron_world):
@@ -150,13 +164,22 @@ def test_packed_seq_params_from_position_ids():
 
 # -- through the whole GPTModel ------------------------------------------------------------------
 
+
 def _hf_config():
     from transformers import Qwen3Config
 
     # GQA (4 heads, 2 groups), head_dim 24 != hidden/heads, q/k norms
-    return Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=24, vocab_size=300, max_position_embeddings=128,
-                       tie_word_embeddings=True)
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=300,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
 
 
 def _model(packed_attention: bool = True):
@@ -179,8 +202,9 @@ def test_build_gpt_model_swaps_in_packed_attention(megatron_world):
     assert {type(layer.self_attention.core_attention) for layer in plain.decoder.layers} == {DotProductAttention}
     assert packed.state_dict().keys() == plain.state_dict().keys()
     # the norms are torch's RMSNorm whatever is installed (apex's FusedLayerNorm refuses RMSNorm; TE renames)
-    norms = [packed.decoder.final_layernorm] + [m for layer in packed.decoder.layers
-                                                for m in (layer.input_layernorm, layer.pre_mlp_layernorm)]
+    norms = [packed.decoder.final_layernorm] + [
+        m for layer in packed.decoder.layers for m in (layer.input_layernorm, layer.pre_mlp_layernorm)
+    ]
     assert all(type(n) is torch.nn.RMSNorm for n in norms), {type(n) for n in norms}
 
 
@@ -196,8 +220,7 @@ def test_packed_row_through_the_model_equals_each_sample_alone(megatron_world):
         return torch.nn.functional.cross_entropy(logits[0, :-1, :300], ids[1:], reduction="sum")
 
     packed = model(row, pos, None, packed_seq_params=packed_seq_params(pos))
-    sum(loss_of(packed[:, s:e], x) for x, (s, e) in zip(samples, segment_bounds(packed_seq_params(pos), 32))
-        ).backward()
+    sum(loss_of(packed[:, s:e], x) for x, (s, e) in zip(samples, segment_bounds(packed_seq_params(pos), 32))).backward()
     packed_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
     alone = [model(x[None], torch.arange(len(x))[None], None) for x in samples]
@@ -208,4 +231,4 @@ def test_packed_row_through_the_model_equals_each_sample_alone(megatron_world):
     # the comparison can fail: the same row without segments lets later samples see earlier ones
     with torch.no_grad():
         leaky = model(row, pos, None)
-    assert not torch.allclose(leaky[:, lengths[0]:], torch.cat(alone[1:], dim=1), atol=1e-3)
+    assert not torch.allclose(leaky[:, lengths[0] :], torch.cat(alone[1:], dim=1), atol=1e-3)

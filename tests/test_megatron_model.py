@@ -25,8 +25,16 @@ from agentrl.trainer import megatron_model as mm  # noqa: E402
 from agentrl.trainer.megatron_compat import destroy_megatron_parallel, init_megatron_parallel  # noqa: E402
 
 VOCAB = 300  # not a multiple of 128: vocabulary padding is exercised
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 MODELS = {  # name -> (transformers class names, extra config)
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "llama_mha": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, num_key_value_heads=4)),
@@ -105,6 +113,7 @@ IDS = torch.tensor([[5, 17, 250, 3, 99, 42, 7, 280, 11, 64, 1, 200], [8, 8, 150,
 
 # -- pure conversion -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_hf_megatron_round_trip_is_bit_exact(checkpoints, name, tp, pp):
@@ -112,8 +121,7 @@ def test_hf_megatron_round_trip_is_bit_exact(checkpoints, name, tp, pp):
     state = hf.state_dict()
     back = {}
     for stage in range(pp):
-        shards = [mm.hf_to_megatron(state, config, tp_rank=r, tp_size=tp, pp_rank=stage, pp_size=pp)
-                  for r in range(tp)]
+        shards = [mm.hf_to_megatron(state, config, tp_rank=r, tp_size=tp, pp_rank=stage, pp_size=pp) for r in range(tp)]
         assert shards[0]["decoder.layers.0.mlp.linear_fc1.weight"].shape[0] == 2 * 96 // tp
         if stage == 0:
             assert shards[0]["embedding.word_embeddings.weight"].shape[0] == mm.padded_vocab_size(VOCAB, tp) // tp
@@ -131,8 +139,9 @@ def test_tp_shards_follow_megatron_layouts(checkpoints):
     shard1 = mm.hf_to_megatron(sd, config, tp_rank=1, tp_size=2)
     d = 16  # head_dim; 4 heads, 2 groups -> rank 1 holds group 1: q heads 2,3, k head 1, v head 1
     a = "model.layers.0.self_attn."
-    want = torch.cat([sd[a + "q_proj.weight"][2 * d:4 * d], sd[a + "k_proj.weight"][d:2 * d],
-                      sd[a + "v_proj.weight"][d:2 * d]])
+    want = torch.cat(
+        [sd[a + "q_proj.weight"][2 * d : 4 * d], sd[a + "k_proj.weight"][d : 2 * d], sd[a + "v_proj.weight"][d : 2 * d]]
+    )
     assert torch.equal(shard1["decoder.layers.0.self_attention.linear_qkv.weight"], want)
     m = "model.layers.0.mlp."
     want_fc1 = torch.cat([sd[m + "gate_proj.weight"][48:], sd[m + "up_proj.weight"][48:]])
@@ -140,7 +149,7 @@ def test_tp_shards_follow_megatron_layouts(checkpoints):
     assert torch.equal(shard1["decoder.layers.0.self_attention.linear_proj.weight"], sd[a + "o_proj.weight"][:, 32:])
     padded = mm.hf_to_megatron(sd, config, tp_rank=1, tp_size=2)["output_layer.weight"]
     assert padded.shape == (256, 64) and torch.equal(padded[: VOCAB - 256], sd["lm_head.weight"][256:])
-    assert not padded[VOCAB - 256:].any()  # padding rows are zero
+    assert not padded[VOCAB - 256 :].any()  # padding rows are zero
 
 
 def test_packed_attention_mask_from_lengths_and_positions():
@@ -155,6 +164,7 @@ def test_packed_attention_mask_from_lengths_and_positions():
 
 
 # -- against transformers ------------------------------------------------------------------------
+
 
 def test_parallel_state_init_is_idempotent_and_refuses_other_sizes(megatron_world):
     init_megatron_parallel(1, 1, 1)  # same sizes: a no-op
@@ -239,12 +249,18 @@ def test_schedule_backward_matches_transformers_gradients(megatron_world, checkp
         def loss_func(out):
             loss = torch.nn.functional.cross_entropy(out[0, :-1, :VOCAB], x[0, 1:])
             return loss, {"loss": loss.detach()}
+
         return logits, loss_func
 
     with cpu_schedule():
-        (metrics,) = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([ids]),
-                                                 model=[model], num_microbatches=1, seq_length=ids.shape[1],
-                                                 micro_batch_size=1)
+        (metrics,) = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([ids]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=ids.shape[1],
+            micro_batch_size=1,
+        )
     hf.zero_grad()
     hf(ids, labels=ids).loss.backward()
     grads = mm.megatron_to_hf([{k: p.grad for k, p in model.named_parameters()}], config)
@@ -273,10 +289,12 @@ def test_load_is_strict(megatron_world, checkpoints, tmp_path):
 
 # -- configuration -------------------------------------------------------------------------------
 
+
 def test_config_mapping_and_overrides(checkpoints):
     _, config, _ = checkpoints["qwen3"]
-    tc = mm.transformer_config_from_hf(config, overrides={"recompute_granularity": "full",
-                                                          "recompute_method": "uniform", "recompute_num_layers": 1})
+    tc = mm.transformer_config_from_hf(
+        config, overrides={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    )
     assert (tc.num_query_groups, tc.kv_channels, tc.ffn_hidden_size) == (2, 24, 96)
     assert tc.qk_layernorm and not tc.add_qkv_bias and tc.hidden_dropout == 0 and tc.attention_dropout == 0
     assert tc.recompute_granularity == "full"
@@ -291,9 +309,17 @@ def test_unsupported_models_and_unknown_overrides_are_refused(checkpoints):
 
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
         mm.transformer_config_from_hf(GPT2Config())
-    scaled = LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 64})
+    scaled = LlamaConfig(
+        **COMMON,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "rope_theta": 1e4,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     with pytest.raises(ValueError, match="rope scaling 'llama3'"):
         mm.transformer_config_from_hf(scaled)
     with pytest.raises(ValueError, match="sliding window"):
@@ -309,6 +335,7 @@ def test_unsupported_models_and_unknown_overrides_are_refused(checkpoints):
 
 # -- tensor and pipeline parallelism over gloo ---------------------------------------------------
 
+
 def _parallel_worker(rank: int, port: int, root: str) -> None:
     """One of 2 gloo ranks: TP=2 forward + weight gather, then PP=2 weight gather."""
     import torch.distributed as dist
@@ -322,8 +349,15 @@ def _parallel_worker(rank: int, port: int, root: str) -> None:
         for name in ("qwen3", "llama_tied", "qwen2"):
             config = AutoConfig.from_pretrained(Path(root) / name)
             model = mm.build_gpt_model(config, mm.transformer_config_from_hf(config, tp=tp, pp=pp)).eval()
-            mm.load_hf_checkpoint(model, Path(root) / name, config, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                  tp_size=tp, pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp)
+            mm.load_hf_checkpoint(
+                model,
+                Path(root) / name,
+                config,
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                tp_size=tp,
+                pp_rank=ps.get_pipeline_model_parallel_rank(),
+                pp_size=pp,
+            )
             results[(name, tp, pp, "weights")] = {k: v.clone() for k, v in mm.iter_hf_weights(model, config)}
             if pp == 1:
                 logits = _forward(model, IDS).contiguous()  # [b, s, V_padded / tp]: this rank's vocab slice

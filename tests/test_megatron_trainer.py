@@ -54,8 +54,9 @@ def flat(values: list[list[float]]) -> torch.Tensor:
 def off_policy(samples: list[TrainSample], logp: list[list[float]], seed: int = 0) -> list[TrainSample]:
     """Old log-probs = current ones + noise, so ratios differ from 1 and some tokens clip."""
     rng = random.Random(seed)
-    return [dataclasses.replace(s, old_log_probs=[x + rng.uniform(-0.4, 0.4) for x in lp])
-            for s, lp in zip(samples, logp)]
+    return [
+        dataclasses.replace(s, old_log_probs=[x + rng.uniform(-0.4, 0.4) for x in lp]) for s, lp in zip(samples, logp)
+    ]
 
 
 def assert_metrics_close(got: dict[str, float], want: dict[str, float]) -> None:
@@ -104,11 +105,21 @@ def test_packing_does_not_change_log_probs(tiny_ckpt):
 # ---------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("extra", [
-    dict(clip_grad=1.0),
-    dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01, num_steps_per_rollout=2,
-         calculate_per_token_loss=True),
-], ids=["clip", "kl_entropy_2steps"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(clip_grad=1.0),
+        dict(
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            kl_loss_type="k3",
+            entropy_coef=0.01,
+            num_steps_per_rollout=2,
+            calculate_per_token_loss=True,
+        ),
+    ],
+    ids=["clip", "kl_entropy_2steps"],
+)
 def test_train_step_matches_torch_trainer(tiny_ckpt, extra):
     c = cfg(max_tokens_per_gpu=40, **extra)
     samples = make_samples(10, seed=4)
@@ -168,10 +179,12 @@ def test_unsupported_layouts_say_what_to_do(tiny_ckpt):
 
 # ---------------------------------------------------------------- two processes: TP=2, PP=2, DP=2
 
-LAYOUTS = {"tp2": MegatronParallel(tensor_model_parallel_size=2),
-           "pp2": MegatronParallel(pipeline_model_parallel_size=2),
-           "dp2": MegatronParallel(),
-           "pp2_tied": MegatronParallel(pipeline_model_parallel_size=2)}
+LAYOUTS = {
+    "tp2": MegatronParallel(tensor_model_parallel_size=2),
+    "pp2": MegatronParallel(pipeline_model_parallel_size=2),
+    "dp2": MegatronParallel(),
+    "pp2_tied": MegatronParallel(pipeline_model_parallel_size=2),
+}
 
 
 def tied_copy(ckpt, dest):
@@ -182,8 +195,9 @@ def tied_copy(ckpt, dest):
     model.tie_weights()
     with torch.no_grad():  # tied, the constant embedding column 0 shifts every logit alike: its norm-weight
         # gradient would be exactly 0 (float noise, which AdamW's first step turns into +-lr)
-        model.model.embed_tokens.weight[:, 0] += 0.1 * torch.randn(model.config.vocab_size,
-                                                                   generator=torch.Generator().manual_seed(0))
+        model.model.embed_tokens.weight[:, 0] += 0.1 * torch.randn(
+            model.config.vocab_size, generator=torch.Generator().manual_seed(0)
+        )
     model.save_pretrained(dest)
     AutoTokenizer.from_pretrained(ckpt).save_pretrained(dest)
     return dest
@@ -191,7 +205,7 @@ def tied_copy(ckpt, dest):
 
 def _shard(samples: list, name: str, rank: int) -> list:
     """DP: each replica its half of each of the 2 steps' global batches (as the runtime shards); TP/PP: all."""
-    return [s for k in (0, 4) for s in samples[k + 2 * rank:k + 2 * rank + 2]] if name == "dp2" else samples
+    return [s for k in (0, 4) for s in samples[k + 2 * rank : k + 2 * rank + 2]] if name == "dp2" else samples
 
 
 def _run_layout(name: str, layout: MegatronParallel, ckpt: str, rank: int, out: str) -> dict:
@@ -203,21 +217,26 @@ def _run_layout(name: str, layout: MegatronParallel, ckpt: str, rank: int, out: 
     mine = _shard(samples, name, rank)
     gathered: list = [None, None]
     dist.all_gather_object(gathered, trainer.compute_log_probs(mine, ref=False).old)
-    result = {"metrics": trainer.train_step(mine), "same_on_peer": name == "dp2" or gathered[0] == gathered[1],
-              "logp": [lp for k in (0, 2) for r in (0, 1) for lp in gathered[r][k:k + 2]] if name == "dp2"
-              else gathered[rank]}
+    result = {
+        "metrics": trainer.train_step(mine),
+        "same_on_peer": name == "dp2" or gathered[0] == gathered[1],
+        "logp": [lp for k in (0, 2) for r in (0, 1) for lp in gathered[r][k : k + 2]]
+        if name == "dp2"
+        else gathered[rank],
+    }
     weights = {k: v.clone() for k, v in trainer.named_weights()}
     if rank == 0:
         torch.save(weights, f"{out}.{name}.pt")
     if name == "tp2":  # peers of one replica given different samples: refused on both ranks
         with pytest.raises(ValueError, match="same shard"):
-            trainer.compute_log_probs(samples[rank:rank + 2], ref=False)
+            trainer.compute_log_probs(samples[rank : rank + 2], ref=False)
     if name == "pp2_tied":  # sharded save -> load in a fresh trainer -> the next step is identical
         trainer.save(f"{out}.ckpt", extra_state={"k": 1})
         resumed = MegatronTrainer(ckpt, two_process_config(), rank=rank, world_size=2, parallel=layout)
         assert resumed.load(f"{out}.ckpt") == {"k": 1}
         result["resumed_equal"] = trainer.train_step(mine)["loss"] == resumed.train_step(mine)["loss"] and all(
-            torch.equal(a, b) for (_, a), (_, b) in zip(trainer.named_weights(), resumed.named_weights()))
+            torch.equal(a, b) for (_, a), (_, b) in zip(trainer.named_weights(), resumed.named_weights())
+        )
     return result
 
 
@@ -245,8 +264,14 @@ def two_process_samples() -> list[TrainSample]:
 
 def two_process_config():
     """Every loss term on (entropy with grad, KL against the reference), two optimizer steps."""
-    return cfg(max_tokens_per_gpu=40, clip_grad=1.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-               num_steps_per_rollout=2)
+    return cfg(
+        max_tokens_per_gpu=40,
+        clip_grad=1.0,
+        entropy_coef=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        num_steps_per_rollout=2,
+    )
 
 
 def test_two_processes_tp_pp_dp_match_one(tiny_ckpt, tmp_path, monkeypatch):

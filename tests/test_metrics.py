@@ -13,12 +13,32 @@ from agentrl.metrics import MetricsLogger, dump_rollout, format_step, plot_rewar
 from agentrl.types import Sample, Status
 
 
-def _sample(status: Status, reward, n: int = 4, *, sampled: int = 3, turns: int = 2, tools: int = 1,
-            exact: bool = True, index: int = 0) -> Sample:
+def _sample(
+    status: Status,
+    reward,
+    n: int = 4,
+    *,
+    sampled: int = 3,
+    turns: int = 2,
+    tools: int = 1,
+    exact: bool = True,
+    index: int = 0,
+) -> Sample:
     mask = [1] * sampled + [0] * (n - sampled)
-    return Sample(group_index=0, index=index, prompt="p", tokens=[7, 8] + list(range(n)), response="r" * n,
-                  response_length=n, reward=reward, loss_mask=mask, rollout_log_probs=[-0.5] * n, status=status,
-                  metadata={"num_turns": turns, "tool_calls": tools}, token_exact=exact)
+    return Sample(
+        group_index=0,
+        index=index,
+        prompt="p",
+        tokens=[7, 8] + list(range(n)),
+        response="r" * n,
+        response_length=n,
+        reward=reward,
+        loss_mask=mask,
+        rollout_log_probs=[-0.5] * n,
+        status=status,
+        metadata={"num_turns": turns, "tool_calls": tools},
+        token_exact=exact,
+    )
 
 
 def _lines(path):
@@ -71,8 +91,12 @@ def test_step_metrics_counts_statuses_and_scores_only_trainable_samples():
         _sample(Status.FAILED, None, n=2, sampled=2, index=2),
         _sample(Status.ABORTED, 0.0, n=2, sampled=1, index=3),
     ]
-    m = step_metrics(samples, rollout_seconds=2.0, train_metrics={"kl": 0.01, "train_seconds": 3.0, "loss": -0.2},
-                     extra={"weight_version": 4})
+    m = step_metrics(
+        samples,
+        rollout_seconds=2.0,
+        train_metrics={"kl": 0.01, "train_seconds": 3.0, "loss": -0.2},
+        extra={"weight_version": 4},
+    )
     assert m["reward_mean"] == 0.5 and m["reward_std"] == 0.5 and m["reward_max"] == 1.0 and m["reward_min"] == 0.0
     assert m["response_length_mean"] == 5.0 and m["turns_mean"] == 3.0 and m["tool_calls_mean"] == 2.0
     assert m["sampled_tokens"] == 11 and m["rollout_tokens_per_s"] == 5.5 and m["rollout_seconds"] == 2.0

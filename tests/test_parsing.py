@@ -64,7 +64,11 @@ def test_hermes_multiple_calls_string_arguments_and_parameters_alias():
     )
     content, calls, errors = hermes.parse(text)
     assert content == "done"
-    assert calls == [ToolCall("a", {"x": 1}, "call_0"), ToolCall("b", {"y": [1, 2]}, "call_1"), ToolCall("c", {}, "call_2")]
+    assert calls == [
+        ToolCall("a", {"x": 1}, "call_0"),
+        ToolCall("b", {"y": [1, 2]}, "call_1"),
+        ToolCall("c", {}, "call_2"),
+    ]
     assert errors == []
 
 
@@ -101,14 +105,20 @@ def test_hermes_model_written_ids_kept_unless_duplicate():
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ('{"name": "a", "arguments": {"x": 1}', "invalid JSON in <tool_call>: Expecting ',' delimiter at line 1 column 36 (char 35)"),
+        (
+            '{"name": "a", "arguments": {"x": 1}',
+            "invalid JSON in <tool_call>: Expecting ',' delimiter at line 1 column 36 (char 35)",
+        ),
         ('{"name": "a", "arguments": {}}}', "invalid JSON in <tool_call>: Extra data at line 1 column 31 (char 30)"),
         ('{"arguments": {}}', 'tool call is missing "name"'),
         ('{"name": 3, "arguments": {}}', '"name" must be a non-empty string, got number'),
         ('{"name": "", "arguments": {}}', '"name" must be a non-empty string, got string'),
         ('{"name": "a", "arguments": [1]}', "\"arguments\" of 'a' must be a JSON object, got array"),
         ('{"name": "a", "arguments": "[1]"}', "\"arguments\" of 'a' must be a JSON object, got array"),
-        ('{"name": "a", "arguments": "{x}"}', "\"arguments\" of 'a' is a string but not valid JSON (invalid JSON: Expecting"),
+        (
+            '{"name": "a", "arguments": "{x}"}',
+            "\"arguments\" of 'a' is a string but not valid JSON (invalid JSON: Expecting",
+        ),
         ('["a"]', 'a tool call must be a JSON object with "name" and "arguments", got array'),
         ("   ", "empty <tool_call>"),
     ],
@@ -152,7 +162,9 @@ def test_llama3_single_and_python_tag():
     assert llama.parse('{"name": "get_weather", "parameters": {"city": "Paris"}}') == ("", [call], [])
     assert llama.parse('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}') == ("", [call], [])
     assert llama.parse('Checking.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}') == (
-        "Checking.", [call], [],
+        "Checking.",
+        [call],
+        [],
     )
 
 
@@ -200,7 +212,11 @@ def test_openai_message():
     }
     content, calls, errors = openai.parse_message(message)
     assert content == ""
-    assert calls == [ToolCall("add", {"a": 1, "b": 2}, "call_abc"), ToolCall("now", {}, "call_2"), ToolCall("f", {"k": "v"}, "call_x")]
+    assert calls == [
+        ToolCall("add", {"a": 1, "b": 2}, "call_abc"),
+        ToolCall("now", {}, "call_2"),
+        ToolCall("f", {"k": "v"}, "call_x"),
+    ]
     assert [e.id for e in errors] == ["call_def", "call_4"]
     assert "not valid JSON" in errors[0].message
     assert "must be an object, got string" in errors[1].message
@@ -222,9 +238,37 @@ def test_openai_call_round_trips_through_types():
 # --- properties: never raise on arbitrary input ---------------------------------------------
 
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"',
-    '"id"', ":", ",", ";", '"', "\\", "\\u00e9", '"add"', "1", "-1e999", "null", "true", " ", "\n", "é", "🙂",
-    "\x00", '{"name": "a", "arguments": {}}', '{"name": "a", "arguments": "{}"}', '"call_0"', "[" * 50,
+    "<tool_call>",
+    "</tool_call>",
+    "<|python_tag|>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name"',
+    '"arguments"',
+    '"parameters"',
+    '"id"',
+    ":",
+    ",",
+    ";",
+    '"',
+    "\\",
+    "\\u00e9",
+    '"add"',
+    "1",
+    "-1e999",
+    "null",
+    "true",
+    " ",
+    "\n",
+    "é",
+    "🙂",
+    "\x00",
+    '{"name": "a", "arguments": {}}',
+    '{"name": "a", "arguments": "{}"}',
+    '"call_0"',
+    "[" * 50,
 ]
 tool_text = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=30).map("".join)
 
@@ -271,9 +315,13 @@ json_values = st.recursive(
         json_values
         | st.lists(
             st.fixed_dictionaries(
-                {"id": json_values | st.just("call_0"), "function": st.fixed_dictionaries(
-                    {"name": json_values | st.just("f"), "arguments": json_values | tool_text | st.just("{}")}
-                ) | json_values},
+                {
+                    "id": json_values | st.just("call_0"),
+                    "function": st.fixed_dictionaries(
+                        {"name": json_values | st.just("f"), "arguments": json_values | tool_text | st.just("{}")}
+                    )
+                    | json_values,
+                },
             ),
             max_size=4,
         ),
@@ -287,7 +335,10 @@ def test_openai_parse_message_never_raises(message):
 @settings(max_examples=100, deadline=None)
 @given(
     calls=st.lists(
-        st.tuples(st.text(min_size=1, max_size=8).filter(str.strip), st.dictionaries(st.text(max_size=4), json_values, max_size=3)),
+        st.tuples(
+            st.text(min_size=1, max_size=8).filter(str.strip),
+            st.dictionaries(st.text(max_size=4), json_values, max_size=3),
+        ),
         max_size=4,
     ),
     filler=st.text(alphabet="abc .\n", max_size=10),
@@ -303,8 +354,14 @@ def test_hermes_round_trip(calls, filler):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.sampled_from(["call_0", "call_1", "call_0_1", "call_1_1", "call_2", "x"])),
-                min_size=1, max_size=6), st.sampled_from(["hermes", "openai"]))
+@given(
+    st.lists(
+        st.one_of(st.none(), st.sampled_from(["call_0", "call_1", "call_0_1", "call_1_1", "call_2", "x"])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from(["hermes", "openai"]),
+)
 def test_call_ids_are_unique_in_a_turn_whatever_ids_the_model_writes(ids, parser_name):
     """Model-written ids that look like the parser's own (``call_0_1``) never collide with them (issue 18 item 8)."""
     parser = get_parser(parser_name)
@@ -312,8 +369,9 @@ def test_call_ids_are_unique_in_a_turn_whatever_ids_the_model_writes(ids, parser
     if parser_name == "hermes":
         _, calls, errors = parser.parse("".join(f"<tool_call>{json.dumps(o)}</tool_call>" for o in objs))
     else:
-        entries = [{"type": "function", "function": {"name": "f", "arguments": "{}"}, **({"id": i} if i else {})}
-                   for i in ids]
+        entries = [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}, **({"id": i} if i else {})} for i in ids
+        ]
         _, calls, errors = parser.parse_message({"role": "assistant", "content": None, "tool_calls": entries})
     got = [c.id for c in calls] + [e.id for e in errors]
     assert len(got) == len(ids) and len(set(got)) == len(got), (ids, got)
@@ -327,8 +385,11 @@ def test_episode_call_ids_never_repeat_across_turns_or_collide_with_model_ids():
     from agentrl.rollout.episode import unique_call_ids
 
     seen: set[str] = set()
-    turn0 = [ToolCall(name="f", arguments={}, id="call_0_1"), ToolCall(name="f", arguments={}, id="call_1"),
-             ParseError("bad", "raw", "call_2")]
+    turn0 = [
+        ToolCall(name="f", arguments={}, id="call_0_1"),
+        ToolCall(name="f", arguments={}, id="call_1"),
+        ParseError("bad", "raw", "call_2"),
+    ]
     unique_call_ids(turn0, 0, seen)
     assert [c.id for c in turn0] == ["call_0_1", "call_0_1_1", "call_0_2"]
     turn1 = [ToolCall(name="f", arguments={}, id="call_0_1"), ToolCall(name="f", arguments={}, id="call_0")]

@@ -53,6 +53,7 @@ async def _gone(mark: str, grace: float = 3.0) -> bool:
 
 # -- running programs -----------------------------------------------------------------------------
 
+
 @per_backend
 async def test_shell_string_argv_list_and_code(sb: Sandbox):
     r = await sb.run("echo $((6 * 7)); echo oops >&2")
@@ -103,8 +104,10 @@ async def test_files_in_and_out(sb: Sandbox):
     assert await sb.read_file("bin.dat") == blob
     assert await sb.read_file("bin.dat", max_bytes=10) == blob[:10]
     assert await sb.read_file("/scratch/a/b/c.txt") == "nested ✓".encode()
-    r = await sb.run(code="import os; os.makedirs('out/deep'); open('out/deep/r.bin','wb').write(bytes([0, 255]) * 3)",
-                     files={"in/args.txt": "ignored"})
+    r = await sb.run(
+        code="import os; os.makedirs('out/deep'); open('out/deep/r.bin','wb').write(bytes([0, 255]) * 3)",
+        files={"in/args.txt": "ignored"},
+    )
     assert r.ok, r.text()
     assert await sb.read_file("out/deep/r.bin") == bytes([0, 255]) * 3
     assert await sb.read_file("in/args.txt") == b"ignored"
@@ -130,8 +133,9 @@ async def test_symlinks_planted_by_the_program_never_lead_the_host_outside(sb: S
     secret = tmp_path / "secret.txt"
     secret.write_text(token := secrets.token_hex(8))
     secret.chmod(0o644)
-    r = await sb.run(["sh", "-c", 'ln -s "$1" link; ln -s "$2" dirlink; ln -s "$2/target" flink',
-                      "sh", str(secret), str(tmp_path)])
+    r = await sb.run(
+        ["sh", "-c", 'ln -s "$1" link; ln -s "$2" dirlink; ln -s "$2/target" flink', "sh", str(secret), str(tmp_path)]
+    )
     assert r.ok, r.text()
     try:
         leaked = await sb.read_file("link")
@@ -149,13 +153,15 @@ async def test_symlinks_planted_by_the_program_never_lead_the_host_outside(sb: S
 
 # -- environment ------------------------------------------------------------------------------------
 
+
 @per_backend
 async def test_env_host_absent_config_and_call_present(sandbox_backend, monkeypatch):
     monkeypatch.setenv("AGENTRL_TEST_HOST_ONLY", "host-value")
     cfg = sandbox_config(sandbox_backend, env={"FROM_CONFIG": "cfg", "BOTH": "config"})
     async with await create_sandbox(cfg) as sb:
-        r = await sb.run(code="import json, os; print(json.dumps(dict(os.environ)))",
-                         env={"PER_CALL": "call", "BOTH": "call"})
+        r = await sb.run(
+            code="import json, os; print(json.dumps(dict(os.environ)))", env={"PER_CALL": "call", "BOTH": "call"}
+        )
         env = json.loads(r.stdout)
         assert "AGENTRL_TEST_HOST_ONLY" not in env and "host-value" not in r.stdout
         assert env["FROM_CONFIG"] == "cfg" and env["PER_CALL"] == "call"
@@ -166,13 +172,16 @@ async def test_env_host_absent_config_and_call_present(sandbox_backend, monkeypa
 
 # -- time limits and output limits -------------------------------------------------------------------
 
+
 @per_backend
 async def test_timeout_kills_the_whole_tree(sb: Sandbox):
     mark = f"tree-{secrets.token_hex(6)}"
     loop = "while :; do echo x >> {f}; sleep 0.05; done"
-    script = (f"sh -c '{loop.format(f='bg.txt')}' {mark} & "  # backgrounded grandchild
-              f"setsid sh -c '{loop.format(f='sid.txt')}' {mark} & "  # one that left the process group
-              "sleep 100")
+    script = (
+        f"sh -c '{loop.format(f='bg.txt')}' {mark} & "  # backgrounded grandchild
+        f"setsid sh -c '{loop.format(f='sid.txt')}' {mark} & "  # one that left the process group
+        "sleep 100"
+    )
     t0 = time.monotonic()
     r = await sb.run(script, timeout=1.0)
     took = time.monotonic() - t0
@@ -210,8 +219,12 @@ async def test_result_text_as_the_model_reads_it(sb: Sandbox):
 
 # -- sessions -----------------------------------------------------------------------------------------
 
-REPL = ["python3", "-u", "-c",
-        "import sys\nns = {}\nfor line in sys.stdin:\n    exec(line, ns)\n    print(repr(ns.get('x')), flush=True)"]
+REPL = [
+    "python3",
+    "-u",
+    "-c",
+    "import sys\nns = {}\nfor line in sys.stdin:\n    exec(line, ns)\n    print(repr(ns.get('x')), flush=True)",
+]
 
 
 @per_backend
@@ -266,12 +279,15 @@ async def test_reset_kills_sessions(sb: Sandbox):
 
 # -- reset, close, concurrency ------------------------------------------------------------------------
 
+
 @per_backend
 async def test_reset_wipes_scratch_and_kills_background(sb: Sandbox):
     mark = f"bg-{secrets.token_hex(6)}"
     await sb.write_files({"a.txt": "1", ".hidden": "2", ".dir/.x": "3", "d/e/f": "4"})
-    r = await sb.run(f"setsid sh -c 'while :; do echo x >> bg.txt; sleep 0.05; done' {mark} > /dev/null 2>&1 & "
-                     "chmod 000 d; sleep 0.2")
+    r = await sb.run(
+        f"setsid sh -c 'while :; do echo x >> bg.txt; sleep 0.05; done' {mark} > /dev/null 2>&1 & "
+        "chmod 000 d; sleep 0.2"
+    )
     assert r.ok, r.text()
     await sb.reset()
     assert await _gone(mark), "reset left a background process running"

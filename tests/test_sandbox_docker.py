@@ -57,6 +57,7 @@ def _rss_mb() -> float:
 
 # -- the image -------------------------------------------------------------------------------------
 
+
 def test_image_is_idempotent_and_its_rootfs_deterministic(docker_image):
     image = docker_client().images.get(docker_image)
     t0 = time.monotonic()
@@ -92,13 +93,31 @@ def test_cli_build_and_reap(docker_image):
     name = "agentrl-sandbox-clitest:1"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        out = subprocess.run([sys.executable, "-m", "agentrl.cli", "sandbox", "build", "--image", name],
-                             capture_output=True, text=True, env=env, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "sandbox", "build", "--image", name],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == name and "importing" in out.stderr
-        box = subprocess.run(["docker", "run", "--rm", "--network", "none", name, "python3", "-c",
-                              "import sqlite3, ssl, zoneinfo, json; print(json.dumps(6 * 7))"],
-                             capture_output=True, text=True, timeout=60)
+        box = subprocess.run(
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--network",
+                "none",
+                name,
+                "python3",
+                "-c",
+                "import sqlite3, ssl, zoneinfo, json; print(json.dumps(6 * 7))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert box.stdout == "42\n", box.stderr
         # users extend it with docker build FROM it (no registry either), then name it in the config
         derived = f"{name}-derived"
@@ -109,11 +128,18 @@ def test_cli_build_and_reap(docker_image):
 
         async def use() -> str:
             async with await DockerSandbox.create(cfg(image=derived)) as box:
-                return (await box.run(code="import os, sys; print(sys.version_info[:2], os.environ['GREETING'])")).stdout
+                return (
+                    await box.run(code="import os, sys; print(sys.version_info[:2], os.environ['GREETING'])")
+                ).stdout
 
         assert asyncio.run(use()) == "(3, 11) hi\n"  # the image's own ENV reaches its programs
-        out = subprocess.run([sys.executable, "-m", "agentrl.cli", "sandbox", "reap"],
-                             capture_output=True, text=True, env=env, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "sandbox", "reap"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert out.returncode == 0 and out.stdout.startswith("removed "), out.stderr
     finally:
         subprocess.run(["docker", "rmi", "-f", f"{name}-derived", name], capture_output=True)
@@ -159,6 +185,7 @@ def test_unavailable_reason_names_the_engine_and_what_to_do(docker_image, monkey
 
 # -- what the engine applied -------------------------------------------------------------------------
 
+
 async def test_container_limits_are_really_applied(docker_image):
     config = cfg(memory_mb=300, pids=77, cpus=0.5, file_size_mb=5, scratch_mb=40, ttl=900, env={"K": "v"})
     t0 = time.monotonic()
@@ -185,7 +212,9 @@ async def test_container_limits_are_really_applied(docker_image):
         r = await box.run("head -c 6000000 /dev/zero > big; echo rc=$?; wc -c < big")
         assert "rc=153" in r.stdout or "File size limit" in r.stderr, r
         assert int(r.stdout.split()[-1]) == 5 << 20
-        r = await box.run("for i in 1 2 3 4 5 6 7 8 9; do head -c 5000000 /dev/zero > f$i || break; done 2>&1; ls | wc -l")
+        r = await box.run(
+            "for i in 1 2 3 4 5 6 7 8 9; do head -c 5000000 /dev/zero > f$i || break; done 2>&1; ls | wc -l"
+        )
         assert "No space left on device" in r.stdout and int(r.stdout.split()[-1]) <= 9, r  # 9 x 5 MB > 40 MB
         r = await box.run("touch /usr/x /etc/x /x 2>&1; echo K=$K")
         assert r.stdout.count("Read-only file system") == 3 and "K=v" in r.stdout
@@ -194,12 +223,17 @@ async def test_container_limits_are_really_applied(docker_image):
 
 async def test_files_belong_to_the_sandbox_user_and_env_is_exact(sb):
     await sb.write_files({"d/e/f.txt": "data", "top.bin": b"\x00\x01"})
-    r = await sb.run("stat -c '%u %a %n' d d/e d/e/f.txt top.bin && echo more >> d/e/f.txt && rm top.bin && mkdir d/new")
+    r = await sb.run(
+        "stat -c '%u %a %n' d d/e d/e/f.txt top.bin && echo more >> d/e/f.txt && rm top.bin && mkdir d/new"
+    )
     assert r.ok, r.text()
     assert [line.split()[0] for line in r.stdout.splitlines()] == [str(SANDBOX_UID)] * 4
     assert await sb.read_file("d/e/f.txt") == b"datamore\n"
-    r = await sb.run(code="import json, os, sys; print(json.dumps(dict(os.environ)))\nprint(sys.stdin.read())",
-                     env={"CALL": "1"}, stdin="from stdin")
+    r = await sb.run(
+        code="import json, os, sys; print(json.dumps(dict(os.environ)))\nprint(sys.stdin.read())",
+        env={"CALL": "1"},
+        stdin="from stdin",
+    )
     assert r.stdout.endswith("\nfrom stdin\n"), r
     r = await sb.run(code="import json, os; print(json.dumps(dict(os.environ)))", env={"CALL": "1"})
     env = json.loads(r.stdout)
@@ -240,6 +274,7 @@ GROW = "while :; do echo x >> grow.txt; sleep 0.05; done"
 
 async def _still_growing(box: DockerSandbox, paths: list[str]) -> list[str]:
     """Which of ``paths`` keep growing (read_file runs no call, so it kills nothing itself)."""
+
     async def sizes() -> dict[str, int]:
         out = {}
         for p in paths:
@@ -371,13 +406,16 @@ async def test_100mb_of_stdout_is_truncated_without_host_memory(docker_image):
 
 # -- sessions and reset -------------------------------------------------------------------------------
 
+
 async def test_reset_kills_sessions_and_wipes_scratch_tmp_and_shm(sb):
     s = await sb.session("py", ["python3", "-u", "-c", "import sys\nfor l in sys.stdin: print(len(l), flush=True)"])
     await s.send(b"hello\n")
     assert await s.readline(timeout=5) == b"6\n"
     await sb.write_files({".hidden": "1", "dir/.x": "2"})
-    r = await sb.run("mkdir -p deep/er && chmod 000 deep && echo 1 > /tmp/.t && mkdir /tmp/d && chmod 000 /tmp/d "
-                     "&& echo 1 > /dev/shm/s && chmod 000 /scratch")
+    r = await sb.run(
+        "mkdir -p deep/er && chmod 000 deep && echo 1 > /tmp/.t && mkdir /tmp/d && chmod 000 /tmp/d "
+        "&& echo 1 > /dev/shm/s && chmod 000 /scratch"
+    )
     assert r.ok, r.text()
     times = []
     for _ in range(3):
@@ -417,6 +455,7 @@ async def test_closed_or_vanished_container_raises_sandbox_error(docker_image):
 
 # -- lifetime: ttl, labels, reaper --------------------------------------------------------------------
 
+
 async def test_ttl_ends_the_container_by_itself(docker_image):
     box = await DockerSandbox.create(cfg(ttl=2))
     cid = box.container.id
@@ -443,8 +482,12 @@ asyncio.run(main())
 
 
 def _child(mode: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, mode], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     rid = proc.stdout.readline().strip()
     assert rid, "the child made no sandboxes"
     return proc, rid
@@ -471,13 +514,16 @@ def test_stale_rules():
     base = {"agentrl.owner_host": host, "agentrl.expires_at": str(now + 100)}
     assert docker_backend._stale({**base, "agentrl.owner_pid": str(dead.pid)}, host, now)
     assert not docker_backend._stale({**base, "agentrl.owner_pid": str(os.getpid())}, host, now)
-    assert not docker_backend._stale({**base, "agentrl.owner_pid": str(dead.pid), "agentrl.owner_host": "elsewhere"},
-                                     host, now)
-    assert docker_backend._stale({**base, "agentrl.owner_pid": str(os.getpid()), "agentrl.expires_at": str(now - 1)},
-                                 host, now)
+    assert not docker_backend._stale(
+        {**base, "agentrl.owner_pid": str(dead.pid), "agentrl.owner_host": "elsewhere"}, host, now
+    )
+    assert docker_backend._stale(
+        {**base, "agentrl.owner_pid": str(os.getpid()), "agentrl.expires_at": str(now - 1)}, host, now
+    )
 
 
 # -- churn --------------------------------------------------------------------------------------------
+
 
 async def test_1000_calls_through_a_pool_leave_nothing_behind(docker_image):
     config = cfg(max_concurrency=4, create_rate=20.0)
@@ -501,8 +547,10 @@ async def test_1000_calls_through_a_pool_leave_nothing_behind(docker_image):
     assert pool.stats["created"] <= 4 and pool.stats["reset_failed"] == 0
     assert _containers(**{"agentrl.run_id": run_id()}) == []
     assert took < 90, took
-    print(f"\n{episodes * calls} calls in {took:.1f} s: {took / (episodes * calls) * 1000:.1f} ms/call wall "
-          f"at 4 concurrent ({took * 4 / (episodes * calls) * 1000:.0f} ms per call per sandbox)")
+    print(
+        f"\n{episodes * calls} calls in {took:.1f} s: {took / (episodes * calls) * 1000:.1f} ms/call wall "
+        f"at 4 concurrent ({took * 4 / (episodes * calls) * 1000:.0f} ms per call per sandbox)"
+    )
 
 
 async def test_latency_per_call(sb):

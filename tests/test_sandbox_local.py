@@ -417,10 +417,25 @@ def test_the_unprivileged_path_as_a_normal_user():
             init.touch()
         for p in [tree, *tree.rglob("*")]:
             p.chmod(0o755)
-        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-               "/usr/bin/python3", "-c", UNPRIVILEGED]
-        done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=120,
-                              env={"PATH": "/usr/bin:/bin", "HOME": str(tree), "PYTHONPATH": str(tree)})
+        cmd = [
+            "setpriv",
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            UNPRIVILEGED,
+        ]
+        done = subprocess.run(
+            cmd,
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tree), "PYTHONPATH": str(tree)},
+        )
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
     finally:

@@ -168,6 +168,7 @@ async def test_close_destroys_idle_and_later_releases(sandbox_backend):
 
 # -- ToolEnv: one sandbox per episode ------------------------------------------------------------------
 
+
 class Shell(Tool):
     """A sandboxed tool that records which sandbox it got and when it ran."""
 
@@ -242,8 +243,12 @@ async def test_episode_loop_returns_the_sandbox_even_if_close_skips_super(sandbo
     script = iter(['<tool_call>{"name": "sh", "arguments": {"cmd": "echo hi > f"}}</tool_call>', "done"] * 2)
     try:
         # with max_concurrency=1 a leaked sandbox would make the second episode wait forever
-        results = await asyncio.wait_for(play(lambda: ForgetfulEnv(pool), lambda m, t: next(script),
-                                              [{"prompt": "a"}, {"prompt": "b"}], concurrency=1), 60)
+        results = await asyncio.wait_for(
+            play(
+                lambda: ForgetfulEnv(pool), lambda m, t: next(script), [{"prompt": "a"}, {"prompt": "b"}], concurrency=1
+            ),
+            60,
+        )
         assert [r.error for r in results] == [None, None]
         assert pool.stats["created"] == 1 and pool.stats["reused"] == 1 and made[0].resets == 2
     finally:

@@ -48,16 +48,18 @@ def _my_containers(backend: str) -> set[str]:
 
     label = {"label": f"agentrl.owner_pid={os.getpid()}"}
     client = docker_client()
-    return ({c.id for c in client.containers.list(all=True, filters=label)}
-            | {v.name for v in client.volumes.list(filters=label)})
+    return {c.id for c in client.containers.list(all=True, filters=label)} | {
+        v.name for v in client.volumes.list(filters=label)
+    }
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("sandbox_backend", BACKENDS, indirect=True)
 async def test_hostile_program_is_contained(sandbox_backend: str, check: str, request):
     if sandbox_backend == "process" and check in WEAK_ON_PROCESS:
-        request.applymarker(pytest.mark.xfail(strict=True,
-                                              reason="process backend: no filesystem isolation (documented)"))
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="process backend: no filesystem isolation (documented)")
+        )
     before, containers = _audit_traces(), _my_containers(sandbox_backend)
     report = await audit(sandbox_config(sandbox_backend, **LIMITS), checks=[check], calls=0)
     (result,) = report.checks
@@ -92,8 +94,9 @@ def test_cli_exit_code_reports_the_weak_backend(capsys):
     """The process backend escapes the filesystem checks (documented): the CLI says so and exits 1."""
     from agentrl.sandbox.audit import main
 
-    rc = main(["--backend", "process", "--check", "read_outside_scratch", "--check", "network_loopback",
-               "--calls", "1"])
+    rc = main(
+        ["--backend", "process", "--check", "read_outside_scratch", "--check", "network_loopback", "--calls", "1"]
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert "expected (weak isolation)" in out and "contained" in out

@@ -32,8 +32,9 @@ class Repl:
     """``python3 -u -c REPL_SOURCE`` with pipes: ``ask(code)`` -> the decoded reply."""
 
     def __init__(self, cwd=None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-I", "-u", "-c", REPL_SOURCE], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, cwd=cwd)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-u", "-c", REPL_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=cwd
+        )
         self.ready = json.loads(self.proc.stdout.readline())
         self.n = 0
 
@@ -71,15 +72,18 @@ def test_repl_says_ready_and_keeps_state(repl):
     assert repl.ask("_ * 10")["text"] == "20\n"  # `_` is the last shown value, as in a notebook
 
 
-@pytest.mark.parametrize(("code", "shown"), [
-    ("1 + 1", "2\n"),
-    ("'a' * 3", "'aaa'\n"),  # repr, not str
-    ("None", ""),
-    ("print('p')", "p\n"),  # print returns None: shown once
-    ("x = 5", ""),
-    ("for i in range(2):\n    i", ""),  # only a last top-level expression is shown
-    ("import asyncio\nawait asyncio.sleep(0)\n7", "7\n"),  # top-level await
-])
+@pytest.mark.parametrize(
+    ("code", "shown"),
+    [
+        ("1 + 1", "2\n"),
+        ("'a' * 3", "'aaa'\n"),  # repr, not str
+        ("None", ""),
+        ("print('p')", "p\n"),  # print returns None: shown once
+        ("x = 5", ""),
+        ("for i in range(2):\n    i", ""),  # only a last top-level expression is shown
+        ("import asyncio\nawait asyncio.sleep(0)\n7", "7\n"),  # top-level await
+    ],
+)
 def test_repl_shows_the_last_expression(repl, code, shown):
     assert repl.ask(code)["text"] == shown
 
@@ -100,10 +104,12 @@ def test_repl_tracebacks_show_only_the_models_frames(repl):
 
 
 def test_repl_captures_raw_fds_and_subprocesses_in_order(repl):
-    code = ("import os, subprocess, sys\n"
-            "print('one'); os.write(1, b'two\\n'); sys.stderr.write('three\\n'); os.write(2, b'four\\n')\n"
-            "subprocess.run('echo five; echo six >&2', shell=True)\n"
-            "'seven'")
+    code = (
+        "import os, subprocess, sys\n"
+        "print('one'); os.write(1, b'two\\n'); sys.stderr.write('three\\n'); os.write(2, b'four\\n')\n"
+        "subprocess.run('echo five; echo six >&2', shell=True)\n"
+        "'seven'"
+    )
     assert repl.ask(code)["text"] == "one\ntwo\nthree\nfour\nfive\nsix\n'seven'\n"
     assert repl.ask("import sys; sys.stdin.read()")["text"] == "''\n"  # stdin is /dev/null, not the protocol
     r = repl.ask("import os; os.close(0); os.close(1); os.close(2); print('lost')")
@@ -120,7 +126,9 @@ def test_repl_caps_output_and_counts_the_rest(repl):
 
 
 def test_repl_forked_children_never_answer(repl):
-    r = repl.ask("import os\npid = os.fork()\nif pid == 0:\n    print('child')\nelse:\n    os.waitpid(pid, 0)\n    print('parent')")
+    r = repl.ask(
+        "import os\npid = os.fork()\nif pid == 0:\n    print('child')\nelse:\n    os.waitpid(pid, 0)\n    print('parent')"
+    )
     assert sorted(r["text"].split()) == ["child", "parent"]
     assert repl.ask("pid > 0")["text"] == "True\n"  # the parent's reply, and the next one, arrive in order
 
@@ -224,8 +232,19 @@ def test_repl_replies_cannot_be_forged_from_cell_code(repl):
         repl.ask("1")
 
 
-SHADOWS = ("secrets", "select", "subprocess", "json", "ctypes", "threading", "base64", "ast", "types",
-           "traceback", "linecache")
+SHADOWS = (
+    "secrets",
+    "select",
+    "subprocess",
+    "json",
+    "ctypes",
+    "threading",
+    "base64",
+    "ast",
+    "types",
+    "traceback",
+    "linecache",
+)
 
 
 def plant_shadows(folder) -> None:
@@ -262,11 +281,15 @@ def test_repl_huge_errors_are_capped_not_a_protocol_fault(repl):
 def test_repl_worker_holds_none_of_the_protocol_pipes(repl):
     """The model's code runs in a child that has no fd on the session's stdin/stdout pipes."""
     import os
+
     pid = int(repl.ask("import os; os.getpid()")["text"])
     assert pid != repl.proc.pid and repl.ready["isolated"] is True
     ours = {os.fstat(f.fileno()).st_ino for f in (repl.proc.stdin, repl.proc.stdout)}
-    theirs = {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{pid}/fd")
-              if os.path.exists(f"/proc/{pid}/fd/{fd}")}
+    theirs = {
+        os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        for fd in os.listdir(f"/proc/{pid}/fd")
+        if os.path.exists(f"/proc/{pid}/fd/{fd}")
+    }
     assert ours and not ours & theirs
     supervisor = {os.stat(f"/proc/{repl.proc.pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{repl.proc.pid}/fd")}
     assert ours <= supervisor  # the check can see the pipes where they are
@@ -326,8 +349,9 @@ async def _timeout_restarts(sb):
     start = time.monotonic()
     r = await call(python, sb, code="import time\ntime.sleep(30)", timeout=1)
     assert time.monotonic() - start < 10
-    assert r.is_error and r.content == ("Error: timed out after 1s; the Python session was restarted and its "
-                                        "variables are lost.")
+    assert r.is_error and r.content == (
+        "Error: timed out after 1s; the Python session was restarted and its variables are lost."
+    )
     r = await call(python, sb, code="kept")
     assert r.is_error and "NameError" in r.content
     r = await call(python, sb, code="while True:\n    pass")  # no timeout given: the sandbox's 2 s
@@ -347,10 +371,12 @@ async def test_python_os_exit_restarts_the_session(sb):
 async def test_python_forged_protocol_message_restarts_the_session_not_fails_the_sample(sb):
     """Code can find the REPL's private pipes; writing a protocol error there must not raise SandboxError
     (which would fail the sample and drop it from training: a way for a policy to hide bad samples)."""
-    forge = ("import os, stat\nfor fd in range(3, 64):\n    try:\n"
-             "        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
-             "            os.write(fd, b'{\"protocol_error\": \"forged\"}\\n')\n"
-             "    except OSError:\n        pass")
+    forge = (
+        "import os, stat\nfor fd in range(3, 64):\n    try:\n"
+        "        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+        '            os.write(fd, b\'{"protocol_error": "forged"}\\n\')\n'
+        "    except OSError:\n        pass"
+    )
     r = await call(python, sb, code=forge)
     assert r.is_error and r.metadata.get("restarted") and "restarted" in r.content
     r = await call(python, sb, code="1 + 1")
@@ -361,6 +387,7 @@ async def test_python_replies_cannot_be_forged_from_cell_code(sb):
     """Issue 18 item 9 on every backend: the session's reply pipe is out of the code's reach (its
     supervisor is non-dumpable, so ``/proc/<ppid>/fd`` is closed too) and a forged reply never arrives."""
     from tests.test_sandbox_tools import FORGE
+
     r = await call(python, sb, code=FORGE.replace("THROUGH_PARENT", "True"))
     assert r.content == "parent fds: closed", r.content
     r = await call(python, sb, code="import time; time.sleep(0.5); print(6 * 7)")
@@ -373,25 +400,37 @@ async def test_python_session_never_imports_the_models_files_into_itself(sb):
     """Stdlib-named files in /scratch and a .pth in the user site: after a restart the new session starts
     clean (the supervisor never imports them), the model's helper module still imports."""
     from tests.test_sandbox_tools import SHADOWS
+
     files = {f"{n}.py": f"open('imported-{n}', 'w').close()\n" for n in SHADOWS}  # the cwd: scratch
     files["helper.py"] = "def answer():\n    return 42\n"
     await sb.write_files(files)
     r = await call(python, sb, code="import os\nos._exit(0)")
     assert r.metadata["error"] == "died"
-    r = await call(python, sb, code="import helper\nprint(helper.answer())\nimport os\nsorted(f for f in os.listdir('.') if f.startswith('imported-'))")
+    r = await call(
+        python,
+        sb,
+        code="import helper\nprint(helper.answer())\nimport os\nsorted(f for f in os.listdir('.') if f.startswith('imported-'))",
+    )
     assert (r.content, r.is_error) == ("42\n[]", False)
 
 
 async def test_python_session_that_cannot_start_is_a_tool_error_not_a_sandbox_failure(sb):
     """The model can break its own interpreter's start (a .pth in its user site that exits): the next call
     is an error the model reads, never a SandboxError that would fail (and so hide) the sample."""
-    r = await call(python, sb, code=(
-        "import os, site, sys\nd = site.getusersitepackages()\nos.makedirs(d, exist_ok=True)\n"
-        "open(os.path.join(d, 'stop.pth'), 'w').write('import sys; sys.stderr.write(\"no python here\\\\n\"); import os; os._exit(3)\\n')\n"
-        "os._exit(0)"))
+    r = await call(
+        python,
+        sb,
+        code=(
+            "import os, site, sys\nd = site.getusersitepackages()\nos.makedirs(d, exist_ok=True)\n"
+            "open(os.path.join(d, 'stop.pth'), 'w').write('import sys; sys.stderr.write(\"no python here\\\\n\"); import os; os._exit(3)\\n')\n"
+            "os._exit(0)"
+        ),
+    )
     assert r.metadata["error"] == "died"
     r = await call(python, sb, code="1 + 1")
-    assert r.is_error and "could not start" in r.content and "code 3" in r.content and "no python here" in r.content, r.content
+    assert r.is_error and "could not start" in r.content and "code 3" in r.content and "no python here" in r.content, (
+        r.content
+    )
     await sb.run('rm -rf "$HOME/.local"')
     assert (await call(python, sb, code="1 + 1")).content == "2"
 
@@ -424,7 +463,7 @@ async def test_bash_exit_codes_timeouts_and_no_shell_state(sb):
     assert time.monotonic() - start < 10
     assert r.is_error and r.metadata["timed_out"] and "[timed out after" in r.content
     await call(bash, sb, command="export V=1; cd /tmp")
-    r = await call(bash, sb, command="echo \"[$V]\"; pwd")
+    r = await call(bash, sb, command='echo "[$V]"; pwd')
     assert r.content.splitlines()[0] == "[]" and r.content.splitlines()[1] != "/tmp"
 
 
@@ -432,8 +471,12 @@ async def test_files_round_trip_between_the_tools(sb):
     text = "héllo ✓\nline 2\n"
     r = await call(write_file, sb, path="data/in.txt", content=text)
     assert not r.is_error and r.content == f"Wrote {len(text.encode())} bytes, 2 lines to /scratch/data/in.txt."
-    r = await call(python, sb, code="s = open('data/in.txt', encoding='utf-8').read()\n"
-                                    "open('data/out.txt', 'w', encoding='utf-8').write(s.upper())\ns.count('✓')")
+    r = await call(
+        python,
+        sb,
+        code="s = open('data/in.txt', encoding='utf-8').read()\n"
+        "open('data/out.txt', 'w', encoding='utf-8').write(s.upper())\ns.count('✓')",
+    )
     assert r.content == "1"
     r = await call(bash, sb, command="cat data/out.txt && echo tail >> data/out.txt && wc -l < data/out.txt")
     assert r.content == "HÉLLO ✓\nLINE 2\n3"
@@ -458,16 +501,19 @@ async def test_read_file_caps_and_binary_files(sb):
     assert r.content.startswith("['b.bin' is not UTF-8 text") and "\\x00\\x01" in r.content and "\x00" not in r.content
 
 
-@pytest.mark.parametrize(("tool", "arguments", "message"), [
-    (read_file, {"path": "/etc/passwd"}, "outside the scratch directory"),
-    (read_file, {"path": "../../etc/passwd"}, "leaves the scratch directory"),
-    (read_file, {"path": "a/../../x"}, "leaves the scratch directory"),
-    (read_file, {"path": "missing.txt"}, "no file 'missing.txt' in /scratch"),
-    (read_file, {"path": "."}, "scratch directory itself"),
-    (read_file, {"path": ""}, "non-empty"),
-    (write_file, {"path": "/tmp/x", "content": "x"}, "outside the scratch directory"),
-    (write_file, {"path": "../x", "content": "x"}, "leaves the scratch directory"),
-])
+@pytest.mark.parametrize(
+    ("tool", "arguments", "message"),
+    [
+        (read_file, {"path": "/etc/passwd"}, "outside the scratch directory"),
+        (read_file, {"path": "../../etc/passwd"}, "leaves the scratch directory"),
+        (read_file, {"path": "a/../../x"}, "leaves the scratch directory"),
+        (read_file, {"path": "missing.txt"}, "no file 'missing.txt' in /scratch"),
+        (read_file, {"path": "."}, "scratch directory itself"),
+        (read_file, {"path": ""}, "non-empty"),
+        (write_file, {"path": "/tmp/x", "content": "x"}, "outside the scratch directory"),
+        (write_file, {"path": "../x", "content": "x"}, "leaves the scratch directory"),
+    ],
+)
 async def test_path_escapes_and_missing_files_are_refused(sb, tool, arguments, message):
     r = await call(tool, sb, **arguments)
     assert r.is_error and r.content.startswith(f"Error: {tool.name}: ") and message in r.content
@@ -488,24 +534,27 @@ async def test_directories_and_planted_symlinks_are_refused(sb, tmp_path):
         assert secret.read_text() == "HOST SECRET"
 
 
-@pytest.mark.parametrize(("tool", "arguments", "message"), [
-    (python, {}, "python: missing required argument 'code'"),
-    (python, {"code": 1}, "python: argument 'code' must be a string, got integer 1"),
-    (python, {"code": "1", "cwd": "/"}, "python: unknown argument 'cwd'"),
-    (python, {"code": "  \n"}, "python: 'code' is empty"),
-    (python, {"code": "x = 1\n" * 20_000}, "python: code is too long (120000 characters, at most 100000)"),
-    (python, {"code": "1", "timeout": "5"}, "python: argument 'timeout' must be a number"),
-    (python, {"code": "1", "timeout": 0}, "python: 'timeout' must be a positive number"),
-    (bash, {"command": ""}, "bash: 'command' is empty"),
-    (bash, {"command": ["ls"]}, "bash: argument 'command' must be a string, got array"),
-    (bash, {"command": "echo " + "a" * 100_000}, "bash: the command is too long"),
-    (bash, {"command": "ls", "timeout": -1}, "bash: 'timeout' must be a positive number"),
-    (read_file, {"path": "x", "max_bytes": 0}, "read_file: 'max_bytes' must be a positive integer"),
-    (read_file, {"path": "x", "max_bytes": 1.5}, "read_file: argument 'max_bytes' must be an integer"),
-    (write_file, {"path": "x"}, "write_file: missing required argument 'content'"),
-    (write_file, {"path": "x", "content": None}, "write_file: argument 'content' must be a string, got null"),
-    (write_file, {"path": "x", "content": "a" * (5 << 20)}, "write_file: content is too large"),
-])
+@pytest.mark.parametrize(
+    ("tool", "arguments", "message"),
+    [
+        (python, {}, "python: missing required argument 'code'"),
+        (python, {"code": 1}, "python: argument 'code' must be a string, got integer 1"),
+        (python, {"code": "1", "cwd": "/"}, "python: unknown argument 'cwd'"),
+        (python, {"code": "  \n"}, "python: 'code' is empty"),
+        (python, {"code": "x = 1\n" * 20_000}, "python: code is too long (120000 characters, at most 100000)"),
+        (python, {"code": "1", "timeout": "5"}, "python: argument 'timeout' must be a number"),
+        (python, {"code": "1", "timeout": 0}, "python: 'timeout' must be a positive number"),
+        (bash, {"command": ""}, "bash: 'command' is empty"),
+        (bash, {"command": ["ls"]}, "bash: argument 'command' must be a string, got array"),
+        (bash, {"command": "echo " + "a" * 100_000}, "bash: the command is too long"),
+        (bash, {"command": "ls", "timeout": -1}, "bash: 'timeout' must be a positive number"),
+        (read_file, {"path": "x", "max_bytes": 0}, "read_file: 'max_bytes' must be a positive integer"),
+        (read_file, {"path": "x", "max_bytes": 1.5}, "read_file: argument 'max_bytes' must be an integer"),
+        (write_file, {"path": "x"}, "write_file: missing required argument 'content'"),
+        (write_file, {"path": "x", "content": None}, "write_file: argument 'content' must be a string, got null"),
+        (write_file, {"path": "x", "content": "a" * (5 << 20)}, "write_file: content is too large"),
+    ],
+)
 async def test_bad_arguments_become_error_text(tool, arguments, message):
     async with await create_sandbox(sandbox_config("process")) as sandbox:  # refused before any backend work
         r = await call(tool, sandbox, **arguments)
@@ -541,15 +590,22 @@ async def test_tool_env_episode_keeps_state_and_the_pool_resets_it(sandbox_backe
     env.sandbox_pool = pool
     try:
         await env.reset(options={"prompt": "compute"})
-        obs, reward, terminated, truncated, _ = await env.step(_turn(
-            ("write_file", {"path": "n.txt", "content": "21"}),
-            ("python", {"code": "n = int(open('n.txt').read())\nn * 2"})))
+        obs, reward, terminated, truncated, _ = await env.step(
+            _turn(
+                ("write_file", {"path": "n.txt", "content": "21"}),
+                ("python", {"code": "n = int(open('n.txt').read())\nn * 2"}),
+            )
+        )
         assert [m["content"] for m in obs] == ["Wrote 2 bytes, 1 line to /scratch/n.txt.", "42"]
         assert [m["tool_call_id"] for m in obs] == ["c0", "c1"] and not terminated and not truncated
-        obs, *_ = await env.step(_turn(("python", {"code": "open('m.txt', 'w').write(str(n + 1))\nn"}),
-                                       ("bash", {"command": "cat m.txt"}),
-                                       ("python", {"code": "1/0"}),
-                                       ("python", {"code": 5})))
+        obs, *_ = await env.step(
+            _turn(
+                ("python", {"code": "open('m.txt', 'w').write(str(n + 1))\nn"}),
+                ("bash", {"command": "cat m.txt"}),
+                ("python", {"code": "1/0"}),
+                ("python", {"code": 5}),
+            )
+        )
         assert [m["content"] for m in obs][:2] == ["21", "22"]
         assert "ZeroDivisionError" in obs[2]["content"]
         assert obs[3]["content"] == "Error: python: argument 'code' must be a string, got integer 5"

@@ -9,14 +9,37 @@ from agentrl.runtime.trainer_group import DataLayout
 
 
 def test_passthrough_splits_sglang_and_megatron_flags():
-    out = parse_passthrough_flags([
-        "--sglang-mem-fraction-static", "0.8", "--sglang-disable-cuda-graph", "--sglang-tp-size", "2",
-        "--recompute-granularity", "full", "--sglang-cuda-graph-bs", "1", "2", "4", "--attention-softmax-in-fp32",
-        "--sglang-log-level=INFO", "--init-method-std", "-0.5"])
-    assert out["sglang_args"] == {"mem_fraction_static": 0.8, "disable_cuda_graph": True, "tp_size": 2,
-                                  "cuda_graph_bs": [1, 2, 4], "log_level": "INFO"}
-    assert out["megatron_args"] == {"recompute_granularity": "full", "attention_softmax_in_fp32": True,
-                                    "init_method_std": -0.5}
+    out = parse_passthrough_flags(
+        [
+            "--sglang-mem-fraction-static",
+            "0.8",
+            "--sglang-disable-cuda-graph",
+            "--sglang-tp-size",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--sglang-cuda-graph-bs",
+            "1",
+            "2",
+            "4",
+            "--attention-softmax-in-fp32",
+            "--sglang-log-level=INFO",
+            "--init-method-std",
+            "-0.5",
+        ]
+    )
+    assert out["sglang_args"] == {
+        "mem_fraction_static": 0.8,
+        "disable_cuda_graph": True,
+        "tp_size": 2,
+        "cuda_graph_bs": [1, 2, 4],
+        "log_level": "INFO",
+    }
+    assert out["megatron_args"] == {
+        "recompute_granularity": "full",
+        "attention_softmax_in_fp32": True,
+        "init_method_std": -0.5,
+    }
 
 
 def test_passthrough_refuses_a_stray_value():
@@ -34,9 +57,23 @@ def test_cli_passes_flags_through_into_the_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr("agentrl.runtime.train.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
-    rc = cli.main(["train", "--env", "envs.digits:Digits", "--rollout-backend", "sglang", "--sglang-launcher",
-                   "agentrl", "--sglang-mem-fraction-static", "0.7", "--rollout-batch-size", "2",
-                   "--global-batch-size", "2"])
+    rc = cli.main(
+        [
+            "train",
+            "--env",
+            "envs.digits:Digits",
+            "--rollout-backend",
+            "sglang",
+            "--sglang-launcher",
+            "agentrl",
+            "--sglang-mem-fraction-static",
+            "0.7",
+            "--rollout-batch-size",
+            "2",
+            "--global-batch-size",
+            "2",
+        ]
+    )
     assert rc == 0
     assert seen["cfg"].sglang_args == {"mem_fraction_static": 0.7}
     assert seen["cfg"].rollout_backend == "sglang" and seen["cfg"].sglang_launcher == "agentrl"
@@ -50,37 +87,71 @@ def test_other_commands_refuse_unknown_flags(capsys):
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"sglang_args": {"mem_fraction_static": 0.8}}, "--sglang-mem-fraction-static needs --rollout-backend sglang"),
-    ({"tensor_model_parallel_size": 2, "trainer_num_procs": 2}, "need --train-backend megatron"),
-    ({"megatron_args": {"recompute_granularity": "full"}}, "Megatron flags, which need --train-backend megatron"),
-    ({"megatron_args": {"rollout_batchsize": 4}}, "--rollout-batchsize (did you mean --rollout-batch-size"),
-    ({"train_backend": "megatron", "megatron_args": {"rollout_batchsize": 4}},
-     "unknown flag --rollout-batchsize: neither agentrl's nor Megatron's (did you mean --rollout-batch-size"),
-    ({"colocate": True, "num_engines": 2}, "--colocate puts each engine on one trainer rank's device"),
-    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"tp_size": 2},
-      "rollout_num_gpus_per_engine": 1}, "--sglang-tp-size 2 disagrees with --rollout-num-gpus-per-engine 1"),
-    ({"rollout_backend": "vllm"}, "--rollout-backend must be embedded or sglang"),
-    ({"rollout_backend": "sglang", "engine_url": ["http://127.0.0.1:1"]}, "drop --engine-url"),
-    ({"train_backend": "megatron", "tensor_model_parallel_size": 2}, "must be a multiple of tensor x pipeline"),
-    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"port": 1234}},
-     "--sglang-port is set by the launcher"),
-    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"tp_size": 2}}, "tp"),
-    ({"train_backend": "megatron", "trainer_num_procs": 4, "tensor_model_parallel_size": 2, "global_batch_size": 3,
-      "rollout_batch_size": 3, "n_samples_per_prompt": 1}, "divisible by the trainer's data-parallel size (2)"),
-    ({"train_backend": "megatron", "megatron_args": {"recompute_granularty": "full"}},
-     "unknown flag --recompute-granularty: neither agentrl's nor Megatron's (did you mean --recompute-granularity"),
-    ({"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
-     "--context-parallel-size > 1 is not implemented"),
-    ({"train_backend": "megatron", "megatron_args": {"sequence_parallel": True}}, "--sequence-parallel is not"),
-    ({"train_backend": "megatron", "megatron_args": {"recompute_granularity": "full"}}, "activation recompute"),
-    ({"train_backend": "megatron", "gradient_checkpointing": True}, "activation recompute"),
-    ({"train_backend": "megatron", "dtype": "bfloat16"}, "--dtype bfloat16 with the megatron backend needs GPUs"),
-    ({"train_backend": "megatron", "megatron_args": {"bf16": True}}, "--bf16 is set by agentrl (use --dtype)"),
-    ({"train_backend": "megatron", "megatron_args": {"num_layers": 4}}, "--num-layers is set by agentrl (from"),
-    ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "rollout_num_gpus": 4,
-      "rollout_num_gpus_per_engine": 2}, "no model parallelism"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"sglang_args": {"mem_fraction_static": 0.8}}, "--sglang-mem-fraction-static needs --rollout-backend sglang"),
+        ({"tensor_model_parallel_size": 2, "trainer_num_procs": 2}, "need --train-backend megatron"),
+        ({"megatron_args": {"recompute_granularity": "full"}}, "Megatron flags, which need --train-backend megatron"),
+        ({"megatron_args": {"rollout_batchsize": 4}}, "--rollout-batchsize (did you mean --rollout-batch-size"),
+        (
+            {"train_backend": "megatron", "megatron_args": {"rollout_batchsize": 4}},
+            "unknown flag --rollout-batchsize: neither agentrl's nor Megatron's (did you mean --rollout-batch-size",
+        ),
+        ({"colocate": True, "num_engines": 2}, "--colocate puts each engine on one trainer rank's device"),
+        (
+            {
+                "rollout_backend": "sglang",
+                "sglang_launcher": "agentrl",
+                "sglang_args": {"tp_size": 2},
+                "rollout_num_gpus_per_engine": 1,
+            },
+            "--sglang-tp-size 2 disagrees with --rollout-num-gpus-per-engine 1",
+        ),
+        ({"rollout_backend": "vllm"}, "--rollout-backend must be embedded or sglang"),
+        ({"rollout_backend": "sglang", "engine_url": ["http://127.0.0.1:1"]}, "drop --engine-url"),
+        ({"train_backend": "megatron", "tensor_model_parallel_size": 2}, "must be a multiple of tensor x pipeline"),
+        (
+            {"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"port": 1234}},
+            "--sglang-port is set by the launcher",
+        ),
+        ({"rollout_backend": "sglang", "sglang_launcher": "agentrl", "sglang_args": {"tp_size": 2}}, "tp"),
+        (
+            {
+                "train_backend": "megatron",
+                "trainer_num_procs": 4,
+                "tensor_model_parallel_size": 2,
+                "global_batch_size": 3,
+                "rollout_batch_size": 3,
+                "n_samples_per_prompt": 1,
+            },
+            "divisible by the trainer's data-parallel size (2)",
+        ),
+        (
+            {"train_backend": "megatron", "megatron_args": {"recompute_granularty": "full"}},
+            "unknown flag --recompute-granularty: neither agentrl's nor Megatron's (did you mean --recompute-granularity",
+        ),
+        (
+            {"train_backend": "megatron", "context_parallel_size": 2, "trainer_num_procs": 2},
+            "--context-parallel-size > 1 is not implemented",
+        ),
+        ({"train_backend": "megatron", "megatron_args": {"sequence_parallel": True}}, "--sequence-parallel is not"),
+        ({"train_backend": "megatron", "megatron_args": {"recompute_granularity": "full"}}, "activation recompute"),
+        ({"train_backend": "megatron", "gradient_checkpointing": True}, "activation recompute"),
+        ({"train_backend": "megatron", "dtype": "bfloat16"}, "--dtype bfloat16 with the megatron backend needs GPUs"),
+        ({"train_backend": "megatron", "megatron_args": {"bf16": True}}, "--bf16 is set by agentrl (use --dtype)"),
+        ({"train_backend": "megatron", "megatron_args": {"num_layers": 4}}, "--num-layers is set by agentrl (from"),
+        (
+            {
+                "rollout_backend": "sglang",
+                "sglang_launcher": "agentrl",
+                "rollout_num_gpus": 4,
+                "rollout_num_gpus_per_engine": 2,
+            },
+            "no model parallelism",
+        ),
+    ],
+)
 def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
     cfg = run_config_from_values(_values(**values))
@@ -114,8 +185,14 @@ def test_sglang_launcher_needs_sglang_installed():
 
 def test_good_megatron_config_validates_and_derives_data_parallel():
     pytest.importorskip("megatron.core")
-    cfg = run_config_from_values(_values(train_backend="megatron", trainer_num_procs=4, tensor_model_parallel_size=2,
-                                         megatron_args={"attention_softmax_in_fp32": True}))
+    cfg = run_config_from_values(
+        _values(
+            train_backend="megatron",
+            trainer_num_procs=4,
+            tensor_model_parallel_size=2,
+            megatron_args={"attention_softmax_in_fp32": True},
+        )
+    )
     cfg.validate()
     assert cfg.data_parallel_size == 2 and cfg.train.model_parallel_size == 2
     assert run_config_from_values(_values(backend=None, train_backend="megatron")).train_backend == "megatron"
@@ -123,9 +200,11 @@ def test_good_megatron_config_validates_and_derives_data_parallel():
 
 def test_config_file_sglang_keys_become_server_args(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("rollout_backend: sglang\nbackend: megatron\nsglang_args:\nsglang_mem_fraction_static: 0.6\n"
-                 "sglang_launcher: agentrl\n"
-                 "megatron_args:\n  recompute_granularity: full\n")
+    f.write_text(
+        "rollout_backend: sglang\nbackend: megatron\nsglang_args:\nsglang_mem_fraction_static: 0.6\n"
+        "sglang_launcher: agentrl\n"
+        "megatron_args:\n  recompute_granularity: full\n"
+    )
     flat = load_config_file(f)
     assert flat["sglang_args"] == {"mem_fraction_static": 0.6} and flat["sglang_launcher"] == "agentrl"
     assert flat["train_backend"] == "megatron"
@@ -169,8 +248,16 @@ def test_unsupported_architecture_is_refused_before_ray_starts(tmp_path, monkeyp
     from agentrl.runtime import train as train_mod
 
     ckpt = tmp_path / "mistral"
-    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=16).save_pretrained(ckpt)
+    MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=16,
+    ).save_pretrained(ckpt)
     monkeypatch.setattr(train_mod, "_Runtime", lambda *a, **k: pytest.fail("the runtime was started"))
     cfg = run_config_from_values(_values(train_backend="megatron", hf_checkpoint=str(ckpt)))
     with pytest.raises(ValueError, match="sliding"):
@@ -182,7 +269,14 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(tiny_ckpt, 
     from agentrl.runtime import train as train_mod
 
     monkeypatch.setattr(train_mod, "_Runtime", lambda *a, **k: pytest.fail("the runtime was started"))
-    cfg = run_config_from_values(_values(train_backend="megatron", hf_checkpoint=str(tiny_ckpt), trainer_num_procs=3,
-                                         pipeline_model_parallel_size=3, global_batch_size=4))
+    cfg = run_config_from_values(
+        _values(
+            train_backend="megatron",
+            hf_checkpoint=str(tiny_ckpt),
+            trainer_num_procs=3,
+            pipeline_model_parallel_size=3,
+            global_batch_size=4,
+        )
+    )
     with pytest.raises(ValueError, match="layers do not split evenly over 3 pipeline stages"):
         train_mod.train(cfg)

@@ -45,9 +45,17 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
 
     save = tmp_path / f"{weight_sync}-{async_mode}"
     cfg = RunConfig(
-        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=5, rollout_batch_size=4, save=str(save),
-        num_engines=2, rollout_backend="sglang", sglang_launcher="agentrl", engine_monitor_interval=1.0,
-        weight_sync=weight_sync, async_mode=async_mode,
+        env="envs.digits:Digits",
+        hf_checkpoint=str(tiny_ckpt),
+        num_rollout=5,
+        rollout_batch_size=4,
+        save=str(save),
+        num_engines=2,
+        rollout_backend="sglang",
+        sglang_launcher="agentrl",
+        engine_monitor_interval=1.0,
+        weight_sync=weight_sync,
+        async_mode=async_mode,
         rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )
@@ -86,7 +94,11 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
 
 def _learning_config(ckpt, save, **train_kw) -> RunConfig:
     return RunConfig(
-        env="envs.digits:Digits", hf_checkpoint=str(ckpt), num_rollout=24, rollout_batch_size=8, save=str(save),
+        env="envs.digits:Digits",
+        hf_checkpoint=str(ckpt),
+        num_rollout=24,
+        rollout_batch_size=8,
+        save=str(save),
         train_backend="megatron",
         rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7, **train_kw),
@@ -117,8 +129,15 @@ def test_sglang_backend_colocated_with_tensor_handles(tiny_ckpt, tmp_path, ray_l
 
     save = tmp_path / "colocated"
     cfg = RunConfig(
-        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=3, rollout_batch_size=4, save=str(save),
-        rollout_backend="sglang", sglang_launcher="agentrl", colocate=True, weight_sync="tensor",
+        env="envs.digits:Digits",
+        hf_checkpoint=str(tiny_ckpt),
+        num_rollout=3,
+        rollout_batch_size=4,
+        save=str(save),
+        rollout_backend="sglang",
+        sglang_launcher="agentrl",
+        colocate=True,
+        weight_sync="tensor",
         rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )
@@ -141,9 +160,17 @@ def test_megatron_tp2_with_launched_engines(tiny_ckpt, tmp_path, ray_local, weig
 
     save = tmp_path / weight_sync
     cfg = RunConfig(
-        env="envs.digits:Digits", hf_checkpoint=str(tiny_ckpt), num_rollout=2, rollout_batch_size=4, save=str(save),
-        train_backend="megatron", trainer_num_procs=2, rollout_backend="sglang", sglang_launcher="agentrl",
-        weight_sync=weight_sync, num_engines=2 if weight_sync == "tensor" else 1,
+        env="envs.digits:Digits",
+        hf_checkpoint=str(tiny_ckpt),
+        num_rollout=2,
+        rollout_batch_size=4,
+        save=str(save),
+        train_backend="megatron",
+        trainer_num_procs=2,
+        rollout_backend="sglang",
+        sglang_launcher="agentrl",
+        weight_sync=weight_sync,
+        num_engines=2 if weight_sync == "tensor" else 1,
         rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7, tensor_model_parallel_size=2),
     )

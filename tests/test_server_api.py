@@ -83,8 +83,13 @@ def test_health_and_info(http, server):
 
 def test_generate_native(http, server):
     tok = server["engine"].tokenizer
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True},
-            "return_logprob": True, "return_text_in_logprobs": True, "rid": "r-1"}
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True},
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "rid": "r-1",
+    }
     out = http.post("/generate", json=body).json()
     meta = out["meta_info"]
     assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length", "length": 6}
@@ -107,51 +112,80 @@ def test_generate_native(http, server):
     assert events[-1] == "[DONE]" and "output_ids" in json.loads(events[0])
 
 
-@pytest.mark.parametrize("body", [
-    {"input_ids": [], "sampling_params": {}},
-    {"input_ids": [1, 2], "sampling_params": {"top_p": 0}},
-    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}},
-    {"input_ids": [1] * 5000},
-    {"sampling_params": {}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input_ids": [], "sampling_params": {}},
+        {"input_ids": [1, 2], "sampling_params": {"top_p": 0}},
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}},
+        {"input_ids": [1] * 5000},
+        {"sampling_params": {}},
+    ],
+)
 def test_generate_rejects_bad_requests(http, body):
     r = http.post("/generate", json=body)
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("path, body, field", [
-    # each answered 500 before (issue 18 item 3); now a 400 that names the field
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": 5}}, "sampling_params.stop"),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 5}}, "sampling_params.stop_token_ids"),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"skip_special_tokens": "no"}},
-     "sampling_params.skip_special_tokens"),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 2**63}}, "sampling_params.top_k"),
-    ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
-    ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
-    ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
-    ("/generate", {"input_ids": [1, 2], "sampling_parms": {}}, "sampling_parms"),
-    ("/v1/chat/completions", {"messages": ["hi"]}, "messages.0"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 10**400},
-     "sampling_params.temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
-    ("/v1/completions", {"prompt": "a", "stop_token_ids": 5}, "sampling_params.stop_token_ids"),
-    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
-    ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
-    ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "yes"}, "abort_all_requests"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
-                                    "world_size": 2}, "master_port"),
-    ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "load_format": "x"},
-     "load_format"),
-    ("/update_weights_from_tensor", {"serialized_named_tensors": ["a", "b"]}, "serialized_named_tensors"),
-    ("/abort_request", {"rid": 5}, "rid"),
-    ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        # each answered 500 before (issue 18 item 3); now a 400 that names the field
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 5}},
+            "sampling_params.stop_token_ids",
+        ),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}},
+            "sampling_params.sampling_seed",
+        ),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"skip_special_tokens": "no"}},
+            "sampling_params.skip_special_tokens",
+        ),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 2**63}}, "sampling_params.top_k"),
+        ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
+        ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+        ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
+        ("/generate", {"input_ids": [1, 2], "sampling_parms": {}}, "sampling_parms"),
+        ("/v1/chat/completions", {"messages": ["hi"]}, "messages.0"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages.0.content",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 10**400},
+            "sampling_params.temperature",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+        ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
+        ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "yes"}, "abort_all_requests"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1, "world_size": 2},
+            "master_port",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": [], "dtypes": [], "shapes": [], "load_format": "x"},
+            "load_format",
+        ),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["a", "b"]}, "serialized_named_tensors"),
+        ("/abort_request", {"rid": 5}, "rid"),
+        ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
+    ],
+)
 def test_bad_fields_are_400s_naming_the_field(http, path, body, field):
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -167,11 +201,26 @@ def test_fuzzed_bodies_never_kill_or_500_the_server(http, server):
 
     probe = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
     before = http.post("/generate", json=probe).json()["output_ids"]
-    scalar = st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=8)
-    value = st.recursive(scalar, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                         max_leaves=8)
-    fields = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-              "skip_special_tokens", "no_stop_trim", "sampling_seed", "frequency_penalty"]
+    scalar = (
+        st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=8)
+    )
+    value = st.recursive(
+        scalar, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=8
+    )
+    fields = [
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "sampling_seed",
+        "frequency_penalty",
+    ]
     valid = {
         "/generate": {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True},
         "/v1/completions": {"prompt": [5, 6], "max_tokens": 3},
@@ -186,13 +235,31 @@ def test_fuzzed_bodies_never_kill_or_500_the_server(http, server):
             body[key] = v
         if key in ("max_new_tokens", "max_tokens") and isinstance(v, int) and not isinstance(v, bool):
             body[key if path != "/generate" else "sampling_params"] = (
-                min(v, 8) if path != "/generate" else {**body["sampling_params"], key: min(v, 8)})
+                min(v, 8) if path != "/generate" else {**body["sampling_params"], key: min(v, 8)}
+            )
         return body
 
-    bodies = (st.tuples(st.sampled_from(list(valid)), value)
-              | st.builds(lambda p, k, v: (p, mutate(p, k, v)), st.sampled_from(list(valid)),
-                          st.sampled_from(fields + ["input_ids", "prompt", "messages", "text", "rid", "stream",
-                                                    "return_logprob", "tools", "logprobs", "n", "seed"]), value))
+    bodies = st.tuples(st.sampled_from(list(valid)), value) | st.builds(
+        lambda p, k, v: (p, mutate(p, k, v)),
+        st.sampled_from(list(valid)),
+        st.sampled_from(
+            fields
+            + [
+                "input_ids",
+                "prompt",
+                "messages",
+                "text",
+                "rid",
+                "stream",
+                "return_logprob",
+                "tools",
+                "logprobs",
+                "n",
+                "seed",
+            ]
+        ),
+        value,
+    )
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(bodies)
@@ -208,8 +275,14 @@ def test_fuzzed_bodies_never_kill_or_500_the_server(http, server):
 
 def test_openai_completions(server):
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
-    c = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0.7,
-                                  logprobs=1, extra_body={"ignore_eos": True, "seed": 1})  # a fixed draw: a sampled
+    c = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=5,
+        temperature=0.7,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "seed": 1},
+    )  # a fixed draw: a sampled
     # multi-byte character split over tokens decodes to "\ufffd" pieces, which would not start the text
     ch = c.choices[0]
     assert c.object == "text_completion" and ch.finish_reason == "length" and c.usage.completion_tokens == 5
@@ -230,8 +303,10 @@ def test_openai_completions(server):
 
 def test_openai_chat_completions(server):
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is 12 plus 30?"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 12 plus 30?"},
+    ]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50, logprobs=True)
     ch = r.choices[0]
     assert r.object == "chat.completion" and ch.message.role == "assistant" and ch.message.tool_calls is None
@@ -262,8 +337,16 @@ def test_weight_update_flush_and_abort(http, server):
 
     async def abort_one():
         async with httpx.AsyncClient(base_url=server["url"], timeout=30) as c:
-            long = asyncio.create_task(c.post("/generate", json={
-                "input_ids": [5, 6], "rid": "long", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
+            long = asyncio.create_task(
+                c.post(
+                    "/generate",
+                    json={
+                        "input_ids": [5, 6],
+                        "rid": "long",
+                        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+                    },
+                )
+            )
             await asyncio.sleep(0.3)
             assert (await c.post("/abort_request", json={"rid": "long"})).status_code == 200
             return (await long).json()
@@ -283,10 +366,15 @@ def test_api_key_closes_every_endpoint_but_health(server):
     try:
         with httpx.Client(base_url=url, timeout=30) as c:
             assert c.get("/health").status_code == 200 and c.get("/health_generate").status_code == 200
-            for method, path, body in [("POST", "/generate", gen), ("POST", "/v1/chat/completions", chat),
-                                       ("POST", "/update_weights_from_disk", {"model_path": str(server["ckpt"])}),
-                                       ("POST", "/pause_generation", {}), ("POST", "/init_weights_update_group", {}),
-                                       ("GET", "/get_server_info", None), ("GET", "/v1/models", None)]:
+            for method, path, body in [
+                ("POST", "/generate", gen),
+                ("POST", "/v1/chat/completions", chat),
+                ("POST", "/update_weights_from_disk", {"model_path": str(server["ckpt"])}),
+                ("POST", "/pause_generation", {}),
+                ("POST", "/init_weights_update_group", {}),
+                ("GET", "/get_server_info", None),
+                ("GET", "/v1/models", None),
+            ]:
                 for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                     r = c.request(method, path, json=body, headers=headers)
                     assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, headers, r.text)
@@ -295,7 +383,8 @@ def test_api_key_closes_every_endpoint_but_health(server):
         assert client.chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope").chat.completions.create(
-                model="tiny", messages=chat["messages"], max_tokens=2)
+                model="tiny", messages=chat["messages"], max_tokens=2
+            )
     finally:
         srv.should_exit = True
         thread.join(10)

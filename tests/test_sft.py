@@ -24,14 +24,24 @@ SYSTEM = {"role": "system", "content": Calculator.system_prompt}
 
 
 def _call(expr: str, cid: str = "c1") -> dict:
-    return {"id": cid, "type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
+    return {
+        "id": cid,
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})},
+    }
 
 
 def _row(**over) -> dict:
-    row = {"messages": [SYSTEM, {"role": "user", "content": "What is 3 + 4 * 5?"},
-                        {"role": "assistant", "content": None, "tool_calls": [_call("3 + 4 * 5")]},
-                        {"role": "tool", "tool_call_id": "c1", "content": "23"},
-                        {"role": "assistant", "content": "The answer is 23."}], "tools": TOOLS}
+    row = {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "What is 3 + 4 * 5?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("3 + 4 * 5")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "23"},
+            {"role": "assistant", "content": "The answer is 23."},
+        ],
+        "tools": TOOLS,
+    }
     row.update(over)
     return row
 
@@ -42,7 +52,7 @@ def template(tiny_tokenizer):
 
 
 def _spans(template, s) -> list[str]:
-    resp = s.tokens[s.prompt_length:]
+    resp = s.tokens[s.prompt_length :]
     return [template.decode(resp[a:b]) for a, b in s.metadata["turn_spans"]]
 
 
@@ -61,7 +71,10 @@ def test_conversation_becomes_a_token_exact_sample(template):
     s.validate()
     # mask-1 spans are exactly the assistant turns in the wire format the hermes parser reads, stop token included
     first, second = _spans(template, s)
-    assert first == '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4 * 5"}}\n</tool_call><|im_end|>'
+    assert (
+        first
+        == '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4 * 5"}}\n</tool_call><|im_end|>'
+    )
     assert second == "The answer is 23.<|im_end|>"
     assert [m for m in s.loss_mask if m] == [1] * sum(b - a for a, b in s.metadata["turn_spans"])
     from agentrl.parsing import get_parser
@@ -71,7 +84,9 @@ def test_conversation_becomes_a_token_exact_sample(template):
     # the whole sample is the template's own rendering of the conversation (up to the final "\n")
     full = template.render(_row()["messages"], TOOLS, add_generation_prompt=False)
     assert template.decode(s.tokens) + "\n" == full
-    assert template.decode(s.tokens[:s.prompt_length]) == template.render(_row()["messages"][:2], TOOLS, add_generation_prompt=True)
+    assert template.decode(s.tokens[: s.prompt_length]) == template.render(
+        _row()["messages"][:2], TOOLS, add_generation_prompt=True
+    )
 
 
 def test_scripted_demos_equal_the_rollout_ledger_and_earn_the_env_reward(template):
@@ -85,23 +100,67 @@ def test_scripted_demos_equal_the_rollout_ledger_and_earn_the_env_reward(templat
     assert kept == [] and stats.below_min_reward == 6
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "x"}, "f.jsonl:1: no 'messages' list"),
-    (_row(messages=[{"role": "robot", "content": "hi"}]), "messages[0] has role 'robot'"),
-    (_row(messages=[{"role": "user", "content": "hi"}]), "no assistant message"),
-    (_row(messages=[{"role": "assistant", "content": "hi"}]), "starts with a system or user message"),
-    (_row(messages=[{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]), "content must be a string"),
-    (_row(messages=[{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]),
-     "messages[1]: a tool message with no unanswered tool call"),
-    (_row(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [_call("1")]},
-                    {"role": "tool", "tool_call_id": "zz", "content": "1"}, {"role": "assistant", "content": "a"}]),
-     "tool_call_id 'zz' matches no call"),
-    (_row(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "function": {"name": "shell", "arguments": "{}"}}]}]), "calls tool 'shell', which is not offered"),
-    (_row(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "function": {"name": "calculator", "arguments": "{oops"}}]}]), "are not valid JSON"),
-    (_row(tools=[{"type": "function", "function": {"name": "search"}}]), "differ from the env's ['calculator']"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "x"}, "f.jsonl:1: no 'messages' list"),
+        (_row(messages=[{"role": "robot", "content": "hi"}]), "messages[0] has role 'robot'"),
+        (_row(messages=[{"role": "user", "content": "hi"}]), "no assistant message"),
+        (_row(messages=[{"role": "assistant", "content": "hi"}]), "starts with a system or user message"),
+        (
+            _row(messages=[{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]),
+            "content must be a string",
+        ),
+        (
+            _row(
+                messages=[
+                    {"role": "user", "content": "q"},
+                    {"role": "tool", "content": "1"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            ),
+            "messages[1]: a tool message with no unanswered tool call",
+        ),
+        (
+            _row(
+                messages=[
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": None, "tool_calls": [_call("1")]},
+                    {"role": "tool", "tool_call_id": "zz", "content": "1"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            ),
+            "tool_call_id 'zz' matches no call",
+        ),
+        (
+            _row(
+                messages=[
+                    {"role": "user", "content": "q"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "function": {"name": "shell", "arguments": "{}"}}],
+                    },
+                ]
+            ),
+            "calls tool 'shell', which is not offered",
+        ),
+        (
+            _row(
+                messages=[
+                    {"role": "user", "content": "q"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "function": {"name": "calculator", "arguments": "{oops"}}],
+                    },
+                ]
+            ),
+            "are not valid JSON",
+        ),
+        (_row(tools=[{"type": "function", "function": {"name": "search"}}]), "differ from the env's ['calculator']"),
+    ],
+)
 def test_bad_demonstrations_are_refused_with_file_and_line(template, row, message):
     with pytest.raises(DemoError, match="1 demonstration\\(s\\) refused") as err:
         conversation_samples([("f.jsonl:1", row)], template, env_tools=TOOLS)
@@ -119,27 +178,45 @@ def test_every_bad_row_is_listed_and_nothing_is_kept(template):
 LOOKAHEAD = (  # writes an assistant turn's calls only once their results follow: the turn changes after the fact
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
     "{% if m['tool_calls'] and not loop.last %}[calls]{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_a_template_that_rewrites_a_turn_after_the_fact_is_refused_at_the_first_differing_token(tiny_tokenizer):
     tpl = ChatTemplate(tiny_tokenizer, template=LOOKAHEAD, tool_template="native")
-    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "one", "tool_calls": [_call("1")]},
-                        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "assistant", "content": "two"}],
-           "tools": TOOLS}
-    with pytest.raises(DemoError, match=r"f.jsonl:7: the chat template does not reproduce this conversation turn by "
-                                        r"turn: first difference at token \d+ of \d+: laid down '<\|im_end\|>.*whole "
-                                        r"rendering '\[calls\]"):
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "one", "tool_calls": [_call("1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            {"role": "assistant", "content": "two"},
+        ],
+        "tools": TOOLS,
+    }
+    with pytest.raises(
+        DemoError,
+        match=r"f.jsonl:7: the chat template does not reproduce this conversation turn by "
+        r"turn: first difference at token \d+ of \d+: laid down '<\|im_end\|>.*whole "
+        r"rendering '\[calls\]",
+    ):
         conversation_samples([("f.jsonl:7", row)], tpl)
     (s,), stats = conversation_samples([("f.jsonl:7", row)], tpl, allow_non_token_exact=True)
     assert not s.token_exact and stats.not_token_exact == 1
 
 
 def test_a_template_that_re_renders_history_is_refused_as_the_rollout_refuses_it(tiny_tokenizer):
-    rewriting = LOOKAHEAD.replace("{{ m['content'] or '' }}", "{{ (m['content'] if loop.last or m['role'] != 'assistant' else '...') or '' }}")
+    rewriting = LOOKAHEAD.replace(
+        "{{ m['content'] or '' }}", "{{ (m['content'] if loop.last or m['role'] != 'assistant' else '...') or '' }}"
+    )
     tpl = ChatTemplate(tiny_tokenizer, template=rewriting, tool_template="native")
-    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "one"},
-                        {"role": "user", "content": "more"}, {"role": "assistant", "content": "two"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "two"},
+        ]
+    }
     with pytest.raises(DemoError, match="f.jsonl:2: the chat template re-renders earlier turns"):
         conversation_samples([("f.jsonl:2", row)], tpl)
 
@@ -220,14 +297,17 @@ def test_sft_loss_is_the_masked_negative_log_likelihood():
     assert torch.allclose(loss, want) and m["sft_loss"] == pytest.approx(float(want))
     loss.backward()
     assert logp.grad[2] == 0 and (logp.grad[[0, 1, 3]] < 0).all()  # descent raises the demonstrated tokens' log-probs
-    per_seq = policy_loss(logp, logp, torch.zeros(4), mask, seq, TrainConfig(loss_type="sft_loss"),
-                          num_tokens=3, num_seqs=2)[0]
+    per_seq = policy_loss(
+        logp, logp, torch.zeros(4), mask, seq, TrainConfig(loss_type="sft_loss"), num_tokens=3, num_seqs=2
+    )[0]
     assert torch.allclose(per_seq, -((logp[0] + logp[1]) / 2 + logp[3]) / 2)
 
 
 def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     assert main(["sft", "--env", "envs.calculator:Calculator", "--save", str(tmp_path / "r")]) == 2
-    assert "pass exactly one of --sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL" in capsys.readouterr().err
+    assert (
+        "pass exactly one of --sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL" in capsys.readouterr().err
+    )
     assert main(["train", "--env", "envs.calculator:Calculator", "--sft-data", "x.jsonl"]) == 2
     assert "use `agentrl sft` (or --loss-type sft_loss)" in capsys.readouterr().err
     assert main(["sft", "--env", "envs.calculator:Calculator", "--demo-engine-url", "http://127.0.0.1:1"]) == 2
@@ -268,11 +348,42 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
     tasks = tmp_path / "tasks.jsonl"
     rows = Calculator.tasks(8, seed=5)
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rc = main(["sft", "--env", "envs.calculator:Calculator", "--prompt-data", str(tasks), "--hf-checkpoint", str(tiny_ckpt),
-               "--demo-policy", "envs.calculator:solver_policy", "--demo-min-reward", "1", "--num-epoch", "100",
-               "--global-batch-size", "8", "--lr", "5e-3", "--save", str(save), "--save-interval", "50",
-               "--eval-prompt-data", "calc", str(tasks), "--eval-interval", "100", "--eval-temperature", "0",
-               "--rollout-max-response-len", "48", "--max-turns", "2"])
+    rc = main(
+        [
+            "sft",
+            "--env",
+            "envs.calculator:Calculator",
+            "--prompt-data",
+            str(tasks),
+            "--hf-checkpoint",
+            str(tiny_ckpt),
+            "--demo-policy",
+            "envs.calculator:solver_policy",
+            "--demo-min-reward",
+            "1",
+            "--num-epoch",
+            "100",
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "5e-3",
+            "--save",
+            str(save),
+            "--save-interval",
+            "50",
+            "--eval-prompt-data",
+            "calc",
+            str(tasks),
+            "--eval-interval",
+            "100",
+            "--eval-temperature",
+            "0",
+            "--rollout-max-response-len",
+            "48",
+            "--max-turns",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "demonstrations: 8 of 8 demonstrations kept" in err
@@ -287,15 +398,58 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
     # eval after the last step ran real episodes on the trained weights: the model now calls the tool
     assert lines[-1]["eval/calc/tool_call_rate"] >= 0.75, lines[-1]
     out = tmp_path / "greedy.jsonl"
-    assert main(["rollout", "--env", "envs.calculator:Calculator", "--prompt-data", str(tasks), "--hf-checkpoint", str(save),
-                 "--rollout-temperature", "0", "--rollout-max-response-len", "48", "--max-turns", "1", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "rollout",
+                "--env",
+                "envs.calculator:Calculator",
+                "--prompt-data",
+                str(tasks),
+                "--hf-checkpoint",
+                str(save),
+                "--rollout-temperature",
+                "0",
+                "--rollout-max-response-len",
+                "48",
+                "--max-turns",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     samples = [json.loads(x) for x in open(out)]
     assert sum(s["metadata"]["tool_calls"] >= 1 for s in samples) >= 6
     assert sum(s["metadata"]["parse_errors"] for s in samples) <= 2
     base = tmp_path / "base.jsonl"
-    assert main(["rollout", "--env", "envs.calculator:Calculator", "--prompt-data", str(tasks), "--hf-checkpoint", str(tiny_ckpt),
-                 "--rollout-temperature", "0", "--rollout-max-response-len", "48", "--max-turns", "1", "--output", str(base)]) == 0
+    assert (
+        main(
+            [
+                "rollout",
+                "--env",
+                "envs.calculator:Calculator",
+                "--prompt-data",
+                str(tasks),
+                "--hf-checkpoint",
+                str(tiny_ckpt),
+                "--rollout-temperature",
+                "0",
+                "--rollout-max-response-len",
+                "48",
+                "--max-turns",
+                "1",
+                "--output",
+                str(base),
+            ]
+        )
+        == 0
+    )
     assert sum(json.loads(x)["metadata"]["tool_calls"] for x in open(base)) == 0
     # --load of an SFT run resumes SFT; RL refuses it as a resume point and points at --hf-checkpoint
-    assert main(["train", "--env", "envs.calculator:Calculator", "--load", str(save), "--hf-checkpoint", str(tiny_ckpt)]) == 2
+    assert (
+        main(["train", "--env", "envs.calculator:Calculator", "--load", str(save), "--hf-checkpoint", str(tiny_ckpt)])
+        == 2
+    )
     assert "pass it as --hf-checkpoint instead" in capsys.readouterr().err

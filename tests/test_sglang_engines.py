@@ -61,37 +61,72 @@ def wait_until(check, timeout: float, what: str) -> None:
 
 # -- launch commands (no processes) ---------------------------------------------------------------
 
-SLIME_FLAGS = {"sglang_mem_fraction_static": 0.8, "sglang_context_length": 8192, "sglang_tp_size": 2,
-               "sglang_disable_radix_cache": True, "sglang_enable_torch_compile": False,
-               "sglang_cuda_graph_bs": [1, 2, 4, 8], "sglang_log_level": None}
+SLIME_FLAGS = {
+    "sglang_mem_fraction_static": 0.8,
+    "sglang_context_length": 8192,
+    "sglang_tp_size": 2,
+    "sglang_disable_radix_cache": True,
+    "sglang_enable_torch_compile": False,
+    "sglang_cuda_graph_bs": [1, 2, 4, 8],
+    "sglang_log_level": None,
+}
 
 
 def test_server_args_from_flags_normalizes_names_and_drops_unset():
     assert server_args_from_flags(SLIME_FLAGS) == {
-        "mem_fraction_static": 0.8, "context_length": 8192, "tp_size": 2, "disable_radix_cache": True,
-        "enable_torch_compile": False, "cuda_graph_bs": [1, 2, 4, 8]}
+        "mem_fraction_static": 0.8,
+        "context_length": 8192,
+        "tp_size": 2,
+        "disable_radix_cache": True,
+        "enable_torch_compile": False,
+        "cuda_graph_bs": [1, 2, 4, 8],
+    }
     assert server_args_from_flags({"--sglang-max-running-requests": 64, "chunked-prefill-size": 512}) == {
-        "max_running_requests": 64, "chunked_prefill_size": 512}
+        "max_running_requests": 64,
+        "chunked_prefill_size": 512,
+    }
     with pytest.raises(ValueError, match="twice"):
         server_args_from_flags({"context_length": 1, "sglang-context-length": 2})
 
 
 def test_sglang_command_for_a_slime_like_flag_set():
-    launch = SGLangLaunch("/ckpt/qwen", server_args=server_args_from_flags(SLIME_FLAGS), seed=1234,
-                          colocate=True)
+    launch = SGLangLaunch("/ckpt/qwen", server_args=server_args_from_flags(SLIME_FLAGS), seed=1234, colocate=True)
     assert launch.tp_size == 2
     assert build_launch_command(launch, port=30001, seed=1235) == [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen", "--host", "127.0.0.1",
-        "--port", "30001", "--tp-size", "2", "--skip-server-warmup", "--enable-memory-saver",
-        "--random-seed", "1235", "--mem-fraction-static", "0.8", "--context-length", "8192",
-        "--disable-radix-cache", "--cuda-graph-bs", "1", "2", "4", "8"]
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/ckpt/qwen",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--tp-size",
+        "2",
+        "--skip-server-warmup",
+        "--enable-memory-saver",
+        "--random-seed",
+        "1235",
+        "--mem-fraction-static",
+        "0.8",
+        "--context-length",
+        "8192",
+        "--disable-radix-cache",
+        "--cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+    ]
     env = launch.process_env()
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and "PYTORCH_CUDA_ALLOC_CONF" not in env
 
 
 def test_sglang_command_host_port_and_owned_args():
-    launch = SGLangLaunch("/m", host="0.0.0.0", port=31000, tp_size=4,
-                          server_args={"json_model_override_args": {"a": 1}})
+    launch = SGLangLaunch(
+        "/m", host="0.0.0.0", port=31000, tp_size=4, server_args={"json_model_override_args": {"a": 1}}
+    )
     argv = build_launch_command(launch)
     assert argv[3:11] == ["--model-path", "/m", "--host", "0.0.0.0", "--port", "31000", "--tp-size", "4"]
     assert "--enable-memory-saver" not in argv and "--random-seed" not in argv
@@ -105,17 +140,43 @@ def test_sglang_command_host_port_and_owned_args():
 
 
 def test_agentrl_command_maps_ignores_and_refuses(caplog):
-    launch = SGLangLaunch("/m", binary="agentrl", seed=7, server_args={
-        "context_length": 2048, "max_running_requests": 8, "mem_fraction_static": 0.7, "disable_cuda_graph": True})
+    launch = SGLangLaunch(
+        "/m",
+        binary="agentrl",
+        seed=7,
+        server_args={
+            "context_length": 2048,
+            "max_running_requests": 8,
+            "mem_fraction_static": 0.7,
+            "disable_cuda_graph": True,
+        },
+    )
     with caplog.at_level(logging.WARNING, logger="agentrl.engines.sglang"):
         argv = build_launch_command(launch, port=30500)
-    assert argv == [sys.executable, "-m", "agentrl", "serve", "--hf-checkpoint", "/m", "--host", "127.0.0.1",
-                    "--port", "30500", "--exit-with-stdin", "--context-length", "2048",
-                    "--max-running-requests", "8", "--seed", "7"]
+    assert argv == [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "serve",
+        "--hf-checkpoint",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30500",
+        "--exit-with-stdin",
+        "--context-length",
+        "2048",
+        "--max-running-requests",
+        "8",
+        "--seed",
+        "7",
+    ]
     assert "--sglang-mem-fraction-static, --sglang-disable-cuda-graph" in caplog.text
     with pytest.raises(ValueError, match="does not support --sglang-speculative-algorithm"):
-        build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"speculative_algorithm": "EAGLE"}),
-                             port=1)
+        build_launch_command(
+            SGLangLaunch("/m", binary="agentrl", server_args={"speculative_algorithm": "EAGLE"}), port=1
+        )
     with pytest.raises(ValueError, match="no model parallelism"):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", tp_size=2), port=1)
     with pytest.raises(ValueError, match="binary"):
@@ -138,8 +199,9 @@ async def test_a_launched_server_with_a_key_refuses_requests_without_it(tiny_ckp
 
     from agentrl.engines.base import EngineError
 
-    server = SGLangServer(SGLangLaunch(str(tiny_ckpt), binary="agentrl", log_dir=str(tmp_path), api_key="k3",
-                                       startup_timeout=120))
+    server = SGLangServer(
+        SGLangLaunch(str(tiny_ckpt), binary="agentrl", log_dir=str(tmp_path), api_key="k3", startup_timeout=120)
+    )
     try:
         url = server.start()  # its own readiness check and health checks carry the key
         assert server.alive()
@@ -160,8 +222,9 @@ async def test_a_launched_server_with_a_key_refuses_requests_without_it(tiny_ckp
 
 def test_startup_failure_reports_the_log_tail(tmp_path):
     """The server dies while starting: the error says so, with the last lines of its log."""
-    server = SGLangServer(SGLangLaunch(str(tmp_path / "no-such-model"), binary="agentrl", log_dir=str(tmp_path),
-                                       startup_timeout=60))
+    server = SGLangServer(
+        SGLangLaunch(str(tmp_path / "no-such-model"), binary="agentrl", log_dir=str(tmp_path), startup_timeout=60)
+    )
     with pytest.raises(RuntimeError, match=r"exited with code \d+ during startup") as info:
         server.start()
     assert "no-such-model" in str(info.value) and server.pid() is None
@@ -170,10 +233,16 @@ def test_startup_failure_reports_the_log_tail(tmp_path):
 
 # -- engines as Ray actors --------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def group(ray_local, tiny_ckpt, tmp_path_factory):
-    launch = SGLangLaunch(str(tiny_ckpt), binary="agentrl", seed=0, startup_timeout=120,
-                          log_dir=str(tmp_path_factory.mktemp("engine_logs")))
+    launch = SGLangLaunch(
+        str(tiny_ckpt),
+        binary="agentrl",
+        seed=0,
+        startup_timeout=120,
+        log_dir=str(tmp_path_factory.mktemp("engine_logs")),
+    )
     g = SGLangEngineGroup.start(launch, 2, num_cpus=0.25)
     yield g
     g.shutdown()
@@ -255,8 +324,13 @@ print(server._spawner.submit(server._spawn).result().pid, flush=True)
 os._exit(0)
 """
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     pid = int(out.stdout.split()[0])
     try:
         wait_until(lambda: gone(pid), 5, f"orphaned server {pid} to die")
@@ -266,8 +340,9 @@ os._exit(0)
 
 
 def test_ray_kill_leaves_no_server_process(ray_local, tiny_ckpt, tmp_path):
-    g = SGLangEngineGroup.start(SGLangLaunch(str(tiny_ckpt), binary="agentrl", log_dir=str(tmp_path),
-                                             startup_timeout=120), 1, num_cpus=0.25)
+    g = SGLangEngineGroup.start(
+        SGLangLaunch(str(tiny_ckpt), binary="agentrl", log_dir=str(tmp_path), startup_timeout=120), 1, num_cpus=0.25
+    )
     try:
         (pid,) = g.pids()
         assert pid and not gone(pid)

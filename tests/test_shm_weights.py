@@ -22,8 +22,11 @@ def _perturbed(ckpt, scale: float) -> list[tuple[str, torch.Tensor]]:
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     g = torch.Generator().manual_seed(int(scale * 1000))
-    return [(k, v + scale * torch.randn(v.shape, generator=g)) for k, v in model.state_dict().items()
-            if k != "lm_head.weight" or not model.config.tie_word_embeddings]
+    return [
+        (k, v + scale * torch.randn(v.shape, generator=g))
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight" or not model.config.tie_word_embeddings
+    ]
 
 
 async def _reference(ckpt, named, tmp_path) -> tuple[list[int], list[float]]:

@@ -18,8 +18,10 @@ def test_round_trip_into_an_unrelated_process():
     b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
     payload = serialize_named_tensors([("a", a), ("b", b)])
     assert len(payload) < 2000  # handles, not values
-    code = ("from agentrl.engines.tensor_ipc import deserialize_named_tensors as d\n"
-            f"print([(n, str(t.dtype), t.float().tolist()) for n, t in d({payload!r})])")
+    code = (
+        "from agentrl.engines.tensor_ipc import deserialize_named_tensors as d\n"
+        f"print([(n, str(t.dtype), t.float().tolist()) for n, t in d({payload!r})])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([("a", "torch.float32", a.tolist()), ("b", "torch.bfloat16", b.float().tolist())])
@@ -46,12 +48,15 @@ class _TorchLoad:
         return (torch.storage._load_from_bytes, (pickle.dumps(_Evil()),))
 
 
-@pytest.mark.parametrize("obj, message", [
-    (_Evil(), "refusing to load"),
-    (_EvalBuiltin(), "refusing to load builtins.eval"),
-    (_TorchLoad(), "refusing to load torch.storage._load_from_bytes"),
-    ([("x", 1)], "list of \\(name, tensor\\) pairs"),
-])
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        (_Evil(), "refusing to load"),
+        (_EvalBuiltin(), "refusing to load builtins.eval"),
+        (_TorchLoad(), "refusing to load torch.storage._load_from_bytes"),
+        ([("x", 1)], "list of \\(name, tensor\\) pairs"),
+    ],
+)
 def test_payloads_that_are_not_named_tensors_are_refused(obj, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     payload = base64.b64encode(pickle.dumps(obj)).decode()

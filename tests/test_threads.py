@@ -31,6 +31,7 @@ async def test_hung_calls_are_replaced_and_healthy_calls_keep_running():
         with pytest.raises(HungThreadsError, match="4 blocking env/tool calls are stuck"):
             await pool.run(lambda: 1)
         release.set()  # the hung calls return: their threads end, their replacements serve on
+
         def workers() -> int:
             return sum(t.name.startswith("agentrl-sync") for t in threading.enumerate())
 

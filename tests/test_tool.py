@@ -154,11 +154,13 @@ def test_untyped_and_literal_int():
 
 def test_unsupported_hints_fail_at_decoration():
     with pytest.raises(TypeError, match="parameter 'x'"):
+
         @tool
         def f(x: complex) -> str:
             return ""
 
     with pytest.raises(TypeError, match="keyword"):
+
         @tool
         def g(*args: int) -> str:
             return ""
@@ -305,7 +307,10 @@ async def test_broken_validate_is_contained():
         ({"text": "a", "times": True}, "echo: argument 'times' must be an integer, got boolean true"),
         ({"text": "a", "times": 1.5}, "echo: argument 'times' must be an integer, got number 1.5"),
         ({"text": "a", "times": "2"}, "echo: argument 'times' must be an integer, got string '2'"),
-        ({"text": "a", "colour": 1}, "echo: unknown argument 'colour' (expected: 'text', 'times', 'point', 'anything')"),
+        (
+            {"text": "a", "colour": 1},
+            "echo: unknown argument 'colour' (expected: 'text', 'times', 'point', 'anything')",
+        ),
         ({"text": "a", "point": [1, 2]}, "echo: argument 'point' must be an object, got array"),
         ({"text": "a", "point": {"x": 1}}, "echo: missing required argument 'point.y'"),
         ({"text": "a", "point": {"x": 1, "y": "2"}}, "echo: argument 'point.y' must be a number, got string '2'"),
@@ -331,7 +336,10 @@ def test_validation_coerces_and_copies():
 def test_validation_enum_nullable_and_nested_arrays():
     v = search.validate
     assert v({"query": "q", "tags": None, "site": None, "filters": {"a": 1}}) == {
-        "query": "q", "tags": None, "site": None, "filters": {"a": 1},
+        "query": "q",
+        "tags": None,
+        "site": None,
+        "filters": {"a": 1},
     }
     with pytest.raises(ToolError, match=r"argument 'mode' must be one of \"web\", \"news\", got string 'blog'"):
         v({"query": "q", "mode": "blog"})

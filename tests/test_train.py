@@ -28,9 +28,11 @@ def _cfg(ckpt, save, **kw) -> RunConfig:
     train_kw = kw.pop("train", {})
     base = dict(env="envs.digits:Digits", hf_checkpoint=str(ckpt), num_rollout=2, rollout_batch_size=2, save=str(save))
     base.update(kw)
-    return RunConfig(rollout=RolloutConfig(**{"n_samples_per_prompt": 4, "max_turns": 2, "rollout_max_response_len": 8,
-                                              **rollout}),
-                     train=TrainConfig(**{"lr": 1e-3, "global_batch_size": 8, **train_kw}), **base)
+    return RunConfig(
+        rollout=RolloutConfig(**{"n_samples_per_prompt": 4, "max_turns": 2, "rollout_max_response_len": 8, **rollout}),
+        train=TrainConfig(**{"lr": 1e-3, "global_batch_size": 8, **train_kw}),
+        **base,
+    )
 
 
 def _lines(save) -> list[dict]:
@@ -47,8 +49,21 @@ def _step_prompts(save, steps) -> list[list[str]]:
 
 def test_bad_config_is_refused_before_any_work(tmp_path, capsys):
     save = tmp_path / "run"
-    rc = main(["train", "--env", "envs.digits:Digits", "--rollout-batch-size", "3", "--n-samples-per-prompt", "2",
-               "--global-batch-size", "4", "--save", str(save)])
+    rc = main(
+        [
+            "train",
+            "--env",
+            "envs.digits:Digits",
+            "--rollout-batch-size",
+            "3",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--save",
+            str(save),
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "--global-batch-size (4) must divide" in err
@@ -62,11 +77,24 @@ def test_bad_config_is_refused_before_any_work(tmp_path, capsys):
 
 def test_config_file_flags_override_and_resolved_config_is_saved(tiny_ckpt, tmp_path, ray_local, capsys):
     cfg_file = tmp_path / "exp.toml"
-    cfg_file.write_text('env = "envs.digits:Digits"\nnum_rollout = 5\nrollout_batch_size = 2\nlr = 0.002\n'
-                        "n_samples_per_prompt = 2\nglobal_batch_size = 4\nrollout_max_response_len = 8\nmax_turns = 1\n")
+    cfg_file.write_text(
+        'env = "envs.digits:Digits"\nnum_rollout = 5\nrollout_batch_size = 2\nlr = 0.002\n'
+        "n_samples_per_prompt = 2\nglobal_batch_size = 4\nrollout_max_response_len = 8\nmax_turns = 1\n"
+    )
     save = tmp_path / "run"
-    rc = main(["train", "--config", str(cfg_file), "--num-rollout", "1", "--hf-checkpoint", str(tiny_ckpt),
-               "--save", str(save)])
+    rc = main(
+        [
+            "train",
+            "--config",
+            str(cfg_file),
+            "--num-rollout",
+            "1",
+            "--hf-checkpoint",
+            str(tiny_ckpt),
+            "--save",
+            str(save),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     saved = json.loads((save / "config.json").read_text())
     assert saved["num_rollout"] == 1  # the flag won
@@ -84,12 +112,42 @@ def test_sigkill_then_resume_keeps_data_order(tiny_ckpt, tmp_path, ray_local):
     ref = tmp_path / "ref"
     train(_cfg(tiny_ckpt, ref, num_rollout=steps, save_interval=1))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "agentrl", "train", "--env", "envs.digits:Digits", "--hf-checkpoint", str(tiny_ckpt),
-           "--num-rollout", str(steps), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-           "--max-turns", "2", "--rollout-max-response-len", "8", "--global-batch-size", "8", "--lr", "1e-3",
-           "--save", str(run), "--save-interval", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "RAY_ADDRESS": ""})
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "train",
+        "--env",
+        "envs.digits:Digits",
+        "--hf-checkpoint",
+        str(tiny_ckpt),
+        "--num-rollout",
+        str(steps),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--max-turns",
+        "2",
+        "--rollout-max-response-len",
+        "8",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--save",
+        str(run),
+        "--save-interval",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run / "iter_0000002" / "loop_state.json").exists():
@@ -130,11 +188,20 @@ def test_dynamic_sampling_and_buffer_filter(tiny_ckpt, tmp_path, ray_local, monk
         "    return samples[0].group_index % 3 != 0\n"
         "def newest_first(args, buffer, num_samples):\n"
         "    calls.append(len(buffer))\n"
-        "    return list(reversed(buffer))[:num_samples]\n")
+        "    return list(reversed(buffer))[:num_samples]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     save = tmp_path / "run"
-    train(_cfg(tiny_ckpt, save, num_rollout=3, over_sampling_batch_size=4, dynamic_sampling_filter_path="user_fns:keep_some",
-               buffer_filter_path="user_fns:newest_first"))
+    train(
+        _cfg(
+            tiny_ckpt,
+            save,
+            num_rollout=3,
+            over_sampling_batch_size=4,
+            dynamic_sampling_filter_path="user_fns:keep_some",
+            buffer_filter_path="user_fns:newest_first",
+        )
+    )
     lines = _lines(save)
     assert sum(line["dropped_filter"] for line in lines) > 0
     assert sum(line["buffer_reused"] for line in lines) > 0  # surplus groups came back on a later step
@@ -160,14 +227,23 @@ def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_loca
         "        self.n += num_samples\n"
         "        return [{'prompt': f'custom prompt {self.n}-{i}', 'label': None} for i in range(num_samples)]\n"
         "    def add_samples(self, samples):\n"
-        "        self.added += len(samples)\n")
+        "        self.added += len(samples)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     evalset = tmp_path / "eval.jsonl"
     evalset.write_text("".join(json.dumps({"prompt": f"eval {i}"}) + "\n" for i in range(2)))
     save = tmp_path / "run"
-    train(_cfg(tiny_ckpt, save, env="my_source:NoTaskDigits", data_source_path="my_source:Source",
-               eval_prompt_data=[("held", str(evalset))],
-               eval_interval=1, n_samples_per_eval_prompt=2))
+    train(
+        _cfg(
+            tiny_ckpt,
+            save,
+            env="my_source:NoTaskDigits",
+            data_source_path="my_source:Source",
+            eval_prompt_data=[("held", str(evalset))],
+            eval_interval=1,
+            n_samples_per_eval_prompt=2,
+        )
+    )
     assert all(s["metadata"]["task"]["prompt"].startswith("custom prompt") for s in _dump(save, 0))
     line = _lines(save)[0]
     assert line["eval/held/num_prompts"] == 2 and "eval/held/pass@2" in line
@@ -182,11 +258,15 @@ def test_failing_env_fails_samples_not_the_run(tiny_ckpt, tmp_path, ray_local, m
         "    async def step(self, action):\n"
         "        if 'custom' not in self.task.get('prompt', '') and hash(action.text) % 2:\n"
         "            raise RuntimeError('env bug')\n"
-        "        return await super().step(action)\n")
+        "        return await super().step(action)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     save = tmp_path / "run"
-    summary = train(_cfg(tiny_ckpt, save, env="flaky_env:Flaky", rollout_batch_size=4, num_rollout=2,
-                         train={"global_batch_size": 16}))
+    summary = train(
+        _cfg(
+            tiny_ckpt, save, env="flaky_env:Flaky", rollout_batch_size=4, num_rollout=2, train={"global_batch_size": 16}
+        )
+    )
     lines = _lines(save)
     failed = sum(line["count_failed"] for line in lines)
     assert failed > 0 and sum(line["dropped_untrainable"] for line in lines) >= failed
@@ -203,11 +283,14 @@ def test_weight_sync_modes_reach_the_engine(tiny_ckpt, tmp_path, ray_local, sync
     from agentrl.runtime.engines import EngineGroup
 
     real_shared, real_tensors = EngineGroup.push_shared, EngineGroup.push_tensors
-    monkeypatch.setattr(EngineGroup, "push_shared", lambda self, *a: (used.append("shared_memory"), real_shared(self, *a)))
-    monkeypatch.setattr(EngineGroup, "push_tensors", lambda self, *a: (used.append("object_store"), real_tensors(self, *a)))
+    monkeypatch.setattr(
+        EngineGroup, "push_shared", lambda self, *a: (used.append("shared_memory"), real_shared(self, *a))
+    )
+    monkeypatch.setattr(
+        EngineGroup, "push_tensors", lambda self, *a: (used.append("object_store"), real_tensors(self, *a))
+    )
     save = tmp_path / "run"
-    train_mod.train(_cfg(tiny_ckpt, save, num_rollout=2,
-                         weight_sync=sync if sync in ("disk", "nccl") else "tensor"))
+    train_mod.train(_cfg(tiny_ckpt, save, num_rollout=2, weight_sync=sync if sync in ("disk", "nccl") else "tensor"))
     assert set(used) == ({sync} if sync in ("shared_memory", "object_store") else set())
     versions = {v for s in _dump(save, 1) for v in s["weight_versions"]}
     assert versions == {"1"}, versions  # step 1 was sampled with the weights trained at step 0
@@ -220,7 +303,8 @@ def test_group_rm_and_colocate(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     (tmp_path / "group_rm.py").write_text(
         "def rank_bonus(args, samples):\n"
         "    assert len(samples) == args.n_samples_per_prompt\n"
-        "    return [0.01 * i for i in range(len(samples))]\n")
+        "    return [0.01 * i for i in range(len(samples))]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     memory_calls = []
     real_release, real_resume = Router.release_memory_occupation, Router.resume_memory_occupation
@@ -250,9 +334,28 @@ def test_eval_command_reports_pass_at_k(tiny_ckpt, tiny_server, tmp_path, capsys
     evalset = tmp_path / "eval.jsonl"
     evalset.write_text("".join(json.dumps({"prompt": f"How many apples? {i}"}) + "\n" for i in range(3)))
     out = tmp_path / "eval.json"
-    rc = main(["eval", "--env", "envs.digits:Digits", "--hf-checkpoint", str(tiny_ckpt), "--engine-url", tiny_server,
-               "--eval-prompt-data", "digits", str(evalset), "--n-samples-per-eval-prompt", "4",
-               "--success-threshold", "0.01", "--rollout-max-response-len", "8", "--output", str(out)])
+    rc = main(
+        [
+            "eval",
+            "--env",
+            "envs.digits:Digits",
+            "--hf-checkpoint",
+            str(tiny_ckpt),
+            "--engine-url",
+            tiny_server,
+            "--eval-prompt-data",
+            "digits",
+            str(evalset),
+            "--n-samples-per-eval-prompt",
+            "4",
+            "--success-threshold",
+            "0.01",
+            "--rollout-max-response-len",
+            "8",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "pass@4" in table and "digits" in table

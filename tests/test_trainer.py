@@ -31,8 +31,14 @@ def make_samples(n: int, seed: int = 0, *, adv: float | None = None) -> list[Tra
         if r > 4:
             mask[rng.randrange(r)] = 0  # an env-written token inside the response
         a = adv if adv is not None else rng.choice([-1.0, 0.5, 1.5])
-        out.append(TrainSample(tokens=[rng.randrange(VOCAB) for _ in range(p + r)], response_length=r,
-                               loss_mask=mask, advantages=[a] * r))
+        out.append(
+            TrainSample(
+                tokens=[rng.randrange(VOCAB) for _ in range(p + r)],
+                response_length=r,
+                loss_mask=mask,
+                advantages=[a] * r,
+            )
+        )
     return out
 
 
@@ -48,7 +54,7 @@ def reference_log_probs(model, sample: TrainSample) -> torch.Tensor:
     with torch.no_grad():
         logp = model(input_ids=ids).logits[0].float().log_softmax(-1)
     p = sample.prompt_length
-    return logp[p - 1:-1].gather(1, ids[0, p:, None])[:, 0]
+    return logp[p - 1 : -1].gather(1, ids[0, p:, None])[:, 0]
 
 
 def capture_grads(trainer: TorchTrainer) -> list[dict[str, torch.Tensor]]:
@@ -83,8 +89,10 @@ def test_pack_micro_batches_respects_budget_and_is_deterministic():
 
 
 def test_pack_samples_alignment():
-    s = [TrainSample(tokens=[5, 6, 7, 8], response_length=2, loss_mask=[1, 0], advantages=[1.0, 2.0]),
-         TrainSample(tokens=[9, 10, 11], response_length=1, loss_mask=[1], advantages=[3.0])]
+    s = [
+        TrainSample(tokens=[5, 6, 7, 8], response_length=2, loss_mask=[1, 0], advantages=[1.0, 2.0]),
+        TrainSample(tokens=[9, 10, 11], response_length=1, loss_mask=[1], advantages=[3.0]),
+    ]
     b = pack_samples(s)
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
     assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
@@ -165,8 +173,9 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_ckpt, per_token):
         s.old_log_probs = [v + (0.05 if i % 2 else -0.01) for v in lp]
     grads, norms = [], []
     for budget in (16, 4096):
-        trainer = TorchTrainer(tiny_ckpt, cfg(calculate_per_token_loss=per_token, max_tokens_per_gpu=budget,
-                                              eps_clip=0.03))
+        trainer = TorchTrainer(
+            tiny_ckpt, cfg(calculate_per_token_loss=per_token, max_tokens_per_gpu=budget, eps_clip=0.03)
+        )
         seen = capture_grads(trainer)
         n_micro = len(pack_micro_batches([len(s.tokens) for s in samples], budget))
         assert n_micro >= 4 if budget == 16 else n_micro == 1
@@ -231,8 +240,15 @@ def tied_ckpt(tiny_ckpt, tmp_path_factory):
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
             shutil.copy(f, out / f.name)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB + 100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=VOCAB + 100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
@@ -348,7 +364,9 @@ def test_packed_attention_matches_separate_forwards_and_falls_back(tiny_ckpt):
     alone = torch.cat([plain(input_ids=part, use_cache=False).logits[0] for part in ids.split(lens, dim=1)])
     torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
     # outside a segments block it is plain SDPA (here: one causal sequence)
-    torch.testing.assert_close(packed(input_ids=ids, use_cache=False).logits, plain(input_ids=ids, use_cache=False).logits)
+    torch.testing.assert_close(
+        packed(input_ids=ids, use_cache=False).logits, plain(input_ids=ids, use_cache=False).logits
+    )
 
 
 # ---------------------------------------------------------------- samples without a gradient

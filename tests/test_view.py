@@ -25,8 +25,10 @@ from agentrl.view import find_run_checkpoint, render_html, token_table, write_vi
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 # CI installs chromium and sets AGENTRL_REQUIRE_BROWSER=1, so there a missing browser fails instead of skipping.
-needs_browser = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("AGENTRL_REQUIRE_BROWSER"),
-                                   reason="no chromium/chrome binary on PATH for the headless DOM checks")
+needs_browser = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("AGENTRL_REQUIRE_BROWSER"),
+    reason="no chromium/chrome binary on PATH for the headless DOM checks",
+)
 
 PWN = "<script>document.body.setAttribute('data-pwned','1')</script><img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">"
 
@@ -39,8 +41,16 @@ def _sample(tok, index: int, turns: list[tuple[str, int]], **kw) -> dict:
         ids = tok.encode(text)
         resp += ids
         mask += [m] * len(ids)
-    s = Sample(index=index, group_index=index // 2, tokens=prompt + resp, response_length=len(resp), loss_mask=mask,
-               rollout_log_probs=[-0.25 if m else 0.0 for m in mask], status=Status.COMPLETED, **kw)
+    s = Sample(
+        index=index,
+        group_index=index // 2,
+        tokens=prompt + resp,
+        response_length=len(resp),
+        loss_mask=mask,
+        rollout_log_probs=[-0.25 if m else 0.0 for m in mask],
+        status=Status.COMPLETED,
+        **kw,
+    )
     s.validate()
     return s.to_dict()
 
@@ -48,17 +58,38 @@ def _sample(tok, index: int, turns: list[tuple[str, int]], **kw) -> dict:
 @pytest.fixture(scope="module")
 def samples(tiny_tokenizer) -> list[dict]:
     tok = tiny_tokenizer
-    multi = _sample(tok, 0, [("Let me call 中文 add.<|im_end|>", 1), ("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", 0),
-                             ("The answer is 42.<|im_end|>", 1)],
-                    reward=1.0, metadata={"turn_rewards": [0.0, 1.0], "num_turns": 2, "status_reason": "env_terminated"},
-                    weight_versions=["3", "4"])
+    multi = _sample(
+        tok,
+        0,
+        [
+            ("Let me call 中文 add.<|im_end|>", 1),
+            ("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("The answer is 42.<|im_end|>", 1),
+        ],
+        reward=1.0,
+        metadata={"turn_rewards": [0.0, 1.0], "num_turns": 2, "status_reason": "env_terminated"},
+        weight_versions=["3", "4"],
+    )
     multi["advantages"] = [0.5] * multi["response_length"]
     multi["step"] = 7
-    xss = _sample(tok, 1, [(f"alert(1) {PWN}<|im_end|>", 1)], reward=0.0, metadata={"turn_rewards": [0.0], "num_turns": 1})
-    failed = Sample(index=2, group_index=1, prompt=[{"role": "user", "content": "hi <b>there</b>"}], status=Status.FAILED,
-                    metadata={"status_reason": "env_error", "error": "Traceback ...\nValueError: boom <b>bold</b>"}).to_dict()
-    inexact = _sample(tok, 3, [("The answer is 41.", 1)], reward=float("nan"), token_exact=False,
-                      metadata={"status_reason": "max_turns", "num_turns": 1})
+    xss = _sample(
+        tok, 1, [(f"alert(1) {PWN}<|im_end|>", 1)], reward=0.0, metadata={"turn_rewards": [0.0], "num_turns": 1}
+    )
+    failed = Sample(
+        index=2,
+        group_index=1,
+        prompt=[{"role": "user", "content": "hi <b>there</b>"}],
+        status=Status.FAILED,
+        metadata={"status_reason": "env_error", "error": "Traceback ...\nValueError: boom <b>bold</b>"},
+    ).to_dict()
+    inexact = _sample(
+        tok,
+        3,
+        [("The answer is 41.", 1)],
+        reward=float("nan"),
+        token_exact=False,
+        metadata={"status_reason": "max_turns", "num_turns": 1},
+    )
     inexact.update(status="truncated", loss_mask=None, rollout_log_probs=[float("-inf")] * inexact["response_length"])
     return [multi, xss, failed, inexact]
 
@@ -79,8 +110,14 @@ class _Dom(HTMLParser):
         self._in_title = tag == "title"
         if tag == "div" and "sample" in (a.get("class") or "").split():
             self.cur, self.depth = int(a["data-i"]), 0
-            self.samples[self.cur] = {"hidden": "hidden" in a, "open": "open" in a["class"].split(), "spans": Counter(),
-                                      "text": "", "tags": Counter(), "titles": []}
+            self.samples[self.cur] = {
+                "hidden": "hidden" in a,
+                "open": "open" in a["class"].split(),
+                "spans": Counter(),
+                "text": "",
+                "tags": Counter(),
+                "titles": [],
+            }
         if self.cur is None:
             return
         s = self.samples[self.cur]
@@ -106,8 +143,16 @@ class _Dom(HTMLParser):
 
 
 def _browse(html_path: Path, fragment: str, profile: Path) -> _Dom:
-    cmd = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
-           "--dump-dom", html_path.as_uri() + fragment]
+    cmd = [
+        CHROMIUM,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--dump-dom",
+        html_path.as_uri() + fragment,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0 and "<main" in out.stdout, out.stderr[-2000:]
     dom = _Dom()
@@ -169,11 +214,14 @@ def test_browser_renders_tokens_by_provenance_and_escapes_everything(page, sampl
 
 
 @needs_browser
-@pytest.mark.parametrize("fragment,visible", [
-    ("#q=%E4%B8%AD%E6%96%87+ADD", {0}),          # decoded across split tokens, case-insensitive, all words
-    ("#q=status:failed", {2}),
-    ("#status=completed&q=reward:0", {1}),
-])
+@pytest.mark.parametrize(
+    "fragment,visible",
+    [
+        ("#q=%E4%B8%AD%E6%96%87+ADD", {0}),  # decoded across split tokens, case-insensitive, all words
+        ("#q=status:failed", {2}),
+        ("#status=completed&q=reward:0", {1}),
+    ],
+)
 def test_browser_search_and_status_filter_from_url(page, fragment, visible, tmp_path):
     dom = _browse(page, fragment, tmp_path / "profile")
     assert {i for i, s in dom.samples.items() if not s["hidden"]} == visible
@@ -183,8 +231,25 @@ def test_cli_view_writes_page(tiny_ckpt, samples, tmp_path):
     src = tmp_path / "samples.jsonl"
     src.write_text("".join(json.dumps(s) + "\n" for s in samples) + '{"cut short', encoding="utf-8")
     out = tmp_path / "out" / "view.html"
-    r = subprocess.run([sys.executable, "-m", "agentrl", "view", str(src), "-o", str(out), "--hf-checkpoint", str(tiny_ckpt),
-                        "--limit", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentrl",
+            "view",
+            str(src),
+            "-o",
+            str(out),
+            "--hf-checkpoint",
+            str(tiny_ckpt),
+            "--limit",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     blob = re.search(r'id="agentrl-data">(.*?)</script>', out.read_text(encoding="utf-8"), re.S).group(1)
     assert [s["idx"] for s in json.loads(blob)["samples"]] == [0, 1, 2]

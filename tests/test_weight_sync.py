@@ -59,12 +59,15 @@ def reference(model, state: dict) -> tuple[list[int], list[float]]:
             tok = int(logp.argmax())
             ids.append(tok)
             lps.append(float(logp[tok]))
-    return ids[len(PROMPT):], lps
+    return ids[len(PROMPT) :], lps
 
 
 def generate(url: str) -> tuple[list[int], list[float], str]:
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
+    }
     out = httpx.post(url + "/generate", json=body, timeout=60).json()
     meta = out["meta_info"]
     return out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta["weight_version"]
@@ -146,8 +149,9 @@ async def test_refused_buckets_leave_the_engine_unchanged(server, ref_model, bas
         await transport.close()
         await engine.close()
     async with httpx.AsyncClient(base_url=server) as client:  # SGLang's answers for a missing group
-        r = await client.post("/update_weights_from_distributed",
-                              json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
+        r = await client.post(
+            "/update_weights_from_distributed", json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+        )
         assert r.status_code == 400 and r.json()["success"] is False
         assert "init_weights_update_group" in r.json()["message"]
         r = await client.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})

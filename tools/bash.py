@@ -51,8 +51,11 @@ class BashTool(Tool):
         self.parameters = {
             "type": "object",
             "properties": {
-                "command": {"type": "string", "description": "the command line, e.g. \"ls -la && wc -l data.csv\""},
-                "timeout": {"type": "number", "description": f"seconds the command may run (at most {self.max_timeout:g})"},
+                "command": {"type": "string", "description": 'the command line, e.g. "ls -la && wc -l data.csv"'},
+                "timeout": {
+                    "type": "number",
+                    "description": f"seconds the command may run (at most {self.max_timeout:g})",
+                },
             },
             "required": ["command"],
         }
@@ -61,8 +64,12 @@ class BashTool(Tool):
         limit = self._check(command, timeout, sandbox)
         command = command.encode("utf-8", errors="replace").decode("utf-8")  # lone surrogates from JSON -> '?'
         result = await sandbox.run([*self.shell, command], timeout=limit)
-        metadata = {"exit_code": result.exit_code, "timed_out": result.timed_out, "duration": result.duration,
-                    "truncated": result.truncated}
+        metadata = {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "duration": result.duration,
+            "truncated": result.truncated,
+        }
         return ToolResult(result.text(), is_error=not result.ok, metadata=metadata)
 
     def _check(self, command: Any, timeout: Any, sandbox: Sandbox) -> float:
@@ -73,12 +80,18 @@ class BashTool(Tool):
             raise ToolError("bash: the command contains a NUL character")
         size = len(command.encode("utf-8", errors="replace"))
         if size > MAX_COMMAND_BYTES:
-            raise ToolError(f"bash: the command is too long ({size} bytes, at most {MAX_COMMAND_BYTES}); "
-                            "write a script with write_file and run it")
+            raise ToolError(
+                f"bash: the command is too long ({size} bytes, at most {MAX_COMMAND_BYTES}); "
+                "write a script with write_file and run it"
+            )
         if timeout is None:
             return min(float(sandbox.config.timeout), self.max_timeout)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-                or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             raise ToolError(f"bash: 'timeout' must be a positive number of seconds, got {timeout!r}")
         return min(float(timeout), self.max_timeout)
 

@@ -62,6 +62,7 @@ def _min_max(fn: Callable[..., Number], name: str) -> Callable[..., Number]:
         if not args:
             raise ToolError(f"{name}() needs at least one argument")
         return fn(args)
+
     return call
 
 
@@ -134,8 +135,10 @@ def _eval(node: ast.AST, depth: int) -> Number:
         raise ToolError(f"unknown name {node.id!r} (allowed constants: {', '.join(_NAMES)})")
     if isinstance(node, ast.Call):
         return _call(node, depth)
-    raise ToolError(f"unsupported syntax: {type(node).__name__} (only numbers, + - * / // % **, "
-                    f"parentheses and {', '.join(_FUNCTIONS)})")
+    raise ToolError(
+        f"unsupported syntax: {type(node).__name__} (only numbers, + - * / // % **, "
+        f"parentheses and {', '.join(_FUNCTIONS)})"
+    )
 
 
 def _call(node: ast.Call, depth: int) -> Number:
@@ -200,7 +203,7 @@ class Calculator(Tool):
     parameters = {
         "type": "object",
         "properties": {
-            "expression": {"type": "string", "description": "the expression, e.g. \"(2 + 3) * 4 / sqrt(16)\""},
+            "expression": {"type": "string", "description": 'the expression, e.g. "(2 + 3) * 4 / sqrt(16)"'},
         },
         "required": ["expression"],
     }

@@ -77,8 +77,11 @@ class ReadFileTool(Tool):
         self.parameters = {
             "type": "object",
             "properties": {
-                "path": {"type": "string", "description": "file path relative to /scratch, e.g. \"src/main.py\""},
-                "max_bytes": {"type": "integer", "description": f"read at most this many bytes (at most {self.max_read_bytes})"},
+                "path": {"type": "string", "description": 'file path relative to /scratch, e.g. "src/main.py"'},
+                "max_bytes": {
+                    "type": "integer",
+                    "description": f"read at most this many bytes (at most {self.max_read_bytes})",
+                },
             },
             "required": ["path"],
         }
@@ -103,15 +106,19 @@ class ReadFileTool(Tool):
         metadata = {"bytes": len(data), "truncated": cut, "path": rel}
         text, is_text = _decode(data)
         if not is_text:
-            note = (f"[{rel!r} is not UTF-8 text (a binary file); the first {min(len(data), BINARY_PREVIEW)} bytes "
-                    "are shown escaped. Use python to inspect binary files.]")
+            note = (
+                f"[{rel!r} is not UTF-8 text (a binary file); the first {min(len(data), BINARY_PREVIEW)} bytes "
+                "are shown escaped. Use python to inspect binary files.]"
+            )
             preview = "".join(chr(b) if 32 <= b < 127 or b in (9, 10) else f"\\x{b:02x}" for b in data[:BINARY_PREVIEW])
             return ToolResult(f"{note}\n{preview}", metadata={**metadata, "binary": True})
         if not data:
             return ToolResult(f"[{rel!r} is empty]", metadata=metadata)
         if cut:
-            text += (f"\n[... file cut: only the first {limit} bytes are shown. Read more with a larger max_bytes "
-                     f"(at most {self.max_read_bytes}) or with bash, e.g. `tail -c +{limit + 1} {rel} | head -c {limit}`]")
+            text += (
+                f"\n[... file cut: only the first {limit} bytes are shown. Read more with a larger max_bytes "
+                f"(at most {self.max_read_bytes}) or with bash, e.g. `tail -c +{limit + 1} {rel} | head -c {limit}`]"
+            )
         return ToolResult(text, metadata=metadata)
 
 
@@ -133,7 +140,7 @@ class WriteFileTool(Tool):
         self.parameters = {
             "type": "object",
             "properties": {
-                "path": {"type": "string", "description": "file path relative to /scratch, e.g. \"src/main.py\""},
+                "path": {"type": "string", "description": 'file path relative to /scratch, e.g. "src/main.py"'},
                 "content": {"type": "string", "description": "the complete content of the file"},
             },
             "required": ["path", "content"],
@@ -155,8 +162,7 @@ class WriteFileTool(Tool):
             raise _os_error(self.name, rel, e) from None
         lines = content.count("\n") + (1 if content and not content.endswith("\n") else 0)
         size = f"{len(data)} byte{'' if len(data) == 1 else 's'}, {lines} line{'' if lines == 1 else 's'}"
-        return ToolResult(f"Wrote {size} to /scratch/{rel}.",
-                          metadata={"bytes": len(data), "path": rel})
+        return ToolResult(f"Wrote {size} to /scratch/{rel}.", metadata={"bytes": len(data), "path": rel})
 
 
 read_file = ReadFileTool()

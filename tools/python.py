@@ -394,8 +394,9 @@ class PythonTool(Tool):
     name = "python"
     sandboxed = True
 
-    def __init__(self, *, max_timeout: float = 120.0, max_code_chars: int = 100_000,
-                 session_name: str = "python") -> None:
+    def __init__(
+        self, *, max_timeout: float = 120.0, max_code_chars: int = 100_000, session_name: str = "python"
+    ) -> None:
         if max_timeout <= 0 or max_code_chars <= 0:
             raise ValueError("PythonTool: max_timeout and max_code_chars must be > 0")
         self.max_timeout = float(max_timeout)
@@ -415,8 +416,11 @@ class PythonTool(Tool):
         self.parameters = {
             "type": "object",
             "properties": {
-                "code": {"type": "string", "description": "Python source to run, e.g. \"import math\\nmath.pi * 2\""},
-                "timeout": {"type": "number", "description": f"seconds this call may run (at most {self.max_timeout:g})"},
+                "code": {"type": "string", "description": 'Python source to run, e.g. "import math\\nmath.pi * 2"'},
+                "timeout": {
+                    "type": "number",
+                    "description": f"seconds this call may run (at most {self.max_timeout:g})",
+                },
             },
             "required": ["code"],
         }
@@ -451,21 +455,27 @@ class PythonTool(Tool):
         if not isinstance(code, str) or not code.strip():
             raise ToolError("python: 'code' is empty; pass the Python source to run")
         if len(code) > self.max_code_chars:
-            raise ToolError(f"python: code is too long ({len(code)} characters, at most {self.max_code_chars}); "
-                            "write large data to a file with write_file and read it from the code")
+            raise ToolError(
+                f"python: code is too long ({len(code)} characters, at most {self.max_code_chars}); "
+                "write large data to a file with write_file and read it from the code"
+            )
         if "\x00" in code:
             raise ToolError("python: code contains a NUL character")
         if timeout is None:
             return min(float(sandbox.config.timeout), self.max_timeout)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout <= 0:
+        if (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             raise ToolError(f"python: 'timeout' must be a positive number of seconds, got {timeout!r}")
         return min(float(timeout), self.max_timeout)
 
     async def _session(self, sandbox: Sandbox) -> Session:
         """The episode's interpreter; a new one must say it is ready first (or the image is broken)."""
         # -I: the supervisor's own imports never come from the cwd (/scratch), the user site or $PYTHON*
-        session = await sandbox.session(self.session_name, ["python3", "-I", "-u", "-c", REPL_SOURCE],
-                                        env=_SESSION_ENV)
+        session = await sandbox.session(self.session_name, ["python3", "-I", "-u", "-c", REPL_SOURCE], env=_SESSION_ENV)
         if session in _READY:
             return session
         hello: Any = None
@@ -473,8 +483,10 @@ class PythonTool(Tool):
             hello = json.loads(await session.readline(START_TIMEOUT))
         except TimeoutError:
             await session.kill()
-            raise ToolError(f"python: the Python session did not start within {START_TIMEOUT:g}s "
-                            "(the sandbox may be out of memory or processes); try again") from None
+            raise ToolError(
+                f"python: the Python session did not start within {START_TIMEOUT:g}s "
+                "(the sandbox may be out of memory or processes); try again"
+            ) from None
         except (EOFError, ValueError):
             pass
         if not isinstance(hello, dict) or hello.get("ready") is not True:
@@ -483,8 +495,10 @@ class PythonTool(Tool):
                 # the supervisor runs, the model's interpreter did not: something in the sandbox (files
                 # the model wrote, no processes left) broke it; the model reads why, the sample lives on
                 raise ToolError(f"python: the Python session could not start: {hello['error'][-2500:]}")
-            raise SandboxError("the sandbox's python3 could not start the python tool's session: check that the "
-                               f"sandbox image ({sandbox.config.image}) has a working python3 >= 3.8")
+            raise SandboxError(
+                "the sandbox's python3 could not start the python tool's session: check that the "
+                f"sandbox image ({sandbox.config.image}) has a working python3 >= 3.8"
+            )
         if not hello.get("isolated"):
             _warn_not_isolated(sandbox.config.image)
         _READY.add(session)
@@ -504,16 +518,28 @@ class PythonTool(Tool):
     def _lost(self, error: BaseException, limit: float, duration: float) -> ToolResult:
         """The message for a call that lost the interpreter (timeout, death, garbled reply)."""
         if isinstance(error, TimeoutError):
-            text, kind = (f"Error: timed out after {limit:g}s; the Python session was restarted and its variables "
-                          "are lost."), "timeout"
+            text, kind = (
+                (f"Error: timed out after {limit:g}s; the Python session was restarted and its variables are lost."),
+                "timeout",
+            )
         elif isinstance(error, EOFError):
             code = error.args[0] if error.args and isinstance(error.args[0], int) else None
             how = "" if code is None else f" (killed by signal {-code})" if code < 0 else f" with code {code}"
-            text, kind = (f"Error: the Python process exited{how} (os._exit, a crash or the memory limit); the "
-                          "session will be restarted on the next call and its variables are lost."), "died"
+            text, kind = (
+                (
+                    f"Error: the Python process exited{how} (os._exit, a crash or the memory limit); the "
+                    "session will be restarted on the next call and its variables are lost."
+                ),
+                "died",
+            )
         else:
-            text, kind = ("Error: the Python session's control pipe was written to by the code (or sent an "
-                          "unreadable reply), so it was restarted; its variables are lost."), "protocol"
+            text, kind = (
+                (
+                    "Error: the Python session's control pipe was written to by the code (or sent an "
+                    "unreadable reply), so it was restarted; its variables are lost."
+                ),
+                "protocol",
+            )
         return ToolResult(text, is_error=True, metadata={"error": kind, "duration": duration, "restarted": True})
 
     def _result(self, reply: dict[str, Any], cap: int, duration: float, lost: ToolResult | None = None) -> ToolResult:
@@ -526,8 +552,12 @@ class PythonTool(Tool):
         elif reply.get("error"):
             parts.append(str(reply["error"]).rstrip("\n"))
         text = "\n".join(parts) if parts else "[no output]"
-        metadata = {"duration": duration, "exec_duration": reply.get("duration"), "truncated": truncated,
-                    "output_bytes": reply.get("total")} | (lost.metadata if lost is not None else {})
+        metadata = {
+            "duration": duration,
+            "exec_duration": reply.get("duration"),
+            "truncated": truncated,
+            "output_bytes": reply.get("total"),
+        } | (lost.metadata if lost is not None else {})
         return ToolResult(text, is_error=lost is not None or bool(reply.get("is_error")), metadata=metadata)
 
 
@@ -538,9 +568,12 @@ def _warn_not_isolated(image: str) -> None:
     """Once per image: its python3 could not make the session's supervisor non-dumpable (no ctypes)."""
     if image not in _WARNED:
         _WARNED.add(image)
-        logger.warning("python tool: the sandbox's python3 (image %s) has no working ctypes/prctl, so the "
-                       "session's reply pipe is reachable through /proc from the model's code; install a "
-                       "python3 with ctypes in the image to close it", image)
+        logger.warning(
+            "python tool: the sandbox's python3 (image %s) has no working ctypes/prctl, so the "
+            "session's reply pipe is reachable through /proc from the model's code; install a "
+            "python3 with ctypes in the image to close it",
+            image,
+        )
 
 
 _READY: weakref.WeakSet[Session] = weakref.WeakSet()

@@ -142,8 +142,14 @@ class SearchTool(agentrl.Tool):
         self.parameters = {
             "type": "object",
             "properties": {
-                "query": {"type": "string", "description": "keywords to look for, e.g. a name and what you want to know"},
-                "k": {"type": "integer", "description": f"how many documents to return (1-{max_k}, default {default_k})"},
+                "query": {
+                    "type": "string",
+                    "description": "keywords to look for, e.g. a name and what you want to know",
+                },
+                "k": {
+                    "type": "integer",
+                    "description": f"how many documents to return (1-{max_k}, default {default_k})",
+                },
             },
             "required": ["query"],
             "additionalProperties": False,

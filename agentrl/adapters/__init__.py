@@ -61,7 +61,9 @@ class AdapterFactory:
 
     def tasks(self) -> list[dict[str, Any]]:
         """Seed tasks ``{"prompt", "label", "seed"}``; the prompt only names the game (reset writes the real one)."""
-        return [{"prompt": f"{self.kind}:{self.target} seed {i}", "label": None, "seed": i} for i in range(self.num_tasks)]
+        return [
+            {"prompt": f"{self.kind}:{self.target} seed {i}", "label": None, "seed": i} for i in range(self.num_tasks)
+        ]
 
 
 def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:

@@ -140,8 +140,10 @@ def default_action_parser(space: Any) -> Callable[[str], Any]:
         return functools.partial(_parse_text, space)
     if isinstance(space, spaces.Discrete):
         return functools.partial(_parse_discrete, space)
-    raise TypeError(f"no default parser for the action space {space}: pass GymnasiumEnv(..., parse_action=fn) "
-                    "where fn(text) returns an action (and raises agentrl.adapters.InvalidAction for a reply to redo)")
+    raise TypeError(
+        f"no default parser for the action space {space}: pass GymnasiumEnv(..., parse_action=fn) "
+        "where fn(text) returns an action (and raises agentrl.adapters.InvalidAction for a reply to redo)"
+    )
 
 
 class GymnasiumEnv(Env):

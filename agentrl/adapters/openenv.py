@@ -76,8 +76,10 @@ def text_field(action_schema: dict[str, Any]) -> str:
     strings = [k for k in candidates if _is_string(props.get(k, {}))]
     if len(candidates) == 1 and len(strings) == 1:
         return strings[0]
-    raise ValueError(f"cannot tell which action field takes the model's text (fields {sorted(props)}, required "
-                     f"{required}): pass OpenEnvEnv(..., action_from_text=lambda text: {{'<field>': text, ...}})")
+    raise ValueError(
+        f"cannot tell which action field takes the model's text (fields {sorted(props)}, required "
+        f"{required}): pass OpenEnvEnv(..., action_from_text=lambda text: {{'<field>': text, ...}})"
+    )
 
 
 def default_observation_text(observation: dict[str, Any]) -> str:
@@ -142,7 +144,13 @@ class OpenEnvEnv(Env):
         try:
             payload = self.action_from_text(action.text)
         except InvalidAction as exc:
-            return [{"role": "user", "content": f"Invalid action: {exc}"}], 0.0, False, False, {"invalid_action": str(exc)}
+            return (
+                [{"role": "user", "content": f"Invalid action: {exc}"}],
+                0.0,
+                False,
+                False,
+                {"invalid_action": str(exc)},
+            )
         reply = await self._exchange({"type": "step", "data": payload}, "step")
         if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
             why = _validation_summary(reply["data"])
@@ -177,7 +185,9 @@ class OpenEnvEnv(Env):
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:  # made here, inside the running loop that will use it
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+            )
         return self._http
 
     async def _action_field(self) -> str:
@@ -185,11 +195,15 @@ class OpenEnvEnv(Env):
             try:
                 async with self._session().get(f"{self.http_url}/schema") as resp:
                     if resp.status != 200:
-                        raise OpenEnvError(f"GET {self.http_url}/schema answered HTTP {resp.status}: is this an OpenEnv server?")
+                        raise OpenEnvError(
+                            f"GET {self.http_url}/schema answered HTTP {resp.status}: is this an OpenEnv server?"
+                        )
                     schema = await resp.json()
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise OpenEnvError(f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
-                                   "Is it running (uvicorn ... --port N), and is the address right?") from None
+                raise OpenEnvError(
+                    f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
+                    "Is it running (uvicorn ... --port N), and is the address right?"
+                ) from None
             _action_fields[self.http_url] = text_field(schema.get("action", {}))
         return _action_fields[self.http_url]
 
@@ -197,11 +211,15 @@ class OpenEnvEnv(Env):
         try:
             self._ws = await self._session().ws_connect(self.ws_url, max_msg_size=_MAX_MESSAGE_BYTES, autoping=True)
         except aiohttp.WSServerHandshakeError as exc:
-            raise OpenEnvError(f"{self.ws_url} refused the WebSocket session (HTTP {exc.status}): the server is not an "
-                               "OpenEnv server with the /ws session endpoint (openenv-core >= 0.2)") from None
+            raise OpenEnvError(
+                f"{self.ws_url} refused the WebSocket session (HTTP {exc.status}): the server is not an "
+                "OpenEnv server with the /ws session endpoint (openenv-core >= 0.2)"
+            ) from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise OpenEnvError(f"cannot reach the OpenEnv server at {self.ws_url}: {type(exc).__name__}: {exc}. "
-                               "Is it running (uvicorn ... --port N), and is the address right?") from None
+            raise OpenEnvError(
+                f"cannot reach the OpenEnv server at {self.ws_url}: {type(exc).__name__}: {exc}. "
+                "Is it running (uvicorn ... --port N), and is the address right?"
+            ) from None
 
     async def _reset_with_capacity_wait(self, message: dict[str, Any]) -> dict[str, Any]:
         deadline, delay = time.monotonic() + self.capacity_wait, 0.05
@@ -213,9 +231,11 @@ class OpenEnvEnv(Env):
             except _AtCapacity as full:
                 await self.close()  # the server closed this connection; try a new one when a slot frees
                 if time.monotonic() + delay > deadline:
-                    raise OpenEnvError(f"the OpenEnv server at {self.http_url} stayed at its session limit for "
-                                       f"{self.capacity_wait:g}s ({full}): start it with create_app(..., max_concurrent_envs=N) "
-                                       "for N >= the rollout concurrency, or lower --rollout-concurrency") from None
+                    raise OpenEnvError(
+                        f"the OpenEnv server at {self.http_url} stayed at its session limit for "
+                        f"{self.capacity_wait:g}s ({full}): start it with create_app(..., max_concurrent_envs=N) "
+                        "for N >= the rollout concurrency, or lower --rollout-concurrency"
+                    ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -229,18 +249,24 @@ class OpenEnvEnv(Env):
         try:
             msg = await asyncio.wait_for(self._ws.receive(), self.timeout)
         except TimeoutError:
-            raise OpenEnvError(f"the OpenEnv server at {self.ws_url} did not answer {what} within {self.timeout:g}s") from None
+            raise OpenEnvError(
+                f"the OpenEnv server at {self.ws_url} did not answer {what} within {self.timeout:g}s"
+            ) from None
         if msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
             try:
                 reply = json.loads(msg.data)
             except ValueError:
-                raise OpenEnvError(f"the OpenEnv server answered {what} with non-JSON: {str(msg.data)[:200]!r}") from None
+                raise OpenEnvError(
+                    f"the OpenEnv server answered {what} with non-JSON: {str(msg.data)[:200]!r}"
+                ) from None
             if isinstance(reply, dict):
                 return reply
             raise OpenEnvError(f"the OpenEnv server answered {what} with {type(reply).__name__}, expected an object")
         code = self._ws.close_code
-        raise OpenEnvError(f"the OpenEnv server at {self.ws_url} closed the session during {what} "
-                           f"(WebSocket {msg.type.name.lower()}, code {code}): did it stop or restart?")
+        raise OpenEnvError(
+            f"the OpenEnv server at {self.ws_url} closed the session during {what} "
+            f"(WebSocket {msg.type.name.lower()}, code {code}): did it stop or restart?"
+        )
 
     def _observation(self, reply: dict[str, Any], what: str) -> dict[str, Any]:
         data = reply.get("data") or {}

@@ -53,17 +53,17 @@ def _group_stats(values: Tensor, group_ids: Sequence[int]) -> tuple[Tensor, Tens
     if any(g is None for g in group_ids):
         raise ValueError("every sample needs a group id (Sample.group_index is None)")
     ids = torch.as_tensor(list(group_ids), dtype=torch.long, device=values.device)
-    _, inv = torch.unique(ids, return_inverse=True)             # [N] in 0..G-1
+    _, inv = torch.unique(ids, return_inverse=True)  # [N] in 0..G-1
     num_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = values.new_zeros(num_groups).index_add_(0, inv, torch.ones_like(values))   # [G]
-    mean = values.new_zeros(num_groups).index_add_(0, inv, values) / count             # [G]
-    sq_dev = (values - mean[inv]) ** 2                                                 # [N]
-    var = values.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)        # [G]
+    count = values.new_zeros(num_groups).index_add_(0, inv, torch.ones_like(values))  # [G]
+    mean = values.new_zeros(num_groups).index_add_(0, inv, values) / count  # [G]
+    sq_dev = (values - mean[inv]) ** 2  # [N]
+    var = values.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)  # [G]
     return mean[inv], var.sqrt()[inv], count[inv]
 
 
 def _as_rewards(rewards: Rewards) -> Tensor:
-    return torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)     # [N]
+    return torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # [N]
 
 
 def _as_masks(loss_masks: Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
@@ -75,8 +75,7 @@ def _as_masks(loss_masks: Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
-def grpo(rewards: Rewards, group_ids: Sequence[int], *, std_normalize: bool = True,
-         eps: float = 1e-6) -> Tensor:
+def grpo(rewards: Rewards, group_ids: Sequence[int], *, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps).
 
     ``std_g`` is the unbiased (n-1) group std, as ``torch.std`` and slime compute it. With
@@ -119,8 +118,8 @@ def masked_whiten(values: Sequence[Tensor], masks: Sequence[Tensor], eps: float 
     values[i], masks[i]: [L_i]
     """
     masks = _as_masks(masks)
-    flat_v = torch.cat([v.float() for v in values]) if values else torch.zeros(0)   # [sum L_i]
-    flat_m = torch.cat(masks) if masks else torch.zeros(0)                           # [sum L_i]
+    flat_v = torch.cat([v.float() for v in values]) if values else torch.zeros(0)  # [sum L_i]
+    flat_m = torch.cat(masks) if masks else torch.zeros(0)  # [sum L_i]
     n = flat_m.sum()
     if n == 0:
         return [torch.zeros_like(m) for m in masks]
@@ -137,8 +136,8 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     an observation in between does not shrink the return; they get G = 0.
     token_rewards, mask: [L] -> [L]
     """
-    out = torch.zeros(token_rewards.shape, dtype=torch.float32)                 # [L]
-    idx = mask.nonzero(as_tuple=True)[0]                                        # [K] masked positions
+    out = torch.zeros(token_rewards.shape, dtype=torch.float32)  # [L]
+    idx = mask.nonzero(as_tuple=True)[0]  # [K] masked positions
     rewards_k = token_rewards[idx].tolist()
     returns_k, running = [0.0] * len(rewards_k), 0.0
     for k in range(len(rewards_k) - 1, -1, -1):
@@ -148,9 +147,15 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return out
 
 
-def reinforce_plus_plus(rewards: Rewards, loss_masks: Sequence[Tensor], *,
-                        kl: Sequence[Tensor] | None = None, kl_coef: float = 0.0,
-                        gamma: float = 1.0, eps: float = 1e-8) -> list[Tensor]:
+def reinforce_plus_plus(
+    rewards: Rewards,
+    loss_masks: Sequence[Tensor],
+    *,
+    kl: Sequence[Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> list[Tensor]:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262), as slime's ``get_reinforce_plus_plus_returns``.
 
     1. token rewards  r_t = -kl_coef * kl_t on every masked token, plus the scalar reward r_i
@@ -174,10 +179,15 @@ def reinforce_plus_plus(rewards: Rewards, loss_masks: Sequence[Tensor], *,
     return masked_whiten(returns, masks, eps)
 
 
-def reinforce_plus_plus_baseline(rewards: Rewards, group_ids: Sequence[int],
-                                 loss_masks: Sequence[Tensor], eps: float = 1e-8, *,
-                                 kl: Sequence[Tensor] | None = None,
-                                 kl_coef: float = 0.0) -> list[Tensor]:
+def reinforce_plus_plus_baseline(
+    rewards: Rewards,
+    group_ids: Sequence[int],
+    loss_masks: Sequence[Tensor],
+    eps: float = 1e-8,
+    *,
+    kl: Sequence[Tensor] | None = None,
+    kl_coef: float = 0.0,
+) -> list[Tensor]:
     """REINFORCE++-baseline: A_t = whiten(r_i - mean_g - kl_coef * kl_t) over the batch's masked tokens.
 
     The group mean is the baseline (no std division); the scalar is broadcast to every response
@@ -190,7 +200,7 @@ def reinforce_plus_plus_baseline(rewards: Rewards, group_ids: Sequence[int],
     masks = _as_masks(loss_masks)
     raw = []
     for i, m in enumerate(masks):
-        a = torch.full_like(m, float(r[i] - mean[i]))                          # [L_i]
+        a = torch.full_like(m, float(r[i] - mean[i]))  # [L_i]
         if kl is not None:
             a = a - kl_coef * kl[i].detach().float()
         raw.append(a)
@@ -221,10 +231,16 @@ def _std(total: float, squares: float, count: int) -> float:
     return math.sqrt(max(0.0, (squares - total * total / count) / (count - 1)))
 
 
-def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
-                  turn_spans: Sequence[Sequence[tuple[int, int]]],
-                  group_ids: Sequence[int], loss_masks: Sequence[Tensor], *,
-                  gamma: float = 1.0, std_normalize: bool = True, eps: float = 1e-6) -> list[Tensor]:
+def per_turn_grpo(
+    turn_rewards: Sequence[Sequence[float]],
+    turn_spans: Sequence[Sequence[tuple[int, int]]],
+    group_ids: Sequence[int],
+    loss_masks: Sequence[Tensor],
+    *,
+    gamma: float = 1.0,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> list[Tensor]:
     """GRPO with one return per assistant turn instead of one reward per episode.
 
     For sample i with turn returns G_{i,t} (:func:`per_turn_returns`), the tokens of turn t
@@ -282,22 +298,22 @@ def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
 
     out = []
     for i, m in enumerate(masks):
-        adv = torch.zeros_like(m)                                               # [L_i]
+        adv = torch.zeros_like(m)  # [L_i]
         gid = group_ids[i]
         if len(turn_spans[i]) != len(returns[i]):
             raise ValueError(f"sample {i}: {len(turn_spans[i])} turn spans for {len(returns[i])} turn rewards")
         scale = 1.0
         if std_normalize:
             st = group_stats[gid]
-            std = _std(batch[0] - st[0], batch[1] - st[1], int(batch[2] - st[2]))      # the other groups
-            if std <= eps:                                                              # the group's other samples
+            std = _std(batch[0] - st[0], batch[1] - st[1], int(batch[2] - st[2]))  # the other groups
+            if std <= eps:  # the group's other samples
                 std = _std(st[0] - padded[i][0], st[1] - padded[i][1], int(st[2] - padded[i][2]))
             scale = std + eps if std > eps else 1.0
         for t, ((start, end), g) in enumerate(zip(turn_spans[i], returns[i])):
             if not 0 <= start <= end <= m.numel():
                 raise ValueError(f"sample {i}: turn span ({start}, {end}) outside 0..{m.numel()}")
             if group_size[gid] < 2:
-                continue                                         # a group of one: no baseline
+                continue  # a group of one: no baseline
             others = counts[gid, t] - 1
             a = g - (sums[gid, t] - g) / others if others else g
             adv[start:end] = a / scale
@@ -310,12 +326,20 @@ def per_turn_grpo(turn_rewards: Sequence[Sequence[float]],
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_advantages(estimator: str, *, rewards: Rewards, group_ids: Sequence[int],
-                       loss_masks: Sequence[Tensor],
-                       turn_rewards: Sequence[Sequence[float]] | None = None,
-                       turn_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
-                       kl: Sequence[Tensor] | None = None, gamma: float = 1.0, kl_coef: float = 0.0,
-                       std_normalize: bool = True, per_turn: bool = False) -> list[Tensor]:
+def compute_advantages(
+    estimator: str,
+    *,
+    rewards: Rewards,
+    group_ids: Sequence[int],
+    loss_masks: Sequence[Tensor],
+    turn_rewards: Sequence[Sequence[float]] | None = None,
+    turn_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+    kl: Sequence[Tensor] | None = None,
+    gamma: float = 1.0,
+    kl_coef: float = 0.0,
+    std_normalize: bool = True,
+    per_turn: bool = False,
+) -> list[Tensor]:
     """Per-token advantages of every sample for ``--advantage-estimator``: a list of [L_i] tensors.
 
     Sequence-level estimators (grpo, gspo, rloo) are broadcast over the response; every result is
@@ -324,8 +348,9 @@ def compute_advantages(estimator: str, *, rewards: Rewards, group_ids: Sequence[
     ``kl`` (per-token KL to the reference) is only used by the REINFORCE++ estimators.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown --advantage-estimator {estimator!r}; "
-                         f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(
+            f"unknown --advantage-estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
     masks = _as_masks(loss_masks)
     if len(masks) != _as_rewards(rewards).numel():
         raise ValueError(f"{len(masks)} loss masks for {_as_rewards(rewards).numel()} rewards")
@@ -333,17 +358,15 @@ def compute_advantages(estimator: str, *, rewards: Rewards, group_ids: Sequence[
         raise ValueError("--kl-coef > 0 needs per-token KL (reference log-probs) for REINFORCE++")
     if per_turn:
         if estimator not in ("grpo", "gspo"):
-            raise ValueError("--per-turn-credit works only with --advantage-estimator grpo or gspo, "
-                             f"not {estimator!r}")
+            raise ValueError(f"--per-turn-credit works only with --advantage-estimator grpo or gspo, not {estimator!r}")
         if turn_rewards is None or turn_spans is None:
             raise ValueError("--per-turn-credit needs turn_rewards and turn_spans for every sample")
-        return per_turn_grpo(turn_rewards, turn_spans, group_ids, masks,
-                             gamma=gamma, std_normalize=std_normalize)
+        return per_turn_grpo(turn_rewards, turn_spans, group_ids, masks, gamma=gamma, std_normalize=std_normalize)
 
     if estimator in ("grpo", "gspo"):
-        seq = grpo(rewards, group_ids, std_normalize=std_normalize)              # [N]
+        seq = grpo(rewards, group_ids, std_normalize=std_normalize)  # [N]
     elif estimator == "rloo":
-        seq = rloo(rewards, group_ids)                                           # [N]
+        seq = rloo(rewards, group_ids)  # [N]
     elif estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(rewards, masks, kl=kl, kl_coef=kl_coef, gamma=gamma)
     else:  # reinforce_plus_plus_baseline

@@ -21,8 +21,9 @@ from torch import Tensor
 from agentrl.config import TrainConfig
 
 
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: float,
-                  eps_clip_high: float) -> tuple[Tensor, Tensor]:
+def ppo_clip_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float
+) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate with asymmetric bounds (DAPO's clip-higher).
 
         ratio_t = exp(logp_t - old_logp_t)
@@ -32,7 +33,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: 
     token's gradient is zero because the ratio has left the trust region in A's direction.
     All inputs [T] -> (loss [T], clipped [T] bool).
     """
-    ratio = torch.exp(logp - old_logp.detach())                                 # [T]
+    ratio = torch.exp(logp - old_logp.detach())  # [T]
     adv = advantages.detach()
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * adv
@@ -55,14 +56,22 @@ def gspo_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, seq_ids: Tensor, nu
     [T] -> [T]
     """
     mask = mask.to(logp.dtype)
-    delta = (logp - old_logp.detach()).detach() * mask                         # [T]
-    n_tok = _per_seq_sum(mask, seq_ids, num_seqs).clamp_min(1.0)                # [S]
-    seq_log_ratio = _per_seq_sum(delta, seq_ids, num_seqs) / n_tok              # [S]
-    return torch.exp(seq_log_ratio[seq_ids] + logp - logp.detach())             # [T]
+    delta = (logp - old_logp.detach()).detach() * mask  # [T]
+    n_tok = _per_seq_sum(mask, seq_ids, num_seqs).clamp_min(1.0)  # [S]
+    seq_log_ratio = _per_seq_sum(delta, seq_ids, num_seqs) / n_tok  # [S]
+    return torch.exp(seq_log_ratio[seq_ids] + logp - logp.detach())  # [T]
 
 
-def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, seq_ids: Tensor,
-              num_seqs: int, eps_clip: float, eps_clip_high: float) -> tuple[Tensor, Tensor]:
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    num_seqs: int,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[Tensor, Tensor]:
     """GSPO: the PPO clip applied to the sequence-level ratio s_i (:func:`gspo_ratio`).
 
         loss_t = -min(s_{i,t} A_t, clip(s_{i,t}, 1 - eps_clip, 1 + eps_clip_high) A_t)
@@ -71,7 +80,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     GRPO's (one per sequence). ``num_seqs`` = number of sequences S in this micro-batch.
     [T] -> (loss [T], clipped [T] bool)
     """
-    ratio = gspo_ratio(logp, old_logp, mask, seq_ids, num_seqs)                  # [T]
+    ratio = gspo_ratio(logp, old_logp, mask, seq_ids, num_seqs)  # [T]
     adv = advantages.detach()
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * adv
@@ -87,11 +96,11 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
 
     [T] -> [T]
     """
-    log_ratio = logp.float() - ref_logp.detach().float()                        # [T]
+    log_ratio = logp.float() - ref_logp.detach().float()  # [T]
     if kind == "k1":
         return log_ratio
     if kind == "k2":
-        return 0.5 * log_ratio ** 2
+        return 0.5 * log_ratio**2
     if kind == "k3":
         return torch.exp(-log_ratio) + log_ratio - 1.0
     raise ValueError(f"unknown --kl-loss-type {kind!r}; choose k1, k2 or k3")
@@ -107,10 +116,10 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     """
     out = []
     for chunk in logits.split(chunk_size, dim=0):
-        logp = F.log_softmax(chunk.float(), dim=-1)                            # [t, V]
+        logp = F.log_softmax(chunk.float(), dim=-1)  # [t, V]
         p = logp.exp()
-        logp = logp.masked_fill(p == 0, 0.0)                                    # 0 * -inf -> 0
-        out.append(-(p * logp).sum(dim=-1))                                     # [t]
+        logp = logp.masked_fill(p == 0, 0.0)  # 0 * -inf -> 0
+        out.append(-(p * logp).sum(dim=-1))  # [t]
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
@@ -123,8 +132,9 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, threshold: float) -> Ten
     return torch.exp(old_logp.detach() - rollout_logp.detach()).clamp(max=threshold)
 
 
-def aggregate(values: Tensor, mask: Tensor, seq_ids: Tensor, *, per_token: bool,
-              num_tokens: float, num_seqs: float) -> Tensor:
+def aggregate(
+    values: Tensor, mask: Tensor, seq_ids: Tensor, *, per_token: bool, num_tokens: float, num_seqs: float
+) -> Tensor:
     """Reduce per-token values [T] to a scalar with global normalization.
 
     per_token=True  (``--calculate-per-token-loss``): sum_t m_t v_t / num_tokens, where num_tokens
@@ -139,13 +149,14 @@ def aggregate(values: Tensor, mask: Tensor, seq_ids: Tensor, *, per_token: bool,
     if values.numel() == 0:
         return values.sum()
     s = int(seq_ids.max()) + 1
-    seq_sum = _per_seq_sum(values * mask, seq_ids, s)                          # [S]
-    seq_cnt = _per_seq_sum(mask, seq_ids, s).clamp_min(1.0)                    # [S]
+    seq_sum = _per_seq_sum(values * mask, seq_ids, s)  # [S]
+    seq_cnt = _per_seq_sum(mask, seq_ids, s).clamp_min(1.0)  # [S]
     return (seq_sum / seq_cnt).sum() / max(float(num_seqs), 1.0)
 
 
-def sft_loss(logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: TrainConfig, *, num_tokens: float,
-             num_seqs: float) -> tuple[Tensor, dict[str, float]]:
+def sft_loss(
+    logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: TrainConfig, *, num_tokens: float, num_seqs: float
+) -> tuple[Tensor, dict[str, float]]:
     """Supervised fine-tuning (slime's ``--loss-type sft_loss``): the negative log-likelihood of the
     demonstrated tokens, with the same normalization as the policy loss.
 
@@ -155,15 +166,26 @@ def sft_loss(logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: TrainConfig, *, n
     the step; else each sample's mean, averaged over samples). The metric ``sft_loss`` is the same
     value; micro-batch values sum to the step's loss.
     """
-    nll = aggregate(-logp, mask, seq_ids, per_token=cfg.calculate_per_token_loss, num_tokens=num_tokens,
-                    num_seqs=num_seqs)
+    nll = aggregate(
+        -logp, mask, seq_ids, per_token=cfg.calculate_per_token_loss, num_tokens=num_tokens, num_seqs=num_seqs
+    )
     return nll, {"sft_loss": float(nll.detach())}
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, seq_ids: Tensor,
-                cfg: TrainConfig, *, num_tokens: float, num_seqs: float,
-                ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    cfg: TrainConfig,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    ref_logp: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch loss to ``backward()`` (:func:`sft_loss` instead with ``--loss-type sft_loss``):
 
         loss = agg(w_t * pg_t) + kl_loss_coef * agg(kl_t) - entropy_coef * agg(H_t)
@@ -176,8 +198,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     """
     if cfg.loss_type == "sft_loss":
         return sft_loss(logp, mask, seq_ids, cfg, num_tokens=num_tokens, num_seqs=num_seqs)
-    agg = lambda v: aggregate(v, mask, seq_ids, per_token=cfg.calculate_per_token_loss,  # noqa: E731
-                              num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def agg(v: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            v, mask, seq_ids, per_token=cfg.calculate_per_token_loss, num_tokens=num_tokens, num_seqs=num_seqs
+        )
+
     if cfg.advantage_estimator == "gspo":
         s = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
         pg, clipped = gspo_loss(logp, old_logp, advantages, mask, seq_ids, s, cfg.eps_clip, cfg.clip_high)

@@ -94,7 +94,9 @@ class GenerateOutput:
                 fr = {"type": fr}
             lps_raw = meta.get("output_token_logprobs")
             if lps_raw is None:
-                raise EngineError(f"{engine_url}: reply has no meta_info.output_token_logprobs (return_logprob ignored?)")
+                raise EngineError(
+                    f"{engine_url}: reply has no meta_info.output_token_logprobs (return_logprob ignored?)"
+                )
             lp_ids = [int(x[1]) for x in lps_raw]
             lps = [float(x[0]) if x[0] is not None else 0.0 for x in lps_raw]
             out_ids = [int(i) for i in body["output_ids"]] if body.get("output_ids") is not None else lp_ids
@@ -111,7 +113,9 @@ class GenerateOutput:
                 engine_url=engine_url,
             )
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise EngineError(f"{engine_url}: malformed /generate reply ({type(exc).__name__}: {exc}): {str(body)[:200]}") from None
+            raise EngineError(
+                f"{engine_url}: malformed /generate reply ({type(exc).__name__}: {exc}): {str(body)[:200]}"
+            ) from None
 
 
 class Engine(abc.ABC):

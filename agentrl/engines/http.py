@@ -59,8 +59,15 @@ class SGLangEngine(Engine):
     than httpx, whose connection pool scans every connection on every request.
     """
 
-    def __init__(self, url: str, *, timeout: float = 600.0, max_retries: int = 3, backoff: float = 0.5,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.api_key = api_key  # sent as SGLang's --api-key expects: Authorization: Bearer <key>
         self.timeout = timeout
@@ -77,8 +84,10 @@ class SGLangEngine(Engine):
         """The connection pool, created on first use inside the running event loop."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout),
-                headers=auth_headers(self.api_key))
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=auth_headers(self.api_key),
+            )
         return self._session
 
     async def _post(self, path: str, payload: dict[str, Any], *, parse: Any = None) -> tuple[int, Any]:
@@ -126,8 +135,9 @@ class SGLangEngine(Engine):
 
         async def abort() -> None:
             try:
-                async with self.session.post(self.url + "/abort_request", json={"rid": rid},
-                                             timeout=aiohttp.ClientTimeout(total=5)):
+                async with self.session.post(
+                    self.url + "/abort_request", json={"rid": rid}, timeout=aiohttp.ClientTimeout(total=5)
+                ):
                     pass
             except Exception:  # the engine may be gone: nothing left to abort then
                 pass
@@ -145,8 +155,11 @@ class SGLangEngine(Engine):
             "return_logprob": True,
             "rid": "",
         }
-        status, out = await self._post("/generate", payload,
-                                       parse=lambda b: GenerateOutput.from_sglang(b[0] if isinstance(b, list) else b, self.url))
+        status, out = await self._post(
+            "/generate",
+            payload,
+            parse=lambda b: GenerateOutput.from_sglang(b[0] if isinstance(b, list) else b, self.url),
+        )
         if status >= 400:
             raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(out)[:300]}")
         return out
@@ -160,8 +173,10 @@ class SGLangEngine(Engine):
 
     async def context_length(self) -> int | None:
         """``max_model_len`` from ``/v1/models`` (SGLang and the embedded engine), else ``/get_server_info``."""
-        for path, read in (("/v1/models", lambda b: b["data"][0]["max_model_len"]),
-                           ("/get_server_info", lambda b: b["context_length"])):
+        for path, read in (
+            ("/v1/models", lambda b: b["data"][0]["max_model_len"]),
+            ("/get_server_info", lambda b: b["context_length"]),
+        ):
             try:
                 async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     if resp.status == 200:
@@ -208,44 +223,79 @@ class SGLangEngine(Engine):
             raise EngineRequestError(f"{self.url}{path} failed (HTTP {status}): {str(body)[:500]}", status)
         return body
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
         """``POST /init_weights_update_group``: the engine's GPUs join the trainer's broadcast group.
 
         Engine GPU ``tp_rank`` becomes rank ``rank_offset + tp_rank`` of ``world_size``; the trainer
         is rank 0 and must join concurrently (the call returns once every rank has joined).
         """
-        await self._post_checked("/init_weights_update_group", {
-            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend}, once=True)
+        await self._post_checked(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(rank_offset),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            },
+            once=True,
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              weight_version: str | None = None, *,
-                                              abort_all_requests: bool = False) -> None:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[Any],
+        shapes: list[Any],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+    ) -> None:
         """``POST /update_weights_from_distributed``: receive one bucket broadcast from rank 0 and load it.
 
         ``dtypes`` may be ``torch.dtype`` or strings; they are sent as ``"bfloat16"`` etc. (as slime
         does). The trainer must broadcast the tensors, in this order, while the request is open.
         """
         payload: dict[str, Any] = {
-            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
-            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [[int(x) for x in s] for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._post_checked("/update_weights_from_distributed", payload, once=True)
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                         flush_cache: bool = True, weight_version: str | None = None) -> None:
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> None:
         """``POST /update_weights_from_tensor``: load tensors handed over by handle (same machine; colocated).
 
         One entry per engine TP rank, each from :func:`agentrl.engines.tensor_ipc.serialize_named_tensors`
         (SGLang's ``MultiprocessingSerializer`` format). The sender keeps the tensors alive until this returns.
         """
-        payload: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors),
-                                   "load_format": load_format, "flush_cache": flush_cache}
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._post_checked("/update_weights_from_tensor", payload, once=True)
@@ -298,8 +348,10 @@ class SGLangEngine(Engine):
             if status < 400:
                 return
             if loop.time() >= deadline:
-                raise EngineRequestError(f"{self.url}/flush_cache still refused after {timeout:.0f}s "
-                                         f"(HTTP {status}: {str(body)[:200]}); are requests still running?")
+                raise EngineRequestError(
+                    f"{self.url}/flush_cache still refused after {timeout:.0f}s "
+                    f"(HTTP {status}: {str(body)[:200]}); are requests still running?"
+                )
             await asyncio.sleep(interval)
 
     async def server_info(self) -> dict[str, Any]:
@@ -339,7 +391,9 @@ class ChatCompletionsClient:
         self.model = model
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=_limits())
 
-    async def chat(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams) -> tuple[dict[str, Any], str]:
+    async def chat(
+        self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams
+    ) -> tuple[dict[str, Any], str]:
         """One chat completion: the first choice's assistant message (role, content, tool_calls) and finish_reason."""
         model = self.model
         if model is None:

@@ -103,10 +103,12 @@ class Router(Engine):
     # ``init_weights_update_group`` is done per engine (``DistributedTransport(router.engines)``);
     # the calls below go to every engine at once (concurrently: they all take part in one broadcast).
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
-                                              **kwargs: Any) -> None:
-        await asyncio.gather(*(e.update_weights_from_distributed(names, dtypes, shapes, **kwargs)
-                               for e in self.engines))
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[Any], shapes: list[Any], **kwargs: Any
+    ) -> None:
+        await asyncio.gather(
+            *(e.update_weights_from_distributed(names, dtypes, shapes, **kwargs) for e in self.engines)
+        )
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await asyncio.gather(*(e.destroy_weights_update_group(group_name) for e in self.engines))

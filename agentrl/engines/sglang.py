@@ -50,17 +50,46 @@ BINARIES = ("sglang", "agentrl")
 OWNED_ARGS = ("model_path", "host", "port")
 """Set by :class:`SGLangLaunch` itself (as slime sets them); refused among the pass-through args."""
 
-EMBEDDED_FLAGS = {"context_length": "--context-length", "max_running_requests": "--max-running-requests",
-                  "random_seed": "--seed", "tool_call_parser": "--tool-call-parser"}
+EMBEDDED_FLAGS = {
+    "context_length": "--context-length",
+    "max_running_requests": "--max-running-requests",
+    "random_seed": "--seed",
+    "tool_call_parser": "--tool-call-parser",
+}
 """ServerArgs fields ``agentrl serve`` understands, and its flag for each."""
 
-EMBEDDED_IGNORED = frozenset({
-    "mem_fraction_static", "cuda_graph_bs", "cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding",
-    "enable_memory_saver", "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "skip_server_warmup",
-    "log_level", "log_level_http", "enable_metrics", "nccl_port", "base_gpu_id", "gpu_id_step", "attention_backend",
-    "sampling_backend", "enable_torch_compile", "torch_compile_max_bs", "chunked_prefill_size", "max_prefill_tokens",
-    "schedule_policy", "schedule_conservativeness", "disable_radix_cache", "trust_remote_code", "watchdog_timeout",
-    "dist_timeout", "decode_log_interval"})
+EMBEDDED_IGNORED = frozenset(
+    {
+        "mem_fraction_static",
+        "cuda_graph_bs",
+        "cuda_graph_max_bs",
+        "disable_cuda_graph",
+        "disable_cuda_graph_padding",
+        "enable_memory_saver",
+        "enable_weights_cpu_backup",
+        "enable_draft_weights_cpu_backup",
+        "skip_server_warmup",
+        "log_level",
+        "log_level_http",
+        "enable_metrics",
+        "nccl_port",
+        "base_gpu_id",
+        "gpu_id_step",
+        "attention_backend",
+        "sampling_backend",
+        "enable_torch_compile",
+        "torch_compile_max_bs",
+        "chunked_prefill_size",
+        "max_prefill_tokens",
+        "schedule_policy",
+        "schedule_conservativeness",
+        "disable_radix_cache",
+        "trust_remote_code",
+        "watchdog_timeout",
+        "dist_timeout",
+        "decode_log_interval",
+    }
+)
 """Performance, memory and logging knobs the embedded engine drops with a warning: none changes what is sampled."""
 
 EMBEDDED_ONLY_ONE = ("tp_size", "dp_size", "pp_size", "ep_size")  # parallel sizes it accepts only as 1
@@ -130,12 +159,16 @@ class SGLangLaunch:
         self.server_args = server_args_from_flags(self.server_args)
         owned = [k for k in OWNED_ARGS if k in self.server_args]
         if owned:
-            raise ValueError(f"--sglang-{owned[0].replace('_', '-')} is set by the launcher "
-                             "(use --hf-checkpoint; host and port are chosen per engine): drop it")
+            raise ValueError(
+                f"--sglang-{owned[0].replace('_', '-')} is set by the launcher "
+                "(use --hf-checkpoint; host and port are chosen per engine): drop it"
+            )
         tp = self.server_args.pop("tp_size", None)
         if tp is not None and self.tp_size not in (1, int(tp)):
-            raise ValueError(f"--sglang-tp-size {tp} disagrees with {self.tp_size} GPUs per engine "
-                             "(--rollout-num-gpus-per-engine): give one of them")
+            raise ValueError(
+                f"--sglang-tp-size {tp} disagrees with {self.tp_size} GPUs per engine "
+                "(--rollout-num-gpus-per-engine): give one of them"
+            )
         self.tp_size = int(tp if tp is not None else self.tp_size)
         key = self.server_args.pop("api_key", None)  # --sglang-api-key: the key, not a pass-through arg
         self.api_key = self.api_key or (str(key) if key else None)
@@ -188,8 +221,13 @@ def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed:
     extra = dict(launch.server_args)
     if launch.binary == "agentrl":
         return _embedded_command(launch, port, seed, extra)
-    args: dict[str, Any] = {"model_path": launch.model_path, "host": launch.host, "port": int(port),
-                            "tp_size": launch.tp_size, "skip_server_warmup": True}
+    args: dict[str, Any] = {
+        "model_path": launch.model_path,
+        "host": launch.host,
+        "port": int(port),
+        "tp_size": launch.tp_size,
+        "skip_server_warmup": True,
+    }
     if launch.colocate:
         args["enable_memory_saver"] = True
     if launch.api_key:  # SGLang reads its key from argv only
@@ -210,21 +248,38 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
     sizes = {"tp_size": launch.tp_size, **{k: extra.pop(k) for k in EMBEDDED_ONLY_ONE if k in extra}}
     big = {k: v for k, v in sizes.items() if int(v) != 1}
     if big:
-        raise ValueError(f"the embedded engine (agentrl serve) has no model parallelism, got {big}: "
-                         "use one device per engine, or SGLang")
+        raise ValueError(
+            f"the embedded engine (agentrl serve) has no model parallelism, got {big}: "
+            "use one device per engine, or SGLang"
+        )
     if seed is not None:
         extra.setdefault("random_seed", seed)
     ignored = [k for k in extra if k in EMBEDDED_IGNORED]
     unknown = [k for k in extra if k not in EMBEDDED_IGNORED and k not in EMBEDDED_FLAGS]
     if unknown:
         flags = ", ".join("--sglang-" + k.replace("_", "-") for k in unknown)
-        raise ValueError(f"the embedded engine (agentrl serve) does not support {flags}: drop them, or run "
-                         f"SGLang (it understands {sorted(EMBEDDED_FLAGS)}; it ignores {sorted(EMBEDDED_IGNORED)})")
+        raise ValueError(
+            f"the embedded engine (agentrl serve) does not support {flags}: drop them, or run "
+            f"SGLang (it understands {sorted(EMBEDDED_FLAGS)}; it ignores {sorted(EMBEDDED_IGNORED)})"
+        )
     if ignored:
-        log.warning("the embedded engine ignores %s (performance/memory options of SGLang)",
-                    ", ".join("--sglang-" + k.replace("_", "-") for k in ignored))
-    argv = [sys.executable, "-m", "agentrl", "serve", "--hf-checkpoint", launch.model_path,
-            "--host", launch.host, "--port", str(int(port)), "--exit-with-stdin"]
+        log.warning(
+            "the embedded engine ignores %s (performance/memory options of SGLang)",
+            ", ".join("--sglang-" + k.replace("_", "-") for k in ignored),
+        )
+    argv = [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "serve",
+        "--hf-checkpoint",
+        launch.model_path,
+        "--host",
+        launch.host,
+        "--port",
+        str(int(port)),
+        "--exit-with-stdin",
+    ]
     for name, value in extra.items():
         if name in EMBEDDED_FLAGS:
             argv += [EMBEDDED_FLAGS[name], str(value)]
@@ -302,26 +357,36 @@ class SGLangServer:
         self._log.write(header.encode())
         self._log.flush()
         stdin = subprocess.PIPE if self.launch.binary == "agentrl" else subprocess.DEVNULL  # --exit-with-stdin
-        return subprocess.Popen(self.command, stdin=stdin, stdout=self._log, stderr=subprocess.STDOUT,
-                                env=self.launch.process_env(), start_new_session=True,
-                                preexec_fn=_pdeathsig_hook(os.getpid()))
+        return subprocess.Popen(
+            self.command,
+            stdin=stdin,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.launch.process_env(),
+            start_new_session=True,
+            preexec_fn=_pdeathsig_hook(os.getpid()),
+        )
 
     def _wait_ready(self, proc: subprocess.Popen) -> None:
         url, timeout = self.url(), self.launch.startup_timeout
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"engine {self.index} ({self.launch.binary}) exited with code {proc.returncode} "
-                                   f"during startup. Last lines of {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"engine {self.index} ({self.launch.binary}) exited with code {proc.returncode} "
+                    f"during startup. Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(url + "/health_generate", timeout=5.0, headers=self.launch.headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"engine {self.index} ({self.launch.binary}) did not answer /health_generate on "
-                                   f"{url} within {timeout:.0f}s (raise the startup timeout for big models). "
-                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"engine {self.index} ({self.launch.binary}) did not answer /health_generate on "
+                    f"{url} within {timeout:.0f}s (raise the startup timeout for big models). "
+                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.25)
 
     def alive(self, timeout: float = 10.0) -> bool:
@@ -329,8 +394,12 @@ class SGLangServer:
         if self._proc is None or self._proc.poll() is not None:
             return False
         try:
-            return httpx.get(self.url() + self.launch.health_path, timeout=timeout,
-                             headers=self.launch.headers).status_code == 200
+            return (
+                httpx.get(
+                    self.url() + self.launch.health_path, timeout=timeout, headers=self.launch.headers
+                ).status_code
+                == 200
+            )
         except httpx.HTTPError:
             return False
 
@@ -342,8 +411,12 @@ class SGLangServer:
 
     def load_weights(self, model_path: str, weight_version: str) -> None:
         """``/update_weights_from_disk`` on this server (a restarted engine catching up with the run)."""
-        r = httpx.post(self.url() + "/update_weights_from_disk", timeout=600.0, headers=self.launch.headers,
-                       json={"model_path": model_path, "weight_version": weight_version})
+        r = httpx.post(
+            self.url() + "/update_weights_from_disk",
+            timeout=600.0,
+            headers=self.launch.headers,
+            json={"model_path": model_path, "weight_version": weight_version},
+        )
         if r.status_code >= 400 or not r.json().get("success", False):
             raise RuntimeError(f"engine {self.index}: loading {model_path} failed: {r.text[:300]}")
 
@@ -390,8 +463,15 @@ class SGLangEngineGroup:
     :meth:`record_weights`, if any, else it serves the launch checkpoint until the next sync.
     """
 
-    def __init__(self, launch: SGLangLaunch, actors: list[Any], urls: list[str], options: list[dict[str, Any]],
-                 ports: list[int], health_timeout: float = 30.0):
+    def __init__(
+        self,
+        launch: SGLangLaunch,
+        actors: list[Any],
+        urls: list[str],
+        options: list[dict[str, Any]],
+        ports: list[int],
+        health_timeout: float = 30.0,
+    ):
         self.launch, self.actors, self.urls = launch, actors, urls
         self.health_timeout = health_timeout
         self.restarts = [0] * len(actors)
@@ -404,8 +484,16 @@ class SGLangEngineGroup:
         self._monitor: threading.Thread | None = None
 
     @classmethod
-    def start(cls, launch: SGLangLaunch, n: int = 1, *, num_cpus: float = 1.0, num_gpus: float | None = None,
-              placement: Sequence[tuple[Any, int]] = (), health_timeout: float = 30.0) -> SGLangEngineGroup:
+    def start(
+        cls,
+        launch: SGLangLaunch,
+        n: int = 1,
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float | None = None,
+        placement: Sequence[tuple[Any, int]] = (),
+        health_timeout: float = 30.0,
+    ) -> SGLangEngineGroup:
         """Start ``n`` engines concurrently, engine ``i`` in ``placement[i]`` (a placement group and bundle index).
 
         ``num_gpus`` per engine defaults to ``launch.tp_size`` for SGLang and 0 for the embedded engine
@@ -562,8 +650,9 @@ class SGLangEngineGroup:
 
 
 @contextlib.asynccontextmanager
-async def paused_for_update(engines: Any, *, mode: str | None = "abort", group: SGLangEngineGroup | None = None,
-                            flush: bool = True) -> AsyncIterator[list[int]]:
+async def paused_for_update(
+    engines: Any, *, mode: str | None = "abort", group: SGLangEngineGroup | None = None, flush: bool = True
+) -> AsyncIterator[list[int]]:
     """Hold generation on ``engines`` (a Router, an SGLangEngine, or a list of them) while the body updates weights.
 
     Order as in slime's weight updaters: (``group``: restart dead engines, then suspend the monitor)

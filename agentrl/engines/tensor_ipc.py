@@ -29,11 +29,21 @@ from typing import Any
 
 import torch
 
-_REBUILDS = ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_cuda_tensor",
-             "rebuild_storage_empty")
+_REBUILDS = (
+    "rebuild_tensor",
+    "rebuild_typed_storage",
+    "rebuild_storage_filename",
+    "rebuild_cuda_tensor",
+    "rebuild_storage_empty",
+)
 _ALLOWED = {("torch.multiprocessing.reductions", n) for n in _REBUILDS} | {
-    ("torch", "Size"), ("torch", "Tensor"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-    ("torch._utils", "_rebuild_tensor_v2"), ("torch.nn.parameter", "Parameter")}
+    ("torch", "Size"),
+    ("torch", "Tensor"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.nn.parameter", "Parameter"),
+}
 _MAX_PAYLOAD = 64 << 20  # handles, never values: a few hundred bytes per tensor
 
 
@@ -67,8 +77,8 @@ def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor
     raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
     items = _TorchOnlyUnpickler(io.BytesIO(raw)).load()
     if not isinstance(items, list) or not all(
-            isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
-            for x in items):
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor) for x in items
+    ):
         raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
     return items
 

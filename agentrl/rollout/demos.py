@@ -34,8 +34,15 @@ from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.metrics import scalar_reward
 from agentrl.types import Message, Sample, Status
 
-__all__ = ["DemoError", "DemoStats", "DemoBuilder", "conversation_samples", "scripted_samples", "rejection_samples",
-           "check_conversation"]
+__all__ = [
+    "DemoError",
+    "DemoStats",
+    "DemoBuilder",
+    "conversation_samples",
+    "scripted_samples",
+    "rejection_samples",
+    "check_conversation",
+]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -67,8 +74,11 @@ class DemoStats:
         self.not_token_exact += not sample.token_exact
 
     def summary(self) -> str:
-        parts = [f"{self.kept} of {self.rows} demonstrations kept", f"{self.assistant_turns} assistant turns",
-                 f"{self.tokens} tokens ({self.trained_tokens} trained)"]
+        parts = [
+            f"{self.kept} of {self.rows} demonstrations kept",
+            f"{self.assistant_turns} assistant turns",
+            f"{self.tokens} tokens ({self.trained_tokens} trained)",
+        ]
         if self.below_min_reward:
             parts.append(f"{self.below_min_reward} below --demo-min-reward")
         if self.failed_episodes:
@@ -86,8 +96,10 @@ def _stop_token(template: ChatTemplate, tail: str) -> tuple[int, str]:
         text = template.decode([tid])
         if text and tail.startswith(text):
             return tid, text
-    raise TemplateError(f"the chat template ends an assistant turn with {tail!r}, which starts with none of the "
-                        "tokenizer's end-of-turn tokens; a model could not end its turn as this template writes it")
+    raise TemplateError(
+        f"the chat template ends an assistant turn with {tail!r}, which starts with none of the "
+        "tokenizer's end-of-turn tokens; a model could not end its turn as this template writes it"
+    )
 
 
 class DemoBuilder:
@@ -114,17 +126,20 @@ class DemoBuilder:
         after = self.template.render([*base, message], self.tools, add_generation_prompt=False)
         tail = self.context[2]
         if not after.startswith(before) or not after.endswith(tail):
-            raise TemplateError("the chat template does not render an assistant message as generation prompt + "
-                                "content + end of turn; it cannot be trained turn by turn")
-        return after[len(before):len(after) - len(tail)]
+            raise TemplateError(
+                "the chat template does not render an assistant message as generation prompt + "
+                "content + end of turn; it cannot be trained turn by turn"
+            )
+        return after[len(before) : len(after) - len(tail)]
 
     def assistant(self, text: str) -> None:
         ids = self.template.encode(text) + [self.stop_id]
         self.ledger.append_model(ids, [0.0] * len(ids))
 
     def observe(self, messages: Sequence[Message]) -> None:
-        delta = self.template.observation_delta(messages, self.tools, last_token_text=self.stop_text,
-                                                context=self.context)
+        delta = self.template.observation_delta(
+            messages, self.tools, last_token_text=self.stop_text, context=self.context
+        )
         self.ledger.append_env(self.template.encode(delta))
 
     def difference(self, conversation: Sequence[Message]) -> str | None:
@@ -136,30 +151,56 @@ class DemoBuilder:
         """
         full = self.template.encode(self.template.render(conversation, self.tools, add_generation_prompt=False))
         ours = self.ledger.tokens
-        bridge = self.context[2][len(self.stop_text):]
-        if full[:len(ours)] == ours and self.template.decode(full[len(ours):]) == bridge:
+        bridge = self.context[2][len(self.stop_text) :]
+        if full[: len(ours)] == ours and self.template.decode(full[len(ours) :]) == bridge:
             return None
         i = next((k for k, (a, b) in enumerate(zip(ours, full)) if a != b), min(len(ours), len(full)))
-        show = lambda ids: repr(self.template.decode(ids[i:i + 8])) if i < len(ids) else "(end)"  # noqa: E731
-        return (f"the chat template does not reproduce this conversation turn by turn: first difference at token {i} "
-                f"of {len(ours)}: laid down {show(ours)}, whole rendering {show(full)}")
+        show = lambda ids: repr(self.template.decode(ids[i : i + 8])) if i < len(ids) else "(end)"  # noqa: E731
+        return (
+            f"the chat template does not reproduce this conversation turn by turn: first difference at token {i} "
+            f"of {len(ours)}: laid down {show(ours)}, whole rendering {show(full)}"
+        )
 
-    def sample(self, *, prompt: list[Message], label: Any = None, reward: float = 0.0,
-               turn_rewards: Sequence[float] = (), token_exact: bool = True, **metadata: Any) -> Sample:
+    def sample(
+        self,
+        *,
+        prompt: list[Message],
+        label: Any = None,
+        reward: float = 0.0,
+        turn_rewards: Sequence[float] = (),
+        token_exact: bool = True,
+        **metadata: Any,
+    ) -> Sample:
         led = self.ledger
-        meta = {"turn_rewards": list(turn_rewards), "turn_spans": [list(s) for s in led.model_spans],
-                "env_spans": [list(s) for s in led.env_spans], "num_turns": len(led.model_spans),
-                "status_reason": "demonstration", "demo": True, **metadata}
-        s = Sample(prompt=prompt, tokens=led.tokens, response=self.template.decode(led.response_ids),
-                   response_length=len(led.response_ids), label=label, reward=float(reward),
-                   loss_mask=list(led.loss_mask), status=Status.COMPLETED, metadata=meta,
-                   rollout_log_probs=list(led.log_probs), weight_versions=["demo"] * len(led.model_spans),
-                   token_exact=token_exact)
+        meta = {
+            "turn_rewards": list(turn_rewards),
+            "turn_spans": [list(s) for s in led.model_spans],
+            "env_spans": [list(s) for s in led.env_spans],
+            "num_turns": len(led.model_spans),
+            "status_reason": "demonstration",
+            "demo": True,
+            **metadata,
+        }
+        s = Sample(
+            prompt=prompt,
+            tokens=led.tokens,
+            response=self.template.decode(led.response_ids),
+            response_length=len(led.response_ids),
+            label=label,
+            reward=float(reward),
+            loss_mask=list(led.loss_mask),
+            status=Status.COMPLETED,
+            metadata=meta,
+            rollout_log_probs=list(led.log_probs),
+            weight_versions=["demo"] * len(led.model_spans),
+            token_exact=token_exact,
+        )
         s.validate()
         return s
 
 
 # -- conversations -----------------------------------------------------------------------------------
+
 
 def _tool_names(schemas: Sequence[dict] | None) -> set[str]:
     names = set()
@@ -173,7 +214,9 @@ def _tool_names(schemas: Sequence[dict] | None) -> set[str]:
 def _check_tools(tools: Any, where: str) -> list[dict]:
     if tools is None:
         return []
-    if isinstance(tools, str):  # datasets keep tool schemas as JSON text (Arrow cannot hold varied schemas), as TRL does
+    if isinstance(
+        tools, str
+    ):  # datasets keep tool schemas as JSON text (Arrow cannot hold varied schemas), as TRL does
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as exc:
@@ -183,8 +226,10 @@ def _check_tools(tools: Any, where: str) -> list[dict]:
     for i, t in enumerate(tools):
         f = t.get("function", t)
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise DemoError(f"{where}: tools[{i}] has no function name (expected {{'type': 'function', "
-                            "'function': {'name': ..., 'parameters': {...}}}})")
+            raise DemoError(
+                f"{where}: tools[{i}] has no function name (expected {{'type': 'function', "
+                "'function': {'name': ..., 'parameters': {...}}}})"
+            )
     return tools
 
 
@@ -227,8 +272,10 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
     """
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise DemoError(f"{where}: no 'messages' list (expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}], "
-                        f"\"tools\": [...]}}); keys are {sorted(row)}")
+        raise DemoError(
+            f'{where}: no \'messages\' list (expected {{"messages": [{{"role": ..., "content": ...}}], '
+            f'"tools": [...]}}); keys are {sorted(row)}'
+        )
     msgs = json.loads(json.dumps(msgs))  # a copy: validation normalizes tool-call arguments in place
     pending: list[str | None] = []
     for i, m in enumerate(msgs):
@@ -255,8 +302,10 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
             if cid is not None and cid in pending:
                 pending.remove(cid)
             elif cid is not None and any(p is not None for p in pending):
-                raise DemoError(f"{at}: tool_call_id {cid!r} matches no call of the assistant turn before it "
-                                f"(unanswered: {[p for p in pending if p is not None]})")
+                raise DemoError(
+                    f"{at}: tool_call_id {cid!r} matches no call of the assistant turn before it "
+                    f"(unanswered: {[p for p in pending if p is not None]})"
+                )
             else:
                 pending.pop(0)
         else:
@@ -266,8 +315,15 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
     return msgs
 
 
-def conversation_sample(template: ChatTemplate, messages: Sequence[Message], tools: Sequence[dict] | None,
-                        where: str, *, allow_non_token_exact: bool = False, label: Any = None) -> tuple[Sample, int]:
+def conversation_sample(
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    where: str,
+    *,
+    allow_non_token_exact: bool = False,
+    label: Any = None,
+) -> tuple[Sample, int]:
     """One checked conversation as a Sample; also returns how many trailing messages were not trained on."""
     first_assistant = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -281,20 +337,25 @@ def conversation_sample(template: ChatTemplate, messages: Sequence[Message], too
             while j <= last_assistant and messages[j]["role"] != "assistant":
                 j += 1
             if j <= last_assistant:
-                b.observe(messages[i + 1:j])
+                b.observe(messages[i + 1 : j])
             i = j
     except TemplateError as exc:
         raise DemoError(f"{where}: {exc}") from None
-    problem = b.difference(messages[:last_assistant + 1])
+    problem = b.difference(messages[: last_assistant + 1])
     if problem is not None and not allow_non_token_exact:
         raise DemoError(f"{where}: {problem} (pass --allow-non-token-exact to keep such rows as token_exact=false)")
     sample = b.sample(prompt=first, label=label, token_exact=problem is None, source=where)
     return sample, len(messages) - last_assistant - 1
 
 
-def conversation_samples(rows: Iterable[tuple[str, dict[str, Any]]], template: ChatTemplate, *,
-                         env_tools: Sequence[dict] | None = None, allow_non_token_exact: bool = False,
-                         max_problems: int = 20) -> tuple[list[Sample], DemoStats]:
+def conversation_samples(
+    rows: Iterable[tuple[str, dict[str, Any]]],
+    template: ChatTemplate,
+    *,
+    env_tools: Sequence[dict] | None = None,
+    allow_non_token_exact: bool = False,
+    max_problems: int = 20,
+) -> tuple[list[Sample], DemoStats]:
     """Conversational rows (``(where, row)``, e.g. from :func:`agentrl.data.read_rows`) as Samples.
 
     With ``env_tools`` (the env's schemas) every row renders with the env's tools, exactly as its
@@ -310,13 +371,16 @@ def conversation_samples(rows: Iterable[tuple[str, dict[str, Any]]], template: C
         try:
             tools = _check_tools(row.get("tools"), where)
             if env_tools is not None and tools and _tool_names(tools) != env_names:
-                raise DemoError(f"{where}: its tools {sorted(_tool_names(tools))} differ from the env's "
-                                f"{sorted(env_names or [])}; demonstrations render with the env's tools")
+                raise DemoError(
+                    f"{where}: its tools {sorted(_tool_names(tools))} differ from the env's "
+                    f"{sorted(env_names or [])}; demonstrations render with the env's tools"
+                )
             schemas = list(env_tools) if env_tools is not None else tools
             offered = env_names if env_tools is not None else _tool_names(tools)
             messages = check_conversation(row, where, offered)
-            sample, trailing = conversation_sample(template, messages, schemas, where,
-                                                   allow_non_token_exact=allow_non_token_exact, label=row.get("label"))
+            sample, trailing = conversation_sample(
+                template, messages, schemas, where, allow_non_token_exact=allow_non_token_exact, label=row.get("label")
+            )
         except DemoError as exc:
             stats.problems.append(str(exc))
             if len(stats.problems) >= max_problems:
@@ -335,6 +399,7 @@ def conversation_samples(rows: Iterable[tuple[str, dict[str, Any]]], template: C
 
 # -- scripted policies ---------------------------------------------------------------------------------
 
+
 def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
     """A :class:`~agentrl.rollout.scripted.PlayResult` as a Sample: the policy's texts verbatim, the env's
     observations as deltas (the last observation, after the final turn, is not part of an episode)."""
@@ -347,19 +412,32 @@ def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
         b.assistant(text)
         conversation.append({"role": "assistant", "content": text})
         if k + 1 < len(asst):
-            obs = msgs[i + 1:asst[k + 1]]
+            obs = msgs[i + 1 : asst[k + 1]]
             b.observe(obs)
             conversation.extend(obs)
     problem = b.difference(conversation)
     if problem is not None:
         raise DemoError(f"{where}: {problem}")
-    return b.sample(prompt=list(msgs[:first_assistant]), label=result.task.get("label"), reward=result.reward,
-                    turn_rewards=result.rewards, source=where)
+    return b.sample(
+        prompt=list(msgs[:first_assistant]),
+        label=result.task.get("label"),
+        reward=result.reward,
+        turn_rewards=result.rewards,
+        source=where,
+    )
 
 
-async def scripted_samples(make_env: Callable[[], Any], policy: Callable, tasks: Sequence[dict[str, Any]],
-                           template: ChatTemplate, *, min_reward: float | None = None, max_turns: int = 10,
-                           seed: int = 0, concurrency: int = 8) -> tuple[list[Sample], DemoStats]:
+async def scripted_samples(
+    make_env: Callable[[], Any],
+    policy: Callable,
+    tasks: Sequence[dict[str, Any]],
+    template: ChatTemplate,
+    *,
+    min_reward: float | None = None,
+    max_turns: int = 10,
+    seed: int = 0,
+    concurrency: int = 8,
+) -> tuple[list[Sample], DemoStats]:
     """Play ``policy`` once per task; keep episodes without errors whose reward reaches ``min_reward``."""
     from agentrl.rollout.scripted import play
 
@@ -383,8 +461,15 @@ async def scripted_samples(make_env: Callable[[], Any], policy: Callable, tasks:
 
 # -- rejection sampling ----------------------------------------------------------------------------------
 
-async def rejection_samples(ctx: Any, make_env: Callable[[], Any], tasks: Sequence[dict[str, Any]], *,
-                            min_reward: float, best_of_n: bool = False) -> tuple[list[Sample], DemoStats]:
+
+async def rejection_samples(
+    ctx: Any,
+    make_env: Callable[[], Any],
+    tasks: Sequence[dict[str, Any]],
+    *,
+    min_reward: float,
+    best_of_n: bool = False,
+) -> tuple[list[Sample], DemoStats]:
     """``ctx.config.n_samples_per_prompt`` real episodes per task on ``ctx.engine``; keep the good ones.
 
     Kept: completed or truncated by the turn limit (not cut off mid-turn), token-exact, reward >= ``min_reward``; with ``best_of_n`` only the

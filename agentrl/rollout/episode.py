@@ -61,6 +61,8 @@ def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> dict[str
         renamed[item.id], item.id = candidate, candidate
         seen.add(candidate)
     return renamed
+
+
 _RUN_KEY = uuid.uuid4().hex[:12]
 _EPISODE_COUNTER = itertools.count()
 
@@ -139,8 +141,14 @@ async def _chat_turn(ctx: EpisodeContext, convo: list[Message], tools: list[dict
     finish = "length" if finish_reason == "length" else "stop"
     if finish == "stop":
         ids.append(ctx.template.eos_token_ids[0])
-    return GenerateOutput(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason=finish,
-                          matched=ids[-1] if finish == "stop" else None, message=msg, weight_version="api")
+    return GenerateOutput(
+        output_ids=ids,
+        output_logprobs=[0.0] * len(ids),
+        finish_reason=finish,
+        matched=ids[-1] if finish == "stop" else None,
+        message=msg,
+        weight_version="api",
+    )
 
 
 def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
@@ -170,7 +178,9 @@ async def _timed(coro: Any, timeout: float, what: str) -> Any:
         raise _EndEpisode(Status.FAILED, "env_contract", str(exc)) from None
     except BaseException as exc:  # the user's env raised (SystemExit included): fail this sample only
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
-        raise _EndEpisode(Status.FAILED, "env_error", f"{what} raised {type(exc).__name__}: {exc}\n{''.join(tb)}") from None
+        raise _EndEpisode(
+            Status.FAILED, "env_error", f"{what} raised {type(exc).__name__}: {exc}\n{''.join(tb)}"
+        ) from None
 
 
 async def run_episode(
@@ -187,7 +197,13 @@ async def run_episode(
     t0 = time.monotonic()
     key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
-    meta: dict[str, Any] = {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
+    meta: dict[str, Any] = {
+        "turn_rewards": [],
+        "finish_reasons": [],
+        "env_infos": [],
+        "tool_calls": 0,
+        "parse_errors": 0,
+    }
     sample.metadata = meta
     extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
     if extra:
@@ -200,7 +216,11 @@ async def run_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        obs, info = check_reset(await _timed(call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor), step_timeout, "reset()"))
+        obs, info = check_reset(
+            await _timed(
+                call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor), step_timeout, "reset()"
+            )
+        )
         sample.prompt = obs
         meta["reset_info"] = info
         tools = env.tool_schemas()
@@ -246,14 +266,26 @@ async def run_episode(
                 content, calls, errors = parser.parse(text)
             new_ids = unique_call_ids((*calls, *errors), turn, seen_ids)
             if out.message is not None and out.message.get("tool_calls"):  # the chat message carries the same ids
-                out.message = {**out.message, "tool_calls": [
-                    {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
-                    for tc in out.message["tool_calls"]]}
-            action = Action(text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
+                out.message = {
+                    **out.message,
+                    "tool_calls": [
+                        {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
+                        for tc in out.message["tool_calls"]
+                    ],
+                }
+            action = Action(
+                text=text,
+                tool_calls=calls,
+                errors=errors,
+                token_ids=list(out.output_ids),
+                finish_reason=out.finish_reason,
+            )
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
-            obs, reward, terminated, truncated, info = check_step(await _timed(call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()"))
+            obs, reward, terminated, truncated, info = check_step(
+                await _timed(call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()")
+            )
             meta["turn_rewards"].append(reward)
             meta["env_infos"].append(info)
             if terminated:
@@ -265,7 +297,9 @@ async def run_episode(
             if turn == max_turns - 1:
                 break
             try:
-                delta = ctx.template.observation_delta(obs, tools, last_token_text=last_token_text, context=delta_context)
+                delta = ctx.template.observation_delta(
+                    obs, tools, last_token_text=last_token_text, context=delta_context
+                )
             except TemplateError as exc:
                 raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
             convo.extend(obs)
@@ -304,9 +338,13 @@ def _construct(factory: Callable[[], Env]) -> Env:
     try:
         env = factory()
     except BaseException as exc:  # SystemExit included: constructing one env must not end the run
-        raise _EndEpisode(Status.FAILED, "env_error", f"constructing the env raised {type(exc).__name__}: {exc}") from None
+        raise _EndEpisode(
+            Status.FAILED, "env_error", f"constructing the env raised {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(env, Env):
-        raise _EndEpisode(Status.FAILED, "env_contract", f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+        raise _EndEpisode(
+            Status.FAILED, "env_contract", f"the env factory returned {type(env).__name__}, not an agentrl.Env"
+        )
     return env
 
 
@@ -333,7 +371,9 @@ async def release_sandbox(env: Env, meta: dict[str, Any]) -> None:
         meta.setdefault("close_error", f"sandbox release: {type(exc).__name__}: {exc}")
 
 
-def _finish(sample: Sample, ledger: TokenLedger | None, ctx: EpisodeContext, status: Status, reason: str, seconds: float) -> Sample:
+def _finish(
+    sample: Sample, ledger: TokenLedger | None, ctx: EpisodeContext, status: Status, reason: str, seconds: float
+) -> Sample:
     meta = sample.metadata
     if ledger is not None:
         sample.tokens = ledger.tokens

@@ -118,8 +118,9 @@ async def evaluate(
     for name, tasks in datasets.items():
         sink = (lambda s, _name=name: on_sample(_name, s)) if on_sample is not None else None
         t0 = time.monotonic()
-        samples, _ = await generate_rollout(ctx, env_factory, tasks, args=args, custom_reward=custom_reward,
-                                            on_sample=sink)
+        samples, _ = await generate_rollout(
+            ctx, env_factory, tasks, args=args, custom_reward=custom_reward, on_sample=sink
+        )
         results[name] = score_samples(samples, n_samples=n_samples, success_threshold=success_threshold)
         results[name]["seconds"] = round(time.monotonic() - t0, 3)
     return results
@@ -128,14 +129,35 @@ async def evaluate(
 def format_eval(results: dict[str, dict[str, Any]]) -> str:
     """A plain-text table of :func:`evaluate`'s results, one row per dataset."""
     ks = sorted({int(key[5:]) for r in results.values() for key in r if key.startswith("pass@")})
-    cols = ["dataset", "prompts", "samples", "reward", *[f"pass@{k}" for k in ks], "tool-call rate", "turns",
-            "completed", "truncated", "failed", "aborted", "seconds"]
+    cols = [
+        "dataset",
+        "prompts",
+        "samples",
+        "reward",
+        *[f"pass@{k}" for k in ks],
+        "tool-call rate",
+        "turns",
+        "completed",
+        "truncated",
+        "failed",
+        "aborted",
+        "seconds",
+    ]
     rows = []
     for name, r in results.items():
-        rows.append([name, str(r.get("num_prompts", "")), str(r.get("num_samples", "")), _num(r.get("reward_mean")),
-                     *[_num(r.get(f"pass@{k}")) for k in ks], _num(r.get("tool_call_rate")), _num(r.get("turns_mean")),
-                     *[str(r.get(f"count_{s}", 0)) for s in ("completed", "truncated", "failed", "aborted")],
-                     f"{r.get('seconds', 0.0):.1f}"])
+        rows.append(
+            [
+                name,
+                str(r.get("num_prompts", "")),
+                str(r.get("num_samples", "")),
+                _num(r.get("reward_mean")),
+                *[_num(r.get(f"pass@{k}")) for k in ks],
+                _num(r.get("tool_call_rate")),
+                _num(r.get("turns_mean")),
+                *[str(r.get(f"count_{s}", 0)) for s in ("completed", "truncated", "failed", "aborted")],
+                f"{r.get('seconds', 0.0):.1f}",
+            ]
+        )
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
     for row in rows:

@@ -50,7 +50,9 @@ def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = 
     return rows
 
 
-def task_from_row(row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task") -> dict[str, Any]:
+def task_from_row(
+    row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task"
+) -> dict[str, Any]:
     """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys."""
     if input_key not in row:
         raise ValueError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
@@ -60,8 +62,14 @@ def task_from_row(row: dict[str, Any], *, input_key: str = "prompt", label_key: 
     return task
 
 
-def task_rows(factory: Any, prompt_data: str | Path | None, *, input_key: str = "prompt", label_key: str = "label",
-              env_name: str | None = None) -> list[dict[str, Any]]:
+def task_rows(
+    factory: Any,
+    prompt_data: str | Path | None,
+    *,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    env_name: str | None = None,
+) -> list[dict[str, Any]]:
     """The tasks of a run: ``prompt_data`` (JSONL) if given, else the env class's own ``tasks()``."""
     if prompt_data:
         return load_tasks(prompt_data, input_key=input_key, label_key=label_key)
@@ -128,9 +136,16 @@ class RolloutSummary:
         }
 
 
-async def _custom_episode(fn: GenerateFn, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int) -> Sample:
-    sample = Sample(group_index=group_index, index=index, prompt=task["prompt"], label=task.get("label"),
-                    metadata={k: v for k, v in task.items() if k not in ("prompt", "label")})
+async def _custom_episode(
+    fn: GenerateFn, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int
+) -> Sample:
+    sample = Sample(
+        group_index=group_index,
+        index=index,
+        prompt=task["prompt"],
+        label=task.get("label"),
+        metadata={k: v for k, v in task.items() if k not in ("prompt", "label")},
+    )
     try:
         out = await fn(args, sample, ctx.config.sampling().to_json())
         if not isinstance(out, Sample):
@@ -188,8 +203,9 @@ async def generate_rollout(
                 sample = await _custom_episode(custom_generate, args, ctx, task, group_index, index)
             else:
                 assert env_factory is not None
-                sample = await run_episode(ctx, env_factory, task, group_index=group_index, index=index,
-                                           seed=cfg.rollout_seed + index)
+                sample = await run_episode(
+                    ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
+                )
             if custom_reward is not None:
                 sample = await apply_custom_reward(custom_reward, args, sample)
         summary.add(sample)
@@ -213,5 +229,5 @@ async def generate_rollout(
             own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its (daemon) thread
             summary.hung_threads = own_pool.hung
     summary.seconds = time.monotonic() - t0
-    samples.sort(key=lambda s: (s.index if s.index is not None else 0))
+    samples.sort(key=lambda s: s.index if s.index is not None else 0)
     return samples, summary

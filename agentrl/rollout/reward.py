@@ -54,7 +54,8 @@ async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, 
     try:
         scores = list(await maybe_await(fn(args, live)))
         if len(scores) != len(live) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores):
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores
+        ):
             raise TypeError(f"the group reward function returned {scores!r}; expected {len(live)} finite numbers")
     except asyncio.CancelledError:
         raise

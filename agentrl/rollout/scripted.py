@@ -50,8 +50,9 @@ class PlayResult:
         return len(self.rewards)
 
 
-async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int,
-                   max_turns: int) -> PlayResult:
+async def _episode(
+    make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int, max_turns: int
+) -> PlayResult:
     result = PlayResult(task=task)
     env: Env | None = None
     try:
@@ -95,8 +96,15 @@ async def _episode(make_env: Callable[[], Env], policy: Policy, task: dict[str, 
     return result
 
 
-async def play(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict[str, Any]], *,
-               seed: int = 0, max_turns: int = 10, concurrency: int = 8) -> list[PlayResult]:
+async def play(
+    make_env: Callable[[], Env],
+    policy: Policy,
+    tasks: Sequence[dict[str, Any]],
+    *,
+    seed: int = 0,
+    max_turns: int = 10,
+    concurrency: int = 8,
+) -> list[PlayResult]:
     """Run one episode per task with ``policy``; results in task order. Env errors are recorded, not raised.
 
     ``max_turns`` caps every episode; an env's own ``max_turns`` lowers it (as in a rollout).
@@ -110,8 +118,11 @@ async def play(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
 
-def play_sync(make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict[str, Any]], **kwargs: Any) -> list[PlayResult]:
+def play_sync(
+    make_env: Callable[[], Env], policy: Policy, tasks: Sequence[dict[str, Any]], **kwargs: Any
+) -> list[PlayResult]:
     """:func:`play` from synchronous code (scripts, notebooks without a running loop)."""
+
     async def run() -> list[PlayResult]:
         try:
             return await play(make_env, policy, tasks, **kwargs)

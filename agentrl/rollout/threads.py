@@ -56,9 +56,11 @@ class SyncPool(Executor):
             if self._shutdown:
                 raise RuntimeError("SyncPool is shut down")
             if self.hung > self.max_hung:
-                raise HungThreadsError(f"{self.hung} blocking env/tool calls are stuck in their threads (timed out "
-                                       "and never returned): fix the hanging step()/tool, make it async, or raise "
-                                       "its timeout")
+                raise HungThreadsError(
+                    f"{self.hung} blocking env/tool calls are stuck in their threads (timed out "
+                    "and never returned): fix the hanging step()/tool, make it async, or raise "
+                    "its timeout"
+                )
         fut: Future = Future()
         self._queue.put((fut, fn, args, kwargs))
         return fut

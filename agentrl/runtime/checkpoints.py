@@ -32,14 +32,19 @@ def latest_checkpoint(load: str | Path) -> Path | None:
     if tracker.exists():
         text = tracker.read_text().strip()
         if not (text.isascii() and text.isdigit()):
-            raise ValueError(f"{tracker} should hold the newest step number, not {text[:40]!r}: write the step of "
-                             f"the newest complete iter_* folder into it (or delete it to resume from that folder)")
+            raise ValueError(
+                f"{tracker} should hold the newest step number, not {text[:40]!r}: write the step of "
+                f"the newest complete iter_* folder into it (or delete it to resume from that folder)"
+            )
         step = int(text)
         path = iter_dir(root, step)
         if (path / "loop_state.json").exists():
             return path
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "loop_state.json").exists())
+    done = sorted(
+        p
+        for p in root.glob("iter_*")
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / "loop_state.json").exists()
+    )
     return done[-1] if done else None
 
 

@@ -30,8 +30,12 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                              "configure_logging": True, "logging_level": logging.WARNING}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "configure_logging": True,
+        "logging_level": logging.WARNING,
+    }
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -65,8 +69,9 @@ def actor_options(num_cpus: float, num_gpus: float, bundle: tuple[Any, int] | No
     if bundle is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=bundle[0],
-                                                                       placement_group_bundle_index=bundle[1])
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=bundle[0], placement_group_bundle_index=bundle[1]
+        )
     return opts
 
 
@@ -99,8 +104,10 @@ def plan_placement(cfg: RunConfig) -> Placement:
     try:
         ray.get(pg.ready(), timeout=120)
     except Exception as exc:
-        raise RuntimeError(f"Ray could not reserve {bundles} (available: {ray.available_resources()}); "
-                           "lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes") from exc
+        raise RuntimeError(
+            f"Ray could not reserve {bundles} (available: {ray.available_resources()}); "
+            "lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes"
+        ) from exc
     trainer = [(pg, i) for i in range(world)]
     if cfg.colocate:
         engines = [(pg, i % world) for i in range(n_engines)]

@@ -87,8 +87,10 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_rows") not in (None, len(self.rows)):
-            raise ValueError(f"the checkpoint's prompt data had {state['num_rows']} rows, this run's has "
-                             f"{len(self.rows)}: resume with the same --prompt-data")
+            raise ValueError(
+                f"the checkpoint's prompt data had {state['num_rows']} rows, this run's has "
+                f"{len(self.rows)}: resume with the same --prompt-data"
+            )
         self.seed = int(state.get("seed", self.seed))
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
@@ -107,8 +109,14 @@ class BufferedSource:
     than that many updates behind the current policy is dropped when taken (and counted).
     """
 
-    def __init__(self, source: Any, *, buffer_filter: BufferFilter | None = None, args: Any = None,
-                 max_staleness: int | None = None):
+    def __init__(
+        self,
+        source: Any,
+        *,
+        buffer_filter: BufferFilter | None = None,
+        args: Any = None,
+        max_staleness: int | None = None,
+    ):
         self.source = source
         self.buffer: list[Group] = []
         self.retry: list[dict[str, Any]] = []
@@ -153,8 +161,12 @@ class BufferedSource:
 
     def state_dict(self) -> dict[str, Any]:
         inner = self.source.state_dict() if hasattr(self.source, "state_dict") else None
-        return {"source": inner, "retry": self.retry,
-                "buffer": [[s.to_dict() for s in g] for g in self.buffer], "dropped_stale": self.dropped_stale}
+        return {
+            "source": inner,
+            "retry": self.retry,
+            "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+            "dropped_stale": self.dropped_stale,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("source") is not None and hasattr(self.source, "load_state_dict"):

@@ -67,9 +67,17 @@ class EngineServer:
     with its own event loop; actor methods hop onto that loop to reach the engine.
     """
 
-    def __init__(self, checkpoint: str, *, host: str = "127.0.0.1", port: int | None = None,
-                 num_threads: int | None = None, tool_call_parser: str | None = "hermes", api_key: str | None = None,
-                 **engine_kwargs: Any):
+    def __init__(
+        self,
+        checkpoint: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        num_threads: int | None = None,
+        tool_call_parser: str | None = "hermes",
+        api_key: str | None = None,
+        **engine_kwargs: Any,
+    ):
         import uvicorn
 
         from agentrl.engines.local.engine import LocalEngine
@@ -124,8 +132,9 @@ class EngineServer:
         """Point the model's parameters at a shared-memory slot the trainer wrote (no copy)."""
         from agentrl.runtime.shm_weights import open_weights
 
-        return self._call(self.engine.update_weights_from_tensors(open_weights(path, layout), weight_version,
-                                                                  assign=True))
+        return self._call(
+            self.engine.update_weights_from_tensors(open_weights(path, layout), weight_version, assign=True)
+        )
 
     def node_id(self) -> str:
         import ray
@@ -157,9 +166,18 @@ class EngineGroup:
         self.api_key = api_key
 
     @classmethod
-    def embedded(cls, checkpoint: str | Path, n: int = 1, *, num_cpus: float = 1, num_gpus: float = 0,
-                 placement: Sequence[tuple[Any, int]] = (), num_threads: int | None = None,
-                 api_key: str | None = None, **engine_kwargs: Any) -> EngineGroup:
+    def embedded(
+        cls,
+        checkpoint: str | Path,
+        n: int = 1,
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        placement: Sequence[tuple[Any, int]] = (),
+        num_threads: int | None = None,
+        api_key: str | None = None,
+        **engine_kwargs: Any,
+    ) -> EngineGroup:
         import secrets
 
         import ray
@@ -173,8 +191,11 @@ class EngineGroup:
             opts = actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None)
             if num_gpus:
                 engine_kwargs.setdefault("device", "cuda")
-            actors.append(remote.options(**opts).remote(str(checkpoint), num_threads=num_threads, api_key=api_key,
-                                                        **engine_kwargs))
+            actors.append(
+                remote.options(**opts).remote(
+                    str(checkpoint), num_threads=num_threads, api_key=api_key, **engine_kwargs
+                )
+            )
         urls = ray.get([a.get_url.remote() for a in actors])
         return cls(urls, actors, api_key)
 

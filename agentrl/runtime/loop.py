@@ -60,9 +60,14 @@ class Batch:
 
 def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
     """Completed or truncated, token-exact (unless allowed), with at least one sampled token."""
-    return (s.status in (Status.COMPLETED, Status.TRUNCATED) and (s.token_exact or allow_non_token_exact)
-            and s.response_length > 0 and bool(s.loss_mask) and sum(s.loss_mask) > 0
-            and s.rollout_log_probs is not None)
+    return (
+        s.status in (Status.COMPLETED, Status.TRUNCATED)
+        and (s.token_exact or allow_non_token_exact)
+        and s.response_length > 0
+        and bool(s.loss_mask)
+        and sum(s.loss_mask) > 0
+        and s.rollout_log_probs is not None
+    )
 
 
 class TrainLoop:
@@ -74,10 +79,24 @@ class TrainLoop:
     :class:`~agentrl.runtime.data.BufferedSource`).
     """
 
-    def __init__(self, cfg: RunConfig, *, ctx: EpisodeContext, env_factory: Any, source: Any, trainers: Any,
-                 sync_weights: Callable[[int], Any], metrics: Any, args: Any = None, custom_generate: Any = None,
-                 custom_reward: Any = None, group_filter: Any = None, evaluator: Callable[[int], Any] | None = None,
-                 engine_memory: Any = None, update_guard: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        ctx: EpisodeContext,
+        env_factory: Any,
+        source: Any,
+        trainers: Any,
+        sync_weights: Callable[[int], Any],
+        metrics: Any,
+        args: Any = None,
+        custom_generate: Any = None,
+        custom_reward: Any = None,
+        group_filter: Any = None,
+        evaluator: Callable[[int], Any] | None = None,
+        engine_memory: Any = None,
+        update_guard: Callable[[], Any] | None = None,
+    ):
         self.cfg = cfg
         self.ctx = ctx
         self.env_factory = env_factory
@@ -112,8 +131,13 @@ class TrainLoop:
         rounds = 0
         while len(groups) < need:
             if rounds >= cfg.max_dynamic_sampling_rounds:
-                log.warning("step %d: only %d/%d groups passed the dynamic sampling filter after %d rounds; "
-                            "training on those", step, len(groups), need, rounds)
+                log.warning(
+                    "step %d: only %d/%d groups passed the dynamic sampling filter after %d rounds; training on those",
+                    step,
+                    len(groups),
+                    need,
+                    rounds,
+                )
                 break
             # over-sampling only pays when a filter may reject groups
             per_round = (cfg.over_sampling_batch_size if self.group_filter is not None else None) or need - len(groups)
@@ -136,9 +160,14 @@ class TrainLoop:
         seed = rc.rollout_seed + 1_000_003 * step + 7_919 * round_
         ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(rc, rollout_seed=seed))
         group_rm = self.cfg.group_rm and self.custom_reward is not None
-        samples, _ = await generate_rollout(ctx, self.env_factory, rows, args=self.args,
-                                            custom_generate=self.custom_generate,
-                                            custom_reward=None if group_rm else self.custom_reward)
+        samples, _ = await generate_rollout(
+            ctx,
+            self.env_factory,
+            rows,
+            args=self.args,
+            custom_generate=self.custom_generate,
+            custom_reward=None if group_rm else self.custom_reward,
+        )
         by_group: dict[int, Group] = {}
         for s in samples:
             by_group.setdefault(int(s.group_index or 0), []).append(s)
@@ -194,15 +223,25 @@ class TrainLoop:
             loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
             turn_rewards=[list(s.metadata.get("turn_rewards", [])) for s in samples] if per_turn else None,
             turn_spans=[[tuple(x) for x in s.metadata.get("turn_spans", [])] for s in samples] if per_turn else None,
-            kl=kl, gamma=t.gamma, kl_coef=t.kl_coef, std_normalize=not t.disable_grpo_std_normalization,
+            kl=kl,
+            gamma=t.gamma,
+            kl_coef=t.kl_coef,
+            std_normalize=not t.disable_grpo_std_normalization,
             per_turn=per_turn,
         )
         for b, a in zip(batch, advs):
             b.advantages = [float(x) for x in a]
 
     async def train(self, samples: list[Sample]) -> tuple[dict[str, float], list[list[float]]]:
-        batch = [TrainSample(tokens=list(s.tokens), response_length=s.response_length, loss_mask=list(s.loss_mask),
-                             rollout_log_probs=list(s.rollout_log_probs)) for s in samples]
+        batch = [
+            TrainSample(
+                tokens=list(s.tokens),
+                response_length=s.response_length,
+                loss_mask=list(s.loss_mask),
+                rollout_log_probs=list(s.rollout_log_probs),
+            )
+            for s in samples
+        ]
         if not batch:
             return {}, []
         need_old, need_ref = self.needs_log_probs()
@@ -256,9 +295,14 @@ class TrainLoop:
             async with (self.update_guard or contextlib.nullcontext)():
                 await asyncio.to_thread(self.sync_weights, self.version)
         sync_seconds = time.monotonic() - t1
-        extra = {**counts, "weight_version": self.version, "train_samples": len(keep),
-                 "hung_threads": getattr(self.ctx.executor, "hung", 0),
-                 "weight_sync_seconds": sync_seconds, "step_train_seconds": train_seconds}
+        extra = {
+            **counts,
+            "weight_version": self.version,
+            "train_samples": len(keep),
+            "hung_threads": getattr(self.ctx.executor, "hung", 0),
+            "weight_sync_seconds": sync_seconds,
+            "step_train_seconds": train_seconds,
+        }
         line = step_metrics(samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
         if self.run_dir is not None and cfg.dump_rollouts:
             adv_by_id = {id(s): a for s, a in zip(keep, advs)}
@@ -267,8 +311,9 @@ class TrainLoop:
             line.update(await self.evaluator(step))
         self.metrics.log(step, line)
         # with --save the final model is always kept, --save-interval or not
-        if self.run_dir is not None and ((cfg.save_interval and (step + 1) % cfg.save_interval == 0)
-                                         or step + 1 == cfg.num_rollout):
+        if self.run_dir is not None and (
+            (cfg.save_interval and (step + 1) % cfg.save_interval == 0) or step + 1 == cfg.num_rollout
+        ):
             await asyncio.to_thread(self.save, step + 1)
         return line
 
@@ -278,9 +323,12 @@ class TrainLoop:
         """Write ``iter_<steps_done>`` (model, optimizer, RNG, data cursor) atomically."""
         assert self.run_dir is not None
         tmp = checkpoints.begin(self.run_dir, steps_done)
-        state = {"step": steps_done, "weight_version": self.version,
-                 "data": self.source.state_dict() if hasattr(self.source, "state_dict") else None,
-                 "python_random": repr(random.getstate())}
+        state = {
+            "step": steps_done,
+            "weight_version": self.version,
+            "data": self.source.state_dict() if hasattr(self.source, "state_dict") else None,
+            "python_random": repr(random.getstate()),
+        }
         self.trainers.save(str(tmp), extra_state={"loop": state})
         return checkpoints.commit(self.run_dir, steps_done, tmp, state)
 

@@ -46,8 +46,9 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
         from agentrl.data import read_rows
 
         env_tools = factory().tool_schemas() if factory is not None else None
-        samples, stats = demos.conversation_samples(read_rows(cfg.sft_data), template, env_tools=env_tools,
-                                                    allow_non_token_exact=cfg.allow_non_token_exact)
+        samples, stats = demos.conversation_samples(
+            read_rows(cfg.sft_data), template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
+        )
     elif cfg.demo_policy:
         from agentrl.env import load_function
 
@@ -59,8 +60,11 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
     for line in stats.problems[:5]:
         print(f"  {line}", file=sys.stderr)
     if not samples:
-        raise ValueError("no demonstrations to train on: " + stats.summary() +
-                         ("; lower --demo-min-reward" if stats.below_min_reward else ""))
+        raise ValueError(
+            "no demonstrations to train on: "
+            + stats.summary()
+            + ("; lower --demo-min-reward" if stats.below_min_reward else "")
+        )
     return samples
 
 
@@ -69,9 +73,16 @@ async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], templ
     from agentrl.sandbox import close_default_pool
 
     try:
-        return await scripted_samples(factory, policy, rows, template, min_reward=cfg.demo_min_reward,
-                                      max_turns=cfg.rollout.turn_limit(getattr(factory, "max_turns", None)),
-                                      seed=cfg.rollout.rollout_seed, concurrency=min(cfg.rollout.rollout_concurrency, 32))
+        return await scripted_samples(
+            factory,
+            policy,
+            rows,
+            template,
+            min_reward=cfg.demo_min_reward,
+            max_turns=cfg.rollout.turn_limit(getattr(factory, "max_turns", None)),
+            seed=cfg.rollout.rollout_seed,
+            concurrency=min(cfg.rollout.rollout_concurrency, 32),
+        )
     finally:
         await close_default_pool()
 
@@ -87,8 +98,7 @@ async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], t
     ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
     try:
         assert cfg.demo_min_reward is not None  # validated
-        return await rejection_samples(ctx, factory, rows, min_reward=cfg.demo_min_reward,
-                                       best_of_n=cfg.demo_best_of_n)
+        return await rejection_samples(ctx, factory, rows, min_reward=cfg.demo_min_reward, best_of_n=cfg.demo_best_of_n)
     finally:
         await engine.close()
         await close_default_pool()
@@ -108,14 +118,23 @@ class SFTLoop:
     after the last step when eval sets are given): the engines serve the checkpoint until then.
     """
 
-    def __init__(self, cfg: RunConfig, *, demos: list[Sample], trainers: Any, metrics: Any,
-                 sync_weights: Callable[[int], Any] | None = None, evaluator: Callable[[int], Any] | None = None,
-                 ctx: Any = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        demos: list[Sample],
+        trainers: Any,
+        metrics: Any,
+        sync_weights: Callable[[int], Any] | None = None,
+        evaluator: Callable[[int], Any] | None = None,
+        ctx: Any = None,
+    ):
         self.cfg, self.demos, self.trainers, self.metrics = cfg, demos, trainers, metrics
         self.ctx = ctx  # the eval episodes' context (its engine is closed with the run)
         self.sync_weights, self.evaluator = sync_weights, evaluator
-        self.source = PromptSource([{"demo": i} for i in range(len(demos))], shuffle=cfg.shuffle_prompts,
-                                   seed=cfg.train.seed)
+        self.source = PromptSource(
+            [{"demo": i} for i in range(len(demos))], shuffle=cfg.shuffle_prompts, seed=cfg.train.seed
+        )
         self.total = sft_steps(cfg, len(demos))
         self.per_epoch = math.ceil(len(demos) / cfg.train.global_batch_size)
         self.start_step = 0
@@ -125,8 +144,15 @@ class SFTLoop:
     def batch(self) -> list[TrainSample]:
         """The next ``--global-batch-size`` demonstrations as trainer records (advantages unused: zeros)."""
         picked = [self.demos[r["demo"]] for r in self.source.get_samples(self.cfg.train.global_batch_size)]
-        return [TrainSample(tokens=list(s.tokens), response_length=s.response_length, loss_mask=list(s.loss_mask or []),
-                            advantages=[0.0] * s.response_length) for s in picked]
+        return [
+            TrainSample(
+                tokens=list(s.tokens),
+                response_length=s.response_length,
+                loss_mask=list(s.loss_mask or []),
+                advantages=[0.0] * s.response_length,
+            )
+            for s in picked
+        ]
 
     async def run(self) -> list[dict[str, Any]]:
         lines = []
@@ -140,8 +166,12 @@ class SFTLoop:
         t0 = time.monotonic()
         metrics = await asyncio.to_thread(self.trainers.train_step, batch)
         self.version += 1
-        line: dict[str, Any] = {**metrics, "epoch": (step + 1) / self.per_epoch, "train_samples": len(batch),
-                                "step_train_seconds": time.monotonic() - t0}
+        line: dict[str, Any] = {
+            **metrics,
+            "epoch": (step + 1) / self.per_epoch,
+            "train_samples": len(batch),
+            "step_train_seconds": time.monotonic() - t0,
+        }
         last = step + 1 == self.total
         if self.evaluator is not None and ((cfg.eval_interval and (step + 1) % cfg.eval_interval == 0) or last):
             if self.sync_weights is not None:
@@ -156,8 +186,13 @@ class SFTLoop:
         """``iter_<steps_done>``: the HF model, optimizer and RNG state, the demonstration cursor."""
         assert self.run_dir is not None
         tmp = checkpoints.begin(self.run_dir, steps_done)
-        state = {"step": steps_done, "weight_version": self.version, "loss_type": "sft_loss",
-                 "data": self.source.state_dict(), "python_random": repr(random.getstate())}
+        state = {
+            "step": steps_done,
+            "weight_version": self.version,
+            "loss_type": "sft_loss",
+            "data": self.source.state_dict(),
+            "python_random": repr(random.getstate()),
+        }
         self.trainers.save(str(tmp), extra_state={"loop": state})
         return checkpoints.commit(self.run_dir, steps_done, tmp, state)
 

@@ -60,7 +60,7 @@ def views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     for name, offset, shape, dtype in layout.entries:
         dt = getattr(torch, dtype)
         n = torch.Size(shape).numel() * dt.itemsize
-        out[name] = buffer[offset:offset + n].view(dt).view(shape)
+        out[name] = buffer[offset : offset + n].view(dt).view(shape)
     return out
 
 

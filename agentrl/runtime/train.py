@@ -36,8 +36,10 @@ def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
     if cfg.data_source_path:
         source = load_function(cfg.data_source_path)(args)
         if not isinstance(source, DataSource):
-            raise TypeError(f"--data-source-path {cfg.data_source_path} must build an object with "
-                            "get_samples(num_samples) and add_samples(samples)")
+            raise TypeError(
+                f"--data-source-path {cfg.data_source_path} must build an object with "
+                "get_samples(num_samples) and add_samples(samples)"
+            )
     else:
         source = PromptSource(rows, shuffle=cfg.shuffle_prompts, seed=cfg.train.seed)
     if cfg.buffer_filter_path or cfg.dynamic_sampling_filter_path or cfg.async_mode:
@@ -63,9 +65,17 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         factory = load_env(cfg.env) if cfg.env else None
     # a user data source (--data-source-path) brings its own prompts, --sft-data its own conversations
     with naming_flag("--prompt-data" if cfg.prompt_data else "--env", cfg.prompt_data or cfg.env):
-        rows = (task_rows(factory, cfg.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
-                          env_name=cfg.env)
-                if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data) else [])
+        rows = (
+            task_rows(
+                factory,
+                cfg.prompt_data,
+                input_key=cfg.rollout.input_key,
+                label_key=cfg.rollout.label_key,
+                env_name=cfg.env,
+            )
+            if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data)
+            else []
+        )
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
@@ -74,8 +84,11 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
     group_filter = None
     if cfg.dynamic_sampling_filter_path:
-        group_filter = (check_reward_nonzero_std if cfg.dynamic_sampling_filter_path == "default"
-                        else load_function(cfg.dynamic_sampling_filter_path))
+        group_filter = (
+            check_reward_nonzero_std
+            if cfg.dynamic_sampling_filter_path == "default"
+            else load_function(cfg.dynamic_sampling_filter_path)
+        )
     if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
         cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
     args = args if args is not None else argparse_namespace(cfg)
@@ -90,9 +103,13 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         from agentrl.trainer.megatron_model import transformer_config_from_hf
 
         t = cfg.train
-        transformer_config_from_hf(AutoConfig.from_pretrained(str(ckpt), local_files_only=True),
-                                   tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size,
-                                   cp=t.context_parallel_size, overrides=dict(t.megatron_args))
+        transformer_config_from_hf(
+            AutoConfig.from_pretrained(str(ckpt), local_files_only=True),
+            tp=t.tensor_model_parallel_size,
+            pp=t.pipeline_model_parallel_size,
+            cp=t.context_parallel_size,
+            overrides=dict(t.megatron_args),
+        )
     demos = None
     if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
         from agentrl.runtime.sft import load_demonstrations, sft_steps
@@ -116,12 +133,25 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         runtime = stack.enter_context(_Runtime(cfg, ckpt))
         if demos is not None:
-            loop = runtime.build_sft_loop(demos=demos, factory=factory, eval_sets=eval_sets, custom_rm=custom_rm,
-                                          args=args, resume_step=resume_step)
+            loop = runtime.build_sft_loop(
+                demos=demos,
+                factory=factory,
+                eval_sets=eval_sets,
+                custom_rm=custom_rm,
+                args=args,
+                resume_step=resume_step,
+            )
         else:
-            loop = runtime.build_loop(factory=factory, source=source, args=args, custom_generate=custom_generate,
-                                      custom_rm=custom_rm, group_filter=group_filter, eval_sets=eval_sets,
-                                      resume_step=resume_step)
+            loop = runtime.build_loop(
+                factory=factory,
+                source=source,
+                args=args,
+                custom_generate=custom_generate,
+                custom_rm=custom_rm,
+                group_filter=group_filter,
+                eval_sets=eval_sets,
+                resume_step=resume_step,
+            )
         if resume_from is not None:
             loop.resume(resume_from)
         t0 = time.monotonic()
@@ -144,13 +174,17 @@ def _resume_point(cfg: RunConfig) -> Path | None:
     found = checkpoints.latest_checkpoint(cfg.load)
     if found is not None:
         if checkpoints.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
-            raise ValueError(f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
-                             "; to start from its weights pass it as --hf-checkpoint instead")
+            raise ValueError(
+                f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
+                "; to start from its weights pass it as --hf-checkpoint instead"
+            )
         return found
     root = Path(cfg.load)
     if root.is_dir() and any(root.iterdir()):
-        raise ValueError(f"--load {cfg.load}: the folder holds no complete checkpoint (iter_*/loop_state.json); "
-                         "pass the run folder that has one, or drop --load to start a new run elsewhere")
+        raise ValueError(
+            f"--load {cfg.load}: the folder holds no complete checkpoint (iter_*/loop_state.json); "
+            "pass the run folder that has one, or drop --load to start a new run elsewhere"
+        )
     print(f"--load {cfg.load}: no checkpoint yet; starting from --hf-checkpoint", file=sys.stderr)
     return None
 
@@ -201,8 +235,11 @@ class _Runtime:
         cfg = self.cfg
         init_ray(cfg.ray_address)
         placement = self.placement = plan_placement(cfg)
-        print(f"starting {cfg.trainer_world_size} trainer rank(s) and "
-              f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...", file=sys.stderr)
+        print(
+            f"starting {cfg.trainer_world_size} trainer rank(s) and "
+            f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...",
+            file=sys.stderr,
+        )
         t_threads, e_threads = _threads(cfg, placement)
         if cfg.engine_url:
             self.engines = EngineGroup.external(cfg.engine_url)
@@ -210,13 +247,25 @@ class _Runtime:
             self.engines = _launch_sglang(cfg, self.checkpoint, placement)
         else:
             self.engines = EngineGroup.embedded(
-                self.checkpoint, len(placement.engines), num_cpus=placement.engine_cpus, num_gpus=placement.engine_gpus,
-                placement=placement.engines, max_running_requests=cfg.engine_max_running_requests,
-                seed=cfg.rollout.rollout_seed, num_threads=e_threads)
-        self.trainers = TrainerGroup(self.checkpoint, cfg.train, world_size=cfg.trainer_world_size,
-                                     num_cpus=placement.trainer_cpus, num_gpus=placement.trainer_gpus,
-                                     placement_group=placement.trainer[0][0], num_threads=t_threads,
-                                     backend=cfg.train_backend)
+                self.checkpoint,
+                len(placement.engines),
+                num_cpus=placement.engine_cpus,
+                num_gpus=placement.engine_gpus,
+                placement=placement.engines,
+                max_running_requests=cfg.engine_max_running_requests,
+                seed=cfg.rollout.rollout_seed,
+                num_threads=e_threads,
+            )
+        self.trainers = TrainerGroup(
+            self.checkpoint,
+            cfg.train,
+            world_size=cfg.trainer_world_size,
+            num_cpus=placement.trainer_cpus,
+            num_gpus=placement.trainer_gpus,
+            placement_group=placement.trainer[0][0],
+            num_threads=t_threads,
+            backend=cfg.train_backend,
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -261,8 +310,9 @@ class _Runtime:
                     return
             self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
             return
-        self.trainers.push_weights(mode, self.engines.urls, str(version), folder=self._sync_dir(),
-                                   api_key=self.engines.api_key)
+        self.trainers.push_weights(
+            mode, self.engines.urls, str(version), folder=self._sync_dir(), api_key=self.engines.api_key
+        )
         if mode == "disk" and hasattr(self.engines, "record_weights"):  # a restarted server loads these first
             self.engines.record_weights(str(Path(self._sync_dir()) / f"weights-{version}"), str(version))
 
@@ -297,9 +347,16 @@ class _Runtime:
         self.env_pool = pool
         ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout, executor=pool)
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
-        self.metrics = MetricsLogger(cfg.save, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                                     wandb_project=cfg.wandb_project, config=config_dict(cfg),
-                                     total_steps=cfg.num_rollout, resume_step=resume_step, curve_key=curve_key)
+        self.metrics = MetricsLogger(
+            cfg.save,
+            tensorboard=cfg.tensorboard,
+            wandb=cfg.wandb,
+            wandb_project=cfg.wandb_project,
+            config=config_dict(cfg),
+            total_steps=cfg.num_rollout,
+            resume_step=resume_step,
+            curve_key=curve_key,
+        )
         return ctx
 
     def build_sft_loop(self, *, demos, factory, eval_sets, custom_rm, args, resume_step) -> Any:
@@ -307,22 +364,41 @@ class _Runtime:
 
         ctx = self._context(args, resume_step, curve_key="loss")
         evaluator = _evaluator(self.cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
-        return SFTLoop(self.cfg, demos=demos, trainers=self.trainers, metrics=self.metrics,
-                       sync_weights=self.sync_weights, evaluator=evaluator, ctx=ctx)
+        return SFTLoop(
+            self.cfg,
+            demos=demos,
+            trainers=self.trainers,
+            metrics=self.metrics,
+            sync_weights=self.sync_weights,
+            evaluator=evaluator,
+            ctx=ctx,
+        )
 
-    def build_loop(self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets,
-                   resume_step) -> Any:
+    def build_loop(
+        self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets, resume_step
+    ) -> Any:
         from agentrl.runtime.loop import TrainLoop
 
         cfg = self.cfg
         ctx = self._context(args, resume_step)
         engine = ctx.engine
         evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
-        return TrainLoop(cfg, ctx=ctx, env_factory=factory, source=source, trainers=self.trainers,
-                         sync_weights=self.sync_weights, metrics=self.metrics, args=args,
-                         custom_generate=custom_generate, custom_reward=custom_rm, group_filter=group_filter,
-                         evaluator=evaluator, engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
-                         update_guard=self._update_guard(engine))
+        return TrainLoop(
+            cfg,
+            ctx=ctx,
+            env_factory=factory,
+            source=source,
+            trainers=self.trainers,
+            sync_weights=self.sync_weights,
+            metrics=self.metrics,
+            args=args,
+            custom_generate=custom_generate,
+            custom_reward=custom_rm,
+            group_filter=group_filter,
+            evaluator=evaluator,
+            engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
+            update_guard=self._update_guard(engine),
+        )
 
     def _update_guard(self, router: Any) -> Any:
         """Launched SGLang servers: pause generation (restarting dead servers first) around each push.
@@ -377,10 +453,17 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
 
         launch.api_key = secrets.token_urlsafe(24)
     if launch.binary == "agentrl" and cfg.sglang_launcher == "auto":
-        log.warning("--rollout-backend sglang: no SGLang with GPUs here (not installed, or --rollout-num-gpus 0); "
-                    "launching `agentrl serve` servers (same API and management) instead")
-    group = SGLangEngineGroup.start(launch, max(len(placement.engines), 1), num_cpus=placement.engine_cpus,
-                                   num_gpus=placement.engine_gpus or None, placement=placement.engines)
+        log.warning(
+            "--rollout-backend sglang: no SGLang with GPUs here (not installed, or --rollout-num-gpus 0); "
+            "launching `agentrl serve` servers (same API and management) instead"
+        )
+    group = SGLangEngineGroup.start(
+        launch,
+        max(len(placement.engines), 1),
+        num_cpus=placement.engine_cpus,
+        num_gpus=placement.engine_gpus or None,
+        placement=placement.engines,
+    )
     if cfg.engine_monitor_interval:
         group.start_monitor(cfg.engine_monitor_interval)
     return group
@@ -437,8 +520,9 @@ def _evaluator(cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_r
     eval_ctx = dataclasses.replace(ctx, config=rc)
 
     async def run(step: int) -> dict[str, float]:
-        results = await evaluate(eval_ctx, factory, eval_sets, n_samples=cfg.n_samples_per_eval_prompt,
-                                 custom_reward=custom_rm, args=args)
+        results = await evaluate(
+            eval_ctx, factory, eval_sets, n_samples=cfg.n_samples_per_eval_prompt, custom_reward=custom_rm, args=args
+        )
         out: dict[str, float] = {}
         for name, res in results.items():
             for k, v in res.items():

@@ -38,8 +38,9 @@ from agentrl.config import TrainConfig
 from agentrl.trainer.base import LogProbs, TrainSample
 
 
-def make_trainer(backend: str, checkpoint: str, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
-                 device: str | None = None) -> Any:
+def make_trainer(
+    backend: str, checkpoint: str, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1, device: str | None = None
+) -> Any:
     """One rank of the ``torch`` or ``megatron`` backend (the process group must already exist)."""
     if backend == "torch":
         from agentrl.trainer.torch_trainer import TorchTrainer
@@ -68,8 +69,16 @@ class TrainerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, checkpoint: str, cfg: TrainConfig, rank: int, world_size: int, master: tuple[str, int],
-              device: str, backend: str = "torch") -> None:
+    def setup(
+        self,
+        checkpoint: str,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        device: str,
+        backend: str = "torch",
+    ) -> None:
         """Join the process group (``world_size > 1``) and load this rank's model."""
         import torch.distributed as dist
 
@@ -116,8 +125,9 @@ class TrainerActor:
             self._shm = SharedWeightsWriter()
         return self._shm.write(named)
 
-    def push_weights(self, kind: str, urls: list[str], version: str, folder: str | None = None,
-                     api_key: str | None = None) -> None:
+    def push_weights(
+        self, kind: str, urls: list[str], version: str, folder: str | None = None, api_key: str | None = None
+    ) -> None:
         """Send the full weights to SGLang-compatible engines (``disk``, ``nccl`` or ``tensor``).
 
         Every rank takes part in gathering the weights. ``disk`` and ``nccl`` push from rank 0 to
@@ -187,42 +197,62 @@ class TrainerGroup:
     rank ``r`` to its bundle ``bundle_indices[r]`` (default: bundle ``r``).
     """
 
-    def __init__(self, checkpoint: str | Path, cfg: TrainConfig, *, world_size: int = 1, num_cpus: float = 1,
-                 num_gpus: float | None = None, placement_group: Any | None = None,
-                 bundle_indices: Sequence[int] | None = None, num_threads: int | None = None,
-                 backend: str = "torch"):
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        cfg: TrainConfig,
+        *,
+        world_size: int = 1,
+        num_cpus: float = 1,
+        num_gpus: float | None = None,
+        placement_group: Any | None = None,
+        bundle_indices: Sequence[int] | None = None,
+        num_threads: int | None = None,
+        backend: str = "torch",
+    ):
         if num_gpus is None:
             num_gpus = 1 if _cluster_has_gpus() else 0
         self.cfg, self.world_size, self.backend = cfg, world_size, backend
         mp = cfg.model_parallel_size if backend == "megatron" else 1
         if world_size % mp:
             raise ValueError(f"{world_size} trainer ranks cannot hold tensor x pipeline x context = {mp} model shards")
-        self.layout = DataLayout(world_size, mp, cfg.tensor_model_parallel_size * cfg.context_parallel_size
-                                 if backend == "megatron" else 1)
+        self.layout = DataLayout(
+            world_size, mp, cfg.tensor_model_parallel_size * cfg.context_parallel_size if backend == "megatron" else 1
+        )
         threads = num_threads or max(1, int(num_cpus))
         remote = ray.remote(TrainerActor)
         self.actors = []
         for rank in range(world_size):
-            options: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus,
-                                           runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+            options: dict[str, Any] = dict(
+                num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+            )
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group,
-                    placement_group_bundle_index=rank if bundle_indices is None else bundle_indices[rank])
+                    placement_group_bundle_index=rank if bundle_indices is None else bundle_indices[rank],
+                )
             self.actors.append(remote.options(**options).remote(threads))
         master = ray.get(self.actors[0].address.remote())
         device = "cuda" if num_gpus > 0 else "cpu"  # Ray shows each actor its GPU as cuda:0
-        ray.get([a.setup.remote(str(checkpoint), cfg, r, world_size, master, device, backend)
-                 for r, a in enumerate(self.actors)])
+        ray.get(
+            [
+                a.setup.remote(str(checkpoint), cfg, r, world_size, master, device, backend)
+                for r, a in enumerate(self.actors)
+            ]
+        )
 
     def compute_log_probs(self, samples: Sequence[TrainSample], ref: bool = False) -> LogProbs:
         """Log-probs of every sample (token-balanced contiguous shards per data rank), in the original order."""
         lay = self.layout
         bounds = _token_balanced_bounds([len(s.tokens) for s in samples], lay.dp)
-        parts = ray.get([a.compute_log_probs.remote(list(samples[slice(*bounds[lay.dp_rank(r)])]), ref)
-                         for r, a in enumerate(self.actors)])
+        parts = ray.get(
+            [
+                a.compute_log_probs.remote(list(samples[slice(*bounds[lay.dp_rank(r)])]), ref)
+                for r, a in enumerate(self.actors)
+            ]
+        )
         parts = [parts[lay.source_rank(d)] for d in range(lay.dp)]
         old = [lp for part in parts for lp in part.old]
         refs = [lp for part in parts for lp in part.ref] if ref else None
@@ -235,11 +265,14 @@ class TrainerGroup:
             raise ValueError(
                 f"train_step got {len(samples)} samples: it needs a positive multiple of num_steps_per_rollout "
                 f"({n_steps}) x data-parallel size ({dp}) so every step's global batch splits evenly over "
-                "the ranks (drop or duplicate samples, or set global_batch_size accordingly)")
+                "the ranks (drop or duplicate samples, or set global_batch_size accordingly)"
+            )
         step = len(samples) // n_steps
         shard = step // dp
-        shards = [[s for k in range(n_steps) for s in samples[k * step + d * shard:k * step + (d + 1) * shard]]
-                  for d in range(dp)]
+        shards = [
+            [s for k in range(n_steps) for s in samples[k * step + d * shard : k * step + (d + 1) * shard]]
+            for d in range(dp)
+        ]
         results = ray.get([a.train_step.remote(shards[self.layout.dp_rank(r)]) for r, a in enumerate(self.actors)])
         return results[-1]
 
@@ -260,14 +293,16 @@ class TrainerGroup:
         """Full weights into rank 0's next shared-memory slot: ``(path, layout)`` for the engines."""
         return ray.get([a.write_shared_weights.remote() for a in self.actors])[0]
 
-    def push_weights(self, kind: str, urls: Sequence[str], version: str, folder: str | None = None,
-                     api_key: str | None = None) -> None:
+    def push_weights(
+        self, kind: str, urls: Sequence[str], version: str, folder: str | None = None, api_key: str | None = None
+    ) -> None:
         """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``), ``nccl`` broadcast, or
         ``tensor`` handles (colocated: engine ``i`` shares the device of rank ``i % world_size``, as placed)."""
         if kind == "tensor":
             shares = [[u for i, u in enumerate(urls) if i % self.world_size == r] for r in range(self.world_size)]
-            ray.get([a.push_weights.remote(kind, shares[r], version, folder, api_key)
-                     for r, a in enumerate(self.actors)])
+            ray.get(
+                [a.push_weights.remote(kind, shares[r], version, folder, api_key) for r, a in enumerate(self.actors)]
+            )
             return
         ray.get([a.push_weights.remote(kind, list(urls), version, folder, api_key) for a in self.actors])
 

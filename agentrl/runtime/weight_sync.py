@@ -81,6 +81,7 @@ def make_transport(kind: str, engines: Sequence[Any], **kwargs: Any) -> WeightTr
 
 # ------------------------------------------------------------------------------------------- disk
 
+
 class DiskTransport(WeightTransport):
     """Write a safetensors checkpoint to ``folder/weights-<version>`` and have every engine load it.
 
@@ -93,8 +94,14 @@ class DiskTransport(WeightTransport):
     readable by all of them at the same path.
     """
 
-    def __init__(self, engines: Sequence[Any], folder: str | Path, *, config: str | Path | Any | None = None,
-                 shard_bytes: int = 5 << 30):
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        folder: str | Path,
+        *,
+        config: str | Path | Any | None = None,
+        shard_bytes: int = 5 << 30,
+    ):
         self.engines = list(engines)
         self.folder = Path(folder)
         self.config = config
@@ -103,8 +110,9 @@ class DiskTransport(WeightTransport):
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         path = await asyncio.to_thread(self._write, named_tensors, str(version))
         try:
-            results = await asyncio.gather(*(e.update_weights_from_disk(str(path), str(version)) for e in self.engines),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(e.update_weights_from_disk(str(path), str(version)) for e in self.engines), return_exceptions=True
+            )
             failed = [f"{e!r}: {r}" for e, r in zip(self.engines, results) if _failed(r)]
             if failed:
                 raise EngineRequestError("update_weights_from_disk failed on " + " | ".join(failed))
@@ -135,7 +143,8 @@ class DiskTransport(WeightTransport):
             weight_map.update(dict.fromkeys(names, final_name))
         if n > 1:
             (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+            )
         self._write_config(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -160,6 +169,7 @@ def _failed(result: Any) -> bool:
 
 # ----------------------------------------------------------------------------------------- tensor
 
+
 class TensorTransport(WeightTransport):
     """Hand the weights to engines on this machine by handle: SGLang's ``/update_weights_from_tensor``.
 
@@ -171,8 +181,7 @@ class TensorTransport(WeightTransport):
     tensors are kept alive until every engine has answered.
     """
 
-    def __init__(self, engines: Sequence[SGLangEngine], *, bucket_bytes: int = 512 << 20,
-                 ranks_per_engine: int = 1):
+    def __init__(self, engines: Sequence[SGLangEngine], *, bucket_bytes: int = 512 << 20, ranks_per_engine: int = 1):
         if not engines:
             raise ValueError("TensorTransport needs at least one engine")
         self.engines = list(engines)
@@ -181,8 +190,9 @@ class TensorTransport(WeightTransport):
 
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        for bucket, last in _with_last(_buckets(named_tensors, self.bucket_bytes, device=device,
-                                                copy=device.type == "cpu")):
+        for bucket, last in _with_last(
+            _buckets(named_tensors, self.bucket_bytes, device=device, copy=device.type == "cpu")
+        ):
             await self._send(bucket, str(version) if last else None)
 
     async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
@@ -190,11 +200,16 @@ class TensorTransport(WeightTransport):
         unpickle gives back, so no ``/dev/shm`` file outlives the tensors (and one never reached is reclaimed)."""
         from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
 
-        payloads = await asyncio.to_thread(lambda: [[serialize_named_tensors(bucket) for _ in range(self.ranks_per_engine)]
-                                                    for _ in self.engines])
-        answers = await asyncio.gather(*(e.update_weights_from_tensor(
-            p, flush_cache=version is not None, weight_version=version) for e, p in zip(self.engines, payloads)),
-            return_exceptions=True)
+        payloads = await asyncio.to_thread(
+            lambda: [[serialize_named_tensors(bucket) for _ in range(self.ranks_per_engine)] for _ in self.engines]
+        )
+        answers = await asyncio.gather(
+            *(
+                e.update_weights_from_tensor(p, flush_cache=version is not None, weight_version=version)
+                for e, p in zip(self.engines, payloads)
+            ),
+            return_exceptions=True,
+        )
         failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
         for p, a in zip(payloads, answers):  # never read by the server (no answer, or refused unauthenticated):
             if isinstance(a, BaseException) and (not isinstance(a, EngineRequestError) or a.status == 401):
@@ -206,6 +221,7 @@ class TensorTransport(WeightTransport):
 
 
 # ------------------------------------------------------------------------------------ distributed
+
 
 class DistributedTransport(WeightTransport):
     """Broadcast weights from this process (rank 0) into SGLang engines, bucket by bucket.
@@ -234,10 +250,18 @@ class DistributedTransport(WeightTransport):
 
     refusal_grace = 10.0
 
-    def __init__(self, engines: Sequence[SGLangEngine], *, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, backend: str | None = None, bucket_bytes: int = 512 << 20,
-                 group_name: str = DEFAULT_GROUP_NAME, ranks_per_engine: Sequence[int] | None = None,
-                 timeout: float = 600.0):
+    def __init__(
+        self,
+        engines: Sequence[SGLangEngine],
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str | None = None,
+        bucket_bytes: int = 512 << 20,
+        group_name: str = DEFAULT_GROUP_NAME,
+        ranks_per_engine: Sequence[int] | None = None,
+        timeout: float = 600.0,
+    ):
         if not engines:
             raise ValueError("DistributedTransport needs at least one engine")
         self.engines = list(engines)
@@ -268,12 +292,26 @@ class DistributedTransport(WeightTransport):
         port = self.master_port if self.master_port and not self._attempts else free_port(self.master_address)
         self._name = self.group_name if not self._attempts else f"{self.group_name}.{self._attempts}"
         self._attempts += 1
-        local = run_in_thread(functools.partial(
-            init_custom_process_group, backend=self.backend, master_address=self.master_address, master_port=port,
-            world_size=world, rank=0, group_name=self._name, timeout=self.timeout))
-        remote = [asyncio.ensure_future(e.init_weights_update_group(
-            self.master_address, port, off, world, group_name=self._name, backend=self.backend))
-            for e, off in zip(self.engines, offsets)]
+        local = run_in_thread(
+            functools.partial(
+                init_custom_process_group,
+                backend=self.backend,
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world,
+                rank=0,
+                group_name=self._name,
+                timeout=self.timeout,
+            )
+        )
+        remote = [
+            asyncio.ensure_future(
+                e.init_weights_update_group(
+                    self.master_address, port, off, world, group_name=self._name, backend=self.backend
+                )
+            )
+            for e, off in zip(self.engines, offsets)
+        ]
         try:
             await asyncio.gather(*remote)
             self._pg = await local
@@ -294,9 +332,19 @@ class DistributedTransport(WeightTransport):
         shapes = [list(t.shape) for _, t in bucket]
         # flush the prefix cache once, with the last bucket: SGLang asserts a flush succeeds, and one
         # between buckets would run while the engine may still be busy
-        posts = [asyncio.ensure_future(e.update_weights_from_distributed(
-            names, dtypes, shapes, group_name=self._name, weight_version=version, flush_cache=version is not None))
-            for e in self.engines]
+        posts = [
+            asyncio.ensure_future(
+                e.update_weights_from_distributed(
+                    names,
+                    dtypes,
+                    shapes,
+                    group_name=self._name,
+                    weight_version=version,
+                    flush_cache=version is not None,
+                )
+            )
+            for e in self.engines
+        ]
         sending = run_in_thread(_broadcast, self._pg, [t for _, t in bucket])
         answers = await asyncio.gather(*posts, return_exceptions=True)
         errors = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
@@ -323,16 +371,18 @@ class DistributedTransport(WeightTransport):
             _destroy(pg)
         else:  # still blocked on a rank that never came: destroyed when the group timeout ends it
             sending.add_done_callback(lambda _: _destroy(pg))
-        await asyncio.gather(*(e.destroy_weights_update_group(self._name) for e in self.engines),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(e.destroy_weights_update_group(self._name) for e in self.engines), return_exceptions=True
+        )
 
     async def close(self) -> None:
         """Destroy the group on every engine and here."""
         if self._pg is None:
             return
         pg, self._pg = self._pg, None
-        await asyncio.gather(*(e.destroy_weights_update_group(self._name) for e in self.engines),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(e.destroy_weights_update_group(self._name) for e in self.engines), return_exceptions=True
+        )
         _destroy(pg)
 
 
@@ -372,8 +422,9 @@ def _with_last(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[tu
     yield bucket, True
 
 
-def _buckets(named_tensors: NamedTensors, max_bytes: int, *, device: torch.device,
-             copy: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _buckets(
+    named_tensors: NamedTensors, max_bytes: int, *, device: torch.device, copy: bool = False
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group ``(name, tensor)`` pairs into lists of at most ``max_bytes`` (a larger tensor goes alone).
 
     Tensors are detached, moved to ``device`` and made contiguous (copied when ``copy``: safetensors

@@ -108,6 +108,7 @@ class AuditReport:
 
 # -- running the audit ------------------------------------------------------------------------------
 
+
 async def _fresh(sandbox: Sandbox | None, config: SandboxConfig) -> Sandbox:
     """The sandbox reset for the next check; a new one if the reset fails (a check may have broken it)."""
     if sandbox is not None:
@@ -182,8 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``agentrl sandbox check``: print the audit table; exit 1 if anything escaped (the process backend's
     documented filesystem escapes too: it is not safe for model-written code), 2 if no sandbox could run."""
     ap = argparse.ArgumentParser(prog="agentrl sandbox check", description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="auto", choices=["auto", "docker", "local", "process"],
-                    help="local = bubblewrap (or the weak process fallback when bwrap is missing)")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "docker", "local", "process"],
+        help="local = bubblewrap (or the weak process fallback when bwrap is missing)",
+    )
     ap.add_argument("--image", default=DEFAULT_IMAGE, help="docker image to audit")
     ap.add_argument("--check", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
     ap.add_argument("--calls", type=int, default=10, help="trivial calls timed for the cost per call")
@@ -204,8 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report.escapes:
         weak = [c.name for c in report.escapes if c.expected_escape]
         if weak:
-            console.print(f"[yellow]{', '.join(weak)}: the process backend does not isolate the filesystem, mounts or pids "
-                          "(documented); use --backend docker or local (bubblewrap) for model-written code.[/]")
+            console.print(
+                f"[yellow]{', '.join(weak)}: the process backend does not isolate the filesystem, mounts or pids "
+                "(documented); use --backend docker or local (bubblewrap) for model-written code.[/]"
+            )
         return 1
     return 0
 

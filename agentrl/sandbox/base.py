@@ -150,7 +150,7 @@ def check_relative_path(path: str) -> str:
         raise ValueError("path must be a non-empty string")
     p = path.strip()
     if p == SCRATCH or p.startswith(SCRATCH + "/"):
-        p = p[len(SCRATCH):].lstrip("/") or "."
+        p = p[len(SCRATCH) :].lstrip("/") or "."
     if p.startswith("/"):
         raise ValueError(f"path {path!r} is outside the scratch directory; use a path relative to {SCRATCH}")
     norm = posixpath.normpath(p)

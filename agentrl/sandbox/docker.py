@@ -77,6 +77,7 @@ Ender = Callable[[ExecStream], Awaitable[object]]  # stops what a started exec r
 
 # -- engine connection ---------------------------------------------------------------------------
 
+
 @functools.cache
 def docker_client() -> Any:
     """The process's ``docker.DockerClient`` (``DOCKER_HOST`` honoured, so Podman's socket works too)."""
@@ -102,9 +103,11 @@ def unavailable_reason() -> str | None:
         except Exception as e:  # connection refused, no socket, permission denied ...
             docker_client.cache_clear()
             why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            reason = (f"no Docker engine at {host} ({why}): start one with `dockerd &` (or "
-                      f"`systemctl start docker`; Podman: export DOCKER_HOST=unix://$XDG_RUNTIME_DIR/podman/podman.sock) "
-                      f"or use --sandbox local")
+            reason = (
+                f"no Docker engine at {host} ({why}): start one with `dockerd &` (or "
+                f"`systemctl start docker`; Podman: export DOCKER_HOST=unix://$XDG_RUNTIME_DIR/podman/podman.sock) "
+                f"or use --sandbox local"
+            )
     _reason[:] = [(time.monotonic(), reason)]
     return reason
 
@@ -121,6 +124,7 @@ def run_id() -> str:
 
 
 # -- the reaper ------------------------------------------------------------------------------------
+
 
 def _stale(labels: Mapping[str, str], host: str, now: float) -> bool:
     try:
@@ -151,9 +155,13 @@ def reap(*, run_id: str | None = None, everything: bool = False) -> int:
 
     client = docker_client()
     host, now = socket.gethostname(), time.time()
-    doomed = [c for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
-              if everything or (run_id is not None and c.labels.get("agentrl.run_id") == run_id)
-              or _stale(c.labels, host, now)]
+    doomed = [
+        c
+        for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+        if everything
+        or (run_id is not None and c.labels.get("agentrl.run_id") == run_id)
+        or _stale(c.labels, host, now)
+    ]
 
     def remove(c: Any) -> int:
         try:
@@ -166,11 +174,13 @@ def reap(*, run_id: str | None = None, everything: bool = False) -> int:
 
     # plain threads: an executor refuses work during interpreter shutdown, when the atexit hook runs
     counts = [0] * len(doomed)
-    workers = [threading.Thread(target=lambda i=i: counts.__setitem__(i, remove(doomed[i]))) for i in range(len(doomed))]
+    workers = [
+        threading.Thread(target=lambda i=i: counts.__setitem__(i, remove(doomed[i]))) for i in range(len(doomed))
+    ]
     for i in range(0, len(workers), 8):
-        for w in workers[i:i + 8]:
+        for w in workers[i : i + 8]:
             w.start()
-        for w in workers[i:i + 8]:
+        for w in workers[i : i + 8]:
             w.join()
     removed = sum(counts)
     for vol in client.volumes.list(filters={"label": f"{LABEL}=1", "dangling": True}):
@@ -229,8 +239,13 @@ def _image_environment(image: str) -> dict[str, str]:
 
 
 def _labels(config: SandboxConfig) -> dict[str, str]:
-    return {LABEL: "1", "agentrl.run_id": run_id(), "agentrl.owner_pid": str(os.getpid()),
-            "agentrl.owner_host": socket.gethostname(), "agentrl.expires_at": str(int(time.time() + config.ttl))}
+    return {
+        LABEL: "1",
+        "agentrl.run_id": run_id(),
+        "agentrl.owner_pid": str(os.getpid()),
+        "agentrl.owner_host": socket.gethostname(),
+        "agentrl.expires_at": str(int(time.time() + config.ttl)),
+    }
 
 
 def _create_container(config: SandboxConfig) -> tuple[Any, dict[str, str]]:
@@ -242,20 +257,45 @@ def _create_container(config: SandboxConfig) -> tuple[Any, dict[str, str]]:
     _first_use()
     labels = _labels(config)
     small = min(config.scratch_mb, 64)
-    scratch = Mount(SCRATCH, None, type="volume", labels=labels, driver_config=DriverConfig("local", {
-        "type": "tmpfs", "device": "tmpfs",
-        "o": f"size={config.scratch_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755"}))
+    scratch = Mount(
+        SCRATCH,
+        None,
+        type="volume",
+        labels=labels,
+        driver_config=DriverConfig(
+            "local",
+            {
+                "type": "tmpfs",
+                "device": "tmpfs",
+                "o": f"size={config.scratch_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755",
+            },
+        ),
+    )
     fsize = config.file_size_mb << 20
     try:
         container = docker_client().containers.run(
-            config.image, entrypoint=["/bin/sh", "-c", PID1, "agentrl-init", str(int(config.ttl))],
-            user=USER, working_dir=SCRATCH, environment=dict(BASE_ENV), labels=labels,
-            detach=True, auto_remove=True, network_mode="none", read_only=True,
-            mem_limit=f"{config.memory_mb}m", memswap_limit=f"{config.memory_mb}m", pids_limit=config.pids,
-            nano_cpus=int(config.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
+            config.image,
+            entrypoint=["/bin/sh", "-c", PID1, "agentrl-init", str(int(config.ttl))],
+            user=USER,
+            working_dir=SCRATCH,
+            environment=dict(BASE_ENV),
+            labels=labels,
+            detach=True,
+            auto_remove=True,
+            network_mode="none",
+            read_only=True,
+            mem_limit=f"{config.memory_mb}m",
+            memswap_limit=f"{config.memory_mb}m",
+            pids_limit=config.pids,
+            nano_cpus=int(config.cpus * 1e9),
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
             ulimits=[Ulimit(name="fsize", soft=fsize, hard=fsize), Ulimit(name="nofile", soft=1024, hard=1024)],
-            mounts=[scratch], tmpfs={"/tmp": f"size={small}m,mode=1777"}, shm_size=f"{small}m",
-            hostname="sandbox")
+            mounts=[scratch],
+            tmpfs={"/tmp": f"size={small}m,mode=1777"},
+            shm_size=f"{small}m",
+            hostname="sandbox",
+        )
         return container, env
     except docker.errors.ImageNotFound as e:
         raise SandboxError(f"sandbox image {config.image!r} is missing: {e}; run `agentrl sandbox build`") from None
@@ -295,8 +335,11 @@ class DockerSandbox(Sandbox):
         then stops what it runs (helpers that end by themselves need none) before the cancel goes on."""
         if self._closed:
             raise SandboxError("the sandbox is closed")
-        opening = asyncio.ensure_future(asyncio.to_thread(open_exec, docker_client().api, self.container.id, argv,
-                                                          stdin=stdin, user=USER, workdir=SCRATCH))
+        opening = asyncio.ensure_future(
+            asyncio.to_thread(
+                open_exec, docker_client().api, self.container.id, argv, stdin=stdin, user=USER, workdir=SCRATCH
+            )
+        )
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -366,9 +409,16 @@ class DockerSandbox(Sandbox):
 
     # -- the Sandbox API --
 
-    async def run(self, command: str | Sequence[str] | None = None, *, code: str | None = None,
-                  stdin: str | bytes | None = None, timeout: float | None = None,
-                  files: Mapping[str, str | bytes] | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
+    async def run(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        code: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
         argv = program_argv(command, code)
         prefix = env_prefix(self._env, self.config.env, env)
         limit = self.config.timeout if timeout is None else float(timeout)
@@ -383,8 +433,11 @@ class DockerSandbox(Sandbox):
     async def _call(self, argv: list[str], prefix: list[str], data: bytes | None, limit: float) -> ExecResult:
         started = time.monotonic()
         out, err = Capped(self.config.max_output_bytes), Capped(self.config.max_output_bytes)
-        ex = await self._start([*prefix, "/bin/sh", "-c", CALL, "sh", self._keep(), *argv],
-                               stdin=data is not None, end=lambda ex: self._stop(ex, out, err))
+        ex = await self._start(
+            [*prefix, "/bin/sh", "-c", CALL, "sh", self._keep(), *argv],
+            stdin=data is not None,
+            end=lambda ex: self._stop(ex, out, err),
+        )
         timed_out = False
         try:
             try:
@@ -402,21 +455,30 @@ class DockerSandbox(Sandbox):
             ex.close()
         rc = None if timed_out else await exit_code(docker_client().api, ex.id)
         if rc == 126 and out.head.startswith(b"OCI runtime exec failed"):  # the engine could not start it
-            raise SandboxError(f"the sandbox cannot start programs (memory or pids used up?): {out.head.decode()[:300]}")
+            raise SandboxError(
+                f"the sandbox cannot start programs (memory or pids used up?): {out.head.decode()[:300]}"
+            )
         return self._result(rc, out, err, timed_out, duration)
 
     def _result(self, rc: int | None, out: Capped, err: Capped, timed_out: bool, duration: float) -> ExecResult:
         oom = err.tail.endswith(OOM_MARK)
         if oom:  # the supervisor saw the memory cgroup's OOM killer fire during the call
             err.total -= len(OOM_MARK)
-            del err.head[err.total:]
+            del err.head[err.total :]
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
         if oom:
-            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + \
-                f"[killed: out of memory (limit {self.config.memory_mb} MB)]"
-        return ExecResult(stdout, stderr, None if timed_out or oom else rc, timed_out=timed_out,
-                          duration=duration, truncated=cut_out or cut_err)
+            stderr += (
+                "\n" if stderr and not stderr.endswith("\n") else ""
+            ) + f"[killed: out of memory (limit {self.config.memory_mb} MB)]"
+        return ExecResult(
+            stdout,
+            stderr,
+            None if timed_out or oom else rc,
+            timed_out=timed_out,
+            duration=duration,
+            truncated=cut_out or cut_err,
+        )
 
     async def write_files(self, files: Mapping[str, str | bytes]) -> None:
         data = scratch_tar(files)
@@ -425,8 +487,11 @@ class DockerSandbox(Sandbox):
         api = docker_client().api
 
         def put() -> None:  # put_archive, refusing to replace a dir (or a planted symlink) by a non-dir
-            res = api._put(api._url("/containers/{0}/archive", self.container.id), data=data,
-                           params={"path": SCRATCH, "noOverwriteDirNonDir": "true"})
+            res = api._put(
+                api._url("/containers/{0}/archive", self.container.id),
+                data=data,
+                params={"path": SCRATCH, "noOverwriteDirNonDir": "true"},
+            )
             api._raise_for_status(res)
 
         try:
@@ -444,8 +509,10 @@ class DockerSandbox(Sandbox):
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         out, err = Capped(1 << 62 if max_bytes is None else int(max_bytes)), Capped(4096)
         async with self._lock:
-            ex = await self._start(["/bin/sh", "-c", READ, "agentrl-read", rel,
-                                    "all" if max_bytes is None else str(int(max_bytes))], stdin=False)
+            ex = await self._start(
+                ["/bin/sh", "-c", READ, "agentrl-read", rel, "all" if max_bytes is None else str(int(max_bytes))],
+                stdin=False,
+            )
             try:
                 await asyncio.wait_for(ex.pump(out, err), max(60.0, self.config.timeout))
             except TimeoutError:
@@ -456,8 +523,9 @@ class DockerSandbox(Sandbox):
         if rc == 0:
             return bytes(out.head)
         errors = {3: FileNotFoundError, 4: IsADirectoryError, 5: PermissionError}
-        raise errors.get(rc, OSError)(f"{path}: cannot read it in {SCRATCH} "
-                                      f"({err.head.decode(errors='replace').strip() or f'exit {rc}'})")
+        raise errors.get(rc, OSError)(
+            f"{path}: cannot read it in {SCRATCH} ({err.head.decode(errors='replace').strip() or f'exit {rc}'})"
+        )
 
     async def session(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> DockerSession:
         s = self._sessions.get(name)
@@ -466,14 +534,19 @@ class DockerSandbox(Sandbox):
         if s is not None:
             await s.kill()
         argv = program_argv(list(argv), None)
-        ex = await self._start([*env_prefix(self._env, self.config.env, env), "/bin/sh", "-c", SESSION, "sh", *argv],
-                               stdin=True, end=lambda ex: DockerSession(ex, self._kill_sid).discard())
+        ex = await self._start(
+            [*env_prefix(self._env, self.config.env, env), "/bin/sh", "-c", SESSION, "sh", *argv],
+            stdin=True,
+            end=lambda ex: DockerSession(ex, self._kill_sid).discard(),
+        )
         s = DockerSession(ex, self._kill_sid)
         try:
             await s._start(timeout=30.0)
         except (TimeoutError, EOFError, ValueError) as e:
             await s.kill()
-            raise SandboxError(f"session {name!r} ({shlex.join(argv)[:80]}) did not start: {type(e).__name__} {e}") from None
+            raise SandboxError(
+                f"session {name!r} ({shlex.join(argv)[:80]}) did not start: {type(e).__name__} {e}"
+            ) from None
         except BaseException:  # cancelled: a session nobody holds would run until the reset
             await settle(s.discard())
             raise

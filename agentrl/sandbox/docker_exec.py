@@ -36,9 +36,27 @@ from agentrl.sandbox.base import SandboxError, Session, normalize_files, truncat
 from agentrl.sandbox.base import program_argv as base_program_argv
 from agentrl.sandbox.image import SANDBOX_UID
 
-__all__ = ["CALL", "KILL", "OOM_MARK", "PID1", "READ", "RESET", "SESSION", "Capped", "DockerSession", "ExecStream",
-           "SandboxGone", "container_gone", "engine_error", "env_prefix", "exit_code", "open_exec", "program_argv",
-           "scratch_tar", "settle"]
+__all__ = [
+    "CALL",
+    "KILL",
+    "OOM_MARK",
+    "PID1",
+    "READ",
+    "RESET",
+    "SESSION",
+    "Capped",
+    "DockerSession",
+    "ExecStream",
+    "SandboxGone",
+    "container_gone",
+    "engine_error",
+    "env_prefix",
+    "exit_code",
+    "open_exec",
+    "program_argv",
+    "scratch_tar",
+    "settle",
+]
 
 OOM_MARK = b"\x00agentrl-oom\x00"
 """Written to stderr by :data:`CALL` when the memory cgroup's OOM killer fired during the call."""
@@ -71,7 +89,9 @@ killall_() { n=0; while [ $n -lt 200 ] && kill -9 -1 2>/dev/null; do n=$((n + 1)
 """
 # pid 1: reaps orphans (dash's wait reaps any child), exits at the ttl; SIGUSR1 kills everything
 # else of the sandbox user (the fallback when no exec can start because the pids limit is hit).
-PID1 = REAP_FN + r"""
+PID1 = (
+    REAP_FN
+    + r"""
 trap killall_ USR1
 trap '' TERM INT HUP
 read -r up rest < /proc/uptime; end=$(( ${up%.*} + $1 ))
@@ -80,9 +100,12 @@ while :; do
   sleep 2 & wait $!
 done
 """
+)
 # A call: run "$@" (first in line for the OOM killer), then kill whatever it left (all but pid 1 and
 # the live sessions) and report whether the memory cgroup's OOM killer fired meanwhile.
-CALL = REAP_FN + r"""
+CALL = (
+    REAP_FN
+    + r"""
 oom() { O=0; for f in /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do
   [ -r "$f" ] || continue; while read -r k v; do [ "$k" = oom_kill ] && O=$v; done < "$f"; return; done; }
 keep=$1; shift
@@ -93,10 +116,13 @@ reap except "1 $keep"
 oom; [ "$O" = "$before" ] || { printf '\000agentrl-oom\000' >&2; exit 137; }
 exit $rc
 """
+)
 # A session: tell the host its pid (= its session id), then become the program (first in line for the OOM killer).
 SESSION = '{ echo 500 > /proc/self/oom_score_adj; } 2>/dev/null; echo "$$"; exec "$@"'
 KILL = REAP_FN + '\nreap "$1" "$2"\n'
-RESET = REAP_FN + r"""
+RESET = (
+    REAP_FN
+    + r"""
 killall_
 chmod 0755 /scratch  # the program may have locked its own scratch root
 for d in /scratch /tmp /dev/shm; do
@@ -108,6 +134,7 @@ for d in /scratch /tmp /dev/shm; do
   for f; do if [ -e "$f" ] || [ -L "$f" ]; then echo "left in $d: $f" >&2; exit 1; fi; done
 done
 """
+)
 READ = r"""
 [ -e "$1" ] || exit 3
 [ -d "$1" ] && exit 4
@@ -127,7 +154,7 @@ class Capped:
         if room > 0:
             self.head += data[:room]
         self.total += len(data)
-        self.tail = (self.tail + data)[-len(OOM_MARK):]
+        self.tail = (self.tail + data)[-len(OOM_MARK) :]
 
     def text(self) -> tuple[str, bool]:
         return truncate_output(bytes(self.head), self.limit, self.total)
@@ -138,8 +165,12 @@ def open_exec(api: Any, container_id: str, argv: list[str], *, stdin: bool, user
     does, but keeping the bytes that http.client read past the ``101`` headers into its buffer: a
     fast program's first output can arrive with them, and the raw socket alone would lose it)."""
     exec_id = api.exec_create(container_id, argv, stdin=stdin, user=user, workdir=workdir)["Id"]
-    res = api._post_json(api._url("/exec/{0}/start", exec_id), headers={"Connection": "Upgrade", "Upgrade": "tcp"},
-                         data={"Tty": False, "Detach": False}, stream=True)
+    res = api._post_json(
+        api._url("/exec/{0}/start", exec_id),
+        headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+        data={"Tty": False, "Detach": False},
+        stream=True,
+    )
     api._raise_for_status(res)
     return ExecStream(exec_id, res)
 
@@ -163,8 +194,10 @@ class ExecStream:
         raw = getattr(self._fp.raw, "_sock", None)
         if type(raw) is not socket.socket:
             response.close()
-            raise SandboxError(f"the docker backend reads exec streams from a plain socket; got {type(raw).__name__} "
-                               "(TLS/ssh DOCKER_HOST): use a unix or tcp DOCKER_HOST, or --sandbox local")
+            raise SandboxError(
+                f"the docker backend reads exec streams from a plain socket; got {type(raw).__name__} "
+                "(TLS/ssh DOCKER_HOST): use a unix or tcp DOCKER_HOST, or --sandbox local"
+            )
         raw.setblocking(False)
         early = self._fp.peek()  # only what is buffered already: the socket is non-blocking now
         self.raw, self.buf, self.eof = raw, bytearray(early), False
@@ -177,8 +210,8 @@ class ExecStream:
             if len(self.buf) >= 8:
                 size = int.from_bytes(self.buf[4:8], "big")
                 if len(self.buf) >= 8 + size:
-                    kind, data = self.buf[0], bytes(self.buf[8:8 + size])
-                    del self.buf[:8 + size]
+                    kind, data = self.buf[0], bytes(self.buf[8 : 8 + size])
+                    del self.buf[: 8 + size]
                     return kind, data
             if self.eof:
                 return None
@@ -316,15 +349,15 @@ class DockerSession(Session):
         while True:
             i = self._line.find(b"\n")
             if i >= 0 and self._skip:
-                del self._line[:i + 1]
+                del self._line[: i + 1]
                 self._skip = False
                 continue
             if i >= 0 and i < limit:
-                line = bytes(self._line[:i + 1])
-                del self._line[:i + 1]
+                line = bytes(self._line[: i + 1])
+                del self._line[: i + 1]
                 return line
             if i >= limit or len(self._line) > limit:
-                self._skip, self._line = i < 0, self._line[i + 1:] if i >= 0 else bytearray()
+                self._skip, self._line = i < 0, self._line[i + 1 :] if i >= 0 else bytearray()
                 raise ValueError(f"the session wrote a line longer than {limit} bytes")
             if self._dead:
                 raise EOFError("the session has exited")
@@ -386,8 +419,10 @@ def env_prefix(base: Mapping[str, str], *envs: Mapping[str, str] | None) -> list
 def program_argv(command: str | Sequence[str] | None, code: str | None) -> list[str]:
     """:func:`agentrl.sandbox.base.program_argv` plus the engine's limit on one exec argument."""
     if isinstance(code, str) and len(code.encode()) > MAX_CODE_BYTES:
-        raise ValueError(f"code is {len(code.encode())} bytes (max {MAX_CODE_BYTES}): write it to a file with "
-                         "files={'main.py': code} and run ['python3', 'main.py']")
+        raise ValueError(
+            f"code is {len(code.encode())} bytes (max {MAX_CODE_BYTES}): write it to a file with "
+            "files={'main.py': code} and run ['python3', 'main.py']"
+        )
     return base_program_argv(command, code)
 
 

@@ -33,8 +33,9 @@ MARK_PREFIX = "agentrl-audit-"
 """Every hostile program carries ``agentrl-audit-<token>`` in its argv, so the host can find leftovers."""
 SECRET_ENV = "AGENTRL_AUDIT_SECRET"
 """The canary variable the audit sets in its own environment (standing in for HF_TOKEN & co.)."""
-WEAK_ON_PROCESS = frozenset({"read_outside_scratch", "write_outside_scratch", "unix_socket", "host_proc_argv",
-                             "shm_quota"})
+WEAK_ON_PROCESS = frozenset(
+    {"read_outside_scratch", "write_outside_scratch", "unix_socket", "host_proc_argv", "shm_quota"}
+)
 """Checks the ``process`` backend is documented to fail: no filesystem, mount or pid isolation."""
 
 
@@ -384,8 +385,10 @@ async def check_fill_disk(c: Hostile) -> tuple[bool, str]:
     words = r.stdout.split()
     written = int(words[0]) if words and words[0].isdigit() else None
     drop = (free_before - free_after) / 2**20
-    detail = (f"wrote {written} of {tries} MB tried (scratch {c.config.scratch_mb} MB), {_out(r, 80)}; "
-              f"host free space {-drop:+.0f} MB")
+    detail = (
+        f"wrote {written} of {tries} MB tried (scratch {c.config.scratch_mb} MB), {_out(r, 80)}; "
+        f"host free space {-drop:+.0f} MB"
+    )
     if written is None:
         return r.exit_code != 0, detail
     return written <= c.config.scratch_mb + 1 and free_after > 64 * 2**20, detail
@@ -455,6 +458,7 @@ async def check_unix_socket(c: Hostile) -> tuple[bool, str]:
     path = os.path.join(tempfile.gettempdir(), f"{c.mark}.sock")
     try:
         for label, where in (("path", path), ("abstract", "\0" + c.mark)):
+
             def on_connect(reader, writer, label=label):
                 arrived.append(label)
                 writer.close()
@@ -493,8 +497,12 @@ async def check_host_proc_argv(c: Hostile) -> tuple[bool, str]:
     """A host process carries a secret on its command line (as ``--api-key``s and tokens often do): it must
     not be readable from inside, and the sandbox should see no more than its own processes."""
     secret = f"argv-secret-{secrets.token_hex(8)}"
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", secret], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", secret],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     await asyncio.sleep(0.1)  # exec'd: its argv is in /proc
     try:
         r = await c.py(_ARGV, timeout=15)

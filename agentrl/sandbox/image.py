@@ -46,13 +46,25 @@ SANDBOX_UID = 10001
 
 # Debian packages whose files make the image; {v} is the Python version ("3.11").
 PACKAGES = (
-    "python{v}-minimal", "libpython{v}-minimal", "libpython{v}-stdlib",
-    "dash", "bash", "coreutils", "grep", "sed", "findutils", "procps", "libc6", "tzdata",
+    "python{v}-minimal",
+    "libpython{v}-minimal",
+    "libpython{v}-stdlib",
+    "dash",
+    "bash",
+    "coreutils",
+    "grep",
+    "sed",
+    "findutils",
+    "procps",
+    "libc6",
+    "tzdata",
 )
 # Single files from packages we do not want whole (util-linux is 5 MB of mostly admin tools).
 EXTRA_FILES = ("/usr/bin/setsid", "/usr/bin/timeout")
-SKIP_PREFIXES = tuple(f"/usr/share/{d}/" for d in ("doc", "man", "info", "locale", "lintian", "bug", "menu",
-                                                   "bash-completion", "doc-base"))
+SKIP_PREFIXES = tuple(
+    f"/usr/share/{d}/"
+    for d in ("doc", "man", "info", "locale", "lintian", "bug", "menu", "bash-completion", "doc-base")
+)
 _ENV = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/scratch")
 _build_lock = threading.Lock()  # a pool's first sandboxes are created in parallel threads: build once
 
@@ -75,7 +87,8 @@ def ensure_image(name: str = DEFAULT_IMAGE) -> str:
     if name != DEFAULT_IMAGE:
         raise SandboxError(
             f"sandbox image {name!r} is not in the Docker engine and no registry is reachable: build it with "
-            f"`docker build -t {name} .` (FROM {DEFAULT_IMAGE}, made by `agentrl sandbox build`) or use the default")
+            f"`docker build -t {name} .` (FROM {DEFAULT_IMAGE}, made by `agentrl sandbox build`) or use the default"
+        )
     with _build_lock:
         return name if _exists(name) else build_image(name)
 
@@ -106,8 +119,11 @@ def build_image(name: str = DEFAULT_IMAGE, python: str = "/usr/bin/python3.11") 
         log.info("sandbox image %s: rootfs %.1f MB (sha256 %s), importing", name, size / 2**20, digest[:12])
         repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
         changes = [
-            'CMD ["/bin/sh"]', f"USER {SANDBOX_UID}:{SANDBOX_UID}", "WORKDIR /scratch",
-            *(f"ENV {e}" for e in _ENV), f"LABEL agentrl.rootfs.sha256={digest}",
+            'CMD ["/bin/sh"]',
+            f"USER {SANDBOX_UID}:{SANDBOX_UID}",
+            "WORKDIR /scratch",
+            *(f"ENV {e}" for e in _ENV),
+            f"LABEL agentrl.rootfs.sha256={digest}",
         ]
         _client().api.import_image(src=tmp, repository=repo, tag=tag, changes=changes)
     log.info("sandbox image %s built in %.1f s", name, time.monotonic() - t0)
@@ -116,18 +132,23 @@ def build_image(name: str = DEFAULT_IMAGE, python: str = "/usr/bin/python3.11") 
 
 def _version(python: str) -> str:
     if not Path(python).is_file():
-        raise SandboxError(f"no Python interpreter at {python}: install one (apt-get install python3.11) "
-                           "or pass --python /usr/bin/python3.X")
-    out = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                         capture_output=True, text=True, check=True)
+        raise SandboxError(
+            f"no Python interpreter at {python}: install one (apt-get install python3.11) "
+            "or pass --python /usr/bin/python3.X"
+        )
+    out = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=True
+    )
     return out.stdout.strip()
 
 
 def _dpkg_list(packages: list[str]) -> list[str]:
     out = subprocess.run(["dpkg", "-L", *packages], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SandboxError(f"dpkg -L failed ({out.stderr.strip()[:300]}): apt-get install the missing package(s) "
-                           f"of {' '.join(packages)}, or build a sandbox image another way")
+        raise SandboxError(
+            f"dpkg -L failed ({out.stderr.strip()[:300]}): apt-get install the missing package(s) "
+            f"of {' '.join(packages)}, or build a sandbox image another way"
+        )
     return [line for line in out.stdout.splitlines() if line.startswith("/")]
 
 
@@ -148,8 +169,10 @@ def _is_elf(path: str) -> bool:
 def _shared_libs(elves: list[str]) -> set[str]:
     """Every library the dynamic loader resolves for ``elves`` (``ldd`` on chunks of 40, in parallel)."""
     libs: set[str] = set()
-    procs = [subprocess.Popen(["ldd", *elves[i:i + 40]], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for i in range(0, len(elves), 40)]
+    procs = [
+        subprocess.Popen(["ldd", *elves[i : i + 40]], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for i in range(0, len(elves), 40)
+    ]
     for proc in procs:
         out, _ = proc.communicate()
         for line in out.splitlines():
@@ -164,13 +187,17 @@ def _shared_libs(elves: list[str]) -> set[str]:
 def rootfs_paths(python: str = "/usr/bin/python3.11") -> set[str]:
     """Host paths (files, symlinks, dirs) that make the image: packages + ldd's libraries + .pyc caches."""
     if shutil.which("dpkg") is None:
-        raise SandboxError("building the sandbox image needs a Debian/Ubuntu host (dpkg not found); "
-                           "on other hosts build an image with python3 and /bin/sh and pass its name")
+        raise SandboxError(
+            "building the sandbox image needs a Debian/Ubuntu host (dpkg not found); "
+            "on other hosts build an image with python3 and /bin/sh and pass its name"
+        )
     version = _version(python)
     owner = subprocess.run(["dpkg", "-S", os.path.realpath(python)], capture_output=True, text=True)
     if owner.returncode != 0:
-        raise SandboxError(f"{python} is not from a Debian package (a pyenv/conda build?): pass "
-                           f"--python /usr/bin/python{version} after apt-get install python{version}")
+        raise SandboxError(
+            f"{python} is not from a Debian package (a pyenv/conda build?): pass "
+            f"--python /usr/bin/python{version} after apt-get install python{version}"
+        )
     libc = set(_dpkg_list(["libc6"]))  # needs nothing outside itself: spared the slow ldd pass
     wanted = libc | set(_dpkg_list([p.format(v=version) for p in PACKAGES if p != "libc6"]))
     wanted.update(p for p in EXTRA_FILES if os.path.lexists(p))
@@ -240,13 +267,37 @@ def write_rootfs(fileobj, paths: set[str], python: str) -> str:
     hashing = _Hashing(fileobj)
     u = SANDBOX_UID
     with tarfile.open(fileobj=hashing, mode="w|", format=tarfile.GNU_FORMAT) as tar:
-        fixed = {"/proc", "/sys", "/dev", "/etc", "/root", "/tmp", "/scratch", "/usr/local/bin",
-                 "/etc/passwd", "/etc/group", "/usr/bin/python3", "/usr/bin/python"}
-        for d, mode in (("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("etc", 0o755), ("root", 0o700),
-                        ("tmp", 0o1777), ("scratch", 0o755), ("usr/local/bin", 0o755)):
+        fixed = {
+            "/proc",
+            "/sys",
+            "/dev",
+            "/etc",
+            "/root",
+            "/tmp",
+            "/scratch",
+            "/usr/local/bin",
+            "/etc/passwd",
+            "/etc/group",
+            "/usr/bin/python3",
+            "/usr/bin/python",
+        }
+        for d, mode in (
+            ("proc", 0o555),
+            ("sys", 0o555),
+            ("dev", 0o755),
+            ("etc", 0o755),
+            ("root", 0o700),
+            ("tmp", 0o1777),
+            ("scratch", 0o755),
+            ("usr/local/bin", 0o755),
+        ):
             _add_dir(tar, d, mode)
-        _add_text(tar, "etc/passwd", f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:agentrl sandbox:/scratch:/bin/sh\n"
-                                     "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
+        _add_text(
+            tar,
+            "etc/passwd",
+            f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:agentrl sandbox:/scratch:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+        )
         _add_text(tar, "etc/group", f"root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n")
         for name, target in (("usr/bin/python3", f"python{version}"), ("usr/bin/python", f"python{version}")):
             info = tarfile.TarInfo(name)

@@ -58,8 +58,21 @@ from agentrl.sandbox.base import SandboxConfig, SandboxError
 UID_BASE, UID_COUNT = 61000, 4000
 MB = 1 << 20
 _HOST_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
-                 "python3", "python3.11", "python3.12", "python3.13", "ssl", "mime.types", "os-release")
+ETC_FROM_HOST = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "timezone",
+    "python3",
+    "python3.11",
+    "python3.12",
+    "python3.13",
+    "ssl",
+    "mime.types",
+    "os-release",
+)
 _libc = ctypes.CDLL(None, use_errno=True)
 _uid_cursor = [random.randrange(UID_COUNT)]  # processes start apart in the range
 
@@ -77,8 +90,10 @@ def runtime_dir() -> Path:
         path.mkdir(mode=0o711, parents=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise SandboxError(f"sandbox runtime dir {path} is not a directory owned by uid {os.geteuid()}; "
-                           "remove it or set AGENTRL_SANDBOX_DIR")
+        raise SandboxError(
+            f"sandbox runtime dir {path} is not a directory owned by uid {os.geteuid()}; "
+            "remove it or set AGENTRL_SANDBOX_DIR"
+        )
     os.chmod(path, 0o711)  # sandbox uids traverse it to reach their own scratch, never list it
     return path
 
@@ -89,7 +104,7 @@ def start_time(pid: int) -> str | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rfind(")") + 2:].split()[19]
+    return text[text.rfind(")") + 2 :].split()[19]
 
 
 # -- uids --------------------------------------------------------------------------------------
@@ -120,8 +135,9 @@ class UidLease:
             self.dirty = os.pread(fd, 1, 0) != b""  # its last owner died before killing everything
             os.pwrite(fd, b"1", 0)
             return
-        raise SandboxError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use; close sandboxes "
-                           "or lower max_concurrency")
+        raise SandboxError(
+            f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use; close sandboxes or lower max_concurrency"
+        )
 
     @property
     def distinct(self) -> bool:
@@ -143,8 +159,14 @@ async def kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` (``kill -KILL -1`` run as that uid), twice against forks."""
     if uid == os.getuid():
         raise AssertionError("refusing to kill our own uid")
-    proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", "kill -KILL -1; kill -KILL -1; exit 0", env={},
-                                                stderr=subprocess.DEVNULL, preexec_fn=preexec([], [], uid, net=False))
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        "kill -KILL -1; kill -KILL -1; exit 0",
+        env={},
+        stderr=subprocess.DEVNULL,
+        preexec_fn=preexec([], [], uid, net=False),
+    )
     await proc.wait()
 
 
@@ -183,10 +205,14 @@ class Cgroup:
         if not parents:
             return None
         group = cls({c: f"{p}/{name}" for c, p in parents.items()})
-        limits = {"memory": [("memory.limit_in_bytes", config.memory_mb * MB),
-                             ("memory.memsw.limit_in_bytes", config.memory_mb * MB)],
-                  "pids": [("pids.max", config.pids)],
-                  "cpu": [("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", max(1000, int(config.cpus * 1e5)))]}
+        limits = {
+            "memory": [
+                ("memory.limit_in_bytes", config.memory_mb * MB),
+                ("memory.memsw.limit_in_bytes", config.memory_mb * MB),
+            ],
+            "pids": [("pids.max", config.pids)],
+            "cpu": [("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", max(1000, int(config.cpus * 1e5)))],
+        }
         try:
             for c, path in group.dirs.items():
                 os.makedirs(path, exist_ok=True)
@@ -252,8 +278,11 @@ class Cgroup:
 
 
 def rlimits(config: SandboxConfig, *, cpu_seconds: int | None, nproc: bool, memory: bool) -> list[tuple[int, int]]:
-    limits = [(resource.RLIMIT_FSIZE, config.file_size_mb * MB), (resource.RLIMIT_NOFILE, 1024),
-              (resource.RLIMIT_CORE, 0)]
+    limits = [
+        (resource.RLIMIT_FSIZE, config.file_size_mb * MB),
+        (resource.RLIMIT_NOFILE, 1024),
+        (resource.RLIMIT_CORE, 0),
+    ]
     if nproc:  # counts every process of the uid: only meaningful when the uid is the sandbox's own
         limits.append((resource.RLIMIT_NPROC, config.pids))
     if memory:
@@ -269,8 +298,12 @@ def _private_net() -> None:
     uid, gid = os.getuid(), os.getgid()
     if _libc.unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER | CLONE_NEWNET) failed")
-    for file, text in (("self/setgroups", "deny"), ("self/uid_map", f"{uid} {uid} 1"),
-                       ("self/gid_map", f"{gid} {gid} 1"), ("sys/user/max_user_namespaces", "0")):
+    for file, text in (
+        ("self/setgroups", "deny"),
+        ("self/uid_map", f"{uid} {uid} 1"),
+        ("self/gid_map", f"{gid} {gid} 1"),
+        ("sys/user/max_user_namespaces", "0"),
+    ):
         fd = os.open(f"/proc/{file}", os.O_WRONLY)
         os.write(fd, text.encode())
         os.close(fd)
@@ -283,6 +316,7 @@ def preexec(procs_files: list[str], limits: list[tuple[int, int]], uid: int | No
 
     Only plain syscalls (no locks a thread of the parent could hold) run here.
     """
+
     def setup() -> None:
         for file in procs_files:
             fd = os.open(file, os.O_WRONLY)
@@ -299,6 +333,7 @@ def preexec(procs_files: list[str], limits: list[tuple[int, int]], uid: int | No
             hard = resource.getrlimit(res)[1]
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(res, (value, value))
+
     return setup
 
 
@@ -312,8 +347,16 @@ def bwrap_base() -> list[str]:
         argv.append("--disable-userns")  # no nested user namespace to regain capabilities in
     # --as-pid-1: the init is our small shell (see LocalSandbox._spawn), reaped by bwrap itself; bwrap's own init would
     # be orphaned to the host's init when bwrap exits, and counted in the pids limit until that reaps it
-    argv += ["--die-with-parent", "--as-pid-1", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
-             "--clearenv"]
+    argv += [
+        "--die-with-parent",
+        "--as-pid-1",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+    ]
     for d in _HOST_DIRS:
         if os.path.islink(d):
             argv += ["--symlink", os.readlink(d), d]
@@ -337,13 +380,21 @@ def bubblewrap_unavailable_reason() -> str | None:
     else:
         lease = UidLease()
         try:
-            out = subprocess.run(bwrap_base() + ["--", "/bin/true"], capture_output=True, text=True, env={},
-                                 timeout=30, preexec_fn=preexec([], [], lease.uid, net=False))
+            out = subprocess.run(
+                bwrap_base() + ["--", "/bin/true"],
+                capture_output=True,
+                text=True,
+                env={},
+                timeout=30,
+                preexec_fn=preexec([], [], lease.uid, net=False),
+            )
             if out.returncode != 0:
                 detail = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
-                reason = (f"bwrap cannot create its namespaces here ({detail}): enable unprivileged user "
-                          "namespaces (sysctl user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1, "
-                          "on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0) or use a Docker engine")
+                reason = (
+                    f"bwrap cannot create its namespaces here ({detail}): enable unprivileged user "
+                    "namespaces (sysctl user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1, "
+                    "on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0) or use a Docker engine"
+                )
         except (OSError, subprocess.SubprocessError) as e:
             reason = f"bwrap trial run failed ({type(e).__name__}: {e}); use a Docker engine or the process backend"
         finally:
@@ -356,11 +407,14 @@ def process_unavailable_reason() -> str | None:
     """None when the fallback's user + network namespaces can be made here (cached), else what to do."""
     lease = UidLease()
     try:
-        subprocess.run(["/bin/true"], env={}, cwd="/", timeout=30, check=True,
-                       preexec_fn=preexec([], [], lease.uid, net=True))
+        subprocess.run(
+            ["/bin/true"], env={}, cwd="/", timeout=30, check=True, preexec_fn=preexec([], [], lease.uid, net=True)
+        )
     except (OSError, subprocess.SubprocessError) as e:
-        return (f"the process sandbox cannot make its user and network namespaces here ({type(e).__name__}): "
-                "enable unprivileged user namespaces (sysctl user.max_user_namespaces=15000) or use Docker")
+        return (
+            f"the process sandbox cannot make its user and network namespaces here ({type(e).__name__}): "
+            "enable unprivileged user namespaces (sysctl user.max_user_namespaces=15000) or use Docker"
+        )
     finally:
         lease.release(clean=True)
     return None
@@ -370,12 +424,15 @@ def write_etc(etc: Path, uid: int) -> None:
     """The jail's ``/etc``: its own passwd/group/hosts, placeholders where host files get bound."""
     etc.mkdir(mode=0o755)
     gid = uid if privileged() else os.getgid()
-    files = {"passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                       f"sandbox:x:{uid}:{gid}:agentrl sandbox:/scratch:/bin/sh\n"
-                       "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-             "group": f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n",
-             "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-             "hostname": "sandbox\n", "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n"}
+    files = {
+        "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"sandbox:x:{uid}:{gid}:agentrl sandbox:/scratch:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        "hostname": "sandbox\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+    }
     for name, text in files.items():
         (etc / name).write_text(text)
     for name in ETC_FROM_HOST:
@@ -416,8 +473,10 @@ def open_beneath(root: str, rel: str, *, create: bool, owner: int | None) -> int
         fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
-            raise ValueError(f"path {rel!r} goes through a symbolic link or a non-regular file; "
-                             "refusing to follow it outside scratch") from None
+            raise ValueError(
+                f"path {rel!r} goes through a symbolic link or a non-regular file; "
+                "refusing to follow it outside scratch"
+            ) from None
         if e.errno == errno.EISDIR:
             raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", rel) from None
         raise

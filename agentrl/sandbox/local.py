@@ -245,9 +245,22 @@ class LocalSandbox(Sandbox):
         for name in ETC_FROM_HOST:
             if os.path.exists(f"/etc/{name}") and not os.path.islink(f"/etc/{name}"):
                 argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-        return argv + ["--size", str(self.config.scratch_mb * MB), "--tmpfs", "/dev/shm",
-                       "--bind", self._tmp_dir, "/tmp", "--bind", self.scratch_dir, "/scratch",
-                       "--remount-ro", "/", "--chdir", "/scratch"]
+        return argv + [
+            "--size",
+            str(self.config.scratch_mb * MB),
+            "--tmpfs",
+            "/dev/shm",
+            "--bind",
+            self._tmp_dir,
+            "/tmp",
+            "--bind",
+            self.scratch_dir,
+            "/scratch",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/scratch",
+        ]
 
     def _fresh_data(self) -> None:
         """Empty scratch and tmp: a new tmpfs as root (O(1), hidden files included), else a wipe."""
@@ -264,8 +277,14 @@ class LocalSandbox(Sandbox):
 
     def _environment(self, extra: Mapping[str, str] | None) -> dict[str, str]:
         inside = "/scratch" if self.bubblewrap else self.scratch_dir
-        env = {"PATH": PATH, "HOME": inside, "SCRATCH": inside, "LANG": "C.UTF-8", "USER": "sandbox",
-               "TMPDIR": "/tmp" if self.bubblewrap else self._tmp_dir}
+        env = {
+            "PATH": PATH,
+            "HOME": inside,
+            "SCRATCH": inside,
+            "LANG": "C.UTF-8",
+            "USER": "sandbox",
+            "TMPDIR": "/tmp" if self.bubblewrap else self._tmp_dir,
+        }
         for source in (self.config.env, extra or {}):
             for key, value in source.items():
                 if not isinstance(key, str) or not key or "=" in key or "\0" in key or not isinstance(value, str):
@@ -273,12 +292,24 @@ class LocalSandbox(Sandbox):
                 env[key] = value
         return env
 
-    async def _spawn(self, start, argv: list[str], env: Mapping[str, str] | None, *, stdin: bool,
-                     cpu_seconds: int | None, stderr: int = subprocess.PIPE) -> tuple[Any, Cgroup | None]:
+    async def _spawn(
+        self,
+        start,
+        argv: list[str],
+        env: Mapping[str, str] | None,
+        *,
+        stdin: bool,
+        cpu_seconds: int | None,
+        stderr: int = subprocess.PIPE,
+    ) -> tuple[Any, Cgroup | None]:
         """``start(*argv, **popen_kwargs)`` the program jailed; returns what ``start`` gave and its cgroup."""
         group = self._cgroup.child(f"p{next(self._seq)}") if self._cgroup else None
-        limits = rlimits(self.config, cpu_seconds=cpu_seconds, nproc=self._lease.distinct or not self.bubblewrap,
-                         memory=group is None or "memory" not in group.dirs)
+        limits = rlimits(
+            self.config,
+            cpu_seconds=cpu_seconds,
+            nproc=self._lease.distinct or not self.bubblewrap,
+            memory=group is None or "memory" not in group.dirs,
+        )
         environment = self._environment(env)
         if self.bubblewrap and not self._lease.distinct and _have_prlimit():
             argv = ["prlimit", f"--nproc={self.config.pids}", "--"] + argv  # counted in bwrap's user namespace
@@ -290,14 +321,24 @@ class LocalSandbox(Sandbox):
             full, cwd = argv, self.scratch_dir
         setup = preexec(group.procs_files if group else [], limits, self._lease.uid, net=not self.bubblewrap)
         try:
-            proc = await start(*full, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=stderr, env=environment, cwd=cwd, start_new_session=True, preexec_fn=setup)
+            proc = await start(
+                *full,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=environment,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=setup,
+            )
         except BaseException as e:
             if group:
                 group.remove()
             if isinstance(e, subprocess.SubprocessError):  # the setup between fork and exec failed
-                raise SandboxError(f"could not start the sandboxed process ({e}); see "
-                                   "bubblewrap_unavailable_reason() and the cgroup/uid setup") from e
+                raise SandboxError(
+                    f"could not start the sandboxed process ({e}); see "
+                    "bubblewrap_unavailable_reason() and the cgroup/uid setup"
+                ) from e
             raise
         return proc, group
 
@@ -325,9 +366,16 @@ class LocalSandbox(Sandbox):
         if self._closed:
             raise SandboxError("this sandbox is closed; create a new one")
 
-    async def run(self, command: str | Sequence[str] | None = None, *, code: str | None = None,
-                  stdin: str | bytes | None = None, timeout: float | None = None,
-                  files: Mapping[str, str | bytes] | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
+    async def run(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        code: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout: float | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
         self._check_open()
         argv = program_argv(command, code)
         limit = self.config.timeout if timeout is None else float(timeout)
@@ -343,8 +391,9 @@ class LocalSandbox(Sandbox):
         started, call = time.monotonic(), _Call(self.config.max_output_bytes)
         start = functools.partial(asyncio.get_running_loop().subprocess_exec, lambda: call)
         try:
-            (transport, _), group = await self._spawn(start, argv, env, stdin=data is not None,
-                                                      cpu_seconds=int(limit * max(1.0, self.config.cpus)) + 2)
+            (transport, _), group = await self._spawn(
+                start, argv, env, stdin=data is not None, cpu_seconds=int(limit * max(1.0, self.config.cpus)) + 2
+            )
         except (FileNotFoundError, PermissionError) as e:  # the process fallback execs the program itself
             rc, why = (127, "command not found") if isinstance(e, FileNotFoundError) else (126, "permission denied")
             return ExecResult("", f"{argv[0]}: {why}\n", rc, duration=time.monotonic() - started)
@@ -365,8 +414,15 @@ class LocalSandbox(Sandbox):
                     await asyncio.wait_for(asyncio.shield(waiting), 1.0)
             transport.close()
         wiped = not privileged() and await asyncio.to_thread(self._cap_scratch)
-        return self._result(transport.get_returncode(), call.out, call.err, timed_out, oom=oom, wiped=wiped,
-                            duration=time.monotonic() - started)
+        return self._result(
+            transport.get_returncode(),
+            call.out,
+            call.err,
+            timed_out,
+            oom=oom,
+            wiped=wiped,
+            duration=time.monotonic() - started,
+        )
 
     def _cap_scratch(self) -> bool:
         """As a normal user (no tmpfs caps it): scratch and /tmp over ``scratch_mb`` are wiped (True)."""
@@ -375,8 +431,9 @@ class LocalSandbox(Sandbox):
         self._fresh_data()
         return True
 
-    def _result(self, rc: int | None, out: _Capture, err: _Capture, timed_out: bool, *, oom: bool, wiped: bool,
-                duration: float) -> ExecResult:
+    def _result(
+        self, rc: int | None, out: _Capture, err: _Capture, timed_out: bool, *, oom: bool, wiped: bool, duration: float
+    ) -> ExecResult:
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
         if rc is not None and rc < 0:
@@ -388,8 +445,14 @@ class LocalSandbox(Sandbox):
             notes.append(f"[scratch exceeded {self.config.scratch_mb} MB and was wiped]")
         if notes:
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
-        return ExecResult(stdout, stderr, None if timed_out or oom else rc, timed_out=timed_out,
-                          duration=duration, truncated=cut_out or cut_err)
+        return ExecResult(
+            stdout,
+            stderr,
+            None if timed_out or oom else rc,
+            timed_out=timed_out,
+            duration=duration,
+            truncated=cut_out or cut_err,
+        )
 
     async def write_files(self, files: Mapping[str, str | bytes]) -> None:
         self._check_open()
@@ -402,7 +465,7 @@ class LocalSandbox(Sandbox):
             try:
                 view = memoryview(content)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG):
                     full = f"writing {rel!r}: scratch is full (scratch_mb={self.config.scratch_mb})"
@@ -434,13 +497,20 @@ class LocalSandbox(Sandbox):
             return current
         if current is not None:
             await current.kill()
-        proc, group = await self._spawn(asyncio.create_subprocess_exec, program_argv(list(argv), None), env, stdin=True,
-                                        cpu_seconds=None, stderr=subprocess.DEVNULL)
+        proc, group = await self._spawn(
+            asyncio.create_subprocess_exec,
+            program_argv(list(argv), None),
+            env,
+            stdin=True,
+            cpu_seconds=None,
+            stderr=subprocess.DEVNULL,
+        )
 
         async def kill() -> None:
             await self._kill(proc.pid, waited, group)
             with contextlib.suppress(TimeoutError):  # bounded: without a cgroup an escapee may hold the pipe
                 await asyncio.wait_for(asyncio.shield(waited), 2.0)
+
         waited = asyncio.ensure_future(proc.wait())
         session = _LocalSession(proc, kill)
         self._sessions[name] = session

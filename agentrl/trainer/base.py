@@ -93,8 +93,9 @@ def with_gradient(samples: Sequence[TrainSample], cfg: Any) -> list[TrainSample]
     return [s for s in samples if any(a != 0 and m for a, m in zip(s.advantages, s.loss_mask))]
 
 
-def mean_over_trained(metrics: dict[str, float], cfg: Any, all_counts: Sequence[float],
-                      trained_counts: Sequence[float]) -> dict[str, float]:
+def mean_over_trained(
+    metrics: dict[str, float], cfg: Any, all_counts: Sequence[float], trained_counts: Sequence[float]
+) -> dict[str, float]:
     """``entropy``/``clipfrac``/``ratio_mean`` as means over the samples trained on (see :func:`with_gradient`).
 
     The loss normalizes every term by the whole batch's tokens (or sequences); for these per-token
@@ -107,9 +108,13 @@ def mean_over_trained(metrics: dict[str, float], cfg: Any, all_counts: Sequence[
     return {k: v * scale if k in ("entropy", "clipfrac", "ratio_mean") else v for k, v in metrics.items()}
 
 
-def run_optimizer_steps(samples: Sequence[TrainSample], n_steps: int,
-                        optimizer_step: Callable[[Sequence[TrainSample]], dict[str, float] | None],
-                        sum_over_ranks: Callable[[list[float]], list[float]], lr: float) -> dict[str, float]:
+def run_optimizer_steps(
+    samples: Sequence[TrainSample],
+    n_steps: int,
+    optimizer_step: Callable[[Sequence[TrainSample]], dict[str, float] | None],
+    sum_over_ranks: Callable[[list[float]], list[float]],
+    lr: float,
+) -> dict[str, float]:
     """``train_step``'s outer loop, shared by the backends: ``n_steps`` equal consecutive chunks of
     ``samples``, one ``optimizer_step`` each (None = no rank had samples), then step-mean metrics plus
     ``lr``, ``train_tokens`` (masked response tokens, summed over ranks by ``sum_over_ranks``),
@@ -128,6 +133,11 @@ def run_optimizer_steps(samples: Sequence[TrainSample], n_steps: int,
     seconds = time.perf_counter() - t0
     tokens = sum_over_ranks([sum(len(s.tokens) for s in samples), sum(sum(s.loss_mask) for s in samples)])
     metrics = {k: v / max(done, 1) for k, v in sums.items()}
-    metrics.update(lr=lr, train_tokens=tokens[1], train_seconds=seconds, tokens_per_s=tokens[0] / max(seconds, 1e-9),
-                   steps=float(done))
+    metrics.update(
+        lr=lr,
+        train_tokens=tokens[1],
+        train_seconds=seconds,
+        tokens_per_s=tokens[0] / max(seconds, 1e-9),
+        steps=float(done),
+    )
     return metrics

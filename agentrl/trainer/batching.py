@@ -132,8 +132,10 @@ def pack_samples(
     seq: list[int] = []
     for k, s in enumerate(chosen):
         if s.prompt_length < 1:
-            raise ValueError("a TrainSample needs at least one prompt token (the first response token "
-                             "is predicted from the token before it)")
+            raise ValueError(
+                "a TrainSample needs at least one prompt token (the first response token "
+                "is predicted from the token before it)"
+            )
         if len(s.loss_mask) != s.response_length:
             raise ValueError(f"loss_mask has {len(s.loss_mask)} values for a {s.response_length}-token response")
         start = len(ids) + s.prompt_length - 1  # logits here predict the first response token
@@ -141,7 +143,7 @@ def pack_samples(
         seq.extend([k] * s.response_length)
         ids.extend(s.tokens)
         pos.extend(range(len(s.tokens)))
-    targets = [t for s in chosen for t in s.tokens[s.prompt_length:]]
+    targets = [t for s in chosen for t in s.tokens[s.prompt_length :]]
     advantages = _flat(chosen, "advantages", required=need_advantages)
     if advantages is None:
         advantages = torch.zeros(len(targets))

@@ -55,20 +55,27 @@ def packed_seq_params(position_ids: torch.Tensor) -> PackedSeqParams:
     if not starts or starts[0] != 0:
         starts = [0, *starts]
     cu = torch.tensor([*starts, total], dtype=torch.int32)
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=total,
-                           max_seqlen_kv=total)
+    return PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=total, max_seqlen_kv=total
+    )
 
 
 def segment_bounds(params: PackedSeqParams, seq_len: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` covering ``0..seq_len``; a tail after the last sample is its own segment."""
     if params.qkv_format != "sbhd":
-        raise ValueError(f"PackedCoreAttention takes packed rows in 'sbhd' layout, got qkv_format="
-                         f"{params.qkv_format!r}; build the params with megatron_attention.packed_seq_params")
+        raise ValueError(
+            f"PackedCoreAttention takes packed rows in 'sbhd' layout, got qkv_format="
+            f"{params.qkv_format!r}; build the params with megatron_attention.packed_seq_params"
+        )
     cu = params.cu_seqlens_q.tolist()
-    if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not params.cu_seqlens_q \
-            and params.cu_seqlens_kv.tolist() != cu:
-        raise NotImplementedError("PackedCoreAttention is self-attention over one packed row: cu_seqlens_kv must "
-                                  "equal cu_seqlens_q")
+    if (
+        params.cu_seqlens_kv is not None
+        and params.cu_seqlens_kv is not params.cu_seqlens_q
+        and params.cu_seqlens_kv.tolist() != cu
+    ):
+        raise NotImplementedError(
+            "PackedCoreAttention is self-attention over one packed row: cu_seqlens_kv must equal cu_seqlens_q"
+        )
     if not cu or cu[0] != 0 or cu[-1] > seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens {cu} must rise strictly from 0 to at most the row length {seq_len}")
     if cu[-1] < seq_len:
@@ -85,19 +92,32 @@ class PackedCoreAttention(MegatronModule):
     np) -> context ``[sq, b, np * hn]``. With ``b > 1`` every row is cut at the same boundaries.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise NotImplementedError("PackedCoreAttention does not split sequences over context-parallel ranks; "
-                                      "use context_parallel_size 1")
+            raise NotImplementedError(
+                "PackedCoreAttention does not split sequences over context-parallel ranks; use context_parallel_size 1"
+            )
         if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"softmax_type={config.softmax_type!r} (softmax offsets) is not supported by "
-                                      "PackedCoreAttention; build the model with packed_attention=False")
+            raise NotImplementedError(
+                f"softmax_type={config.softmax_type!r} (softmax offsets) is not supported by "
+                "PackedCoreAttention; build the model with packed_attention=False"
+            )
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise NotImplementedError("sliding-window attention is not supported by PackedCoreAttention; build the "
-                                      "model with packed_attention=False")
+            raise NotImplementedError(
+                "sliding-window attention is not supported by PackedCoreAttention; build the "
+                "model with packed_attention=False"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -106,10 +126,16 @@ class PackedCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
-                attention_bias: torch.Tensor | None = None,
-                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
         """Attention of ``query`` over ``key``/``value``, per sample of ``packed_seq_params`` when given."""
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by PackedCoreAttention")
@@ -117,8 +143,10 @@ class PackedCoreAttention(MegatronModule):
         sk = key.shape[0]
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal and attention_mask is None
         if causal and sq > 1 and sq != sk:
-            raise NotImplementedError(f"causal attention of {sq} queries over {sk} keys (a KV cache) is not "
-                                      "supported by PackedCoreAttention; it trains on whole rows")
+            raise NotImplementedError(
+                f"causal attention of {sq} queries over {sk} keys (a KV cache) is not "
+                "supported by PackedCoreAttention; it trains on whole rows"
+            )
         causal = causal and sq > 1  # one query attends to every key, as in megatron's softmax
         # [s, b, n, hn] -> [b, n, s, hn]; grouped-query attention: each kv group serves heads / ng query heads
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -130,21 +158,33 @@ class PackedCoreAttention(MegatronModule):
                 k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
         p = self.dropout_p if self.training else 0.0
         # dropout draws from megatron's model-parallel RNG stream, as in DotProductAttention
-        rng = tensor_parallel.get_cuda_rng_tracker().fork() if p > 0 and not self.config.sequence_parallel \
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
+        )
         with rng:
             if packed_seq_params is None:
                 mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                                     scale=self.softmax_scale, **sdpa_kw)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=self.softmax_scale, **sdpa_kw
+                )
             elif attention_mask is not None:
                 raise ValueError("give PackedCoreAttention either packed_seq_params or an attention mask, not both")
             else:
                 out = self._per_sample(q, k, v, segment_bounds(packed_seq_params, sq), causal, p, sdpa_kw)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [b, n, s, hn] -> [s, b, n * hn]
 
-    def _per_sample(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]],
-                    causal: bool, dropout_p: float, sdpa_kw: dict[str, Any]) -> torch.Tensor:
+    def _per_sample(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        causal: bool,
+        dropout_p: float,
+        sdpa_kw: dict[str, Any],
+    ) -> torch.Tensor:
         """SDPA on each segment of ``[b, n, s, hn]`` tensors, equal-length segments stacked into one call."""
         b = q.shape[0]
         by_length: dict[int, list[int]] = {}
@@ -157,11 +197,12 @@ class PackedCoreAttention(MegatronModule):
             def take(t: torch.Tensor, starts: list[int] = starts, length: int = length) -> torch.Tensor:
                 # -> [len(idx) * b, n, length, hn]
                 if len(starts) == 1:
-                    return t[:, :, starts[0]:starts[0] + length]
-                return torch.cat([t[:, :, s:s + length] for s in starts])
+                    return t[:, :, starts[0] : starts[0] + length]
+                return torch.cat([t[:, :, s : s + length] for s in starts])
 
-            out = F.scaled_dot_product_attention(take(q), take(k), take(v), dropout_p=dropout_p,
-                                                 is_causal=causal, scale=self.softmax_scale, **sdpa_kw)
+            out = F.scaled_dot_product_attention(
+                take(q), take(k), take(v), dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, **sdpa_kw
+            )
             for i, chunk in zip(idx, out.split(b)):
                 outs[i] = chunk
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # type: ignore[arg-type]

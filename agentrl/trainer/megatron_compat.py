@@ -153,31 +153,40 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int =
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("init_megatron_parallel needs torch.distributed initialised first: call "
-                           "torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPUs) before it")
+        raise RuntimeError(
+            "init_megatron_parallel needs torch.distributed initialised first: call "
+            "torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPUs) before it"
+        )
     apply_cpu_workarounds()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+        )
         if have != (tp, pp, cp):
-            raise RuntimeError(f"megatron parallel state is already initialised with (tp, pp, cp)={have}, not "
-                               f"{(tp, pp, cp)}; call destroy_megatron_parallel() before re-initialising")
+            raise RuntimeError(
+                f"megatron parallel state is already initialised with (tp, pp, cp)={have}, not "
+                f"{(tp, pp, cp)}; call destroy_megatron_parallel() before re-initialising"
+            )
     else:
         world = dist.get_world_size()
         if world % (tp * pp * cp):
-            raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
-                             "choose parallel sizes whose product divides the number of processes")
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp)
+            raise ValueError(
+                f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
+                "choose parallel sizes whose product divides the number of processes"
+            )
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
     # The training tracker snapshots and restores CUDA generator states (torch.cuda.get_rng_state) around
     # every dropout in a tensor-parallel region, which cannot work without CUDA. Megatron's inference
     # tracker keeps the same interface with no-op forks, so dropout then draws from the CPU generator; that
     # is harmless here because the SDK runs with dropout 0 (RL needs ratio == 1 on the first pass).
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available(),
-                                    force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True)
 
 
 def destroy_megatron_parallel() -> None:

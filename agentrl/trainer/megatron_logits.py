@@ -53,8 +53,7 @@ def logits_at(model: nn.Module, positions: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def padded_vocab_mask(vocab_size: int, tp_rank: int, tp_size: int,
-                      device: torch.device | str) -> torch.Tensor | None:
+def padded_vocab_mask(vocab_size: int, tp_rank: int, tp_size: int, device: torch.device | str) -> torch.Tensor | None:
     """``[V/tp]`` bool, True at this rank's padding rows (ids >= ``vocab_size``); None when it has none.
 
     Megatron pads the vocabulary to a multiple of ``128 * tp`` (:func:`~agentrl.trainer.megatron_model.
@@ -96,17 +95,18 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
     z = logits.float()
-    m = z.detach().max(dim=-1).values                                          # [N]
+    m = z.detach().max(dim=-1).values  # [N]
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    e = torch.exp(z - m[:, None])                                              # [N, V/tp]
-    finite = z.masked_fill(torch.isinf(z), 0.0)                                # 0 * -inf would be nan
-    s = tp_sum(e.sum(dim=-1))                                                  # [N]
-    ez = tp_sum((e * finite).sum(dim=-1))                                      # [N]
+    e = torch.exp(z - m[:, None])  # [N, V/tp]
+    finite = z.masked_fill(torch.isinf(z), 0.0)  # 0 * -inf would be nan
+    s = tp_sum(e.sum(dim=-1))  # [N]
+    ez = tp_sum((e * finite).sum(dim=-1))  # [N]
     return m + torch.log(s) - ez / s
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, *, tp_size: int, entropy: bool,
-                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, *, tp_size: int, entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log p(target)`` [N] and, when ``entropy``, the entropy [N] of ``logits`` [N, V/tp] (``targets`` [N] ids).
 
     ``log p_y = -vocab_parallel_cross_entropy(z, y)`` (exact at any tp). The entropy carries a gradient

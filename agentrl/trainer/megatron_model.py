@@ -88,9 +88,11 @@ class _Dims:
 
 
 def _unsupported(what: str) -> ValueError:
-    return ValueError(f"{what}; the megatron backend supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
-                      "(SmolLM2 is llama) with SiLU-gated MLPs, default RoPE and full attention; "
-                      "use --train-backend torch for other models")
+    return ValueError(
+        f"{what}; the megatron backend supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
+        "(SmolLM2 is llama) with SiLU-gated MLPs, default RoPE and full attention; "
+        "use --train-backend torch for other models"
+    )
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -112,8 +114,10 @@ def _check_full_attention(cfg: Any) -> None:
     if any(t != "full_attention" for t in layer_types) or uses_window:
         raise _unsupported("sliding-window attention layers are not supported")
     if uses_window is None and window is not None and window < cfg.max_position_embeddings:
-        raise _unsupported(f"sliding window {window} < max_position_embeddings {cfg.max_position_embeddings} "
-                           "(set sliding_window=null in config.json if the model does not use it)")
+        raise _unsupported(
+            f"sliding window {window} < max_position_embeddings {cfg.max_position_embeddings} "
+            "(set sliding_window=null in config.json if the model does not use it)"
+        )
 
 
 def _dims(cfg: Any) -> _Dims:
@@ -129,15 +133,25 @@ def _dims(cfg: Any) -> _Dims:
         raise _unsupported("attention_bias=True (biased o_proj) is not supported")
     _check_full_attention(cfg)
     heads = cfg.num_attention_heads
-    return _Dims(num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size, heads=heads,
-                 groups=getattr(cfg, "num_key_value_heads", None) or heads,
-                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, vocab=cfg.vocab_size,
-                 eps=cfg.rms_norm_eps, rope_theta=_rope_theta(cfg), max_positions=cfg.max_position_embeddings,
-                 tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
-                 qk_norm=model_type == "qwen3")
+    return _Dims(
+        num_layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        ffn=cfg.intermediate_size,
+        heads=heads,
+        groups=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        vocab=cfg.vocab_size,
+        eps=cfg.rms_norm_eps,
+        rope_theta=_rope_theta(cfg),
+        max_positions=cfg.max_position_embeddings,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+    )
 
 
 # -- config and model ----------------------------------------------------------------------------
+
 
 def megatron_field_names() -> set[str]:
     """Every TransformerConfig field (ModelParallelConfig's included), for validating pass-through flags."""
@@ -146,9 +160,15 @@ def megatron_field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
-def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                               params_dtype: torch.dtype = torch.float32,
-                               overrides: dict[str, Any] | None = None) -> TransformerConfig:
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+) -> TransformerConfig:
     """The TransformerConfig that makes a GPTModel compute what the HF model computes.
 
     Dropout is 0 (the first policy-gradient pass must see ratio == 1) and every fusion that needs CUDA
@@ -159,18 +179,42 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: 
     d = _dims(hf_config)
     _check_tp(d, tp)
     if d.num_layers % pp:
-        raise ValueError(f"{d.num_layers} layers do not split evenly over {pp} pipeline stages; choose a "
-                         "--pipeline-model-parallel-size that divides the number of layers")
+        raise ValueError(
+            f"{d.num_layers} layers do not split evenly over {pp} pipeline stages; choose a "
+            "--pipeline-model-parallel-size that divides the number of layers"
+        )
     kwargs: dict[str, Any] = dict(
-        num_layers=d.num_layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn, num_attention_heads=d.heads,
-        num_query_groups=d.groups, kv_channels=d.head_dim, normalization="RMSNorm", layernorm_epsilon=d.eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=d.qkv_bias,
-        qk_layernorm=d.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, sequence_parallel=False, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, context_parallel_size=cp, params_dtype=params_dtype,
-        pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        init_method_std=getattr(hf_config, "initializer_range", 0.02))
+        num_layers=d.num_layers,
+        hidden_size=d.hidden,
+        ffn_hidden_size=d.ffn,
+        num_attention_heads=d.heads,
+        num_query_groups=d.groups,
+        kv_channels=d.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=d.eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=d.qkv_bias,
+        qk_layernorm=d.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+    )
     overrides = dict(overrides or {})
     known = megatron_field_names()
     for name in overrides:
@@ -179,8 +223,10 @@ def transformer_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1, cp: 
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown Megatron setting {name!r} (not a TransformerConfig field){hint}")
     if overrides.get("masked_softmax_fusion"):
-        raise ValueError("masked_softmax_fusion=True is refused: megatron's fused causal softmax ignores the "
-                         "attention mask that keeps packed samples apart; leave it off")
+        raise ValueError(
+            "masked_softmax_fusion=True is refused: megatron's fused causal softmax ignores the "
+            "attention mask that keeps packed samples apart; leave it off"
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -191,9 +237,15 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, vocab_divisible_by: int = 128,
-                    packed_attention: bool = True) -> GPTModel:
+def build_gpt_model(
+    hf_config: Any,
+    config: TransformerConfig,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vocab_divisible_by: int = 128,
+    packed_attention: bool = True,
+) -> GPTModel:
     """A GPTModel (local megatron-core spec) shaped like ``hf_config``, on the current device.
 
     Needs megatron's parallel state (:func:`~agentrl.trainer.megatron_compat.init_megatron_parallel`);
@@ -210,11 +262,15 @@ def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: b
 
     apply_cpu_workarounds()
     if not ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron parallel state is not initialised: call "
-                           "agentrl.trainer.megatron_compat.init_megatron_parallel(tp, pp, cp) first")
+        raise RuntimeError(
+            "megatron parallel state is not initialised: call "
+            "agentrl.trainer.megatron_compat.init_megatron_parallel(tp, pp, cp) first"
+        )
     if config.context_parallel_size > 1:
-        raise ValueError("context parallelism needs Transformer Engine attention, which this backend does not "
-                         "use yet; run with context parallel size 1")
+        raise ValueError(
+            "context parallelism needs Transformer Engine attention, which this backend does not "
+            "use yet; run with context parallel size 1"
+        )
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -231,22 +287,32 @@ def build_gpt_model(hf_config: Any, config: TransformerConfig, *, pre_process: b
         from agentrl.trainer.megatron_attention import PackedCoreAttention
 
         attention.core_attention = PackedCoreAttention  # a fresh spec per call
-    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                       layer_norm=WrappedTorchNorm)
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=WrappedTorchNorm
+    )
     model = GPTModel(
-        config, block, vocab_size=padded_vocab_size(d.vocab, config.tensor_model_parallel_size, vocab_divisible_by),
+        config,
+        block,
+        vocab_size=padded_vocab_size(d.vocab, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=d.max_positions,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
-        parallel_output=True, share_embeddings_and_output_weights=d.tied, position_embedding_type="rope",
-        rotary_base=d.rope_theta)
+        parallel_output=True,
+        share_embeddings_and_output_weights=d.tied,
+        position_embedding_type="rope",
+        rotary_base=d.rope_theta,
+    )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     return model
 
 
-def packed_attention_mask(lengths_or_position_ids: Sequence[int] | torch.Tensor, *, seq_len: int | None = None,
-                          device: torch.device | str | None = None) -> torch.Tensor:
+def packed_attention_mask(
+    lengths_or_position_ids: Sequence[int] | torch.Tensor,
+    *,
+    seq_len: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Block-causal mask for packed rows, megatron's convention: bool, True = masked out.
 
     ``lengths_or_position_ids`` is either a list of sample lengths (one row; a tail up to ``seq_len``
@@ -263,8 +329,9 @@ def packed_attention_mask(lengths_or_position_ids: Sequence[int] | torch.Tensor,
         total = sum(lengths) if seq_len is None else seq_len
         if sum(lengths) > total or any(n <= 0 for n in lengths):
             raise ValueError(f"sample lengths {lengths} must be positive and sum to at most seq_len={total}")
-        segment = torch.repeat_interleave(torch.arange(len(lengths) + 1),
-                                          torch.tensor([*lengths, total - sum(lengths)]))[None]
+        segment = torch.repeat_interleave(
+            torch.arange(len(lengths) + 1), torch.tensor([*lengths, total - sum(lengths)])
+        )[None]
     s = segment.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=segment.device).tril()
     allowed = (segment[:, :, None] == segment[:, None, :]) & causal  # [b, s, s]
@@ -272,6 +339,7 @@ def packed_attention_mask(lengths_or_position_ids: Sequence[int] | torch.Tensor,
 
 
 # -- HF -> megatron ------------------------------------------------------------------------------
+
 
 def _check_tp(d: _Dims, tp: int) -> None:
     for what, n in (("attention heads", d.heads), ("key/value heads", d.groups), ("intermediate_size", d.ffn)):
@@ -317,14 +385,17 @@ def _layer_to_megatron(get: Any, d: _Dims, i: int, local: int, shard: Any) -> di
     def qkv(kind: str) -> torch.Tensor:  # fused per query group, then split by groups over TP
         return shard(_fuse_qkv(*(get(a + f"{x}_proj.{kind}") for x in "qkv"), d), 0)
 
-    out = {m + "input_layernorm.weight": get(p + "input_layernorm.weight"),
-           m + "pre_mlp_layernorm.weight": get(p + "post_attention_layernorm.weight"),
-           m + "self_attention.linear_qkv.weight": qkv("weight"),
-           m + "self_attention.linear_proj.weight": shard(get(a + "o_proj.weight"), 1),
-           # fc1 = [gate; up] on every rank: each of the two is split over TP first
-           m + "mlp.linear_fc1.weight": torch.cat([shard(get(p + "mlp.gate_proj.weight"), 0),
-                                                   shard(get(p + "mlp.up_proj.weight"), 0)]),
-           m + "mlp.linear_fc2.weight": shard(get(p + "mlp.down_proj.weight"), 1)}
+    out = {
+        m + "input_layernorm.weight": get(p + "input_layernorm.weight"),
+        m + "pre_mlp_layernorm.weight": get(p + "post_attention_layernorm.weight"),
+        m + "self_attention.linear_qkv.weight": qkv("weight"),
+        m + "self_attention.linear_proj.weight": shard(get(a + "o_proj.weight"), 1),
+        # fc1 = [gate; up] on every rank: each of the two is split over TP first
+        m + "mlp.linear_fc1.weight": torch.cat(
+            [shard(get(p + "mlp.gate_proj.weight"), 0), shard(get(p + "mlp.up_proj.weight"), 0)]
+        ),
+        m + "mlp.linear_fc2.weight": shard(get(p + "mlp.down_proj.weight"), 1),
+    }
     if d.qkv_bias:
         out[m + "self_attention.linear_qkv.bias"] = qkv("bias")
     if d.qk_norm:
@@ -333,9 +404,17 @@ def _layer_to_megatron(get: Any, d: _Dims, i: int, local: int, shard: Any) -> di
     return out
 
 
-def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_rank: int = 0, tp_size: int = 1,
-                   pp_rank: int = 0, pp_size: int = 1, padded_vocab: int | None = None,
-                   layers: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    padded_vocab: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state dict (no ``_extra_state``) cut from full HF tensors.
 
     ``layers``: the HF layer indices this pipeline stage holds (default: megatron's even split);
@@ -349,8 +428,10 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
 
     def get(name: str) -> torch.Tensor:
         if name not in hf_state:
-            raise ValueError(f"the HF checkpoint has no tensor {name!r}; is it a {hf_config.model_type} checkpoint "
-                             "matching its config.json?")
+            raise ValueError(
+                f"the HF checkpoint has no tensor {name!r}; is it a {hf_config.model_type} checkpoint "
+                "matching its config.json?"
+            )
         return hf_state[name]
 
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -373,12 +454,16 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
 
 # -- megatron -> HF ------------------------------------------------------------------------------
 
-_REPLICATED = {"input_layernorm.weight": "input_layernorm.weight",
-               "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-               "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-               "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
-_ROW_PARALLEL = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-                 "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+_REPLICATED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+_ROW_PARALLEL = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
 
 
 def _merge_key(name: str, parts: Sequence[torch.Tensor], d: _Dims, layer_offset: int) -> list[tuple[str, torch.Tensor]]:
@@ -403,13 +488,16 @@ def _merge_key(name: str, parts: Sequence[torch.Tensor], d: _Dims, layer_offset:
         return [(p + f"self_attn.{x}_proj.{kind}", t) for x, t in zip("qkv", (q, k, v))]
     if rest == "mlp.linear_fc1.weight":
         halves = [t.chunk(2) for t in parts]  # each rank: [gate_r; up_r]
-        return [(p + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
-                (p + "mlp.up_proj.weight", torch.cat([h[1] for h in halves]))]
+        return [
+            (p + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
+            (p + "mlp.up_proj.weight", torch.cat([h[1] for h in halves])),
+        ]
     raise ValueError(f"unexpected megatron tensor {name!r}: this converter knows the local GPT spec only")
 
 
-def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], hf_config: Any, *,
-                   layer_offset: int = 0) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]], hf_config: Any, *, layer_offset: int = 0
+) -> dict[str, torch.Tensor]:
     """Full HF tensors from one pipeline stage's TP shards (``shards[r]`` = tp rank r's state dict).
 
     ``layer_offset`` is the HF index of the stage's first layer (megatron numbers layers per stage).
@@ -420,8 +508,9 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], hf_config: Any,
     for r, s in enumerate(shards[1:], start=1):
         theirs = [k for k in s if not k.endswith("_extra_state") and s[k] is not None]
         if sorted(theirs) != sorted(keys):
-            raise ValueError(f"tp rank {r}'s state dict has different keys than rank 0's: "
-                             f"{sorted(set(theirs) ^ set(keys))}")
+            raise ValueError(
+                f"tp rank {r}'s state dict has different keys than rank 0's: {sorted(set(theirs) ^ set(keys))}"
+            )
     out: dict[str, torch.Tensor] = {}
     for k in keys:
         out.update(_merge_key(k, [s[k] for s in shards], d, layer_offset))
@@ -439,12 +528,15 @@ def _model_groups(model: torch.nn.Module, tp_group: Any, pp_group: Any) -> tuple
     if not (dist.is_available() and dist.is_initialized()):
         return None, None
     pgs = getattr(model, "pg_collection", None)
-    return (tp_group if tp_group is not None else getattr(pgs, "tp", None),
-            pp_group if pp_group is not None else getattr(pgs, "pp", None))
+    return (
+        tp_group if tp_group is not None else getattr(pgs, "tp", None),
+        pp_group if pp_group is not None else getattr(pgs, "pp", None),
+    )
 
 
-def iter_hf_weights(model: GPTModel, hf_config: Any, *, tp_group: Any = None,
-                    pp_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    model: GPTModel, hf_config: Any, *, tp_group: Any = None, pp_group: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model, one megatron tensor at a time.
 
     A collective: every rank of the model-parallel groups (default: the model's own) must iterate it to
@@ -494,6 +586,7 @@ def iter_hf_weights(model: GPTModel, hf_config: Any, *, tp_group: Any = None,
 
 # -- loading a checkpoint ------------------------------------------------------------------------
 
+
 class _Safetensors(Mapping[str, torch.Tensor]):
     """Lazy read-only view of a safetensors checkpoint (one file, a folder, or an index with shards)."""
 
@@ -509,8 +602,10 @@ class _Safetensors(Mapping[str, torch.Tensor]):
         else:
             files = set(path.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no safetensors weights at {path}; give an HF checkpoint folder saved with "
-                                    "save_pretrained(safe_serialization=True) or a .safetensors file")
+            raise FileNotFoundError(
+                f"no safetensors weights at {path}; give an HF checkpoint folder saved with "
+                "save_pretrained(safe_serialization=True) or a .safetensors file"
+            )
         self._where = {}
         for f in sorted(files):
             handle = safe_open(str(f), framework="pt")
@@ -544,8 +639,16 @@ def _unused_for_stage(reader: _Safetensors, d: _Dims, layers: Sequence[int]) -> 
     return unused
 
 
-def load_hf_checkpoint(model: GPTModel, path: str | Path, hf_config: Any, *, tp_rank: int = 0, tp_size: int = 1,
-                       pp_rank: int = 0, pp_size: int = 1) -> None:
+def load_hf_checkpoint(
+    model: GPTModel,
+    path: str | Path,
+    hf_config: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> None:
     """Fill ``model`` (this rank's shard) from an HF safetensors checkpoint, strictly.
 
     Every model tensor must come from the checkpoint and every checkpoint tensor of this stage must be
@@ -554,19 +657,32 @@ def load_hf_checkpoint(model: GPTModel, path: str | Path, hf_config: Any, *, tp_
     d = _dims(hf_config)
     reader = _Safetensors(path)
     layers = [layer.layer_number - 1 for layer in getattr(getattr(model, "decoder", None), "layers", [])]
-    shard = hf_to_megatron(reader, hf_config, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                           padded_vocab=model.vocab_size, layers=layers)
+    shard = hf_to_megatron(
+        reader,
+        hf_config,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        padded_vocab=model.vocab_size,
+        layers=layers,
+    )
     expected = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(set(expected) - set(shard)), sorted(set(shard) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the megatron model (pp_rank={pp_rank}/{pp_size}, "
-                         f"tp_rank={tp_rank}/{tp_size}): missing {missing}, unexpected {unexpected}")
-    wrong = [f"{k}: {tuple(shard[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-             if shard[k].shape != v.shape]
+        raise ValueError(
+            f"checkpoint {path} does not fit the megatron model (pp_rank={pp_rank}/{pp_size}, "
+            f"tp_rank={tp_rank}/{tp_size}): missing {missing}, unexpected {unexpected}"
+        )
+    wrong = [
+        f"{k}: {tuple(shard[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if shard[k].shape != v.shape
+    ]
     unused = _unused_for_stage(reader, d, layers)
     if wrong or unused:
-        raise ValueError(f"checkpoint {path} does not fit the megatron model: shape mismatches {wrong}, "
-                         f"tensors this converter cannot place {unused}")
+        raise ValueError(
+            f"checkpoint {path} does not fit the megatron model: shape mismatches {wrong}, "
+            f"tensors this converter cannot place {unused}"
+        )
     with torch.no_grad():
         for k, v in expected.items():
             v.copy_(shard[k])

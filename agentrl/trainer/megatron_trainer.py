@@ -89,11 +89,13 @@ class MegatronParallel:
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> MegatronParallel:
         """The layout a TrainConfig asks for (its megatron fields, where this version of it has them)."""
-        return cls(tensor_model_parallel_size=getattr(cfg, "tensor_model_parallel_size", 1),
-                   pipeline_model_parallel_size=getattr(cfg, "pipeline_model_parallel_size", 1),
-                   context_parallel_size=getattr(cfg, "context_parallel_size", 1),
-                   micro_batch_size=getattr(cfg, "micro_batch_size", None),
-                   overrides=dict(getattr(cfg, "megatron_args", None) or {}))
+        return cls(
+            tensor_model_parallel_size=getattr(cfg, "tensor_model_parallel_size", 1),
+            pipeline_model_parallel_size=getattr(cfg, "pipeline_model_parallel_size", 1),
+            context_parallel_size=getattr(cfg, "context_parallel_size", 1),
+            micro_batch_size=getattr(cfg, "micro_batch_size", None),
+            overrides=dict(getattr(cfg, "megatron_args", None) or {}),
+        )
 
     @property
     def model_parallel_size(self) -> int:
@@ -108,8 +110,16 @@ class MegatronTrainer(Trainer):
     free loopback port when none exists. Call :meth:`close` to release megatron's global state.
     """
 
-    def __init__(self, checkpoint_path: str | Path, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
-                 device: str | torch.device | None = None, parallel: MegatronParallel | None = None):
+    def __init__(
+        self,
+        checkpoint_path: str | Path,
+        cfg: TrainConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device | None = None,
+        parallel: MegatronParallel | None = None,
+    ):
         from transformers import AutoConfig
 
         from agentrl.trainer.megatron_compat import init_megatron_parallel, megatron_available
@@ -129,8 +139,9 @@ class MegatronTrainer(Trainer):
             torch.cuda.set_device(self.device)  # megatron allocates and NCCL communicates on the current device
         self._owns_group = _init_process_group(rank, world_size, self.device)
         p = self.parallel
-        init_megatron_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                               p.context_parallel_size, seed=cfg.seed)
+        init_megatron_parallel(
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed
+        )
         self.hf_config = AutoConfig.from_pretrained(str(self.checkpoint_path), local_files_only=True)
         self._topology()
         self.model = self._build(torch.float32)
@@ -139,31 +150,45 @@ class MegatronTrainer(Trainer):
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay, eps=1e-8)
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
+            eps=1e-8,
+        )
         self.step = 0
 
     def _check_layout(self) -> None:
         p = self.parallel
         if self.world_size % p.model_parallel_size:
-            raise ValueError(f"world size {self.world_size} is not a multiple of tp*pp*cp = {p.model_parallel_size}; "
-                             "change the parallel sizes or the number of trainer processes")
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of tp*pp*cp = {p.model_parallel_size}; "
+                "change the parallel sizes or the number of trainer processes"
+            )
         if p.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not implemented by the megatron backend (it needs "
-                                      "Transformer Engine attention and a per-rank sequence split); use "
-                                      "--context-parallel-size 1")
+            raise NotImplementedError(
+                "context parallelism is not implemented by the megatron backend (it needs "
+                "Transformer Engine attention and a per-rank sequence split); use "
+                "--context-parallel-size 1"
+            )
         if p.overrides.get("sequence_parallel"):
-            raise NotImplementedError("sequence_parallel is not supported yet: the LM head runs only at response "
-                                      "positions of the full row; drop --sequence-parallel")
+            raise NotImplementedError(
+                "sequence_parallel is not supported yet: the LM head runs only at response "
+                "positions of the full row; drop --sequence-parallel"
+            )
         recompute = sorted(k for k in p.overrides if k.startswith("recompute") and p.overrides[k])
         if self.cfg.gradient_checkpointing or recompute:
             # megatron's CheckpointFunction recomputes outside autocast, so with bf16 compute over fp32 weights
             # the recompute multiplies bf16 activations by fp32 weights; not supported until that is handled
-            raise NotImplementedError("activation recompute (--gradient-checkpointing, --recompute-*) is not "
-                                      "supported by the megatron backend yet; lower --max-tokens-per-gpu instead")
+            raise NotImplementedError(
+                "activation recompute (--gradient-checkpointing, --recompute-*) is not "
+                "supported by the megatron backend yet; lower --max-tokens-per-gpu instead"
+            )
         if self.device.type == "cpu" and self.dtype != torch.float32:
-            raise ValueError(f"--dtype {self.cfg.dtype} with the megatron backend needs CUDA (megatron's custom "
-                             "autograd functions restore only CUDA autocast in backward); use float32 on CPU")
+            raise ValueError(
+                f"--dtype {self.cfg.dtype} with the megatron backend needs CUDA (megatron's custom "
+                "autograd functions restore only CUDA autocast in backward); use float32 on CPU"
+            )
 
     def _topology(self) -> None:
         """Who is who in megatron's groups, and which rank reports a replica's numbers."""
@@ -190,9 +215,14 @@ class MegatronTrainer(Trainer):
         # (tensor_parallel.layers._initialize_affine_weight_gpu). With perform_initialization=False every
         # shard would look TP-replicated, param_is_not_tensor_parallel_duplicate would count it on tp rank 0
         # only, and the gradient norm of :meth:`_clip_grad` would be wrong at tp > 1.
-        config = transformer_config_from_hf(self.hf_config, tp=p.tensor_model_parallel_size,
-                                            pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-                                            params_dtype=params_dtype, overrides=overrides)
+        config = transformer_config_from_hf(
+            self.hf_config,
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp=p.context_parallel_size,
+            params_dtype=params_dtype,
+            overrides=overrides,
+        )
         # set after construction: TransformerConfig refuses variable lengths with its default MoE dispatcher
         config.variable_seq_lengths = True  # packed rows differ in length; PP sends shapes first
         config.calculate_per_token_loss = True  # the schedule must not rescale our globally normalized loss
@@ -200,8 +230,15 @@ class MegatronTrainer(Trainer):
         # activations, and receive buffers of another dtype would reinterpret them
         config.pipeline_dtype = self.dtype
         model = build_gpt_model(self.hf_config, config)
-        load_hf_checkpoint(model, self.checkpoint_path, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                           pp_rank=self.pp_rank, pp_size=self.pp_size)
+        load_hf_checkpoint(
+            model,
+            self.checkpoint_path,
+            self.hf_config,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+        )
         return model.to(self.device)
 
     # ------------------------------------------------------------------ forward passes
@@ -217,11 +254,13 @@ class MegatronTrainer(Trainer):
         # the row's sample boundaries: PackedCoreAttention attends per sample, no [s, s] mask is built
         params = packed_seq_params(b.position_ids)
         with self._autocast(), logits_at(model, b.logit_positions):
-            return model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=None,
-                         packed_seq_params=params)
+            return model(
+                input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=None, packed_seq_params=params
+            )
 
-    def _schedule(self, model: nn.Module, batches: list[PackedBatch], loss_func: Callable, *,
-                  forward_only: bool) -> list[Any]:
+    def _schedule(
+        self, model: nn.Module, batches: list[PackedBatch], loss_func: Callable, *, forward_only: bool
+    ) -> list[Any]:
         """Run megatron's forward(-backward) schedule over ``batches``; what ``loss_func`` returned, on the last stage.
 
         ``loss_func(batch, output)`` gets the last stage's output. Forward-only passes collect its
@@ -235,15 +274,22 @@ class MegatronTrainer(Trainer):
 
         with cpu_schedule():
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches), micro_batch_size=1,
-                forward_only=forward_only, collect_non_loss_data=forward_only)
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=len(batches),
+                seq_length=max(b.num_tokens for b in batches),
+                micro_batch_size=1,
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch]:
         """This replica's packed micro-batches, on the device (no empty passes: nothing spans DP inside a step)."""
         self._check_same_samples(samples)
-        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu,
-                                    self.parallel.micro_batch_size)
+        groups = pack_micro_batches(
+            [len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu, self.parallel.micro_batch_size
+        )
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 
     def _score(self, model: nn.Module, samples: Sequence[TrainSample]) -> list[list[float]]:
@@ -292,8 +338,13 @@ class MegatronTrainer(Trainer):
             # alone while the others wait for it forever
             raise ValueError("--use-tis needs the engine's rollout log-probs on every sample")
         try:
-            return run_optimizer_steps(samples, self.cfg.num_steps_per_rollout, self._optimizer_step,
-                                       self._sum_replicas, self.optimizer.param_groups[0]["lr"])
+            return run_optimizer_steps(
+                samples,
+                self.cfg.num_steps_per_rollout,
+                self._optimizer_step,
+                self._sum_replicas,
+                self.optimizer.param_groups[0]["lr"],
+            )
         finally:
             self.model.eval()
 
@@ -326,12 +377,23 @@ class MegatronTrainer(Trainer):
     def _train_loss(self, num_tokens: float, num_seqs: float, b: PackedBatch, output: torch.Tensor):
         """Last stage: :func:`policy_loss` of one micro-batch, as megatron's ``(loss, num_tokens, metrics)``."""
         logits = head_logits(output, self.cfg.logit_temperature, self._pad_vocab)  # [N, V/tp]
-        logp, entropy = token_stats(logits, b.targets, tp_size=self.tp_size, entropy=True,
-                                    entropy_grad=self.cfg.entropy_coef > 0)
+        logp, entropy = token_stats(
+            logits, b.targets, tp_size=self.tp_size, entropy=True, entropy_grad=self.cfg.entropy_coef > 0
+        )
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
-        loss, metrics = policy_loss(logp, old_logp, b.advantages, b.mask, b.seq_ids, self.cfg,
-                                    num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=b.ref_log_probs,
-                                    rollout_logp=b.rollout_log_probs, entropy=entropy)
+        loss, metrics = policy_loss(
+            logp,
+            old_logp,
+            b.advantages,
+            b.mask,
+            b.seq_ids,
+            self.cfg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            ref_logp=b.ref_log_probs,
+            rollout_logp=b.rollout_log_probs,
+            entropy=entropy,
+        )
         metrics["loss"] = float(loss.detach())
         # with calculate_per_token_loss the schedule leaves the loss as is; the count is only logged by it
         return loss, torch.tensor(int(b.mask.sum()), dtype=torch.int, device=loss.device), metrics
@@ -351,8 +413,11 @@ class MegatronTrainer(Trainer):
                 dist.all_reduce(flat, group=group)
                 for g, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
                     g.copy_(reduced)
-        if self.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False) \
-                and ps.is_rank_in_embedding_group():
+        if (
+            self.pp_size > 1
+            and getattr(self.model, "share_embeddings_and_output_weights", False)
+            and ps.is_rank_in_embedding_group()
+        ):
             # first stage (embedding) and last stage (head) hold one logical weight: add their gradients
             dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
 
@@ -364,8 +429,9 @@ class MegatronTrainer(Trainer):
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         # TP shards are told from TP-replicated tensors by their ``tensor_model_parallel`` attribute (see _build)
-        counted = [p.grad.float() for p in params
-                   if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        counted = [
+            p.grad.float() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        ]
         sq = torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(sq, group=ps.get_model_parallel_group())
@@ -401,8 +467,9 @@ class MegatronTrainer(Trainer):
         if self.pp_size == 1:
             return flat
         buf = flat.float() if flat is not None else torch.empty(n, dtype=torch.float32, device=self.device)
-        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
         return buf
 
     def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
@@ -417,9 +484,11 @@ class MegatronTrainer(Trainer):
         t = torch.tensor([h, -h, len(samples), -len(samples)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
         if t[0] != -t[1] or t[2] != -t[3]:
-            raise ValueError(f"rank {self.rank}: the tensor/pipeline-parallel ranks of one model replica were given "
-                             f"different samples; give every rank of data-parallel rank {self.dp_rank} the same shard "
-                             f"(shard the batch over the {self.dp_size} data-parallel replicas, not over all ranks)")
+            raise ValueError(
+                f"rank {self.rank}: the tensor/pipeline-parallel ranks of one model replica were given "
+                f"different samples; give every rank of data-parallel rank {self.dp_rank} the same shard "
+                f"(shard the batch over the {self.dp_size} data-parallel replicas, not over all ranks)"
+            )
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -429,13 +498,21 @@ class MegatronTrainer(Trainer):
 
         from agentrl.trainer.megatron_model import iter_hf_weights
 
-        yield from iter_hf_weights(self.model, self.hf_config, tp_group=ps.get_tensor_model_parallel_group(),
-                                   pp_group=ps.get_pipeline_model_parallel_group())
+        yield from iter_hf_weights(
+            self.model,
+            self.hf_config,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+        )
 
     def _layout(self) -> dict[str, int]:
         p = self.parallel
-        return {"world_size": self.world_size, "tp": p.tensor_model_parallel_size,
-                "pp": p.pipeline_model_parallel_size, "cp": p.context_parallel_size}
+        return {
+            "world_size": self.world_size,
+            "tp": p.tensor_model_parallel_size,
+            "pp": p.pipeline_model_parallel_size,
+            "cp": p.context_parallel_size,
+        }
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write the checkpoint layout of the module docstring. A collective: every rank must call it."""
@@ -452,17 +529,33 @@ class MegatronTrainer(Trainer):
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-            gen = (GenerationConfig.from_pretrained(str(self.checkpoint_path))
-                   if (self.checkpoint_path / "generation_config.json").is_file() else None)
-            _save_hf_metadata(SimpleNamespace(config=self.hf_config, generation_config=gen),
-                              self.checkpoint_path, path, torch.float32)
-            torch.save({"step": self.step, "world_size": self.world_size, "layout": self._layout(),
-                        "extra_state": extra_state or {}}, path / "trainer_state.pt")
+            gen = (
+                GenerationConfig.from_pretrained(str(self.checkpoint_path))
+                if (self.checkpoint_path / "generation_config.json").is_file()
+                else None
+            )
+            _save_hf_metadata(
+                SimpleNamespace(config=self.hf_config, generation_config=gen), self.checkpoint_path, path, torch.float32
+            )
+            torch.save(
+                {
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "layout": self._layout(),
+                    "extra_state": extra_state or {},
+                },
+                path / "trainer_state.pt",
+            )
         del weights
         self._barrier()
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state(),
-                    "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states()},
-                   path / f"optim_rank{self.rank}.pt")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "rng": _rng_state(),
+                "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            },
+            path / f"optim_rank{self.rank}.pt",
+        )
         self._barrier()
 
     def load(self, path: str | Path) -> dict[str, Any]:
@@ -474,11 +567,20 @@ class MegatronTrainer(Trainer):
         path = Path(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         if state.get("layout") != self._layout():
-            raise ValueError(f"{path} was saved with layout {state.get('layout') or 'of the torch backend'}; resuming "
-                             f"the megatron backend needs the same world size and tp/pp/cp ({self._layout()}). "
-                             "Start a new run from its HF weights with --hf-checkpoint instead")
-        load_hf_checkpoint(self.model, path, self.hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                           pp_rank=self.pp_rank, pp_size=self.pp_size)
+            raise ValueError(
+                f"{path} was saved with layout {state.get('layout') or 'of the torch backend'}; resuming "
+                f"the megatron backend needs the same world size and tp/pp/cp ({self._layout()}). "
+                "Start a new run from its HF weights with --hf-checkpoint instead"
+            )
+        load_hf_checkpoint(
+            self.model,
+            path,
+            self.hf_config,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+        )
         ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])
         _set_rng_state(ranked["rng"])

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 NAME = "agentrl_packed"
-_SEGMENTS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar("agentrl_segments",
-                                                                                          default=None)
+_SEGMENTS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
+    "agentrl_segments", default=None
+)
 
 
 @contextlib.contextmanager
@@ -41,16 +42,24 @@ def segments(position_ids: torch.Tensor) -> Iterator[None]:
         _SEGMENTS.reset(token)
 
 
-def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q [1, H, T, D], k/v [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     bounds = _SEGMENTS.get()
     if bounds is None or query.shape[0] != 1:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     rep = query.shape[1] // key.shape[1]
     p = dropout if module.training else 0.0
     outs = []

@@ -87,8 +87,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        layers = [block for name, mod in model.named_modules()
-                  if name.endswith("layers") and isinstance(mod, nn.ModuleList) for block in mod]
+        layers = [
+            block
+            for name, mod in model.named_modules()
+            if name.endswith("layers") and isinstance(mod, nn.ModuleList)
+            for block in mod
+        ]
     return layers
 
 
@@ -106,8 +110,15 @@ class TorchTrainer(Trainer):
     must be set for ``env://`` (torchrun does that); this rank's samples are its shard.
     """
 
-    def __init__(self, checkpoint_path: str | Path, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self,
+        checkpoint_path: str | Path,
+        cfg: TrainConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device | None = None,
+    ):
         cfg.validate()
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.checkpoint_path = Path(checkpoint_path)
@@ -131,8 +142,12 @@ class TorchTrainer(Trainer):
         if world_size > 1:
             self._shard()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay, eps=1e-8)
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
+            eps=1e-8,
+        )
         self.step = 0
 
     def _shard(self) -> None:
@@ -160,8 +175,13 @@ class TorchTrainer(Trainer):
         """Logits [N, V] at the positions that predict the batch's response tokens."""
         mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
         with self._autocast(), self._segments(batch):
-            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
-                        use_cache=False, logits_to_keep=batch.logit_positions)
+            out = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=mask,
+                use_cache=False,
+                logits_to_keep=batch.logit_positions,
+            )
         logits = out.logits[0]
         # the engine's log-probs are log_softmax(logits / T) (SGLang); train on the same distribution
         t = self.cfg.logit_temperature
@@ -177,8 +197,9 @@ class TorchTrainer(Trainer):
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch | None]:
         """Packed micro-batches of this rank, padded with ``None`` (empty passes) to the busiest rank's count."""
-        groups = pack_micro_batches([len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu,
-                                    self.cfg.micro_batch_size)
+        groups = pack_micro_batches(
+            [len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu, self.cfg.micro_batch_size
+        )
         n = len(groups)
         if self.world_size > 1:
             t = torch.tensor([n], dtype=torch.long, device=self.device)
@@ -221,8 +242,13 @@ class TorchTrainer(Trainer):
         """
         self.model.train()
         try:
-            return run_optimizer_steps(samples, self.cfg.num_steps_per_rollout, self._optimizer_step,
-                                       self._sum_over_ranks, self.optimizer.param_groups[0]["lr"])
+            return run_optimizer_steps(
+                samples,
+                self.cfg.num_steps_per_rollout,
+                self._optimizer_step,
+                self._sum_over_ranks,
+                self.optimizer.param_groups[0]["lr"],
+            )
         finally:
             self.model.eval()
 
@@ -230,7 +256,8 @@ class TorchTrainer(Trainer):
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
         live = with_gradient(samples, self.cfg)
         num_tokens, num_seqs, live_tokens, live_seqs = self._sum_over_ranks(
-            [sum(sum(s.loss_mask) for s in samples), len(samples), sum(sum(s.loss_mask) for s in live), len(live)])
+            [sum(sum(s.loss_mask) for s in samples), len(samples), sum(sum(s.loss_mask) for s in live), len(live)]
+        )
         if num_seqs == 0:
             return None
         self.optimizer.zero_grad(set_to_none=True)
@@ -272,9 +299,19 @@ class TorchTrainer(Trainer):
             with torch.no_grad():
                 ref_logp = _target_log_probs(self._logits(self.ref_model, b), b.targets)
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
-        return policy_loss(logp, old_logp, b.advantages, b.mask, b.seq_ids, self.cfg,
-                           num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp,
-                           rollout_logp=b.rollout_log_probs, entropy=entropy)
+        return policy_loss(
+            logp,
+            old_logp,
+            b.advantages,
+            b.mask,
+            b.seq_ids,
+            self.cfg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            ref_logp=ref_logp,
+            rollout_logp=b.rollout_log_probs,
+            entropy=entropy,
+        )
 
     def _clip_grad(self) -> float:
         """Clip to ``clip_grad`` (0 = off) and return the pre-clip global norm."""
@@ -325,8 +362,10 @@ class TorchTrainer(Trainer):
             path.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
             _save_hf_metadata(self.model, self.checkpoint_path, path, torch.float32)
-            torch.save({"step": self.step, "world_size": self.world_size, "extra_state": extra_state or {}},
-                       path / "trainer_state.pt")
+            torch.save(
+                {"step": self.step, "world_size": self.world_size, "extra_state": extra_state or {}},
+                path / "trainer_state.pt",
+            )
         del weights
         self._barrier()
         torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state()}, path / f"optim_rank{self.rank}.pt")
@@ -339,8 +378,10 @@ class TorchTrainer(Trainer):
         path = Path(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         if state["world_size"] != self.world_size:
-            raise ValueError(f"{path} was saved by {state['world_size']} ranks; resuming needs the same number "
-                             f"(this run has {self.world_size})")
+            raise ValueError(
+                f"{path} was saved by {state['world_size']} ranks; resuming needs the same number "
+                f"(this run has {self.world_size})"
+            )
         full: dict[str, torch.Tensor] = {}
         for f in sorted(path.glob("*.safetensors")):
             full.update(load_file(str(f)))
@@ -391,8 +432,11 @@ def _packing_is_isolated(model: nn.Module, device: torch.device) -> bool:
     pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
     dtype = next(model.parameters()).dtype
     implicit = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
-    explicit = model(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, dtype),
-                     use_cache=False).logits[0].float()
+    explicit = (
+        model(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, dtype), use_cache=False)
+        .logits[0]
+        .float()
+    )
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     return bool((implicit - explicit).abs().max() <= tol * max(1.0, float(explicit.abs().max())))
 
@@ -415,8 +459,12 @@ def _save_hf_metadata(model: nn.Module, source: Path, dest: Path, dtype: torch.d
     if source.resolve() == dest.resolve():
         return
     for f in source.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WRITTEN_BY_SAVE \
-                and not f.name.startswith("optim_rank"):
+        if (
+            f.is_file()
+            and not f.name.endswith(_WEIGHT_SUFFIXES)
+            and f.name not in _WRITTEN_BY_SAVE
+            and not f.name.startswith("optim_rank")
+        ):
             shutil.copy2(f, dest / f.name)
 
 

@@ -56,8 +56,16 @@ def comm_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int,
-                              rank: int, group_name: str, timeout: float = 600.0) -> dist.ProcessGroup:
+def init_custom_process_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: float = 600.0,
+) -> dist.ProcessGroup:
     """Join a process group that is its own world (rank ``rank`` of ``world_size``), not a subgroup.
 
     ``torch.distributed.new_group`` can only carve subgroups out of the default world; the trainer
@@ -72,8 +80,7 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=td))
     store.set_timeout(td)
     store = PrefixStore(group_name, store)  # several groups may share one store without key clashes
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, timeout=td)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
     return pg
 
@@ -129,8 +136,9 @@ def check_metadata(names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torc
     for name, dtype, shape in zip(names, dtypes, shapes):
         if not isinstance(name, str):
             raise ValueError(f"parameter name {name!r} is not a string")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                 for d in shape)):
+        if not (
+            isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise ValueError(f"shape of {name!r} must be a list of non-negative ints, got {shape!r}")
         out.append((name, parse_dtype(dtype), tuple(shape)))
     return out
@@ -152,8 +160,15 @@ class WeightUpdateGroups:
     def __contains__(self, group_name: str) -> bool:
         return group_name in self._groups
 
-    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-             group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> tuple[bool, str]:
+    def init(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:
         """Join group ``group_name`` as rank ``rank_offset``; SGLang's ``(success, message)``."""
         if not group_name:
             return False, "Group name cannot be empty."
@@ -162,9 +177,15 @@ class WeightUpdateGroups:
                 return False, f"Failed to initialize custom process group: group {group_name!r} already exists."
         used = resolve_backend(backend)
         try:
-            pg = init_custom_process_group(backend=used, master_address=master_address, master_port=int(master_port),
-                                           world_size=int(world_size), rank=int(rank_offset),
-                                           group_name=group_name, timeout=self.timeout)
+            pg = init_custom_process_group(
+                backend=used,
+                master_address=master_address,
+                master_port=int(master_port),
+                world_size=int(world_size),
+                rank=int(rank_offset),
+                group_name=group_name,
+                timeout=self.timeout,
+            )
         except Exception as exc:  # noqa: BLE001 - reported to the caller as SGLang does
             return False, f"Failed to initialize custom process group: {exc}."
         with self._lock:
@@ -172,8 +193,9 @@ class WeightUpdateGroups:
         note = f" (backend {used}; {backend} requested, CUDA unavailable)" if used != backend else ""
         return True, "Succeeded to initialize custom process group." + note
 
-    def receive(self, group_name: str, metadata: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
-                ) -> list[tuple[str, torch.Tensor]]:
+    def receive(
+        self, group_name: str, metadata: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+    ) -> list[tuple[str, torch.Tensor]]:
         """Receive one bucket: an empty tensor per (name, dtype, shape), each filled by a broadcast from rank 0.
 
         Tensors arrive in the order of ``metadata``, which must be the order the trainer sends
@@ -182,8 +204,9 @@ class WeightUpdateGroups:
         try:
             pg, backend, lock = self._groups[group_name]
         except KeyError:
-            raise KeyError(f"Group {group_name} not in {list(self._groups)}. "
-                           "Please call `init_weights_update_group` first.") from None
+            raise KeyError(
+                f"Group {group_name} not in {list(self._groups)}. Please call `init_weights_update_group` first."
+            ) from None
         device = comm_device(backend)
         with lock:
             received = [(name, torch.empty(shape, dtype=dtype, device=device)) for name, dtype, shape in metadata]

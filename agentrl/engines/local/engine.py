@@ -54,8 +54,15 @@ class EngineFault(RuntimeError):
 class _Request:
     """One generation request as the worker tracks it."""
 
-    def __init__(self, rid: str, input_ids: list[int], sp: SamplingConfig, logprob: tuple[bool, bool],
-                 future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sp: SamplingConfig,
+        logprob: tuple[bool, bool],
+        future: asyncio.Future,
+        loop: asyncio.AbstractEventLoop,
+    ):
         self.rid, self.input_ids, self.sp = rid, input_ids, sp
         self.return_logprob, self.return_text_in_logprobs = logprob
         self.future, self.loop = future, loop
@@ -85,20 +92,33 @@ class LocalEngine:
     ``max_position_embeddings``. ``seed`` seeds the sampling generator.
     """
 
-    def __init__(self, checkpoint: str | Path, *, device: str = "cpu", dtype: str = "float32",
-                 max_running_requests: int = 32, max_cached_sequences: int | None = None,
-                 context_length: int | None = None, seed: int | None = None,
-                 chunked_prefill_size: int = 1024):
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_running_requests: int = 32,
+        max_cached_sequences: int | None = None,
+        context_length: int | None = None,
+        seed: int | None = None,
+        chunked_prefill_size: int = 1024,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=getattr(torch, dtype), local_files_only=True).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype), local_files_only=True)
+            .to(device)
+            .eval()
+        )
         self.model.requires_grad_(False)
         cfg = self.model.config
         ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
-        windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.model.model.layers) if w]
+        windows = [
+            w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.model.model.layers) if w
+        ]
         if windows and min(windows) < ctx:
             log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
             ctx = min(windows)
@@ -150,9 +170,15 @@ class LocalEngine:
     def num_running(self) -> int:
         return sum(r is not None for r in self._rows)
 
-    async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *,
-                       rid: str | None = None, return_logprob: bool = False,
-                       return_text_in_logprobs: bool = False) -> dict:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        return_text_in_logprobs: bool = False,
+    ) -> dict:
         """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
 
         Raises :class:`InvalidRequestError` for requests SGLang would answer with HTTP 400.
@@ -191,7 +217,8 @@ class LocalEngine:
         if len(input_ids) >= self.context_length:
             raise InvalidRequestError(
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens).")
+                f"({self.context_length} tokens)."
+            )
         return [int(t) for t in input_ids]
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -207,8 +234,9 @@ class LocalEngine:
             self._cv.notify()
         return True
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
-                                       abort_all_requests: bool = False) -> dict:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, *, abort_all_requests: bool = False
+    ) -> dict:
         """Load a HF checkpoint folder's safetensors into the running model, in place.
 
         Running requests finish first (or are aborted with ``abort_all_requests``); new requests
@@ -222,9 +250,15 @@ class LocalEngine:
             self._cv.notify()
         return await fut
 
-    async def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: str | None = None, *,
-                                          abort_all_requests: bool = False, partial: bool = False,
-                                          assign: bool = False) -> dict:
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: dict[str, Any],
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        partial: bool = False,
+        assign: bool = False,
+    ) -> dict:
         """Copy in-memory weights (HF names -> tensors or numpy arrays) into the running model.
 
         The same in-place, between-batches update as :meth:`update_weights_from_disk`, without the
@@ -240,8 +274,9 @@ class LocalEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         with self._cv:
-            self._control.append(("update", (dict(named_tensors), weight_version, fut,
-                                             {"partial": partial, "assign": assign})))
+            self._control.append(
+                ("update", (dict(named_tensors), weight_version, fut, {"partial": partial, "assign": assign}))
+            )
             self._cv.notify()
         return await fut
 
@@ -306,8 +341,12 @@ class LocalEngine:
         for kind, arg in self._control:
             if kind in ("update", "release", "resume"):
                 fut = arg[2] if kind == "update" else arg[1]
-                _call_soon(fut.get_loop(), _set_result, fut, {
-                    "success": False, "message": "engine closed", "num_paused_requests": 0})
+                _call_soon(
+                    fut.get_loop(),
+                    _set_result,
+                    fut,
+                    {"success": False, "message": "engine closed", "num_paused_requests": 0},
+                )
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         """Answer ``req`` with :class:`EngineFault` and free its row (its KV is not kept)."""
@@ -321,8 +360,14 @@ class LocalEngine:
 
     def _iteration(self) -> bool:
         with self._cv:
-            while not (self._stop or self._inbox or self._aborts or self._control or self.num_running
-                       or (self._waiting and not self._admission_paused())):
+            while not (
+                self._stop
+                or self._inbox
+                or self._aborts
+                or self._control
+                or self.num_running
+                or (self._waiting and not self._admission_paused())
+            ):
                 self._cv.wait()
             if self._stop:
                 return False
@@ -364,8 +409,12 @@ class LocalEngine:
                 self.last_error = exc
                 if kind != "flush":
                     fut = arg[2] if kind == "update" else arg[1]
-                    _call_soon(fut.get_loop(), _set_result, fut, {
-                        "success": False, "message": f"{kind} failed: {exc!r}", "num_paused_requests": 0})
+                    _call_soon(
+                        fut.get_loop(),
+                        _set_result,
+                        fut,
+                        {"success": False, "message": f"{kind} failed: {exc!r}", "num_paused_requests": 0},
+                    )
                 done = True
             if done:
                 with self._cv:
@@ -387,8 +436,9 @@ class LocalEngine:
             return False
         return True
 
-    def _load_weights(self, source: str | dict, version: str | None, *, partial: bool = False,
-                      assign: bool = False) -> dict:
+    def _load_weights(
+        self, source: str | dict, version: str | None, *, partial: bool = False, assign: bool = False
+    ) -> dict:
         try:
             loaded, what = read_source(source)
             apply_weights(self.model, loaded, what, partial=partial, assign=assign)
@@ -403,8 +453,16 @@ class LocalEngine:
     def _kv_cache_like(self, initial_capacity: int) -> SlotKVCache:
         old = self.runner.cache
         rows, kv_heads, _, head_dim = old.k[0].shape
-        return SlotKVCache(len(old.k), rows, kv_heads, head_dim, max_capacity=old.max_capacity,
-                           dtype=old.k[0].dtype, device=old.k[0].device, initial_capacity=initial_capacity)
+        return SlotKVCache(
+            len(old.k),
+            rows,
+            kv_heads,
+            head_dim,
+            max_capacity=old.max_capacity,
+            dtype=old.k[0].dtype,
+            device=old.k[0].device,
+            initial_capacity=initial_capacity,
+        )
 
     def _release_memory(self, tags: list[str] | None) -> dict:
         if "kv_cache" not in (tags or MEMORY_TAGS) or self._kv_released:
@@ -417,8 +475,11 @@ class LocalEngine:
         self.runner.cache = self._kv_cache_like(initial_capacity=1)
         self._kv_released = True
         log.info("released %d cached prefixes and the KV buffers (%.1f MiB)", n, freed / 2**20)
-        return {"success": True, "freed_bytes": freed,
-                "message": f"released {n} cached prefixes and the KV buffers; weights stay resident"}
+        return {
+            "success": True,
+            "freed_bytes": freed,
+            "message": f"released {n} cached prefixes and the KV buffers; weights stay resident",
+        }
 
     def _resume_memory(self, tags: list[str] | None) -> dict:
         if "kv_cache" in (tags or MEMORY_TAGS) and self._kv_released:
@@ -478,20 +539,24 @@ class LocalEngine:
                 if group and (len(group) + 1) * t > self.chunked_prefill_size * 2:
                     break
                 group.append(req)
-            pending = pending[len(group):]
+            pending = pending[len(group) :]
             self._prefill_chunk(group)
-            pending = sorted(pending + [r for r in group if r.kv_len < len(r.prompt)],
-                             key=lambda r: len(r.prompt) - r.kv_len)
+            pending = sorted(
+                pending + [r for r in group if r.kv_len < len(r.prompt)], key=lambda r: len(r.prompt) - r.kv_len
+            )
 
     def _prefill_chunk(self, group: list[_Request]) -> None:
         lens = [min(len(r.prompt) - r.kv_len, self.chunked_prefill_size) for r in group]
         ids = torch.zeros(len(group), max(lens), dtype=torch.long)
         for i, (r, n) in enumerate(zip(group, lens)):
-            ids[i, :n] = torch.from_numpy(r.prompt[r.kv_len: r.kv_len + n])
+            ids[i, :n] = torch.from_numpy(r.prompt[r.kv_len : r.kv_len + n])
         dev = self.runner.device
-        logits = self.runner.forward(ids.to(dev), torch.tensor([r.row for r in group], device=dev),
-                                     torch.tensor([r.kv_len for r in group], device=dev),
-                                     torch.tensor(lens, device=dev) - 1)
+        logits = self.runner.forward(
+            ids.to(dev),
+            torch.tensor([r.row for r in group], device=dev),
+            torch.tensor([r.kv_len for r in group], device=dev),
+            torch.tensor(lens, device=dev) - 1,
+        )
         done = []
         for i, (r, n) in enumerate(zip(group, lens)):
             r.kv_len += n
@@ -537,7 +602,7 @@ class LocalEngine:
             drawn = []
             for i, r in enumerate(reqs):
                 try:
-                    one_id, one_lp = sample_batch(logits[i:i + 1], [r.sp], [gens[i]])
+                    one_id, one_lp = sample_batch(logits[i : i + 1], [r.sp], [gens[i]])
                     drawn.append((r, int(one_id[0]), float(one_lp[0])))
                 except BaseException as one_exc:  # noqa: BLE001
                     self._fail(r, one_exc)
@@ -560,7 +625,7 @@ class LocalEngine:
         if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.eos_token_ids):
             return {"type": "stop", "matched": tok}
         if sp.stop:
-            tail = self.tokenizer.decode(r.output_ids[-sp.stop_window:])  # as SGLang: special tokens kept
+            tail = self.tokenizer.decode(r.output_ids[-sp.stop_window :])  # as SGLang: special tokens kept
             for s in sp.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
@@ -594,14 +659,19 @@ class LocalEngine:
             pos = text.find(fin["matched"])
             text = text[:pos] if pos >= 0 else text
         meta: dict[str, Any] = {
-            "id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids),
-            "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens,
-            "weight_version": self.weight_version, "e2e_latency": time.perf_counter() - r.created,
+            "id": r.rid,
+            "finish_reason": fin,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.perf_counter() - r.created,
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tok, self.tokenizer.decode([tok]) if r.return_text_in_logprobs else None]
-                for lp, tok in zip(r.logprobs, r.output_ids)]
+                for lp, tok in zip(r.logprobs, r.output_ids)
+            ]
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 

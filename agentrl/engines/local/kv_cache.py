@@ -41,8 +41,18 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 class SlotKVCache:
     """Per-layer key/value buffers ``[rows, kv_heads, capacity, head_dim]``; capacity doubles on demand."""
 
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, *, max_capacity: int,
-                 dtype: torch.dtype, device: torch.device, initial_capacity: int = 256):
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        max_capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        initial_capacity: int = 256,
+    ):
         self.max_capacity = max_capacity
         self.capacity = min(initial_capacity, max_capacity)
         shape = (rows, kv_heads, self.capacity, head_dim)
@@ -113,8 +123,11 @@ class PrefixStore:
         """Add ``seq``, dropping entries it extends (a conversation keeps one entry), then LRU-evict."""
         if self.max_sequences <= 0 or len(seq.tokens) == 0:
             return
-        for key in [k for k, e in self._entries.items() if len(e.tokens) <= len(seq.tokens)
-                    and common_prefix_len(e.tokens, seq.tokens) == len(e.tokens)]:
+        for key in [
+            k
+            for k, e in self._entries.items()
+            if len(e.tokens) <= len(seq.tokens) and common_prefix_len(e.tokens, seq.tokens) == len(e.tokens)
+        ]:
             del self._entries[key]
         self._entries[self._next_key] = seq
         self._next_key += 1
@@ -156,12 +169,20 @@ class CachedForward:
         self.head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // self.heads
         self.groups = self.heads // self.kv_heads
         p = next(model.parameters())
-        self.cache = SlotKVCache(len(self.layers), rows, self.kv_heads, self.head_dim,
-                                 max_capacity=max_capacity, dtype=p.dtype, device=p.device)
+        self.cache = SlotKVCache(
+            len(self.layers),
+            rows,
+            self.kv_heads,
+            self.head_dim,
+            max_capacity=max_capacity,
+            dtype=p.dtype,
+            device=p.device,
+        )
         self.device = p.device
 
-    def forward(self, ids: torch.Tensor, rows: slice | torch.Tensor, start: torch.Tensor,
-                last: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, rows: slice | torch.Tensor, start: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
         n, T = ids.shape
         G, KV, H, D = self.groups, self.kv_heads, self.heads, self.head_dim
         pos = start[:, None] + torch.arange(T, device=self.device)[None, :]  # [n, T]
@@ -176,8 +197,9 @@ class CachedForward:
             mask = mask[:, None]  # [n, 1, T, L], broadcast over the G query heads when T == 1
         cap = self.cache.capacity
         # Flat row index of (row, kv_head, position) in a buffer viewed as [rows * KV * cap, D]: [n*KV*T]
-        flat = ((row_idx[:, None, None] * KV + torch.arange(KV, device=self.device)[None, :, None]) * cap
-                + pos[:, None, :]).reshape(-1)
+        flat = (
+            (row_idx[:, None, None] * KV + torch.arange(KV, device=self.device)[None, :, None]) * cap + pos[:, None, :]
+        ).reshape(-1)
         h = self.body.embed_tokens(ids)  # [n, T, hidden]
         cos, sin = self.body.rotary_emb(h, pos)
         for i, layer in enumerate(self.layers):

@@ -48,20 +48,40 @@ def local_server(
     from agentrl.engines.http import API_KEY_ENV
 
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "agentrl", "serve", "--hf-checkpoint", str(checkpoint),
-           "--host", host, "--port", str(port), "--exit-with-stdin", *(extra_args or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl",
+        "serve",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--exit-with-stdin",
+        *(extra_args or []),
+    ]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     env.update({"PYTHONUNBUFFERED": "1", **({API_KEY_ENV: api_key} if api_key else {})})
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT if log_path else None,
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT if log_path else None,
+        start_new_session=True,
+        env=env,
+    )
     url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the embedded engine exited with code {proc.returncode} during startup"
-                                   + (f"; see {log_path}" if log_path else ""))
+                raise RuntimeError(
+                    f"the embedded engine exited with code {proc.returncode} during startup"
+                    + (f"; see {log_path}" if log_path else "")
+                )
             try:
                 if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                     break

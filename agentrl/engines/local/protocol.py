@@ -55,14 +55,30 @@ class _Body(BaseModel):
 class GenerateRequest(_Body):
     """SGLang's native ``/generate`` body (one request or a batch: lists of inputs)."""
 
-    NEUTRAL = {"logprob_start_len": (None, -1), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
-                "return_hidden_states": (None, False), "image_data": (None,), "audio_data": (None,),
-                "video_data": (None,), "lora_path": (None,), "custom_logit_processor": (None,),
-                "modalities": (None,), "session_params": (None,), "data_parallel_rank": (None,),
-                "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
-                "log_metrics": (None, True)}
+    NEUTRAL = {
+        "logprob_start_len": (None, -1),
+        "top_logprobs_num": (None, 0),
+        "token_ids_logprob": (None,),
+        "return_hidden_states": (None, False),
+        "image_data": (None,),
+        "audio_data": (None,),
+        "video_data": (None,),
+        "lora_path": (None,),
+        "custom_logit_processor": (None,),
+        "modalities": (None,),
+        "session_params": (None,),
+        "data_parallel_rank": (None,),
+        "bootstrap_host": (None,),
+        "bootstrap_port": (None,),
+        "bootstrap_room": (None,),
+        "log_metrics": (None, True),
+    }
 
-    text: Annotated[str, Field(strict=True)] | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)] | None = None
+    text: (
+        Annotated[str, Field(strict=True)]
+        | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)]
+        | None
+    ) = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: dict | list[dict] | None = None
     rid: Annotated[str, Field(strict=True, max_length=256)] | list[Annotated[str, Field(max_length=256)]] | None = None
@@ -99,10 +115,20 @@ class ChatMessage(BaseModel):
 class _OpenAIBody(_Body):
     """Fields shared by OpenAI completions and chat completions; sampling fields go to :class:`SamplingConfig`."""
 
-    NEUTRAL = {"n": (None, 1), "user": None, "stream_options": None, "frequency_penalty": (None, 0, 0.0),
-                "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "logit_bias": (None,),
-                "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
-                "metadata": None, "store": (None, False), "service_tier": (None, "auto", "default")}
+    NEUTRAL = {
+        "n": (None, 1),
+        "user": None,
+        "stream_options": None,
+        "frequency_penalty": (None, 0, 0.0),
+        "presence_penalty": (None, 0, 0.0),
+        "repetition_penalty": (None, 1, 1.0),
+        "logit_bias": (None,),
+        "response_format": (None, {"type": "text"}),
+        "parallel_tool_calls": (None, True, False),
+        "metadata": None,
+        "store": (None, False),
+        "service_tier": (None, "auto", "default"),
+    }
 
     model: Annotated[str, Field(strict=True)] | None = None
     max_tokens: Count | None = None
@@ -123,8 +149,17 @@ class _OpenAIBody(_Body):
         """SGLang ``sampling_params`` (validated by the engine, errors naming ``sampling_params.<field>``)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         sp: dict[str, Any] = {"max_new_tokens": max_tokens if max_tokens is not None else (default_max or 1 << 30)}
-        for key in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-                    "skip_special_tokens", "no_stop_trim"):
+        for key in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "skip_special_tokens",
+            "no_stop_trim",
+        ):
             if getattr(self, key) is not None:
                 sp[key] = getattr(self, key)
         if self.seed is not None:
@@ -135,9 +170,12 @@ class _OpenAIBody(_Body):
 class CompletionRequest(_OpenAIBody):
     """OpenAI ``/v1/completions``: a string, token ids, or a list of either."""
 
-    prompt: (Annotated[str, Field(strict=True)] | TokenIds
-             | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)]
-             | Annotated[list[TokenIds], Field(min_length=1)])
+    prompt: (
+        Annotated[str, Field(strict=True)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     # the sampled tokens' log-probs; top alternatives (logprobs > 1) are not implemented
     logprobs: Annotated[int, Field(strict=True, ge=0, le=1)] | None = None
     echo: Literal[False] = False
@@ -224,7 +262,9 @@ class GroupRequest(_Body):
 class PauseRequest(_Body):
     """``/pause_generation`` (the embedded engine implements mode ``abort`` only)."""
 
-    mode: Annotated[str, Field(strict=True, max_length=32)] = "abort"  # checked against SGLang's modes by the pause gate
+    mode: Annotated[str, Field(strict=True, max_length=32)] = (
+        "abort"  # checked against SGLang's modes by the pause gate
+    )
 
 
 class AbortRequest(_Body):

@@ -20,9 +20,19 @@ class InvalidRequestError(ValueError):
 
 
 _IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-            "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-            "logit_bias": None, "stop_regex": None}
+_NEUTRAL = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stop_regex": None,
+}
 
 
 INT32 = 2**31 - 1
@@ -44,10 +54,12 @@ class SamplingConfig(BaseModel):
     top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=-1, le=INT32)] = -1
     min_p: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.0
-    stop: Annotated[list[Annotated[str, Field(strict=True, min_length=1, max_length=512)]],
-                    Field(max_length=64)] = PydanticField(default_factory=list)
-    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]],
-                              Field(max_length=1024)] = PydanticField(default_factory=list)
+    stop: Annotated[list[Annotated[str, Field(strict=True, min_length=1, max_length=512)]], Field(max_length=64)] = (
+        PydanticField(default_factory=list)
+    )
+    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], Field(max_length=1024)] = (
+        PydanticField(default_factory=list)
+    )
     ignore_eos: Flag = False
     skip_special_tokens: Flag = True
     no_stop_trim: Flag = False
@@ -105,8 +117,9 @@ def validation_message(exc: ValidationError, prefix: str) -> str:
     return "; ".join(parts)
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingConfig], gens: list[torch.Generator]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingConfig], gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row with that row's params and generator; return ``(ids [B], logprobs [B])``.
 
     A request with a ``sampling_seed`` brings its own generator, so its draws do not depend on

@@ -124,8 +124,10 @@ class PauseGate:
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         if mode != "abort":
-            raise InvalidRequestError(f"the embedded engine pauses only with mode 'abort' (got {mode!r}): "
-                                      "it cannot hold running requests; use mode 'abort' or SGLang")
+            raise InvalidRequestError(
+                f"the embedded engine pauses only with mode 'abort' (got {mode!r}): "
+                "it cannot hold running requests; use mode 'abort' or SGLang"
+            )
         async with self._cond:
             self.paused = True
         while self.inflight:  # an admitted request may reach the engine after an abort: repeat
@@ -138,8 +140,13 @@ class PauseGate:
             self._cond.notify_all()
 
 
-def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser: ToolParser | None = None,
-              api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: LocalEngine,
+    *,
+    model_name: str | None = None,
+    tool_parser: ToolParser | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path).
 
     With ``api_key`` every endpoint but ``/health*`` and ``/metrics`` needs ``Authorization: Bearer
@@ -175,8 +182,13 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": engine.weight_version}
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+        }
 
     @app.get("/get_weight_version")
     async def weight_version():
@@ -184,12 +196,22 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.get("/get_server_info")
     async def server_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name": name,
-                "context_length": engine.context_length, "max_running_requests": engine.max_running_requests,
-                "max_cached_sequences": engine.store.max_sequences, "chunked_prefill_size": engine.chunked_prefill_size,
-                "device": str(engine.runner.device), "dtype": str(next(engine.model.parameters()).dtype),
-                "weight_version": engine.weight_version, "engine": "agentrl-local", "version": _version(),
-                "restarts": engine.restarts, "last_error": repr(engine.last_error) if engine.last_error else None}
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "served_model_name": name,
+            "context_length": engine.context_length,
+            "max_running_requests": engine.max_running_requests,
+            "max_cached_sequences": engine.store.max_sequences,
+            "chunked_prefill_size": engine.chunked_prefill_size,
+            "device": str(engine.runner.device),
+            "dtype": str(next(engine.model.parameters()).dtype),
+            "weight_version": engine.weight_version,
+            "engine": "agentrl-local",
+            "version": _version(),
+            "restarts": engine.restarts,
+            "last_error": repr(engine.last_error) if engine.last_error else None,
+        }
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -205,8 +227,9 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
     async def update_weights(request: Request):
         req = P.UpdateWeightsFromDiskRequest.parse(await _json_body(request))
         version = req.weight_version
-        out = await engine.update_weights_from_disk(req.model_path, None if version is None else str(version),
-                                                    abort_all_requests=req.abort_all_requests)
+        out = await engine.update_weights_from_disk(
+            req.model_path, None if version is None else str(version), abort_all_requests=req.abort_all_requests
+        )
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     _weight_sync_routes(app, engine)
@@ -235,19 +258,38 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "agentrl", "root": name, "parent": None,
-                                            "max_model_len": engine.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "agentrl",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": engine.context_length,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = P.CompletionRequest.parse(await _json_body(request))
-        prompts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
+        prompts = (
+            req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
+        )
         sp = req.sampling(default_max=16)
         nlp = req.logprobs
         async with gate.admit():
-            outs = await asyncio.gather(*(engine.generate(ids if isinstance(ids, list) else tok.encode(ids), dict(sp),
-                                                          return_logprob=nlp is not None) for ids in prompts))
+            outs = await asyncio.gather(
+                *(
+                    engine.generate(
+                        ids if isinstance(ids, list) else tok.encode(ids), dict(sp), return_logprob=nlp is not None
+                    )
+                    for ids in prompts
+                )
+            )
         choices = []
         for i, out in enumerate(outs):
             choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
@@ -255,11 +297,21 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
                 lps = out["meta_info"]["output_token_logprobs"]
                 texts = [tok.decode([t]) for _, t, _ in lps]
                 offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
-                choice["logprobs"] = {"tokens": texts, "token_logprobs": [lp for lp, _, _ in lps],
-                                      "top_logprobs": None, "text_offset": offsets}
+                choice["logprobs"] = {
+                    "tokens": texts,
+                    "token_logprobs": [lp for lp, _, _ in lps],
+                    "top_logprobs": None,
+                    "text_offset": offsets,
+                }
             choices.append(choice)
-        resp = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": name, "choices": choices, "usage": _usage(outs)}
+        resp = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": _usage(outs),
+        }
         return _sse([resp]) if req.stream else resp
 
     @app.post("/v1/chat/completions")
@@ -278,15 +330,27 @@ def build_app(engine: LocalEngine, *, model_name: str | None = None, tool_parser
             fin["finish_reason"] = "tool_calls"
         logprobs = None
         if want_lp:
-            logprobs = {"content": [{"token": (t := tok.decode([i])), "logprob": lp, "bytes": list(t.encode()),
-                                     "top_logprobs": []} for lp, i, _ in out["meta_info"]["output_token_logprobs"]]}
+            logprobs = {
+                "content": [
+                    {"token": (t := tok.decode([i])), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for lp, i, _ in out["meta_info"]["output_token_logprobs"]
+                ]
+            }
         message = {"role": "assistant", "content": content, "tool_calls": calls or None}
-        resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": name, "choices": [{"index": 0, "message": message, "logprobs": logprobs, **fin}],
-                "usage": _usage([out])}
+        resp = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, **fin}],
+            "usage": _usage([out]),
+        }
         if req.stream:
-            chunk = {**resp, "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": message, "logprobs": logprobs, **fin}]}
+            chunk = {
+                **resp,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": message, "logprobs": logprobs, **fin}],
+            }
             return _sse([chunk])
         return resp
 
@@ -316,16 +380,20 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         except ValueError as exc:
             return answer(False, f"Failed to update parameter online: {exc}")
         if group not in groups:
-            return answer(False, f"Group {group} not in the engine's groups. "
-                                 "Please call `init_weights_update_group` first.")
+            return answer(
+                False, f"Group {group} not in the engine's groups. Please call `init_weights_update_group` first."
+            )
         try:  # receive the whole bucket while the trainer broadcasts it, off the event loop
             received = await run_in_thread(groups.receive, group, meta)
         except Exception as exc:  # noqa: BLE001 - a broken group is a failed update
             return answer(False, f"Failed to update parameter online: {exc}")
         version = req.weight_version
         out = await engine.update_weights_from_tensors(
-            dict(received), None if version is None else str(version), partial=True,
-            abort_all_requests=req.abort_all_requests)
+            dict(received),
+            None if version is None else str(version),
+            partial=True,
+            abort_all_requests=req.abort_all_requests,
+        )
         if not out["success"]:
             return answer(False, f"Failed to update parameter online: {out['message']} The model is unchanged.")
         message = "Succeeded to update parameter online."
@@ -352,8 +420,9 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
             return answer(False, f"could not read serialized_named_tensors: {exc}")
         version = req.weight_version
-        result = await engine.update_weights_from_tensors(dict(named), None if version is None else str(version),
-                                                          partial=True)
+        result = await engine.update_weights_from_tensors(
+            dict(named), None if version is None else str(version), partial=True
+        )
         return answer(bool(result.get("success")), str(result.get("message", "")))
 
     @app.post("/destroy_weights_update_group")
@@ -416,9 +485,16 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
     rids = per_item("rid", None)
     if batch and isinstance(body.get("rid"), str):
         rids = [f"{body['rid']}_{i}" for i in range(len(ids))]
-    jobs = [{"input_ids": i, "sampling_params": sp or {}, "rid": rid, "return_logprob": bool(lp),
-             "return_text_in_logprobs": bool(body.get("return_text_in_logprobs"))}
-            for i, sp, rid, lp in zip(ids, per_item("sampling_params", {}), rids, per_item("return_logprob", False))]
+    jobs = [
+        {
+            "input_ids": i,
+            "sampling_params": sp or {},
+            "rid": rid,
+            "return_logprob": bool(lp),
+            "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
+        }
+        for i, sp, rid, lp in zip(ids, per_item("sampling_params", {}), rids, per_item("return_logprob", False))
+    ]
     return batch, jobs
 
 
@@ -426,8 +502,14 @@ def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any,
     """Render with the model's template, or agentrl's built-in tool template when tools are offered
     and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
     try:
-        text = tok.apply_chat_template(messages, tools=tools, chat_template=chat.template_for(tools), add_generation_prompt=True,
-                                       tokenize=False, **kwargs)
+        text = tok.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=chat.template_for(tools),
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
     except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
         raise InvalidRequestError(f"chat template failed: {exc}") from exc
     return tok.encode(text, add_special_tokens=False)
@@ -453,15 +535,27 @@ def _version() -> str:
         return "0.0.0"
 
 
-def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, *, model_name: str | None = None,
-          log_level: str = "info", tool_parser: ToolParser | None = None, api_key: str | None = None,
-          **engine_kwargs: Any) -> None:
+def serve(
+    checkpoint: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    *,
+    model_name: str | None = None,
+    log_level: str = "info",
+    tool_parser: ToolParser | None = None,
+    api_key: str | None = None,
+    **engine_kwargs: Any,
+) -> None:
     """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until interrupted."""
     import uvicorn
 
     if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("serving on %s without an API key: anyone who can reach the port can load weights, pause "
-                    "generation and read files as checkpoints; set --api-key (or %s)", host, API_KEY_ENV)
+        log.warning(
+            "serving on %s without an API key: anyone who can reach the port can load weights, pause "
+            "generation and read files as checkpoints; set --api-key (or %s)",
+            host,
+            API_KEY_ENV,
+        )
     engine = LocalEngine(checkpoint, **engine_kwargs)
     app = build_app(engine, model_name=model_name, tool_parser=tool_parser, api_key=api_key)
     try:

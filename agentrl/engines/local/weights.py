@@ -22,8 +22,9 @@ def read_source(source: str | dict[str, Any]) -> tuple[dict[str, torch.Tensor], 
     """Tensors from a checkpoint folder's ``*.safetensors`` or an in-memory dict, and a description."""
     if isinstance(source, dict):
         try:
-            return {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-                    for k, v in source.items()}, "tensors"
+            return {
+                k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v)) for k, v in source.items()
+            }, "tensors"
         except Exception as exc:  # noqa: BLE001 - a bad tensor is a failed update
             raise WeightUpdateError(f"bad tensors: {exc}") from None
     from safetensors.torch import load_file
@@ -41,8 +42,9 @@ def read_source(source: str | dict[str, Any]) -> tuple[dict[str, torch.Tensor], 
     return loaded, f"checkpoint {source!r}"
 
 
-def apply_weights(model: torch.nn.Module, loaded: dict[str, torch.Tensor], what: str, *, partial: bool = False,
-                  assign: bool = False) -> None:
+def apply_weights(
+    model: torch.nn.Module, loaded: dict[str, torch.Tensor], what: str, *, partial: bool = False, assign: bool = False
+) -> None:
     """Check names and shapes against ``model``, then copy (or, with ``assign``, re-point) them in.
 
     A full update must cover every parameter (tied weights count once); ``partial`` loads whatever
@@ -55,8 +57,10 @@ def apply_weights(model: torch.nn.Module, loaded: dict[str, torch.Tensor], what:
     given = {params[k].data_ptr() for k in loaded if k in params}
     missing = [] if partial else [k for k in params if k not in loaded and params[k].data_ptr() not in given]
     if unexpected or shapes or missing:
-        raise WeightUpdateError(f"{what} does not match the model: unexpected={unexpected[:5]} "
-                                f"shape_mismatch={shapes[:5]} missing={missing[:5]}")
+        raise WeightUpdateError(
+            f"{what} does not match the model: unexpected={unexpected[:5]} "
+            f"shape_mismatch={shapes[:5]} missing={missing[:5]}"
+        )
     for k, t in loaded.items():
         if k in params:
             _check_tensor(k, t, params[k], what)
