@@ -19,7 +19,8 @@ from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
 from agentrl.check import check_env
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 from agentrl.data import read_rows
-from agentrl.env import Env, ToolEnv, load_env, make, register
+from agentrl.env import Env, ToolEnv
+from agentrl.registry import load_env, make, register
 from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
 from agentrl.rollout.scripted import play
 from agentrl.runtime.train import train

@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, call_env
+from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
 from agentrl.parsing import Llama3JsonParser, get_parser
-from agentrl.rollout.episode import EnvContractError, check_reset, check_step
 from agentrl.types import Action
 
 

@@ -394,7 +394,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_check_env(args: argparse.Namespace) -> int:
     from agentrl import sandbox
-    from agentrl.env import load_env
+    from agentrl.registry import load_env
 
     sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
     with naming_flag("--env", args.env):
@@ -422,7 +422,7 @@ async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: fl
 
 
 def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
-    from agentrl.rollout.generate import task_rows
+    from agentrl.data import task_rows
 
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
         rows = task_rows(
@@ -441,7 +441,7 @@ def _load_tokenizer(path: Path, chat_template_file: str | None):
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.env import load_env, load_function
+    from agentrl.registry import load_env, load_function
 
     cfg = _config_from_args(args)
     if not args.env and not args.custom_generate_function_path:
@@ -502,8 +502,8 @@ def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitSta
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.env import load_env, load_function
-    from agentrl.rollout.generate import load_tasks
+    from agentrl.data import load_tasks
+    from agentrl.registry import load_env, load_function
 
     cfg = _config_from_args(args)
     if args.n_samples_per_eval_prompt < 1:

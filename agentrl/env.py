@@ -19,22 +19,66 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import importlib
-import importlib.util
 import inspect
-import sys
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agentrl.parsing import format_tool_error
 from agentrl.sandbox import Sandbox, SandboxPool, default_pool
 from agentrl.tool import Tool, ToolResult, call_tool, find_tool
-from agentrl.types import Action, Message
+from agentrl.types import ROLES, Action, Message
 
 StepResult = tuple[list[Message], float, bool, bool, dict]
+
+
+# -- the contract's checks (the episode loop and check-env apply them to every return) ---------
+
+
+class EnvContractError(TypeError):
+    """The environment returned something the Env contract does not allow."""
+
+
+def check_messages(obs: Any, where: str) -> list[Message]:
+    """Validate an observation (list of chat message dicts); raise :class:`EnvContractError`."""
+    if not isinstance(obs, (list, tuple)):
+        raise EnvContractError(f"{where} must return a list of messages, got {type(obs).__name__}")
+    for i, m in enumerate(obs):
+        if not isinstance(m, dict):
+            raise EnvContractError(f"{where}: message {i} is {type(m).__name__}, expected a dict")
+        if m.get("role") not in ROLES:
+            raise EnvContractError(f"{where}: message {i} has role {m.get('role')!r}; expected one of {sorted(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise EnvContractError(f"{where}: message {i} content must be a str, got {type(m.get('content')).__name__}")
+    return list(obs)
+
+
+def check_reset(result: Any) -> tuple[list[Message], dict]:
+    """``reset()``'s return, checked against the contract: ``(messages, info)``, at least one message."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise EnvContractError("reset() must return (messages, info)")
+    obs, info = result
+    if not isinstance(info, dict):
+        raise EnvContractError(f"reset() info must be a dict, got {type(info).__name__}")
+    obs = check_messages(obs, "reset()")
+    if not obs:
+        raise EnvContractError("reset() returned no messages")
+    return obs, info
+
+
+def check_step(result: Any) -> StepResult:
+    """``step()``'s return, checked against the contract: the 5-tuple, a finite reward, bool flags."""
+    if not isinstance(result, tuple) or len(result) != 5:
+        raise EnvContractError("step() must return (messages, reward, terminated, truncated, info)")
+    obs, reward, terminated, truncated, info = result
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
+        raise EnvContractError(f"step() reward must be a finite number, got {reward!r}")
+    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
+        raise EnvContractError("step() terminated and truncated must be bools")
+    if not isinstance(info, dict):
+        raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
+    return check_messages(obs, "step()"), float(reward), terminated, truncated, info
 
 
 class Env:
@@ -52,11 +96,50 @@ class Env:
     tool_parser: str = "hermes"
 
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
-        """Start an episode for the task in ``options``; return the first messages and an info dict."""
+        """Start an episode for one task and return what the model sees first.
+
+        Args:
+            seed: this episode's seed (``--rollout-seed`` + the sample's index, so a rerun with the
+                same seed gives each episode the same one); seed your own RNG from it.
+            options: the task row: every key of its line in ``--prompt-data`` (or of the dict your
+                ``tasks()`` yielded), with ``prompt`` and ``label`` always present (taken from
+                ``--input-key`` / ``--label-key``).
+
+        Returns:
+            ``(messages, info)``: a non-empty list of chat messages (``role`` one of system, user,
+            assistant, tool; ``content`` a str), rendered through the chat template as the prompt
+            (its tokens get loss mask 0); and a dict the loop keeps in ``sample.metadata["reset_info"]``.
+
+        A wrong shape fails the sample with ``status_reason`` ``env_contract``; an exception (any,
+        ``SystemExit`` included) fails it with ``env_error``; taking longer than ``step_timeout``
+        fails it with ``env_timeout``. The run goes on in every case.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement reset()")
 
     async def step(self, action: Action) -> StepResult:
-        """Answer the assistant turn: ``(messages, reward, terminated, truncated, info)``."""
+        """Answer one assistant turn.
+
+        Args:
+            action: the model's turn: ``text`` (without the stop token), ``tool_calls`` the parser
+                read from it, ``errors`` for calls it could not read (answer them too: the model
+                learns from the error text), ``token_ids`` and ``finish_reason``.
+
+        Returns:
+            ``(messages, reward, terminated, truncated, info)`` as in Gymnasium:
+
+            - ``messages``: what the model sees next (tool results as ``role: tool`` with the
+              call's ``tool_call_id``, or a user turn); appended to the token ledger with loss
+              mask 0. May be empty when the episode ends.
+            - ``reward``: a finite float for this turn. The sample's ``reward`` is the sum over
+              turns; each turn's is kept in ``metadata["turn_rewards"]`` (for per-turn credit).
+            - ``terminated``: the task is over (solved, failed, answered): the loop stops.
+            - ``truncated``: stopped for a limit of the env's own (a budget, a timer): the loop
+              stops and the sample is marked ``truncated``.
+            - ``info``: a dict kept per turn in ``metadata["env_infos"]``.
+
+        The loop also stops at ``max_turns`` or when the context is full (``truncated``). Errors are
+        handled as for :meth:`reset`.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     async def close(self) -> None:
@@ -131,7 +214,7 @@ class ToolEnv(Env):
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
         if isinstance(prompt, list):
-            messages.extend(dict(m) for m in prompt)
+            messages.extend(Message(**m) for m in prompt)  # copies: the task row stays as read
         else:
             messages.append({"role": "user", "content": str(prompt)})
         return messages, {}
@@ -210,119 +293,3 @@ async def call_env(fn: Callable[..., Any], /, *args: Any, _executor: Executor | 
         return await maybe_await(await run(fn, *args, **kwargs))
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await maybe_await(await asyncio.get_running_loop().run_in_executor(_executor, call))
-
-
-# -- finding environments -------------------------------------------------------------------------
-
-
-@dataclass
-class EnvSpec:
-    """A registered environment id: where its class lives and default constructor kwargs."""
-
-    id: str
-    entry_point: str | Callable[..., Env]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-registry: dict[str, EnvSpec] = {}
-
-
-def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> None:
-    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``."""
-    registry[id] = EnvSpec(id, entry_point, kwargs)
-
-
-def _import_object(spec: str) -> Any:
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{spec!r}: expected MODULE:NAME, path/to/file.py:NAME or a registered id")
-    if module_name.endswith(".py") or "/" in module_name:
-        path = Path(module_name).expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"{spec!r}: no such file {path}")
-        mod_name = f"agentrl_user_{path.stem}_{abs(hash(str(path)))}"
-        module = sys.modules.get(mod_name)
-        if module is None:
-            file_spec = importlib.util.spec_from_file_location(mod_name, path)
-            assert file_spec and file_spec.loader
-            module = importlib.util.module_from_spec(file_spec)
-            sys.modules[mod_name] = module
-            file_spec.loader.exec_module(module)
-    else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise AttributeError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-
-
-def load_function(spec: str) -> Callable[..., Any]:
-    """Load a user function given as ``module:fn`` or ``path/to/file.py:fn`` (custom generate / reward)."""
-    fn = _import_object(spec)
-    if not callable(fn):
-        raise TypeError(f"{spec!r} is not callable")
-    return fn
-
-
-def _registered(spec: str) -> EnvSpec | None:
-    """The registered spec for ``spec``: an id, or ``module:id`` (import module, then look up id).
-
-    Bundled ids (``agentrl/Calculator-v0``, ...) are registered by the ``envs`` package, imported
-    on first lookup of an unknown id.
-    """
-    if spec in registry:
-        return registry[spec]
-    if spec.startswith(("gym:", "openenv:")):  # adapter specs (load_env), never a module named gym/openenv
-        return None
-    module_name, sep, env_id = spec.partition(":")
-    if sep and "/" in env_id:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        importlib.import_module(module_name)
-        return registry.get(env_id)
-    if not sep and "/" in spec:
-        try:
-            importlib.import_module("envs")
-        except ImportError:
-            return None
-        return registry.get(spec)
-    return None
-
-
-def load_env(spec: str | type[Env]) -> Callable[[], Env]:
-    """Resolve ``MODULE:CLASS``, ``path/to/file.py:CLASS``, a registered id or ``module:id`` to an env factory.
-
-    The factory builds one fresh env per episode, so episodes never share state. Attributes of the
-    class (``tasks()``, ``tools``) stay reachable on the returned factory for registered ids too.
-    Environments of other frameworks run unchanged through :mod:`agentrl.adapters`:
-    ``gym:<gymnasium id>`` (optionally ``gym:module:<id>``) and ``openenv:<http://host:port>``.
-    """
-    if isinstance(spec, type):
-        return spec
-    if spec.startswith(("gym:", "openenv:")):
-        from agentrl.adapters import adapter_factory
-
-        return adapter_factory(spec)
-    reg = _registered(spec)
-    if reg is not None:
-        target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
-        if not reg.kwargs:
-            return target
-        return functools.partial(target, **reg.kwargs)
-    if ":" not in spec:
-        known = ", ".join(sorted(registry)) or "none"
-        raise ValueError(
-            f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
-            f"nor a registered env id (known: {known})"
-        )
-    target = _import_object(spec)
-    if not callable(target):
-        raise TypeError(f"{spec!r} is not a class or factory")
-    return target
-
-
-def make(id: str, **kwargs: Any) -> Env:
-    """Build one env from a registered id or a ``MODULE:CLASS`` spec (Gymnasium's ``make``)."""
-    return load_env(id)(**kwargs)  # type: ignore[call-arg]

@@ -12,9 +12,27 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
-Message = dict[str, Any]
+
+class Message(TypedDict, total=False):
+    """One OpenAI-style chat message, as envs return them and chat templates render them.
+
+    ``role`` and ``content`` are what every env writes (the loop checks both); ``tool_calls`` (the
+    OpenAI shape: ``{"id", "type": "function", "function": {"name", "arguments"}}``) is set on
+    assistant messages, ``tool_call_id`` and ``name`` on tool results. At run time it is a plain
+    dict (a TypedDict only types it), so templates that read other keys still get them.
+    """
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[dict[str, Any]]
+    tool_call_id: str
+    name: str
+
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The chat roles a message may have."""
 """An OpenAI-style chat message: ``{"role": "user"|"assistant"|"system"|"tool", "content": str, ...}``.
 
 Tool results carry ``tool_call_id`` (and ``name``); the SDK never requires more than ``role`` and

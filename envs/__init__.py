@@ -1,6 +1,6 @@
 """Ready environments, usable as ``--env envs.NAME:Class``."""
 
-from agentrl.env import register
+from agentrl.registry import register
 
 register("agentrl/Calculator-v0", "envs.calculator:Calculator")
 register("agentrl/Digits-v0", "envs.digits:Digits")

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import agentrl
-from agentrl.rollout.generate import load_tasks
+from agentrl.data import load_tasks
 from tools.python import python
 
 DATA = Path(__file__).resolve().parent / "data" / "python_code.jsonl"

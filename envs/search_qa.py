@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 
 import agentrl
+from agentrl.data import load_tasks
 from agentrl.parsing import last_tag
-from agentrl.rollout.generate import load_tasks
 from tools.search import Corpus, SearchTool
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import agentrl
-from agentrl.env import load_function
 from agentrl.parsing import get_parser
+from agentrl.registry import load_function
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The example's tool, used as a user would write it.
 add = load_function(str(Path(__file__).resolve().parent.parent / "examples/arithmetic/env.py") + ":add")
@@ -112,6 +117,37 @@ def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
         agentrl.load_env("envs.calculator:Nope")
     with pytest.raises(FileNotFoundError):
         agentrl.load_env(f"{tmp_path}/missing.py:X")
+
+
+def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(tmp_path):
+    """A package's ids resolve without importing it first: an ``agentrl.envs`` entry point in its
+    installed metadata (a real ``.dist-info`` on the path, read by importlib.metadata) names the module
+    that registers them; a broken entry point is logged and skipped, never hiding the others."""
+    (tmp_path / "fakeenvs.py").write_text(
+        textwrap.dedent("""
+        import agentrl
+        class Echo(agentrl.Env):
+            async def reset(self, *, seed=None, options=None):
+                return [{"role": "user", "content": "hi"}], {}
+        agentrl.register("fake/Echo-v0", "fakeenvs:Echo")
+    """)
+    )
+    (tmp_path / "brokenenvs.py").write_text("raise RuntimeError('this package is broken')\n")
+    for name, value in (("fakepkg", "fakeenvs"), ("brokenpkg", "brokenenvs")):
+        info = tmp_path / f"{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[agentrl.envs]\n{name} = {value}\n")
+    code = (
+        "import logging, agentrl; logging.basicConfig(level=logging.WARNING)\n"
+        "print(agentrl.load_env('fake/Echo-v0').__name__)\n"
+        "print(agentrl.load_env('agentrl/Calculator-v0').__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["Echo", "Calculator"]
+    assert "brokenpkg" in r.stderr and "this package is broken" in r.stderr
 
 
 async def test_turn_budget_cuts_slow_tool_calls_to_an_error_the_model_reads():

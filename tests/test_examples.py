@@ -56,8 +56,8 @@ def test_main_job_rl_batches_see_every_template_once():
     import re
 
     from agentrl.config import load_config_file, run_config_from_values
-    from agentrl.env import load_env
-    from agentrl.rollout.generate import task_rows
+    from agentrl.data import task_rows
+    from agentrl.registry import load_env
     from agentrl.runtime.train import _data_source
 
     rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))

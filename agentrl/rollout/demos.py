@@ -32,7 +32,7 @@ from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.metrics import scalar_reward
-from agentrl.types import Message, Sample, Status
+from agentrl.types import ROLES, Message, Sample, Status
 
 __all__ = [
     "DemoError",
@@ -43,8 +43,6 @@ __all__ = [
     "rejection_samples",
     "check_conversation",
 ]
-
-_ROLES = ("system", "user", "assistant", "tool")
 
 
 class DemoError(ValueError):
@@ -121,7 +119,7 @@ class DemoBuilder:
     def assistant_text(self, message: Message) -> str:
         """What the model writes for an assistant message (content plus tool calls in the template's wire format)."""
         head = self.first[:1] if self.first and self.first[0].get("role") == "system" else []
-        base = [*head, {"role": "user", "content": "x"}]
+        base: list[Message] = [*head, {"role": "user", "content": "x"}]
         before = self.template.render(base, self.tools, add_generation_prompt=True)
         after = self.template.render([*base, message], self.tools, add_generation_prompt=False)
         tail = self.context[2]
@@ -283,8 +281,8 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
         if not isinstance(m, dict):
             raise DemoError(f"{at} is {type(m).__name__}, expected an object")
         role = m.get("role")
-        if role not in _ROLES:
-            raise DemoError(f"{at} has role {role!r}; expected one of {', '.join(_ROLES)}")
+        if role not in ROLES:
+            raise DemoError(f"{at} has role {role!r}; expected one of {', '.join(ROLES)}")
         content = m.get("content")
         if not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
             raise DemoError(f"{at} ({role}): content must be a string, got {type(content).__name__}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import re
 import time
 import traceback
@@ -33,11 +32,10 @@ from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
 from agentrl.engines.http import ChatCompletionsClient
-from agentrl.env import Env, call_env
+from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
 from agentrl.types import Action, Message, Sample, Status
 
-_ROLES = {"system", "user", "assistant", "tool"}
 _PARSER_ID = re.compile(r"call_\d+")
 _BIG_OBSERVATION = 32_768
 """Observation text (characters) above which it is tokenized in a worker thread, off the event loop."""
@@ -67,53 +65,10 @@ _RUN_KEY = uuid.uuid4().hex[:12]
 _EPISODE_COUNTER = itertools.count()
 
 
-class EnvContractError(TypeError):
-    """The environment returned something the Env contract does not allow."""
-
-
 class _EndEpisode(Exception):
     def __init__(self, status: Status, reason: str, error: str | None = None):
         super().__init__(reason)
         self.status, self.reason, self.error = status, reason, error
-
-
-def check_messages(obs: Any, where: str) -> list[Message]:
-    """Validate an observation (list of chat message dicts); raise :class:`EnvContractError`."""
-    if not isinstance(obs, (list, tuple)):
-        raise EnvContractError(f"{where} must return a list of messages, got {type(obs).__name__}")
-    for i, m in enumerate(obs):
-        if not isinstance(m, dict):
-            raise EnvContractError(f"{where}: message {i} is {type(m).__name__}, expected a dict")
-        if m.get("role") not in _ROLES:
-            raise EnvContractError(f"{where}: message {i} has role {m.get('role')!r}; expected one of {sorted(_ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise EnvContractError(f"{where}: message {i} content must be a str, got {type(m.get('content')).__name__}")
-    return list(obs)
-
-
-def check_reset(result: Any) -> tuple[list[Message], dict]:
-    if not isinstance(result, tuple) or len(result) != 2:
-        raise EnvContractError("reset() must return (messages, info)")
-    obs, info = result
-    if not isinstance(info, dict):
-        raise EnvContractError(f"reset() info must be a dict, got {type(info).__name__}")
-    obs = check_messages(obs, "reset()")
-    if not obs:
-        raise EnvContractError("reset() returned no messages")
-    return obs, info
-
-
-def check_step(result: Any) -> tuple[list[Message], float, bool, bool, dict]:
-    if not isinstance(result, tuple) or len(result) != 5:
-        raise EnvContractError("step() must return (messages, reward, terminated, truncated, info)")
-    obs, reward, terminated, truncated, info = result
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
-        raise EnvContractError(f"step() reward must be a finite number, got {reward!r}")
-    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
-        raise EnvContractError("step() terminated and truncated must be bools")
-    if not isinstance(info, dict):
-        raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
-    return check_messages(obs, "step()"), float(reward), terminated, truncated, info
 
 
 @dataclass

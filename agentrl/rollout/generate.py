@@ -22,7 +22,6 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agentrl.env import Env
@@ -34,49 +33,6 @@ from agentrl.types import Sample, Status
 log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
-
-
-def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = "label") -> list[dict[str, Any]]:
-    """Read task rows (JSONL, JSON list, Parquet or a ``datasets`` folder: :func:`agentrl.data.read_rows`);
-    each row keeps all its keys plus ``prompt`` and ``label``.
-
-    A row that is not a JSON object, or lacks ``input_key``, is refused with its line (or row) number.
-    """
-    from agentrl.data import read_rows
-
-    rows = [task_from_row(row, input_key=input_key, label_key=label_key, where=where) for where, row in read_rows(path)]
-    if not rows:
-        raise ValueError(f"{path}: no tasks")
-    return rows
-
-
-def task_from_row(
-    row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task"
-) -> dict[str, Any]:
-    """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys."""
-    if input_key not in row:
-        raise ValueError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
-    task = dict(row)
-    task["prompt"] = row[input_key]
-    task["label"] = row.get(label_key)
-    return task
-
-
-def task_rows(
-    factory: Any,
-    prompt_data: str | Path | None,
-    *,
-    input_key: str = "prompt",
-    label_key: str = "label",
-    env_name: str | None = None,
-) -> list[dict[str, Any]]:
-    """The tasks of a run: ``prompt_data`` (JSONL) if given, else the env class's own ``tasks()``."""
-    if prompt_data:
-        return load_tasks(prompt_data, input_key=input_key, label_key=label_key)
-    source = getattr(factory, "tasks", None)
-    if source is None:
-        raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
-    return [task_from_row(r, input_key=input_key, label_key=label_key, where=f"{env_name}.tasks()") for r in source()]
 
 
 def bind_engine_args(args: Any, engine: Any, tokenizer: Any, template: Any, urls: list[str]) -> None:

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, call_env, maybe_await
+from agentrl.env import Env, call_env, check_reset, check_step, maybe_await
 from agentrl.parsing import get_parser
-from agentrl.rollout.episode import check_reset, check_step, release_sandbox
+from agentrl.rollout.episode import release_sandbox
 from agentrl.sandbox import close_default_pool
 from agentrl.types import Action, Message
 

@@ -50,7 +50,7 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
             read_rows(cfg.sft_data), template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
         )
     elif cfg.demo_policy:
-        from agentrl.env import load_function
+        from agentrl.registry import load_function
 
         policy = load_function(cfg.demo_policy)
         samples, stats = asyncio.run(_scripted(factory, policy, rows, template, cfg))

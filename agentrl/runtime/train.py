@@ -30,7 +30,7 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
-    from agentrl.env import load_function
+    from agentrl.registry import load_function
     from agentrl.runtime.data import BufferedSource, DataSource, PromptSource
 
     if cfg.data_source_path:
@@ -52,8 +52,8 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     """Run ``cfg`` to the end; return the last metrics line (plus the run folder)."""
     from agentrl import sandbox
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.env import load_env, load_function
-    from agentrl.rollout.generate import load_tasks, task_rows
+    from agentrl.data import load_tasks, task_rows
+    from agentrl.registry import load_env, load_function
     from agentrl.runtime import checkpoints
     from agentrl.runtime.data import check_reward_nonzero_std
 

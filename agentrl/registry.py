@@ -1,0 +1,173 @@
+"""Finding environments: ``--env`` specs, the id registry and the ``agentrl.envs`` entry points.
+
+Kept apart from the contract in :mod:`agentrl.env` (as Gymnasium keeps ``registration.py`` apart
+from ``core.py``): an env author reads ``env.py``; this file is how the CLI and :func:`load_env`
+turn a string into a factory. A spec is one of
+
+- ``MODULE:CLASS`` (imported; the current directory is on the path) or ``path/to/file.py:CLASS``;
+- a registered id (``agentrl/Calculator-v0``) or ``module:id`` (import ``module``, which registers it);
+- ``gym:<gymnasium id>`` or ``openenv:<url>``, through :mod:`agentrl.adapters`.
+
+Third-party packages register their ids without being imported first: an entry point in the
+``agentrl.envs`` group names a module (imported on the first lookup of an unknown id) or a
+callable (called then), which calls :func:`register`; the bundled envs are registered this way::
+
+    [project.entry-points."agentrl.envs"]
+    mypkg = "mypkg.envs"
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.env import Env
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "agentrl.envs"
+"""The entry-point group packages use to register env ids (see the module docstring)."""
+
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Load every ``agentrl.envs`` entry point once (each registers its ids); a broken one is logged and
+    skipped, so one bad package cannot hide the others' envs. Without installed metadata (a source
+    tree on ``sys.path``), the bundled ``envs`` package is imported directly."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    for ep in points:
+        try:
+            target = ep.load()
+            if callable(target):
+                target()
+        except Exception as exc:  # a third party's bug: say which, keep the rest
+            log.warning("the %s entry point %r (%s) failed to load: %s", ENTRY_POINT_GROUP, ep.name, ep.value, exc)
+    if not any(ep.value == "envs" for ep in points):
+        try:
+            importlib.import_module("envs")
+        except ImportError:
+            pass
+
+
+@dataclass
+class EnvSpec:
+    """A registered environment id: where its class lives and default constructor kwargs."""
+
+    id: str
+    entry_point: str | Callable[..., Env]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+registry: dict[str, EnvSpec] = {}
+
+
+def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> None:
+    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``."""
+    registry[id] = EnvSpec(id, entry_point, kwargs)
+
+
+def _import_object(spec: str) -> Any:
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r}: expected MODULE:NAME, path/to/file.py:NAME or a registered id")
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"{spec!r}: no such file {path}")
+        mod_name = f"agentrl_user_{path.stem}_{abs(hash(str(path)))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            file_spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert file_spec and file_spec.loader
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[mod_name] = module
+            file_spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise AttributeError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Load a user function given as ``module:fn`` or ``path/to/file.py:fn`` (custom generate / reward)."""
+    fn = _import_object(spec)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} is not callable")
+    return fn
+
+
+def _registered(spec: str) -> EnvSpec | None:
+    """The registered spec for ``spec``: an id, or ``module:id`` (import module, then look up id).
+
+    Ids of installed packages (the bundled ``agentrl/Calculator-v0``, ...) are registered by the
+    ``agentrl.envs`` entry points, loaded on the first lookup of an unknown id.
+    """
+    if spec in registry:
+        return registry[spec]
+    if spec.startswith(("gym:", "openenv:")):  # adapter specs (load_env), never a module named gym/openenv
+        return None
+    module_name, sep, env_id = spec.partition(":")
+    if sep and "/" in env_id:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        importlib.import_module(module_name)
+        return registry.get(env_id)
+    if not sep and "/" in spec:
+        load_plugins()
+        return registry.get(spec)
+    return None
+
+
+def load_env(spec: str | type[Env]) -> Callable[[], Env]:
+    """Resolve ``MODULE:CLASS``, ``path/to/file.py:CLASS``, a registered id or ``module:id`` to an env factory.
+
+    The factory builds one fresh env per episode, so episodes never share state. Attributes of the
+    class (``tasks()``, ``tools``) stay reachable on the returned factory for registered ids too.
+    Environments of other frameworks run unchanged through :mod:`agentrl.adapters`:
+    ``gym:<gymnasium id>`` (optionally ``gym:module:<id>``) and ``openenv:<http://host:port>``.
+    """
+    if isinstance(spec, type):
+        return spec
+    if spec.startswith(("gym:", "openenv:")):
+        from agentrl.adapters import adapter_factory
+
+        return adapter_factory(spec)
+    reg = _registered(spec)
+    if reg is not None:
+        target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
+        if not reg.kwargs:
+            return target
+        return functools.partial(target, **reg.kwargs)
+    if ":" not in spec:
+        known = ", ".join(sorted(registry)) or "none"
+        raise ValueError(
+            f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
+            f"nor a registered env id (known: {known})"
+        )
+    target = _import_object(spec)
+    if not callable(target):
+        raise TypeError(f"{spec!r} is not a class or factory")
+    return target
+
+
+def make(id: str, **kwargs: Any) -> Env:
+    """Build one env from a registered id or a ``MODULE:CLASS`` spec (Gymnasium's ``make``)."""
+    return load_env(id)(**kwargs)  # type: ignore[call-arg]
