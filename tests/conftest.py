@@ -11,6 +11,21 @@ from pathlib import Path
 
 import pytest
 
+# -- tiers ----------------------------------------------------------------------------------------
+# The unit tier (`pytest -m "not e2e"`, about a minute) is everything that needs no service: no
+# engine process, no Ray, no sandbox, no browser. The e2e tier is what does, or trains end to end.
+# A test is e2e when it uses one of these fixtures (directly or through another fixture), sits in
+# a module marked `pytestmark = pytest.mark.e2e`, or carries `@pytest.mark.e2e` itself.
+E2E_FIXTURES = frozenset({"tiny_server", "ray_local", "docker_image", "sandbox_backend", "openenv_url"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow_or_gpu = item.get_closest_marker("slow") or item.get_closest_marker("gpu")
+        if slow_or_gpu or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)  # slow/gpu too: `-m "not e2e"` replaces the default -m
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:

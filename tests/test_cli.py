@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # runs the agentrl command (engine, Ray) as a user would: see conftest
+
 REPO = Path(__file__).resolve().parent.parent
 
 

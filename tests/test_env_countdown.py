@@ -86,6 +86,7 @@ async def test_solver_scores_high_and_random_policies_low():
     assert junk_mean == 0.0
 
 
+@pytest.mark.e2e
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
     r = run(

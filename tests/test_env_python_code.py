@@ -268,6 +268,7 @@ async def test_check_env_finds_no_violations(env_cls):
     assert any("valid call of python" in r.scenario for r in report.results)
 
 
+@pytest.mark.e2e
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     sandbox_config("bubblewrap")  # skips where bubblewrap cannot run
     out = tmp_path / "samples.jsonl"

@@ -147,6 +147,7 @@ async def test_scripted_solver_earns_the_reward_and_random_policy_does_not():
     assert rand_mean < 0.1 and mean - rand_mean > 0.85
 
 
+@pytest.mark.e2e
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
     r = run(

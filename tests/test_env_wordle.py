@@ -125,6 +125,7 @@ async def test_solver_solves_and_random_policies_score_low():
     assert statistics.mean(r.reward for r in strings) == 0.0
 
 
+@pytest.mark.e2e
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     out = tmp_path / "samples.jsonl"
     r = run(

@@ -474,6 +474,7 @@ async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
     assert [sum(s.loss_mask[a:b]) == b - a for a, b in s.metadata["turn_spans"]] == [True] * 3
 
 
+@pytest.mark.e2e
 async def test_engine_context_length_truncates_instead_of_aborting(tiny_ckpt, tiny_tokenizer, tmp_path):
     """Without --rollout-max-context-len the loop learns the engine's limit and stops before it."""
     from agentrl.engines.local.process import local_server
@@ -581,6 +582,7 @@ async def test_chat_mode_shows_tools_to_a_model_whose_template_ignores_them(tiny
     assert "<tools>" in ChatTemplate(tiny_tokenizer).decode(expected)
 
 
+@pytest.mark.e2e
 async def test_abort_request_aborts_the_sample(tmp_path, tiny_tokenizer):
     """POST /abort_request while a turn is generating: that sample ends ``aborted`` (engine_abort)."""
     import aiohttp

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_cli import REPO, read_samples, run
+
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 
 
 def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_path):

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 
 STEPS = 24
 

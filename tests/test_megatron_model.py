@@ -369,6 +369,7 @@ def _parallel_worker(rank: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_tp2_and_pp2_over_gloo(megatron_world, checkpoints):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file

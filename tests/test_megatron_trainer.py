@@ -21,6 +21,8 @@ import torch
 
 from agentrl.trainer.megatron_compat import megatron_available
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 if megatron_available():
     pytest.skip(megatron_available(), allow_module_level=True)
 

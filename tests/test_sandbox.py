@@ -18,6 +18,8 @@ import pytest
 from agentrl.sandbox import ExecResult, Sandbox, create_sandbox
 from tests.conftest import sandbox_config
 
+pytestmark = pytest.mark.e2e  # real sandboxes (docker, bubblewrap, process): see conftest
+
 BACKENDS = [pytest.param("docker", marks=pytest.mark.docker), "bubblewrap", "process"]
 per_backend = pytest.mark.parametrize("sandbox_backend", BACKENDS, indirect=True)
 

@@ -28,7 +28,7 @@ from agentrl.sandbox import image as image_module
 from agentrl.sandbox.docker import DockerSandbox, docker_client, reap, run_id
 from agentrl.sandbox.image import DEFAULT_IMAGE, SANDBOX_UID, build_image, ensure_image, rootfs_paths, write_rootfs
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.e2e]  # a real Docker engine: see conftest
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,8 @@ from agentrl.sandbox import SandboxError, jail, local
 from agentrl.sandbox.local import LocalSandbox, bubblewrap_unavailable_reason
 from tests.conftest import sandbox_config
 
+pytestmark = pytest.mark.e2e  # real sandboxes (docker, bubblewrap, process): see conftest
+
 BACKENDS = ["bubblewrap", "process"]
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="distinct uids, cgroups and the tmpfs need root")

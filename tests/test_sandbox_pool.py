@@ -21,6 +21,8 @@ from agentrl.tool import Tool
 from agentrl.types import Action, ToolCall
 from tests.conftest import sandbox_config
 
+pytestmark = pytest.mark.e2e  # real sandboxes (docker, bubblewrap, process): see conftest
+
 BACKENDS = [pytest.param("docker", marks=pytest.mark.docker), "bubblewrap", "process"]
 per_backend = pytest.mark.parametrize("sandbox_backend", BACKENDS, indirect=True)
 

@@ -17,6 +17,8 @@ import pytest
 from agentrl.sandbox.audit import CHECKS, MARK_PREFIX, SECRET_ENV, WEAK_ON_PROCESS, audit
 from tests.conftest import sandbox_config
 
+pytestmark = pytest.mark.e2e  # real sandboxes (docker, bubblewrap, process): see conftest
+
 BACKENDS = [pytest.param("docker", marks=pytest.mark.docker), "bubblewrap", "process"]
 # small limits keep the hostile programs cheap on a shared machine (the audit tries 2-4x each limit)
 LIMITS = dict(memory_mb=256, pids=64, scratch_mb=32, file_size_mb=16, timeout=10.0, max_output_bytes=4096)

@@ -20,6 +20,8 @@ import pytest
 
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 
 def _server_processes(ckpt) -> list:
     import psutil

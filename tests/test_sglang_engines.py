@@ -31,6 +31,8 @@ from agentrl.engines.sglang import (
     server_args_from_flags,
 )
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 PROMPT = [5, 17, 42, 99, 7]
 
 

@@ -13,6 +13,7 @@ import torch
 from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
 
 
+@pytest.mark.e2e
 def test_round_trip_into_an_unrelated_process():
     a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
@@ -66,6 +67,7 @@ def test_payloads_that_are_not_named_tensors_are_refused(obj, message, tmp_path,
         deserialize_named_tensors(10**9)
 
 
+@pytest.mark.e2e
 async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp_path):
     from safetensors.torch import load_file
 

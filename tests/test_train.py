@@ -20,6 +20,8 @@ import pytest
 from agentrl.cli import main
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 REPO = Path(__file__).resolve().parents[1]
 
 

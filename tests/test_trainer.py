@@ -298,6 +298,7 @@ def test_token_balanced_shards():
     assert bounds[0][0] == 0 and bounds[-1][1] == 29 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
 
 
+@pytest.mark.e2e
 def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
     """Two Ray actors sharding with FSDP2 over gloo take the same step as one unsharded rank (< 40 s)."""
     ray = pytest.importorskip("ray")

@@ -22,6 +22,8 @@ import pytest
 from agentrl.types import Sample, Status
 from agentrl.view import find_run_checkpoint, render_html, token_table, write_view
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 # CI installs chromium and sets AGENTRL_REQUIRE_BROWSER=1, so there a missing browser fails instead of skipping.

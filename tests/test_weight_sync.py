@@ -20,6 +20,8 @@ from agentrl.engines.local import InvalidRequestError, LocalEngine
 from agentrl.engines.local.process import local_server
 from agentrl.runtime.weight_sync import DiskTransport, DistributedTransport, make_transport
 
+pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
+
 PROMPT = [5, 17, 42, 99, 7, 120, 33, 64]
 N_NEW = 6
 
