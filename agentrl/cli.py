@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RolloutConfig, naming_flag
+from agentrl.config import FLAG_HELP, RolloutConfig, naming_flag
 
 log = logging.getLogger("agentrl")
 
@@ -114,6 +114,14 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
         help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for "
         "a free one and the wait counts against --env-step-timeout",
     )
+    _fill_help(p)
+
+
+def _fill_help(p: argparse.ArgumentParser) -> None:
+    """Flags declared here for a config field take that field's help (config.FLAG_HELP), one text for both."""
+    for action in p._actions:
+        if action.option_strings and not action.help and action.dest in FLAG_HELP:
+            action.help = FLAG_HELP[action.dest]
 
 
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
@@ -149,20 +157,22 @@ def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("rollout", help="run episodes and write one JSON Sample per line")
     _add_rollout_args(p)
-    p.add_argument("--output", default="samples.jsonl")
+    p.add_argument("--output", default="samples.jsonl", help="JSONL file the samples are written to")
 
     s = sub.add_parser("serve", help="serve the embedded engine (SGLang-compatible HTTP API)")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--max-running-requests", type=int, default=32)
-    s.add_argument("--context-length", type=int, default=None)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (set --api-key when not loopback)")
+    s.add_argument("--port", type=int, default=30000, help="port to listen on")
+    s.add_argument("--max-running-requests", type=int, default=32, help="requests decoded together in one batch")
+    s.add_argument(
+        "--context-length", type=int, default=None, help="max tokens per request (default: the model's, or its window)"
+    )
+    s.add_argument("--seed", type=int, default=None, help="sampling seed of requests that send none")
     s.add_argument(
         "--tool-call-parser",
         default="hermes",
@@ -190,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="an eval set (repeatable)",
     )
-    e.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    e.add_argument(
+        "--n-samples-per-eval-prompt", type=int, default=1, help="episodes per eval task (pass@k for k up to it)"
+    )
     e.add_argument("--success-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
     e.add_argument("--output", default=None, help="write the results as JSON here")
 
@@ -219,12 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(t)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
-    c.add_argument("--env", required=True)
-    c.add_argument("--prompt-data", default=None)
-    c.add_argument("--input-key", default="prompt")
-    c.add_argument("--label-key", default="label")
-    c.add_argument("--num-tasks", type=int, default=3)
-    c.add_argument("--step-timeout", type=float, default=30.0)
+    c.add_argument("--env", required=True, help=FLAG_HELP["env"])
+    c.add_argument("--prompt-data", default=None, help=FLAG_HELP["prompt_data"])
+    c.add_argument("--input-key", default="prompt", help=FLAG_HELP["input_key"])
+    c.add_argument("--label-key", default="label", help=FLAG_HELP["label_key"])
+    c.add_argument("--num-tasks", type=int, default=3, help="tasks to play (scripted, random, malformed actions)")
+    c.add_argument(
+        "--step-timeout", type=float, default=30.0, help="seconds a reset/step may take before it counts as hanging"
+    )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument(
         "--sandbox",
