@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--context-length", type=int, default=None, help="max tokens per request (default: the model's, or its window)"
     )
-    s.add_argument("--seed", type=int, default=None, help="sampling seed of requests that send none")
+    s.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     s.add_argument(
         "--tool-call-parser",
         default="hermes",

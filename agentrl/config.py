@@ -407,6 +407,14 @@ class RunConfig:
             (self.max_staleness >= 0, "--max-staleness must be >= 0"),
             (self.update_weights_interval >= 1, "--update-weights-interval must be >= 1"),
             (
+                # between pushes the engines fall behind the trainer by up to interval - 1 versions (one
+                # more with --async): a smaller bound would drop every sample of those steps as stale
+                self.max_staleness >= self.update_weights_interval - 1 + int(self.async_mode),
+                f"--max-staleness must be >= {self.update_weights_interval - 1 + int(self.async_mode)} with "
+                f"--update-weights-interval {self.update_weights_interval}{' and --async' if self.async_mode else ''} "
+                "(samples are up to that many weight versions old by design); raise --max-staleness",
+            ),
+            (
                 not (self.async_mode and self.colocate),
                 "--async cannot be combined with --colocate (engine and trainer would compete for the same devices)",
             ),
@@ -700,7 +708,8 @@ FLAG_HELP = {
     "rollout_top_k": "sample only among the k likeliest tokens (-1: off)",
     "rollout_stop": "stop string ending an assistant turn (repeatable)",
     "rollout_stop_token_ids": "token id ending an assistant turn, besides the template's end of turn (repeatable)",
-    "rollout_seed": "base seed: episode i gets env seed and sampling seed rollout_seed + i (reruns repeat)",
+    "rollout_seed": "base seed: seeds the engines' sampling and the envs' reset(seed=) (rollout/eval: "
+    "rollout_seed + sample index; train: also offset by step), so reruns repeat",
     "rollout_concurrency": "episodes in flight at once",
     "env_step_timeout": "seconds a reset/step may take before its sample fails (env_timeout)",
     "input_key": "task row key holding the prompt (env options['prompt'])",
@@ -720,10 +729,12 @@ FLAG_HELP = {
     "clip_grad": "clip the gradient's global norm to this (0: off)",
     "eps_clip": "PPO ratio clip: ratio kept within [1 - eps, 1 + eps]",
     "eps_clip_high": "upper ratio clip 1 + eps_high (DAPO's clip-higher; default: --eps-clip)",
-    "use_kl_loss": "add a KL penalty to the reference model (the starting checkpoint) to the loss",
+    "use_kl_loss": "add a KL penalty to the reference model (the starting checkpoint) to the loss, weighted by "
+    "--kl-loss-coef (0 by default: set it)",
     "kl_loss_coef": "weight of that KL loss",
     "kl_loss_type": "KL estimator: k1 (log ratio), k2 (squared), k3 (Schulman's unbiased, low variance)",
-    "kl_coef": "KL to the reference folded into the reward as -kl_coef * kl per token (reinforce_plus_plus*)",
+    "kl_coef": "KL to the reference folded into the reward as -kl_coef * kl per token (both reinforce_plus_plus "
+    "estimators)",
     "entropy_coef": "entropy bonus weight (0: off)",
     "calculate_per_token_loss": "average the loss over all tokens of the batch, not per sample then over samples",
     "use_tis": "truncated importance sampling: weight each token by min(exp(trainer - rollout log-prob), C)",
@@ -753,7 +764,8 @@ FLAG_HELP = {
     "dump_rollouts": "write every step's samples to <save>/rollouts/rollout_N.jsonl (agentrl view reads them)",
     "shuffle_prompts": "shuffle the tasks each epoch (seeded by --seed)",
     # -- the run: engines and placement
-    "max_staleness": "--async: train on a group at most this many weight versions old (older ones are dropped)",
+    "max_staleness": "train on samples at most this many weight versions behind the trainer (older ones are "
+    "dropped; at least --update-weights-interval - 1, plus 1 with --async)",
     "update_weights_interval": "push new weights to the engines every N steps (and after the last)",
     "num_engines": "embedded engines (each a Ray actor; episodes stick to one per episode)",
     "engine_max_running_requests": "requests each engine batches at once",

@@ -23,7 +23,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, cast
 
 from agentrl.parsing import format_tool_error
 from agentrl.sandbox import Sandbox, SandboxPool, default_pool
@@ -99,8 +99,9 @@ class Env:
         """Start an episode for one task and return what the model sees first.
 
         Args:
-            seed: this episode's seed (``--rollout-seed`` + the sample's index, so a rerun with the
-                same seed gives each episode the same one); seed your own RNG from it.
+            seed: this episode's seed, derived from ``--rollout-seed`` (``agentrl rollout``/``eval``:
+                plus the sample's index; in training also offset by the step), so a rerun with the same
+                seed gives each episode the same one; seed your own RNG from it.
             options: the task row: every key of its line in ``--prompt-data`` (or of the dict your
                 ``tasks()`` yielded), with ``prompt`` and ``label`` always present (taken from
                 ``--input-key`` / ``--label-key``).
@@ -129,10 +130,12 @@ class Env:
 
             - ``messages``: what the model sees next (tool results as ``role: tool`` with the
               call's ``tool_call_id``, or a user turn); appended to the token ledger with loss
-              mask 0. May be empty when the episode ends.
+              mask 0. Ignored when the episode ends (terminated, truncated or its last turn).
             - ``reward``: a finite float for this turn. The sample's ``reward`` is the sum over
-              turns; each turn's is kept in ``metadata["turn_rewards"]`` (for per-turn credit).
-            - ``terminated``: the task is over (solved, failed, answered): the loop stops.
+              turns (plus a ``--custom-rm-path`` score); each turn's is kept in
+              ``metadata["turn_rewards"]`` (for per-turn credit).
+            - ``terminated``: the task is over (solved, failed, answered): the loop stops and the
+              sample is ``completed`` (also when ``truncated`` is set too).
             - ``truncated``: stopped for a limit of the env's own (a budget, a timer): the loop
               stops and the sample is marked ``truncated``.
             - ``info``: a dict kept per turn in ``metadata["env_infos"]``.
@@ -214,7 +217,7 @@ class ToolEnv(Env):
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
         if isinstance(prompt, list):
-            messages.extend(Message(**m) for m in prompt)  # copies: the task row stays as read
+            messages.extend(cast(Message, dict(m)) for m in prompt)  # copies: the task row stays as read
         else:
             messages.append({"role": "user", "content": str(prompt)})
         return messages, {}

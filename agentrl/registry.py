@@ -24,6 +24,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,30 +38,41 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "agentrl.envs"
 """The entry-point group packages use to register env ids (see the module docstring)."""
 
+BUNDLED = "envs"
+"""The bundled envs' module (its entry point is ``bundled = "envs"``); loaded before any other."""
+
 _plugins_loaded = False
+_plugins_lock = threading.RLock()  # re-entrant: a plugin may look an id up while it loads
 
 
 def load_plugins() -> None:
-    """Load every ``agentrl.envs`` entry point once (each registers its ids); a broken one is logged and
-    skipped, so one bad package cannot hide the others' envs. Without installed metadata (a source
-    tree on ``sys.path``), the bundled ``envs`` package is imported directly."""
+    """Load every ``agentrl.envs`` entry point once (each registers its ids).
+
+    The bundled envs load first, so a package that registers one of their ids on purpose replaces
+    it (with a warning from :func:`register`), whatever order the packages are found in. An entry
+    point names a module (imported) or a function (called); one that fails, ``SystemExit``
+    included, is logged and skipped, so one bad package cannot hide the others' envs. Without
+    installed metadata (a source tree on ``sys.path``) the bundled module is imported directly.
+    Concurrent callers wait for the first one to finish.
+    """
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    for ep in points:
-        try:
-            target = ep.load()
-            if callable(target):
-                target()
-        except Exception as exc:  # a third party's bug: say which, keep the rest
-            log.warning("the %s entry point %r (%s) failed to load: %s", ENTRY_POINT_GROUP, ep.name, ep.value, exc)
-    if not any(ep.value == "envs" for ep in points):
-        try:
-            importlib.import_module("envs")
-        except ImportError:
-            pass
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.value != BUNDLED)
+        if not any(ep.value == BUNDLED for ep in points):
+            try:
+                importlib.import_module(BUNDLED)
+            except ImportError:
+                pass
+        for ep in points:
+            try:
+                target = ep.load()
+                if callable(target) and not isinstance(target, type):
+                    target()
+            except (Exception, SystemExit) as exc:  # a third party's bug: say which, keep the rest
+                log.warning("the %s entry point %r (%s) failed to load: %r", ENTRY_POINT_GROUP, ep.name, ep.value, exc)
+        _plugins_loaded = True
 
 
 @dataclass
@@ -76,7 +88,14 @@ registry: dict[str, EnvSpec] = {}
 
 
 def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> None:
-    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``."""
+    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``.
+
+    Registering an id again with a different entry point replaces it and says so (a re-import of
+    the same module registering the same thing is silent).
+    """
+    old = registry.get(id)
+    if old is not None and (old.entry_point, old.kwargs) != (entry_point, kwargs):
+        log.warning("env id %r re-registered: %r replaces %r", id, entry_point, old.entry_point)
     registry[id] = EnvSpec(id, entry_point, kwargs)
 
 

@@ -33,11 +33,6 @@ class Message(TypedDict, total=False):
 
 ROLES = ("system", "user", "assistant", "tool")
 """The chat roles a message may have."""
-"""An OpenAI-style chat message: ``{"role": "user"|"assistant"|"system"|"tool", "content": str, ...}``.
-
-Tool results carry ``tool_call_id`` (and ``name``); the SDK never requires more than ``role`` and
-``content``. Plain dicts (not a class) so users can build them inline and templates read them as is.
-"""
 
 
 @dataclass

@@ -428,6 +428,7 @@ async def test_openenv_refuses_bad_addresses_and_down_servers():  # needs no ope
     )
 
 
+@pytest.mark.e2e
 async def test_openenv_server_failures_raise():
     with serve_openenv(max_envs=2) as url:
         env = OpenEnvEnv(url)
@@ -440,6 +441,7 @@ async def test_openenv_server_failures_raise():
     await env.close()
 
 
+@pytest.mark.e2e
 async def test_openenv_waits_for_a_free_session_then_says_why():
     with serve_openenv(max_envs=2) as url:
         factory = agentrl.load_env(f"openenv:{url}")

@@ -516,3 +516,19 @@ def test_grpo_step_moves_log_prob(estimator, sign):
 def test_imports():
     from agentrl.algo.advantages import compute_advantages as ca  # noqa: F401
     from agentrl.algo.loss import policy_loss as pl  # noqa: F401
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_kl_in_the_reward_fetches_reference_log_probs_for_both_reinforce_estimators(estimator):
+    """--kl-coef folds KL into the reward of both REINFORCE++ variants: the loop must compute reference
+    log-probs for either (the baseline variant used to raise at its first train step without them)."""
+    from types import SimpleNamespace
+
+    from agentrl.config import RunConfig, TrainConfig
+    from agentrl.runtime.loop import TrainLoop
+
+    cfg = RunConfig(train=TrainConfig(advantage_estimator=estimator, kl_coef=0.1))
+    old, ref = TrainLoop.needs_log_probs(SimpleNamespace(cfg=cfg))  # the method reads only self.cfg
+    assert old and ref
+    cfg = RunConfig(train=TrainConfig(advantage_estimator=estimator, kl_coef=0.0))
+    assert TrainLoop.needs_log_probs(SimpleNamespace(cfg=cfg)) == (False, False)

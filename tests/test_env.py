@@ -125,11 +125,14 @@ def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(t
     that registers them; a broken entry point is logged and skipped, never hiding the others."""
     (tmp_path / "fakeenvs.py").write_text(
         textwrap.dedent("""
+        import time
         import agentrl
         class Echo(agentrl.Env):
             async def reset(self, *, seed=None, options=None):
                 return [{"role": "user", "content": "hi"}], {}
+        time.sleep(0.3)  # a slow import: lookups from other threads must wait for it, not miss the id
         agentrl.register("fake/Echo-v0", "fakeenvs:Echo")
+        agentrl.register("agentrl/Countdown-v0", "fakeenvs:Echo")  # replaces a bundled id on purpose
     """)
     )
     (tmp_path / "brokenenvs.py").write_text("raise RuntimeError('this package is broken')\n")
@@ -139,15 +142,25 @@ def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(t
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
         (info / "entry_points.txt").write_text(f"[agentrl.envs]\n{name} = {value}\n")
     code = (
-        "import logging, agentrl; logging.basicConfig(level=logging.WARNING)\n"
-        "print(agentrl.load_env('fake/Echo-v0').__name__)\n"
+        "import logging, threading, agentrl; logging.basicConfig(level=logging.WARNING)\n"
+        "found, barrier = [], threading.Barrier(4)\n"
+        "def look():\n"
+        "    barrier.wait()\n"
+        "    found.append(agentrl.load_env('fake/Echo-v0').__name__)\n"
+        "threads = [threading.Thread(target=look) for _ in range(4)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(*found)\n"
         "print(agentrl.load_env('agentrl/Calculator-v0').__name__)\n"
+        "print(agentrl.load_env('agentrl/Countdown-v0').__name__)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["Echo", "Calculator"]
+    # four concurrent first lookups all find the id; the bundled ids load first, so the package's
+    # deliberate replacement of one of them wins (and is announced)
+    assert r.stdout.split() == ["Echo"] * 4 + ["Calculator", "Echo"]
     assert "brokenpkg" in r.stderr and "this package is broken" in r.stderr
+    assert "'agentrl/Countdown-v0' re-registered" in r.stderr
 
 
 async def test_turn_budget_cuts_slow_tool_calls_to_an_error_the_model_reads():

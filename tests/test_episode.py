@@ -512,6 +512,7 @@ async def test_unserializable_env_info_does_not_stop_the_run(tiny_server, tiny_t
     assert len(lines) == 2 and summary.sink_errors == 0 and "<unlocked _thread.lock" in lines[0]
 
 
+@pytest.mark.e2e
 async def test_malformed_engine_replies_abort_after_retries(tiny_tokenizer, tmp_path):
     """A server answering /generate with the wrong shape is retried, then the sample aborts (never 'failed')."""
     import subprocess

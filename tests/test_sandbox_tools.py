@@ -534,6 +534,7 @@ async def test_directories_and_planted_symlinks_are_refused(sb, tmp_path):
         assert secret.read_text() == "HOST SECRET"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("tool", "arguments", "message"),
     [

@@ -280,3 +280,18 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ray_starts(tiny_ckpt, 
     )
     with pytest.raises(ValueError, match="layers do not split evenly over 3 pipeline stages"):
         train_mod.train(cfg)
+
+
+def test_max_staleness_below_the_push_interval_is_refused():
+    """Between weight pushes every sample is up to interval - 1 versions old (one more with --async):
+    a smaller --max-staleness would silently drop whole steps, so the run refuses it before starting."""
+    from agentrl.config import RunConfig
+
+    with pytest.raises(ValueError, match="--max-staleness must be >= 2 with --update-weights-interval 3"):
+        RunConfig(env="envs.calculator:Calculator", update_weights_interval=3).validate()
+    with pytest.raises(ValueError, match="--max-staleness must be >= 3 with --update-weights-interval 3 and --async"):
+        RunConfig(
+            env="envs.calculator:Calculator", update_weights_interval=3, async_mode=True, max_staleness=2
+        ).validate()
+    RunConfig(env="envs.calculator:Calculator", update_weights_interval=3, max_staleness=2).validate()
+    RunConfig(env="envs.calculator:Calculator", async_mode=True).validate()  # the defaults: interval 1, staleness 1

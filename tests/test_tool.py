@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import pytest
 from hypothesis import given, settings
@@ -31,7 +31,7 @@ def search(
     k: int = 5,
     mode: Literal["web", "news"] = "web",
     tags: list[str] | None = None,
-    site: str | None = None,
+    site: Optional[str] = None,  # noqa: UP045 (the old spelling must give the same schema)
     filters: dict[str, int] | None = None,
     exact: bool = False,
 ) -> dict:

@@ -205,7 +205,7 @@ class TrainLoop:
     def needs_log_probs(self) -> tuple[bool, bool]:
         """(old, ref): whether this configuration needs them before the update."""
         t = self.cfg.train
-        ref = t.use_kl_loss or (t.advantage_estimator == "reinforce_plus_plus" and t.kl_coef > 0)
+        ref = t.use_kl_loss or (t.advantage_estimator.startswith("reinforce_plus_plus") and t.kl_coef > 0)
         old = ref or t.use_tis or t.num_steps_per_rollout > 1
         return old, ref
 
