@@ -368,7 +368,7 @@ async def test_a_fault_in_a_batch_fails_its_requests_and_the_loop_goes_on(ckpt):
     assert not eng.alive
 
 
-@pytest.mark.parametrize("bad", ["meta", "nan", "int", "list"])
+@pytest.mark.parametrize("bad", ["meta", "nan", "one_nan", "one_inf", "int", "list"])
 async def test_weight_updates_are_checked_before_the_swap(ckpt, bad):
     """A tensor the copy would fail on (meta device) or that would serve garbage is refused; nothing changes."""
     eng = make_engine(ckpt)
@@ -382,6 +382,8 @@ async def test_weight_updates_are_checked_before_the_swap(ckpt, bad):
         tensors[last] = {
             "meta": torch.empty(shape, device="meta"),
             "nan": torch.full(shape, float("nan")),
+            "one_nan": tensors[last].flatten().index_fill(0, torch.tensor([7]), float("nan")).reshape(shape),
+            "one_inf": tensors[last].flatten().index_fill(0, torch.tensor([3]), -float("inf")).reshape(shape),
             "int": torch.zeros(shape, dtype=torch.int64),
             "list": [[0.0]],
         }[bad]
