@@ -70,7 +70,7 @@ _LAZY = {
     "MegatronTrainer": "agentrl.trainer.megatron_trainer",
     "MegatronParallel": "agentrl.trainer.megatron_trainer",
     "SGLangLaunch": "agentrl.engines.sglang",
-    "SGLangEngineGroup": "agentrl.engines.sglang",
+    "SGLangEngineGroup": "agentrl.runtime.engines",
 }
 __all__ += sorted(_LAZY)
 

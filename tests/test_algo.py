@@ -443,6 +443,33 @@ def test_aggregate_hand_computed_and_micro_batches():
         assert close(whole, parts)
 
 
+def test_policy_loss_takes_any_loss_config_not_only_train_config():
+    """The loss math needs only agentrl.algo.spec.LossConfig's attributes: a plain namespace works."""
+    from types import SimpleNamespace
+
+    knobs = dict(
+        loss_type="policy_loss",
+        advantage_estimator="grpo",
+        eps_clip=0.2,
+        use_tis=False,
+        tis_threshold=2.0,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="k3",
+        entropy_coef=0.01,
+        calculate_per_token_loss=False,
+    )
+    old = T([-1.0, -2.0, -3.0])
+    logp = old + T([0.3, -0.4, 0.1])
+    adv, m, seq, ref, ent = T([1.0, -3.0, 5.0]), T([1.0, 1, 1]), T([0, 0, 1]), old - 0.2, T([1.0, 2.0, 3.0])
+    kw = dict(num_tokens=3, num_seqs=2, ref_logp=ref, entropy=ent)
+    a, ma = policy_loss(logp, old, adv, m, seq, TrainConfig(**knobs, eps_clip_high=0.28), **kw)
+    b, mb = policy_loss(logp, old, adv, m, seq, SimpleNamespace(**knobs, clip_high=0.28), **kw)
+    assert close(a, b) and ma == mb
+    c, _ = policy_loss(logp, old, adv, m, seq, SimpleNamespace(**knobs, clip_high=0.2), **kw)
+    assert not close(a, c)  # clip_high is read: the clip-higher bound changes this batch's loss
+
+
 def test_policy_loss_hand_computed():
     cfg = TrainConfig(
         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1", entropy_coef=0.01, calculate_per_token_loss=True

@@ -43,7 +43,7 @@ def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_pat
 
 
 def test_main_job_configs_are_valid_and_the_held_out_set_is_unseen():
-    from agentrl.config import load_config_file, run_config_from_values
+    from agentrl.flags import load_config_file, run_config_from_values
     from envs.calculator import Calculator
 
     warm = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/sft.yaml"))
@@ -59,8 +59,8 @@ def test_main_job_rl_batches_see_every_template_once():
     # the reason grpo.yaml does not shuffle: a step that sees only some templates rewrites the others
     import re
 
-    from agentrl.config import load_config_file, run_config_from_values
     from agentrl.data import task_rows
+    from agentrl.flags import load_config_file, run_config_from_values
     from agentrl.registry import load_env
     from agentrl.runtime.train import _data_source
 
@@ -73,7 +73,7 @@ def test_main_job_rl_batches_see_every_template_once():
 
 
 def test_gsm8k_report_configs_are_valid_and_train_on_the_train_split():
-    from agentrl.config import load_config_file, run_config_from_values
+    from agentrl.flags import load_config_file, run_config_from_values
     from envs.gsm8k import GSM8K
 
     sft = run_config_from_values(load_config_file(REPO / "examples/gsm8k/sft.yaml"))

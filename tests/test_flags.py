@@ -29,3 +29,72 @@ def test_train_help_lists_the_algorithm_knobs():
     train = dict(_parsers(cli.build_parser()))[("train",)].format_help()
     for flag in ("--eps-clip", "--kl-loss-coef", "--use-tis", "--advantage-estimator", "--lr"):
         assert flag in train
+
+
+def _option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+def test_subcommands_take_config_flags_from_the_same_fields():
+    """rollout/eval/check-env declare no config flag by hand: help, choices and type are the field's."""
+    import dataclasses
+
+    from agentrl.flags import flag_fields
+
+    parsers = dict(_parsers(cli.build_parser()))
+    fields = flag_fields()
+    seen = 0
+    for path in (("rollout",), ("eval",), ("check-env",), ("serve",), ("view",)):
+        for action in parsers[path]._actions:
+            # serve's own flags are SGLang's server flags (its --seed is the engine's): only the model is shared
+            if (
+                action.dest in fields
+                and action.option_strings
+                and (path[0] not in ("serve", "view") or action.dest == "hf_checkpoint")
+            ):
+                f = fields[action.dest]
+                seen += 1
+                assert action.option_strings[0] == "--" + f.name.replace("_", "-"), (path, action.dest)
+                assert action.choices == f.metadata["choices"], (path, action.dest)
+                if not (path == ("eval",) and f.name == "eval_prompt_data"):
+                    assert action.help == f.metadata["help"], (path, action.dest)
+                train = _option(parsers[("train",)], action.option_strings[0])
+                assert (train.type, train.nargs, train.choices) == (action.type, action.nargs, action.choices)
+                if f.default is not dataclasses.MISSING:  # rollout/eval defaults are the dataclass's
+                    assert action.default == f.default, (path, action.dest)
+    assert seen > 60
+    # every RolloutConfig field is a rollout and an eval flag
+    from agentrl.config import RolloutConfig
+
+    for path in (("rollout",), ("eval",)):
+        dests = {a.dest for a in parsers[path]._actions}
+        assert {f.name for f in dataclasses.fields(RolloutConfig)} <= dests
+
+
+def test_choices_live_in_field_metadata_and_validate_uses_them():
+    import pytest
+
+    from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+
+    p = cli.build_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["rollout", "--env", "x:Y", "--sandbox", "vm"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["train", "--advantage-estimator", "ppo2"])
+    with pytest.raises(ValueError, match="--sandbox must be auto, docker, local or process"):
+        RolloutConfig(sandbox="vm").validate()
+    with pytest.raises(ValueError, match="--kl-loss-type must be k1, k2 or k3"):
+        TrainConfig(kl_loss_type="k4").validate()
+    with pytest.raises(ValueError, match="--weight-sync must be auto, tensor, disk or nccl"):
+        RunConfig(env="envs.digits:Digits", weight_sync="rdma").validate()
+
+
+def test_rollout_flags_build_the_rollout_config():
+    from agentrl.flags import rollout_config_from_args
+
+    args = cli.build_parser().parse_args(
+        ["rollout", "--env", "x:Y", "--rollout-stop", "###", "--rollout-stop-token-ids", "7", "--max-turns", "3"]
+    )
+    cfg = rollout_config_from_args(args)
+    assert cfg.rollout_stop == ["###"] and cfg.rollout_stop_token_ids == [7] and cfg.max_turns == 3
+    assert cli.build_parser().parse_args(["rollout"]).engine_max_running_requests == 32

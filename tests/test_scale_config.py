@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.config import RunConfig, TrainConfig, load_config_file, parse_passthrough_flags, run_config_from_values
+from agentrl.config import RunConfig, TrainConfig
+from agentrl.flags import load_config_file, parse_passthrough_flags, run_config_from_values
+from agentrl.runtime.backends import check_run, sglang_launch
 from agentrl.runtime.trainer_group import DataLayout
 
 
@@ -156,21 +158,22 @@ def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
     cfg = run_config_from_values(_values(**values))
     with pytest.raises(ValueError, match="bad configuration") as err:
-        cfg.validate()
+        check_run(cfg)
     assert message in str(err.value)
 
 
 def test_sglang_launcher_needs_gpus(monkeypatch):
-    import agentrl.config as config
+    import agentrl.runtime.backends as backends
 
-    monkeypatch.setattr(config, "_sglang_installed", lambda: True)
+    monkeypatch.setattr(backends, "sglang_installed", lambda: True)
     cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
+    cfg.validate()  # the values alone are fine: only the backend check knows about this machine
     with pytest.raises(ValueError, match="needs GPUs for its servers"):
-        cfg.validate()
+        check_run(cfg)
     auto = run_config_from_values(_values(rollout_backend="sglang"))
-    assert auto.sglang_launch("ckpt").binary == "agentrl"  # auto on a CPU-only run: the embedded engine
+    assert sglang_launch(auto, "ckpt").binary == "agentrl"  # auto on a CPU-only run: the embedded engine
     gpus = run_config_from_values(_values(rollout_backend="sglang", rollout_num_gpus=2, actor_num_gpus_per_node=2))
-    assert gpus.sglang_launch("ckpt", engine_gpus=1).binary == "sglang"
+    assert sglang_launch(gpus, "ckpt", engine_gpus=1).binary == "sglang"
 
 
 def test_sglang_launcher_needs_sglang_installed():
@@ -180,7 +183,7 @@ def test_sglang_launcher_needs_sglang_installed():
         pytest.skip("sglang is installed here")
     cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
     with pytest.raises(ValueError, match="the sglang package is not installed"):
-        cfg.validate()
+        check_run(cfg)
 
 
 def test_good_megatron_config_validates_and_derives_data_parallel():
@@ -193,7 +196,7 @@ def test_good_megatron_config_validates_and_derives_data_parallel():
             megatron_args={"attention_softmax_in_fp32": True},
         )
     )
-    cfg.validate()
+    check_run(cfg)
     assert cfg.data_parallel_size == 2 and cfg.train.model_parallel_size == 2
     assert run_config_from_values(_values(backend=None, train_backend="megatron")).train_backend == "megatron"
 

@@ -23,13 +23,13 @@ from agentrl.engines.base import SamplingParams
 from agentrl.engines.http import SGLangEngine
 from agentrl.engines.router import Router
 from agentrl.engines.sglang import (
-    SGLangEngineGroup,
     SGLangLaunch,
     SGLangServer,
     build_launch_command,
     paused_for_update,
     server_args_from_flags,
 )
+from agentrl.runtime.engines import SGLangEngineGroup
 
 pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from agentrl.config import ADVANTAGE_ESTIMATORS
+from agentrl.algo.spec import ADVANTAGE_ESTIMATORS
 
 Rewards = Tensor | Sequence[float]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from agentrl.config import TrainConfig
+from agentrl.algo.spec import LossConfig
 
 
 def ppo_clip_loss(
@@ -155,7 +155,7 @@ def aggregate(
 
 
 def sft_loss(
-    logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: TrainConfig, *, num_tokens: float, num_seqs: float
+    logp: Tensor, mask: Tensor, seq_ids: Tensor, cfg: LossConfig, *, num_tokens: float, num_seqs: float
 ) -> tuple[Tensor, dict[str, float]]:
     """Supervised fine-tuning (slime's ``--loss-type sft_loss``): the negative log-likelihood of the
     demonstrated tokens, with the same normalization as the policy loss.
@@ -178,7 +178,7 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     seq_ids: Tensor,
-    cfg: TrainConfig,
+    cfg: LossConfig,
     *,
     num_tokens: float,
     num_seqs: float,

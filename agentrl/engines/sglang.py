@@ -3,8 +3,8 @@
 An :class:`SGLangServer` actor per engine runs the server process (``python -m
 sglang.launch_server`` on GPU nodes, or ``python -m agentrl serve``, the embedded engine with the
 same HTTP API, so this code path is tested on a laptop) and restarts it on the same port when it
-dies. :class:`SGLangEngineGroup` places the actors, hands the train loop their ``urls`` and
-restarts dead engines from a monitor thread. :func:`paused_for_update` is slime's protocol around
+dies. :class:`agentrl.runtime.engines.SGLangEngineGroup` places the actors, hands the train loop
+their ``urls`` and restarts dead engines from a monitor thread. :func:`paused_for_update` is slime's protocol around
 a weight push: pause (running requests return finish reason ``abort``), flush, update, continue.
 
 ``--sglang-<name> VALUE`` flags arrive as ``{"name": value}`` (:func:`server_args_from_flags`) and
@@ -30,9 +30,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,205 +452,9 @@ class SGLangServer:
         self._spawner.shutdown(wait=False)
 
 
-class SGLangEngineGroup:
-    """The run's engines as :class:`SGLangServer` actors, with the surface the train loop uses.
-
-    ``urls`` feed the :class:`~agentrl.engines.router.Router`; weights go over HTTP (disk or NCCL
-    broadcast), never Ray's object store (``supports_tensors`` is False). A dead engine is restarted
-    on its port by :meth:`check_and_restart`, from :meth:`start_monitor`'s thread and before each
-    weight sync (:func:`paused_for_update`); it then loads the weights named by
-    :meth:`record_weights`, if any, else it serves the launch checkpoint until the next sync.
-    """
-
-    def __init__(
-        self,
-        launch: SGLangLaunch,
-        actors: list[Any],
-        urls: list[str],
-        options: list[dict[str, Any]],
-        ports: list[int],
-        health_timeout: float = 30.0,
-    ):
-        self.launch, self.actors, self.urls = launch, actors, urls
-        self.health_timeout = health_timeout
-        self.restarts = [0] * len(actors)
-        self._options, self._ports = options, ports
-        self._weights: tuple[str, str] | None = None
-        self._stale: set[int] = set()  # restarted engines whose reload of the recorded weights failed
-        self._lock = threading.Lock()  # one check_and_restart at a time; held while suspended
-        self._suspended = 0
-        self._stop = threading.Event()
-        self._monitor: threading.Thread | None = None
-
-    @classmethod
-    def start(
-        cls,
-        launch: SGLangLaunch,
-        n: int = 1,
-        *,
-        num_cpus: float = 1.0,
-        num_gpus: float | None = None,
-        placement: Sequence[tuple[Any, int]] = (),
-        health_timeout: float = 30.0,
-    ) -> SGLangEngineGroup:
-        """Start ``n`` engines concurrently, engine ``i`` in ``placement[i]`` (a placement group and bundle index).
-
-        ``num_gpus`` per engine defaults to ``launch.tp_size`` for SGLang and 0 for the embedded engine
-        (CPU); Ray sets each actor's ``CUDA_VISIBLE_DEVICES``, which the server inherits.
-        """
-        import ray
-
-        build_launch_command(launch, port=launch.port or 1)  # refuse bad server args here, before any actor
-        if num_gpus is None:
-            num_gpus = float(launch.tp_size) if launch.binary == "sglang" else 0.0
-        from agentrl.runtime.cluster import actor_options
-
-        options = [actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None) for i in range(n)]
-        remote = ray.remote(SGLangServer)
-        actors = [remote.options(**options[i]).remote(launch, i) for i in range(n)]
-        try:
-            urls = ray.get([a.start.remote() for a in actors])
-        except BaseException:
-            cls._kill_actors(actors)
-            raise
-        ports = [int(u.rsplit(":", 1)[1]) for u in urls]
-        return cls(launch, actors, urls, options, ports, health_timeout)
-
-    @property
-    def supports_tensors(self) -> bool:
-        return False
-
-    @property
-    def api_key(self) -> str | None:
-        """The key every server requires (``launch.api_key``), for the run's clients."""
-        return self.launch.api_key
-
-    def pids(self) -> list[int | None]:
-        """Each engine's server pid on its node (None while down)."""
-        import ray
-
-        return ray.get([a.pid.remote() for a in self.actors])
-
-    def record_weights(self, model_path: str, weight_version: str) -> None:
-        """Remember the run's latest checkpoint folder: an engine restarted later loads it before serving."""
-        self._weights = (str(model_path), str(weight_version))
-
-    def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
-        """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.
-
-        A restarted engine then loads the weights named by :meth:`record_weights`; if that fails it is
-        retried on every later check. ``from_monitor``: skip while a weight update holds the engines
-        paused (a paused SGLang fails its health check and must not be restarted for it); the check is
-        made under the lock that :meth:`monitor_suspended` takes, so no check slips in after a pause.
-        """
-        import ray
-
-        with self._lock:
-            if from_monitor and self._suspended:
-                return []
-            states = self._states()
-            dead = [i for i, state in enumerate(states) if state != "ok"]
-            refs = [self.actors[i].restart.remote() if states[i] == "down" else self._replace(i) for i in dead]
-            restarted = []
-            for i, ref in zip(dead, refs):
-                try:
-                    url = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - tried again on the next check
-                    log.error("engine %d could not be restarted: %s", i, exc)
-                    continue
-                if url != self.urls[i]:
-                    log.warning("engine %d came back at %s instead of %s", i, url, self.urls[i])
-                    self.urls[i] = url
-                self.restarts[i] += 1
-                self._stale.add(i)
-                restarted.append(i)
-            for i in sorted(self._stale):
-                if self._weights is None:
-                    self._stale.discard(i)
-                    continue
-                try:
-                    ray.get(self.actors[i].load_weights.remote(*self._weights))
-                    self._stale.discard(i)
-                except Exception as exc:  # noqa: BLE001 - it serves older weights (their version says so) until then
-                    log.error("engine %d could not load %s: %s; retried on the next check", i, self._weights[0], exc)
-            return restarted
-
-    def _states(self) -> list[str]:
-        """Per engine: ``ok``, ``down`` (the server is dead or does not answer) or ``lost`` (so is its actor)."""
-        import ray
-
-        refs = [a.alive.remote(self.health_timeout) for a in self.actors]
-        out = []
-        for ref in refs:
-            try:
-                out.append("ok" if ray.get(ref, timeout=self.health_timeout + 30) else "down")
-            except Exception:  # noqa: BLE001 - a dead or stuck actor is replaced
-                out.append("lost")
-        return out
-
-    def _replace(self, i: int) -> Any:
-        import ray
-
-        self._kill_actors([self.actors[i]])
-        self.actors[i] = ray.remote(SGLangServer).options(**self._options[i]).remote(self.launch, i, self._ports[i])
-        return self.actors[i].start.remote()
-
-    def start_monitor(self, interval: float = 10.0) -> None:
-        """Check every ``interval`` seconds from a daemon thread and restart dead engines (until :meth:`shutdown`)."""
-        if self._monitor is not None:
-            return
-
-        def run() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    restarted = self.check_and_restart(from_monitor=True)
-                except Exception:  # noqa: BLE001 - the monitor must outlive one failed round
-                    log.exception("engine health check failed")
-                    continue
-                if restarted:
-                    log.warning("restarted engine(s) %s", restarted)
-
-        self._monitor = threading.Thread(target=run, name="agentrl-sglang-monitor", daemon=True)
-        self._monitor.start()
-
-    @contextlib.contextmanager
-    def monitor_suspended(self):
-        """No health checks inside (a paused SGLang engine fails ``/health_generate`` and would be restarted)."""
-        with self._lock:  # waits for a check in progress
-            self._suspended += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._suspended -= 1
-
-    def shutdown(self) -> None:
-        """Stop the monitor, stop every server, kill the actors (safe to call twice)."""
-        import ray
-
-        self._stop.set()
-        if self._monitor is not None:
-            self._monitor.join(timeout=self.health_timeout + 60)
-            self._monitor = None
-        refs = [a.shutdown.remote() for a in self.actors]
-        for ref in refs:
-            with contextlib.suppress(Exception):  # a lost actor took its server with it
-                ray.get(ref, timeout=60)
-        self._kill_actors(self.actors)
-        self.actors = []
-
-    @staticmethod
-    def _kill_actors(actors: Sequence[Any]) -> None:
-        import ray
-
-        for a in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a)
-
-
 @contextlib.asynccontextmanager
 async def paused_for_update(
-    engines: Any, *, mode: str | None = "abort", group: SGLangEngineGroup | None = None, flush: bool = True
+    engines: Any, *, mode: str | None = "abort", group: Any = None, flush: bool = True
 ) -> AsyncIterator[list[int]]:
     """Hold generation on ``engines`` (a Router, an SGLangEngine, or a list of them) while the body updates weights.
 

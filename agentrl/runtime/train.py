@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig, naming_flag
+from agentrl.config import RunConfig
+from agentrl.flags import naming_flag
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     from agentrl.data import load_tasks, task_rows
     from agentrl.registry import load_env, load_function
     from agentrl.runtime import checkpoints
+    from agentrl.runtime.backends import check_run
     from agentrl.runtime.data import check_reward_nonzero_std
 
-    cfg.validate()
+    check_run(cfg)
     # RL: the trainer's log-probs match the engine's sampling distribution; SFT fits the model itself
     cfg.train.logit_temperature = 1.0 if cfg.is_sft else cfg.rollout.rollout_temperature
     sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
@@ -411,7 +413,8 @@ class _Runtime:
         server restarted since the last push (by the monitor or the guard itself) has left the NCCL
         group and may have a new URL: the router and the trainer's transport follow.
         """
-        from agentrl.engines.sglang import SGLangEngineGroup, paused_for_update
+        from agentrl.engines.sglang import paused_for_update
+        from agentrl.runtime.engines import SGLangEngineGroup
 
         group = self.engines
         if not isinstance(group, SGLangEngineGroup):
@@ -444,10 +447,12 @@ def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
 
 def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
     """``--rollout-backend sglang``: one server per engine bundle, as Ray actors, health-monitored."""
-    from agentrl.engines.sglang import SGLangEngineGroup
+    from agentrl.runtime.engines import SGLangEngineGroup
 
     log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
-    launch = cfg.sglang_launch(str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
+    from agentrl.runtime.backends import sglang_launch
+
+    launch = sglang_launch(cfg, str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
     if not launch.api_key:  # a fresh key per run: nothing else that reaches the ports can drive the servers
         import secrets
 
