@@ -7,10 +7,10 @@ What is timed, interleaved A, B, A, B ... (median ratio reported; the machine is
 - **shared memory**: what ``agentrl train`` does after each step when the embedded engines share
   the trainer's node: rank 0 writes its full weights into a ``/dev/shm`` slot (one copy) and the
   engine re-points its parameters at it between batches, until the engine answers
-  (``TrainerGroup.write_shared_weights`` -> ``EngineGroup.push_shared``);
+  (``TrainerGroup.push_weights("shm", engine actors, ...)``, the route ``agentrl train`` picks);
 - **object store**: the fallback for engines on other nodes — Ray stores the weights (numpy, one
   copy), the engine maps them zero-copy and copies them into its model
-  (``TrainerGroup.named_weights_ref`` -> ``EngineGroup.push_tensors``);
+  (``TrainerGroup.push_weights("object_store", engine actors, ...)``);
 - **disk** (for reference): the same weights through ``--weight-sync disk`` (safetensors written by
   the trainer, ``/update_weights_from_disk`` on the engine).
 
@@ -74,13 +74,13 @@ def main() -> None:
     def object_store() -> float:
         version[0] += 1
         t0 = time.perf_counter()
-        engines.push_tensors(trainers.named_weights_ref(), str(version[0]))
+        assert trainers.push_weights("object_store", engines.actors, str(version[0])) == "object_store"
         return time.perf_counter() - t0
 
     def shared() -> float:
         version[0] += 1
         t0 = time.perf_counter()
-        engines.push_shared(*trainers.write_shared_weights(), str(version[0]))
+        assert trainers.push_weights("shm", engines.actors, str(version[0])) == "shm"
         return time.perf_counter() - t0
 
     def disk() -> float:

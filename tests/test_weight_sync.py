@@ -223,3 +223,54 @@ async def test_local_engine_release_frees_kv_and_partial_updates(tiny_ckpt, base
         assert torch.equal(engine.model.lm_head.weight, one["lm_head.weight"])
     finally:
         await engine.close()
+
+
+def test_ray_routes_shared_memory_then_object_store_fallback(ray_local, monkeypatch):
+    """The embedded engines' routes are WeightTransports too: shm maps a real /dev/shm slot in the engine
+    actor; a slot that cannot be written falls back to the object store (and says so in ``route``)."""
+    import ray
+
+    from agentrl.runtime import shm_weights
+    from agentrl.runtime.weight_sync import ObjectStoreTransport, SharedMemoryTransport
+
+    @ray.remote(num_cpus=0)
+    class Engine:  # a real actor with the two calls EngineServer answers (no model: it checks the tensors)
+        def __init__(self):
+            self.seen: list[tuple[str, str, float]] = []
+
+        def update_weights_from_shared(self, path, layout, version):
+            w = shm_weights.open_weights(path, layout)
+            self.seen.append(("shm", version, float(w["w"].sum())))
+            return {"success": True}
+
+        def update_weights_from_tensors(self, named, version):
+            from agentrl.runtime.engines import numpy_to_tensors
+
+            w = numpy_to_tensors(named)
+            self.seen.append(("object_store", version, float(w["w"].sum())))
+            return {"success": version != "bad", "message": "refused"}
+
+        def log(self):
+            return self.seen
+
+    engines = [Engine.remote(), Engine.remote()]
+    weights = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    shm = SharedMemoryTransport(engines)
+    asyncio.run(shm.push(iter(weights), "1"))
+    assert shm.route == "shm"
+    assert [ray.get(e.log.remote()) for e in engines] == [[("shm", "1", 15.0)]] * 2
+
+    def no_room(self, named):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_weights.SharedWeightsWriter, "write", no_room)
+    small = SharedMemoryTransport(engines)
+    asyncio.run(small.push(iter(weights), "2"))
+    asyncio.run(small.push(iter([("w", torch.ones(2, 3))]), "3"))
+    assert small.route == "object_store"
+    assert ray.get(engines[0].log.remote())[1:] == [("object_store", "2", 15.0), ("object_store", "3", 6.0)]
+    with pytest.raises(EngineError, match="weight update failed on 2 engine"):
+        asyncio.run(ObjectStoreTransport(engines).push(iter(weights), "bad"))
+    asyncio.run(shm.close())
+    with pytest.raises(ValueError, match="one of disk, nccl, tensor, shm, object_store"):
+        make_transport("rdma", engines)

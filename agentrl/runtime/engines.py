@@ -3,8 +3,9 @@
 Either way the generate loop talks HTTP to them through :class:`~agentrl.engines.router.Router`,
 so the code path on a laptop and on a cluster is the same. What differs is how new weights get in:
 
-- embedded engines (:class:`EngineActor`) take the trainer's full weights straight from Ray's
-  object store (:meth:`EngineGroup.push_tensors`): shared memory on one node, no disk;
+- embedded engines (:class:`EngineServer` actors) take the trainer's full weights through Ray:
+  a shared-memory slot on the trainer's node, else the object store (the ``shm`` and
+  ``object_store`` routes of :mod:`agentrl.runtime.weight_sync`), no disk;
 - any engine can load a checkpoint folder (``/update_weights_from_disk``);
 - SGLang engines on GPUs receive an NCCL broadcast (``agentrl.runtime.weight_sync``).
 """
@@ -219,24 +220,6 @@ class EngineGroup:
         import ray
 
         return ray.get([a.node_id.remote() for a in self.actors])
-
-    def push_shared(self, path: str, layout: Any, weight_version: str) -> None:
-        """Have every engine switch to the weights in a shared-memory slot (same node only)."""
-        import ray
-
-        self._check(ray.get([a.update_weights_from_shared.remote(path, layout, weight_version) for a in self.actors]))
-
-    def push_tensors(self, named_ref: Any, weight_version: str) -> None:
-        """Load the weights behind ``named_ref`` (``ray.put(tensors_to_numpy(...))``) into every engine."""
-        import ray
-
-        self._check(ray.get([a.update_weights_from_tensors.remote(named_ref, weight_version) for a in self.actors]))
-
-    @staticmethod
-    def _check(results: list[dict]) -> None:
-        bad = [r for r in results if not r.get("success")]
-        if bad:
-            raise RuntimeError(f"weight update failed on {len(bad)} engine(s): {bad[0].get('message')}")
 
     def shutdown(self) -> None:
         import ray

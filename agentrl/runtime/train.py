@@ -161,6 +161,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         summary = dict(lines[-1]) if lines else {}
         summary["wall_seconds"] = round(time.monotonic() - t0, 1)
         summary["run_dir"] = str(run_dir) if run_dir else None
+        summary["weight_sync"] = sorted(set(runtime.routes_taken))  # the routes the weight pushes took
         return summary
 
 
@@ -221,6 +222,7 @@ class _Runtime:
         self.trainers: Any = None
         self.metrics: Any = None
         self.placement: Any = None
+        self.routes_taken: list[str] = []  # the route of every weight push, in order
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
@@ -284,45 +286,46 @@ class _Runtime:
             self.placement.release()
             self.placement = None
 
-    def sync_mode(self) -> str:
-        """``--weight-sync``, or for ``auto`` as slime: the object store/shared memory for embedded engines;
-        for launched SGLang servers on GPUs, tensor handles when colocated and an NCCL broadcast when not;
-        else disk (any engine, any node with the run folder)."""
-        cfg = self.cfg
-        if cfg.weight_sync != "auto":
-            return cfg.weight_sync
-        if self.engines.supports_tensors:
-            return "tensor"
-        if cfg.rollout_backend == "sglang" and self.placement.engine_gpus:
-            return "tensor" if cfg.colocate and cfg.rollout_num_gpus_per_engine == 1 else "nccl"
-        return "disk"
+    def weight_route(self) -> str:
+        """The route of every weight push (one of :data:`agentrl.runtime.weight_sync.TRANSPORTS`), chosen once.
+
+        ``--weight-sync``, or for ``auto`` as slime: embedded engines take the weights through Ray,
+        by shared memory when they all share the trainer's node (``shm``), else the object store;
+        launched SGLang servers on GPUs take tensor handles when colocated and an NCCL broadcast
+        when not; anything else loads a checkpoint folder (``disk``: any engine, any node with the
+        run folder). ``--weight-sync tensor`` means by handle: Ray's routes for embedded engines.
+        """
+        if getattr(self, "_route", None) is None:
+            cfg = self.cfg
+            mode = cfg.weight_sync
+            if mode == "auto":
+                if self.engines.supports_tensors:
+                    mode = "tensor"
+                elif cfg.rollout_backend == "sglang" and self.placement.engine_gpus:
+                    mode = "tensor" if cfg.colocate and cfg.rollout_num_gpus_per_engine == 1 else "nccl"
+                else:
+                    mode = "disk"
+            if mode == "tensor" and self.engines.supports_tensors:
+                mode = "shm" if self._same_node() else "object_store"
+            self._route = mode
+        return self._route
 
     def sync_weights(self, version: int) -> None:
-        """Push the trainer's current weights to every engine as ``str(version)``."""
-        mode = self.sync_mode()
-        if mode == "tensor" and self.engines.supports_tensors:  # embedded engines; launched servers take handles
-            if self._use_shm():
-                try:
-                    path, layout = self.trainers.write_shared_weights()
-                except OSError as exc:  # e.g. a small /dev/shm: the object store still works
-                    log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
-                    self._shm = False
-                else:
-                    self.engines.push_shared(path, layout, str(version))
-                    return
-            self.engines.push_tensors(self.trainers.named_weights_ref(), str(version))
-            return
-        self.trainers.push_weights(
-            mode, self.engines.urls, str(version), folder=self._sync_dir(), api_key=self.engines.api_key
+        """Push the trainer's current weights to every engine as ``str(version)``: one call, any route."""
+        route = self.weight_route()
+        targets = self.engines.actors if route in ("shm", "object_store") else self.engines.urls
+        taken = self.trainers.push_weights(
+            route, targets, str(version), folder=self._sync_dir(), api_key=self.engines.api_key
         )
-        if mode == "disk" and hasattr(self.engines, "record_weights"):  # a restarted server loads these first
+        if taken != route:  # shared memory fell back to the object store (said once, in the trainer's log)
+            self._route = taken
+        self.routes_taken.append(taken)
+        if route == "disk" and hasattr(self.engines, "record_weights"):  # a restarted server loads these first
             self.engines.record_weights(str(Path(self._sync_dir()) / f"weights-{version}"), str(version))
 
-    def _use_shm(self) -> bool:
-        """Shared memory when every engine shares rank 0's node (decided once per run)."""
-        if getattr(self, "_shm", None) is None:
-            self._shm = set(self.engines.node_ids()) == {self.trainers.node_id()}
-        return self._shm
+    def _same_node(self) -> bool:
+        """Every engine shares rank 0's node (so shared memory reaches them)."""
+        return set(self.engines.node_ids()) == {self.trainers.node_id()}
 
     def _sync_dir(self) -> str:
         base = Path(self.cfg.save) if self.cfg.save else Path.cwd() / ".agentrl"

@@ -17,8 +17,8 @@ samples; with ``torch`` every rank is its own data-parallel rank.
   shards, one per data-parallel rank, so every rank steps on its share of the same global batch;
   the metrics are the last rank's (a last pipeline stage), already global (the trainer sums them
   over ranks);
-* ``named_weights_ref``: rank 0's full weights as one Ray ObjectRef (name -> CPU tensor) that
-  engines fetch from the object store for weight sync;
+* ``push_weights``: the full weights to every engine by one of the routes of
+  :mod:`agentrl.runtime.weight_sync` (``named_weights_ref``: rank 0's as one Ray ObjectRef, for checks);
 * ``save`` / ``load`` / ``shutdown``.
 
 Ray is not initialised here: the caller (train loop, tests) owns ``ray.init``.
@@ -110,52 +110,49 @@ class TrainerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def write_shared_weights(self) -> tuple[str, Any] | None:
-        """Rank 0 writes the full weights into the next shared-memory slot; returns (path, layout).
-
-        Every rank takes part in gathering the weights; other ranks return None.
-        """
-        from agentrl.runtime.shm_weights import SharedWeightsWriter
-
-        if self.trainer.rank != 0:
-            _drain(self.trainer.named_weights())
-            return None
-        named = list(self.trainer.named_weights())
-        if getattr(self, "_shm", None) is None:
-            self._shm = SharedWeightsWriter()
-        return self._shm.write(named)
-
     def push_weights(
-        self, kind: str, urls: list[str], version: str, folder: str | None = None, api_key: str | None = None
-    ) -> None:
-        """Send the full weights to SGLang-compatible engines (``disk``, ``nccl`` or ``tensor``).
+        self, kind: str, targets: list[Any], version: str, folder: str | None = None, api_key: str | None = None
+    ) -> str | None:
+        """Send the full weights to the engines by route ``kind`` (:data:`agentrl.runtime.weight_sync.TRANSPORTS`).
 
-        Every rank takes part in gathering the weights. ``disk`` and ``nccl`` push from rank 0 to
-        every engine; ``tensor`` (by handle, colocated) pushes from each rank to the engines on its
-        own device (``urls`` is then this rank's share). The pushing rank keeps one transport (and,
+        ``targets``: engine URLs for ``disk``, ``nccl`` and ``tensor``; embedded engine actor handles
+        for ``shm`` and ``object_store``. Every rank takes part in gathering the weights; rank 0
+        pushes, except ``tensor`` (by handle, colocated), where each rank pushes to the engines on its
+        own device (``targets`` is then this rank's share). The pushing rank keeps one transport (and,
         for NCCL, one process group with the engines) and one event loop for the actor's lifetime.
+        Returns the route the push took on a pushing rank (``shm`` may fall back to ``object_store``).
         """
         import asyncio
 
         from agentrl.engines.http import SGLangEngine
         from agentrl.runtime.weight_sync import make_transport
 
-        pushes = bool(urls) if kind == "tensor" else self.trainer.rank == 0
+        pushes = bool(targets) if kind == "tensor" else self.trainer.rank == 0
         if not pushes:
             _drain(self.trainer.named_weights())
-            return
+            return None
         # streamed: each full tensor is gathered (a collective the other ranks join in _drain), sent and dropped;
         # whatever fails here still walks the rest of the gathers, or the other ranks would wait in them forever
         weights = iter(self.trainer.named_weights())
         try:
-            if getattr(self, "_transport", None) is None:
+            if getattr(self, "_transport", None) is None or self._transport_kind != kind:
+                self.reset_weight_transport()
                 self._push_loop = asyncio.new_event_loop()
-                engines = [SGLangEngine(u, api_key=api_key) for u in urls]
-                extra: dict[str, Any] = {"folder": folder, "config": self.checkpoint} if kind == "disk" else {}
-                if kind == "nccl" and not all(_loopback(u) for u in urls):  # engines on other nodes dial rank 0's node
+                extra: dict[str, Any] = {}
+                if kind in ("shm", "object_store"):
+                    engines: list[Any] = list(targets)  # actor handles
+                else:
+                    engines = [SGLangEngine(u, api_key=api_key) for u in targets]
+                if kind == "disk":
+                    extra = {"folder": folder, "config": self.checkpoint}
+                if kind == "nccl" and not all(
+                    _loopback(u) for u in targets
+                ):  # engines on other nodes dial rank 0's node
                     extra["master_address"] = ray.util.get_node_ip_address()
                 self._transport = make_transport(kind, engines, **extra)
+                self._transport_kind = kind
             self._push_loop.run_until_complete(self._transport.push(weights, version))
+            return self._transport.route
         finally:
             _drain(weights)
 
@@ -179,8 +176,7 @@ class TrainerActor:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        if getattr(self, "_shm", None) is not None:
-            self._shm.close()
+        self.reset_weight_transport()  # closes its shared-memory slots or process group
         if hasattr(self.trainer, "close"):  # megatron: its global parallel state
             self.trainer.close()
 
@@ -289,22 +285,26 @@ class TrainerGroup:
         """The Ray node of rank 0 (shared-memory weight sync reaches only engines on the same node)."""
         return ray.get(self.actors[0].node_id.remote())
 
-    def write_shared_weights(self) -> tuple[str, Any]:
-        """Full weights into rank 0's next shared-memory slot: ``(path, layout)`` for the engines."""
-        return ray.get([a.write_shared_weights.remote() for a in self.actors])[0]
-
     def push_weights(
-        self, kind: str, urls: Sequence[str], version: str, folder: str | None = None, api_key: str | None = None
-    ) -> None:
-        """Weights to engines by ``disk`` (``/update_weights_from_disk`` of ``folder``), ``nccl`` broadcast, or
-        ``tensor`` handles (colocated: engine ``i`` shares the device of rank ``i % world_size``, as placed)."""
+        self, kind: str, targets: Sequence[Any], version: str, folder: str | None = None, api_key: str | None = None
+    ) -> str:
+        """The run's one weight push: the full weights to every engine as ``version``, by route ``kind``.
+
+        ``disk`` (``/update_weights_from_disk`` of ``folder``), ``nccl`` broadcast, ``tensor`` handles
+        (colocated: engine ``i`` shares the device of rank ``i % world_size``, as placed) take engine
+        URLs; ``shm`` (shared memory, same node) and ``object_store`` take embedded engine actors.
+        Returns the route taken (``shm`` falls back to ``object_store`` when ``/dev/shm`` cannot hold it).
+        """
         if kind == "tensor":
-            shares = [[u for i, u in enumerate(urls) if i % self.world_size == r] for r in range(self.world_size)]
-            ray.get(
+            shares = [[u for i, u in enumerate(targets) if i % self.world_size == r] for r in range(self.world_size)]
+            routes = ray.get(
                 [a.push_weights.remote(kind, shares[r], version, folder, api_key) for r, a in enumerate(self.actors)]
             )
-            return
-        ray.get([a.push_weights.remote(kind, list(urls), version, folder, api_key) for a in self.actors])
+        else:
+            routes = ray.get(
+                [a.push_weights.remote(kind, list(targets), version, folder, api_key) for a in self.actors]
+            )
+        return next((r for r in routes if r), kind)
 
     def reset_weight_transport(self) -> None:
         """Drop rank 0's push transport, so the next ``push_weights`` builds a new one (new NCCL group)."""

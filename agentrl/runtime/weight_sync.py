@@ -14,8 +14,16 @@ weights once it returns. Which one to use depends on where trainer and engines r
 - :class:`TensorTransport`: SGLang's colocated path (``/update_weights_from_tensor``). The trainer
   rank and the engine share a machine (and, on GPUs, the device): tensors travel as CUDA IPC
   handles or shared-memory file names (:mod:`agentrl.engines.tensor_ipc`), bucket by bucket.
-- The Ray object-store transport (trainer tensors -> object store -> the embedded engine's
-  ``update_weights_from_tensors``) belongs to the train loop; see :func:`make_transport`.
+- :class:`SharedMemoryTransport`: embedded engines (Ray actors) on the trainer's node. The trainer
+  writes the weights once into a shared-memory slot (``/dev/shm``); every engine points its
+  parameters at it. Falls back to the object store when the slot cannot be written.
+- :class:`ObjectStoreTransport`: embedded engines anywhere in the Ray cluster: the weights go into
+  Ray's object store once (numpy, zero-copy on one node) and every engine loads them.
+
+All five are built by one selector, :func:`make_transport`, and pushed from the trainer's rank 0
+(``tensor``: from each rank to the engines on its device), so the run's weight sync is one call,
+:meth:`agentrl.runtime.trainer_group.TrainerGroup.push_weights`; the run picks the kind
+(:meth:`agentrl.runtime.train._Runtime.weight_route`).
 
 Names are Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``), the names a
 checkpoint on disk has and the names SGLang's ``load_weights`` expects.
@@ -28,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import re
 import shutil
 import uuid
@@ -49,6 +58,8 @@ from agentrl.engines.local.distributed import (
 )
 from agentrl.engines.local.process import free_port
 
+log = logging.getLogger(__name__)
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -60,6 +71,9 @@ class WeightTransport(abc.ABC):
     engine did not take them. ``close`` releases what the transport holds.
     """
 
+    route: str = ""
+    """The route the last push took (a transport that falls back says so: shared memory -> object store)."""
+
     @abc.abstractmethod
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         """Send ``named_tensors`` (HF names) to every engine as weight version ``version``."""
@@ -68,15 +82,25 @@ class WeightTransport(abc.ABC):
         """Release groups, folders or connections the transport holds (default: nothing)."""
 
 
+TRANSPORTS = ("disk", "nccl", "tensor", "shm", "object_store")
+"""Every weight route: ``disk``, ``nccl`` (alias ``distributed``) and ``tensor`` (handles) reach engines
+over SGLang's HTTP API (``engines`` are :class:`SGLangEngine` s); ``shm`` and ``object_store`` reach
+embedded engines through Ray (``engines`` are their actor handles)."""
+
+
 def make_transport(kind: str, engines: Sequence[Any], **kwargs: Any) -> WeightTransport:
-    """The transport called ``kind``: ``"disk"``, ``"distributed"`` (alias ``"nccl"``) or ``"tensor"`` (by handle)."""
-    if kind == "disk":
-        return DiskTransport(engines, **kwargs)
-    if kind in ("distributed", "nccl"):
-        return DistributedTransport(engines, **kwargs)
-    if kind == "tensor":
-        return TensorTransport(engines, **kwargs)
-    raise ValueError(f"unknown weight transport {kind!r}: expected 'disk', 'distributed' (nccl) or 'tensor'")
+    """The transport called ``kind`` (one of :data:`TRANSPORTS`) to ``engines``."""
+    builders: dict[str, Any] = {
+        "disk": DiskTransport,
+        "nccl": DistributedTransport,
+        "distributed": DistributedTransport,
+        "tensor": TensorTransport,
+        "shm": SharedMemoryTransport,
+        "object_store": ObjectStoreTransport,
+    }
+    if kind not in builders:
+        raise ValueError(f"unknown weight transport {kind!r}: expected one of {', '.join(TRANSPORTS)}")
+    return builders[kind](engines, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------- disk
@@ -93,6 +117,8 @@ class DiskTransport(WeightTransport):
     ``engines`` are ``SGLangEngine``s, a ``Router`` or in-process ``LocalEngine``s; ``folder`` must be
     readable by all of them at the same path.
     """
+
+    route = "disk"
 
     def __init__(
         self,
@@ -188,6 +214,8 @@ class TensorTransport(WeightTransport):
         self.bucket_bytes = bucket_bytes
         self.ranks_per_engine = ranks_per_engine
 
+    route = "tensor"
+
     async def push(self, named_tensors: NamedTensors, version: str) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         for bucket, last in _with_last(
@@ -220,6 +248,89 @@ class TensorTransport(WeightTransport):
             raise EngineRequestError("update_weights_from_tensor failed on " + " | ".join(failed))
 
 
+# ------------------------------------------------------------------------- embedded engines (Ray)
+
+
+def _check_answers(answers: Sequence[Any], what: str) -> None:
+    bad = [a for a in answers if not (isinstance(a, dict) and a.get("success"))]
+    if bad:
+        raise EngineError(
+            f"{what} failed on {len(bad)} engine(s): {bad[0].get('message') if isinstance(bad[0], dict) else bad[0]}"
+        )
+
+
+class ObjectStoreTransport(WeightTransport):
+    """Embedded engines (``EngineServer`` Ray actors) anywhere in the cluster: one ``ray.put`` of the weights.
+
+    numpy, not torch tensors: Ray stores numpy arrays in shared memory with one copy and hands
+    readers on the same node zero-copy views (:func:`agentrl.runtime.engines.tensors_to_numpy`).
+    """
+
+    route = "object_store"
+
+    def __init__(self, engines: Sequence[Any]):
+        if not engines:
+            raise ValueError("ObjectStoreTransport needs at least one engine actor")
+        self.engines = list(engines)
+
+    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+        await self.push_list([(name, t.cpu()) for name, t in named_tensors], version)
+
+    async def push_list(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
+        import ray
+
+        from agentrl.runtime.engines import tensors_to_numpy
+
+        ref = ray.put(tensors_to_numpy(dict(named)))
+        answers = await asyncio.gather(*(e.update_weights_from_tensors.remote(ref, str(version)) for e in self.engines))
+        _check_answers(answers, "weight update")
+
+
+class SharedMemoryTransport(WeightTransport):
+    """Embedded engines on the trainer's node: the weights are written once into a shared-memory slot
+    (:class:`agentrl.runtime.shm_weights.SharedWeightsWriter`) and every engine maps it, no copy.
+
+    A slot that cannot be written (a small ``/dev/shm``) sends this and every later push through the
+    object store instead, with one warning; :attr:`route` then says ``object_store``.
+    """
+
+    route = "shm"
+
+    def __init__(self, engines: Sequence[Any]):
+        if not engines:
+            raise ValueError("SharedMemoryTransport needs at least one engine actor")
+        self.engines = list(engines)
+        self._writer: Any = None
+        self._fallback: ObjectStoreTransport | None = None
+
+    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+        named = list(named_tensors)
+        if self._fallback is None:
+            try:
+                if self._writer is None:
+                    from agentrl.runtime.shm_weights import SharedWeightsWriter
+
+                    self._writer = SharedWeightsWriter()
+                path, layout = self._writer.write(named)
+            except OSError as exc:
+                log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
+                self._fallback = ObjectStoreTransport(self.engines)
+                self.route = "object_store"
+            else:
+                answers = await asyncio.gather(
+                    *(e.update_weights_from_shared.remote(path, layout, str(version)) for e in self.engines)
+                )
+                _check_answers(answers, "weight update")
+                return
+        await self._fallback.push_list([(n, t.cpu()) for n, t in named], version)
+
+    async def close(self) -> None:
+        """Unlink the shared-memory slots (engines that mapped them keep their pages until they move on)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
 # ------------------------------------------------------------------------------------ distributed
 
 
@@ -249,6 +360,8 @@ class DistributedTransport(WeightTransport):
     """
 
     refusal_grace = 10.0
+
+    route = "nccl"
 
     def __init__(
         self,
