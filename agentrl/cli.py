@@ -464,27 +464,24 @@ async def _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, cus
 async def _context(args, cfg, urls, tokenizer, template_src):
     """The episode context for ``urls`` (token-exact router, or chat completions with --engine-api chat)."""
     from agentrl.chat import ChatTemplate
-    from agentrl.engines.http import ChatCompletionsClient, SGLangEngine, wait_healthy
+    from agentrl.engines.http import ChatCompletionsEngine, SGLangEngine, wait_healthy
     from agentrl.engines.router import Router
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.generate import bind_engine_args
-
-    engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
     from agentrl.sandbox import close_default_pool
 
-    closers = [engine.close, close_default_pool]
-    chat = None
+    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
+    engine: Any
     if args.engine_api == "chat":
         # the engine this command started wants its own key; a given URL, the user's API key
         key = os.environ.get(args.api_key_env) if args.engine_url else getattr(args, "engine_api_key", None)
-        chat = ChatCompletionsClient(urls[0], model=args.model, api_key=key)
-        closers.append(chat.close)
+        engine = ChatCompletionsEngine(urls[0], template, model=args.model, api_key=key)
     else:
+        engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
         await wait_healthy(engine, timeout=60)
-    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
-    ctx = EpisodeContext(engine=engine, template=template, config=cfg, chat=chat)
+    ctx = EpisodeContext(engine=engine, template=template, config=cfg)
     bind_engine_args(args, engine, tokenizer, template, urls)
-    return ctx, closers
+    return ctx, [engine.close, close_default_pool]
 
 
 async def _rollout(

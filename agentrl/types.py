@@ -110,6 +110,10 @@ class Status(str, enum.Enum):
     FAILED = "failed"
 
 
+CONTRACT_FIELDS = ("turn_rewards", "turn_spans", "env_spans", "status_reason")
+"""The :class:`Sample` fields the episode loop fills beyond slime's, written inside ``metadata`` on the wire."""
+
+
 @dataclass
 class Sample:
     """One episode, token-exact (slime's field names).
@@ -117,9 +121,17 @@ class Sample:
     Invariants (checked by :meth:`validate`): ``tokens`` is the prompt ids followed by the response
     ids; ``len(loss_mask) == len(rollout_log_probs) == response_length``; ``loss_mask`` is 1 where
     the policy sampled the token and 0 where the environment or the chat template wrote it (those
-    positions have log-prob 0.0). ``reward`` is the sum of ``metadata["turn_rewards"]`` plus any
-    custom reward-model score. ``token_exact`` is False for samples made through text-in/text-out
-    chat completions, which training refuses unless the user opts in.
+    positions have log-prob 0.0). ``reward`` is the sum of ``turn_rewards`` plus any custom
+    reward-model score. ``token_exact`` is False for samples made through text-in/text-out chat
+    completions, which training refuses unless the user opts in.
+
+    The episode loop's own record (not slime fields, typed here because trainers and tools read
+    them): ``turn_rewards`` (the env's reward for each assistant turn, 0.0 for a turn cut off before
+    ``step``), ``turn_spans`` / ``env_spans`` (half-open ``(start, end)`` offsets into the response
+    of each assistant turn and each observation) and ``status_reason`` (why the episode ended:
+    ``terminated``, ``max_turns``, ``env_error``, ...). On the wire (:meth:`to_dict`) they travel
+    inside ``metadata``, where slime's consumers look for custom data and where earlier dumps
+    hold them; :meth:`from_dict` reads them back from there.
     """
 
     group_index: int | None = None
@@ -136,11 +148,27 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
     token_exact: bool = True
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    status_reason: str = ""
 
     @property
     def prompt_length(self) -> int:
         """Number of prompt tokens at the front of ``tokens``."""
         return len(self.tokens) - self.response_length
+
+    def __post_init__(self) -> None:
+        # a Sample built the old way, with the loop's record inside metadata, gets it in the typed fields
+        # (from a copy: the caller's dict is not changed under it)
+        if any(name in self.metadata and not getattr(self, name) for name in CONTRACT_FIELDS):
+            self.metadata = dict(self.metadata)
+        for name in CONTRACT_FIELDS:
+            if name in self.metadata and not getattr(self, name):
+                value = self.metadata.pop(name)
+                if name.endswith("_spans"):
+                    value = [tuple(x) for x in value or []]
+                setattr(self, name, value if value is not None else getattr(self, name))
 
     def validate(self) -> None:
         """Raise ``ValueError`` if the token accounting invariants do not hold."""
@@ -153,6 +181,10 @@ class Sample:
             raise ValueError(f"len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}")
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask must hold only 0 and 1")
+        for name in ("turn_spans", "env_spans"):
+            for span in getattr(self, name):
+                if len(span) != 2 or not 0 <= span[0] <= span[1] <= n:
+                    raise ValueError(f"{name} entry {tuple(span)} is not a (start, end) inside 0..{n}")
 
     def to_dict(self) -> dict[str, Any]:
         """A shallow dict of the fields (``status`` as its string value), ready for ``json.dumps``.
@@ -160,8 +192,19 @@ class Sample:
         Shallow on purpose: ``metadata`` may hold whatever an env put in its ``info`` (locks, arrays);
         a deep copy could fail on those, so serializers pass ``default=str`` instead.
         """
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTRACT_FIELDS}
         d["status"] = self.status.value
+        meta = dict(self.metadata)
+        typed = {
+            "turn_rewards": list(self.turn_rewards),
+            "turn_spans": [list(x) for x in self.turn_spans],
+            "env_spans": [list(x) for x in self.env_spans],
+            "status_reason": self.status_reason,
+        }
+        for name, value in typed.items():  # a value code put in metadata by hand stays, unless the field has one
+            if value or name not in meta:
+                meta[name] = value
+        d["metadata"] = meta
         return d
 
     def to_json(self) -> str:
@@ -174,6 +217,10 @@ class Sample:
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
+        known["metadata"] = dict(known.get("metadata") or {})  # the loop's record is lifted out by __post_init__
+        for name in ("turn_spans", "env_spans"):
+            if name in known:
+                known[name] = [tuple(x) for x in known[name] or []]
         s = cls(**known)
         s.status = Status(s.status)
         if extra:

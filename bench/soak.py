@@ -125,7 +125,7 @@ def child(a: argparse.Namespace) -> None:
     reasons: dict[str, dict[str, int]] = {}
     for s, task in zip(sorted(samples, key=lambda s: s.index), tasks):
         r = reasons.setdefault(task["kind"], {})
-        key = f"{s.status.value}/{s.metadata.get('status_reason')}"
+        key = f"{s.status.value}/{s.status_reason}"
         r[key] = r.get(key, 0) + 1
     out = {
         "mode": a.mode,

@@ -11,6 +11,7 @@ import torch
 import agentrl
 from agentrl.chat import ChatTemplate
 from agentrl.config import RolloutConfig
+from agentrl.engines.base import EngineError, SamplingParams
 from agentrl.engines.http import SGLangEngine
 from agentrl.engines.router import Router
 from agentrl.rollout.episode import EpisodeContext
@@ -109,8 +110,8 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m == 0)
         # 2. the decoded sample is exactly the template's rendering of the conversation
         convo = list(s.prompt)
-        env_iter = iter(s.metadata["env_spans"])
-        for a, b in s.metadata["turn_spans"]:
+        env_iter = iter(s.env_spans)
+        for a, b in s.turn_spans:
             ids = s.tokens[s.prompt_length + a : s.prompt_length + b]
             ended = ids[-1:] == [tiny_tokenizer.eos_token_id]
             stop_string_turns += not ended
@@ -137,8 +138,8 @@ async def test_multi_turn_samples_are_token_exact(tiny_server, tiny_ckpt, tiny_t
         rendered = template.render(convo, [t.schema() for t in env_cls.tools], add_generation_prompt=False)
         decoded = template.decode(s.tokens)
         assert rendered.startswith(decoded) and rendered[len(decoded) :] in ("\n", "<|im_end|>\n")
-        assert s.reward == pytest.approx(sum(s.metadata["turn_rewards"]))
-        multi_turn += len(s.metadata["turn_spans"]) >= 2
+        assert s.reward == pytest.approx(sum(s.turn_rewards))
+        multi_turn += len(s.turn_spans) >= 2
     assert multi_turn >= 3, "the tiny model should produce several multi-turn episodes"
     assert (stop_string_turns > 0) == bool(stop), "stop strings should end some turns, and only when set"
     assert summary.samples == 6
@@ -163,7 +164,7 @@ async def test_env_that_raises_fails_only_its_sample(tiny_server, tiny_tokenizer
     await ctx.engine.close()
     failed = [s for s in samples if s.status == Status.FAILED]
     assert len(failed) == 2 and summary.status["failed"] == 2
-    assert all("env exploded" in s.metadata["error"] and s.metadata["status_reason"] == "env_error" for s in failed)
+    assert all("env exploded" in s.metadata["error"] and s.status_reason == "env_error" for s in failed)
     assert all(s.status != Status.FAILED for s in samples if s.group_index % 2 == 0)
     for s in failed:  # what was generated before the failure is kept, still consistent
         s.validate()
@@ -239,7 +240,7 @@ async def test_system_exit_anywhere_fails_only_its_sample(tiny_server, tiny_toke
     failed = [s for s in samples if s.status == Status.FAILED]
     assert len(samples) == 4 and len(failed) == 2 and summary.status["failed"] == 2, [s.metadata for s in samples]
     reason = {"reward": "reward_error"}.get(where, "env_error")
-    assert all(s.metadata["status_reason"] == reason for s in failed), [s.metadata for s in failed]
+    assert all(s.status_reason == reason for s in failed), [s.metadata for s in failed]
     assert any(x in failed[0].metadata["error"] for x in ("SystemExit", "KeyboardInterrupt"))
 
 
@@ -268,7 +269,7 @@ async def test_a_huge_observation_is_never_tokenized_on_the_event_loop(tiny_serv
     ctx.template.encode = encode
     samples, _ = await generate_rollout(ctx, type("E", (BigObsEnv,), {"size": size}), [{"prompt": "hi"}])
     await ctx.engine.close()
-    assert samples[0].metadata["status_reason"] == "context_length", samples[0].metadata.get("error")
+    assert samples[0].status_reason == "context_length", samples[0].metadata.get("error")
     big = [on_loop for n, on_loop in encoded if n >= size]
     assert big == ([] if size == 1_000_000 else [False]), encoded
 
@@ -298,7 +299,7 @@ async def test_hung_sync_steps_never_starve_healthy_episodes(tiny_server, tiny_t
     finally:
         HangingSyncEnv.release.set()
         await ctx.engine.close()
-    reasons = [s.metadata["status_reason"] for s in sorted(samples, key=lambda s: s.index)]
+    reasons = [s.status_reason for s in sorted(samples, key=lambda s: s.index)]
     assert reasons[:8] == ["env_timeout"] * 8 and reasons[8:] == ["terminated"] * 4, reasons
     assert summary.hung_threads == 8 and summary.to_dict()["hung_threads"] == 8
 
@@ -314,7 +315,7 @@ async def test_step_timeout_fails_the_sample(tiny_server, tiny_tokenizer):
     ctx = _ctx(tiny_server, tiny_tokenizer)
     samples, _ = await generate_rollout(ctx, SlowEnv, [{"prompt": "x"}])
     await ctx.engine.close()
-    assert samples[0].status == Status.FAILED and samples[0].metadata["status_reason"] == "env_timeout"
+    assert samples[0].status == Status.FAILED and samples[0].status_reason == "env_timeout"
 
 
 class SyncEnv(agentrl.Env):
@@ -344,7 +345,7 @@ async def test_context_overflow_truncates(tiny_server, tiny_tokenizer):
     samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "a fairly long opening question here"}] * 3)
     await ctx.engine.close()
     for s in samples:
-        assert s.status == Status.TRUNCATED and s.metadata["status_reason"] == "context_length", s.metadata
+        assert s.status == Status.TRUNCATED and s.status_reason == "context_length", s.metadata
         assert len(s.tokens) <= 40
         s.validate()
 
@@ -355,10 +356,10 @@ async def test_a_turn_cut_off_at_the_length_limit_earns_zero(tiny_server, tiny_t
     ctx = _ctx(tiny_server, tiny_tokenizer, rollout_max_response_len=2)
     samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hi"}] * 6)
     await ctx.engine.close()
-    cut = [s for s in samples if s.metadata["status_reason"] == "response_length"]
-    assert cut, [s.metadata["status_reason"] for s in samples]
+    cut = [s for s in samples if s.status_reason == "response_length"]
+    assert cut, [s.status_reason for s in samples]
     for s in cut:
-        tr, spans = s.metadata["turn_rewards"], s.metadata["turn_spans"]
+        tr, spans = s.turn_rewards, s.turn_spans
         assert len(tr) == len(spans) and tr[-1] == 0.0 and s.reward == pytest.approx(sum(tr))
     from agentrl.algo.advantages import compute_advantages
 
@@ -368,8 +369,8 @@ async def test_a_turn_cut_off_at_the_length_limit_earns_zero(tiny_server, tiny_t
         group_ids=[0] * len(samples),
         loss_masks=[s.loss_mask for s in samples],
         per_turn=True,
-        turn_rewards=[s.metadata["turn_rewards"] for s in samples],
-        turn_spans=[[tuple(x) for x in s.metadata["turn_spans"]] for s in samples],
+        turn_rewards=[s.turn_rewards for s in samples],
+        turn_spans=[[tuple(x) for x in s.turn_spans] for s in samples],
     )
     assert [len(a) for a in adv] == [s.response_length for s in samples]
 
@@ -398,18 +399,19 @@ async def test_no_engine_left_aborts_samples_not_the_run(tiny_tokenizer):
     samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}] * 2)
     await ctx.engine.close()
     assert summary.status == {"aborted": 2}
-    assert all(
-        s.metadata["status_reason"] == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples
-    )
+    assert all(s.status_reason == "engine_error" and "failed after 3 tries" in s.metadata["error"] for s in samples)
 
 
 async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, tiny_tokenizer):
-    from agentrl.engines.http import ChatCompletionsClient
+    from agentrl.engines.http import ChatCompletionsEngine
 
     ctx = _ctx(tiny_server, tiny_tokenizer)
-    ctx.chat = ChatCompletionsClient(tiny_server)
+    await ctx.engine.close()
+    ctx.engine = ChatCompletionsEngine(tiny_server, ctx.template)
+    assert await ctx.engine.health()
+    with pytest.raises(EngineError, match="takes messages, not token ids"):
+        await ctx.engine.generate([1, 2, 3], SamplingParams())
     samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}] * 2)
-    await ctx.chat.close()
     await ctx.engine.close()
     for s in samples:
         s.validate()
@@ -463,7 +465,7 @@ async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
     assert answered == ["call_0_0", "call_0_1", "call_1_0"]
     s = samples[0]
     s.validate()
-    assert s.status == Status.COMPLETED and s.reward == 1.0 and s.metadata["turn_rewards"] == [0.0, 0.0, 1.0]
+    assert s.status == Status.COMPLETED and s.reward == 1.0 and s.turn_rewards == [0.0, 0.0, 1.0]
     assert s.metadata["tool_calls"] == 2 and s.metadata["parse_errors"] == 1
     for req in engine.requests:  # token in: each request is a prefix of the final sample
         assert s.tokens[: len(req)] == req
@@ -471,7 +473,7 @@ async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
     assert "<tool_response>\n42\n</tool_response>" in text
     assert "Error: could not parse tool call" in text
     assert text.count("<tool_response>") == 3
-    assert [sum(s.loss_mask[a:b]) == b - a for a, b in s.metadata["turn_spans"]] == [True] * 3
+    assert [sum(s.loss_mask[a:b]) == b - a for a, b in s.turn_spans] == [True] * 3
 
 
 @pytest.mark.e2e
@@ -493,7 +495,7 @@ async def test_engine_context_length_truncates_instead_of_aborting(tiny_ckpt, ti
         await ctx.engine.close()
     assert summary.status == {"truncated": 4}, [s.metadata.get("error") for s in samples]
     for s in samples:
-        assert s.metadata["status_reason"] == "context_length" and len(s.tokens) < 96
+        assert s.status_reason == "context_length" and len(s.tokens) < 96
         s.validate()
 
 
@@ -602,5 +604,5 @@ async def test_abort_request_aborts_the_sample(tmp_path, tiny_tokenizer):
         samples, summary = await rollout
         await ctx.engine.close()
     s = samples[0]
-    assert s.status == Status.ABORTED and s.metadata["status_reason"] == "engine_abort", s.metadata
+    assert s.status == Status.ABORTED and s.status_reason == "engine_abort", s.metadata
     s.validate()

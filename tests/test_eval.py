@@ -70,16 +70,15 @@ async def test_evaluate_end_to_end(tiny_server, tiny_tokenizer):
 
 
 async def test_evaluate_through_chat_completions(tiny_server, tiny_tokenizer):
-    from agentrl.engines.http import ChatCompletionsClient
+    from agentrl.engines.http import ChatCompletionsEngine
 
     config = RolloutConfig(rollout_max_response_len=200, max_turns=2)
-    ctx = EpisodeContext(
-        engine=None, template=ChatTemplate(tiny_tokenizer), config=config, chat=ChatCompletionsClient(tiny_server)
-    )
+    template = ChatTemplate(tiny_tokenizer)
+    ctx = EpisodeContext(engine=ChatCompletionsEngine(tiny_server, template), template=template, config=config)
     try:
         results = await evaluate(ctx, ParityEnv, {"d": [{"prompt": "Hi"}, {"prompt": "Yo"}]}, n_samples=2)
     finally:
-        await ctx.chat.close()
+        await ctx.engine.close()
     r = results["d"]
     assert r["num_samples"] == 4 and r["count_not_token_exact"] == 4 and r["count_completed"] == 4
     assert 0.0 <= r["pass@1"] <= r["pass@2"] <= 1.0

@@ -53,7 +53,7 @@ def template(tiny_tokenizer):
 
 def _spans(template, s) -> list[str]:
     resp = s.tokens[s.prompt_length :]
-    return [template.decode(resp[a:b]) for a, b in s.metadata["turn_spans"]]
+    return [template.decode(resp[a:b]) for a, b in s.turn_spans]
 
 
 def test_json_string_arguments_are_taught_as_objects():
@@ -76,7 +76,7 @@ def test_conversation_becomes_a_token_exact_sample(template):
         == '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4 * 5"}}\n</tool_call><|im_end|>'
     )
     assert second == "The answer is 23.<|im_end|>"
-    assert [m for m in s.loss_mask if m] == [1] * sum(b - a for a, b in s.metadata["turn_spans"])
+    assert [m for m in s.loss_mask if m] == [1] * sum(b - a for a, b in s.turn_spans)
     from agentrl.parsing import get_parser
 
     _, calls, errors = get_parser("hermes").parse(first.removesuffix("<|im_end|>"))
@@ -279,7 +279,7 @@ def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_s
     assert stats.kept == len(kept) > 0 and stats.below_min_reward > 0
     assert {s.group_index for s in kept} <= {1, 2} and all(s.reward >= 0.5 and s.token_exact for s in kept)
     # a turn cut off by the length limit never becomes a demonstration; the others of groups 1 and 2 are kept
-    assert all(s.metadata["status_reason"] == "terminated" for s in kept)
+    assert all(s.status_reason == "terminated" for s in kept)
     assert stats.kept + stats.failed_episodes >= 12
     best, stats = asyncio.run(run(min_reward=0.0, best_of_n=True))
     assert sorted(s.group_index for s in best) == sorted({s.group_index for s in best}) and 0 < len(best) <= 4

@@ -9,6 +9,7 @@ response shapes are SGLang's native ``/generate`` shapes.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,13 +124,37 @@ class Engine(abc.ABC):
 
     ``key`` lets a router keep one episode on one engine, so the engine's prefix cache hits on
     every turn after the first.
+
+    The episode loop calls :meth:`generate_turn` and nothing else, so every engine, the text-in/
+    text-out chat-completions adapter included, is reached through one path.
     """
+
+    token_exact: bool = True
+    """False for engines that see text, not ids (the samples they make are flagged, never trained on silently)."""
 
     @abc.abstractmethod
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
     ) -> GenerateOutput:
         """Continue ``input_ids``; return the sampled ids with their log-probs."""
+
+    async def generate_turn(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        key: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> GenerateOutput:
+        """One assistant turn of an episode.
+
+        The loop hands over both views of the conversation: ``input_ids`` (the ledger's exact ids)
+        and ``messages``/``tools`` (the same conversation as chat messages). A token engine
+        continues the ids and ignores the messages; an adapter for a text-only API sends the
+        messages and re-tokenizes the reply (then :attr:`token_exact` is False).
+        """
+        return await self.generate(input_ids, sampling_params, key=key)
 
     @abc.abstractmethod
     async def health(self) -> bool:

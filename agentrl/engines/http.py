@@ -10,8 +10,8 @@ Faults: connection errors, timeouts and 5xx answers are retried with exponential
 context) is not retried. Either way the caller gets :class:`EngineError`, which aborts that one
 sample; :class:`~agentrl.engines.router.Router` first tries the other engines.
 
-:class:`ChatCompletionsClient` is text in, text out, for evaluating API models: samples made
-through it are marked ``token_exact=False``.
+:class:`ChatCompletionsEngine` is text in, text out (an :class:`Engine` adapter over OpenAI chat
+completions), for evaluating API models: samples made through it are marked ``token_exact=False``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from agentrl.chat import ChatTemplate
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 """SGLang's ``/pause_generation`` modes."""
@@ -375,33 +379,100 @@ async def wait_healthy(engine: Engine, *, timeout: float = 300.0, interval: floa
         await asyncio.sleep(interval)
 
 
-class ChatCompletionsClient:
-    """Text-in/text-out client for an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+class ChatCompletionsEngine(Engine):
+    """Text-in/text-out :class:`Engine` adapter for an OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
     For evaluating API models only: the server renders and tokenizes the conversation itself, so
-    the ids the SDK records are a local re-tokenization, not what the model saw. Samples made this
-    way are marked ``token_exact=False`` and training refuses them unless told otherwise.
+    the ids the SDK records are ``template``'s local re-tokenization of the reply (log-prob 0.0,
+    weight version ``"api"``), not what the model saw. :attr:`token_exact` is False: samples made
+    this way are marked ``token_exact=False`` and training refuses them unless told otherwise.
+
+    The episode loop reaches it as it reaches any engine, through :meth:`generate_turn`, which
+    sends the conversation's messages; :meth:`generate` (ids in) cannot exist for a text API
+    and raises.
     """
 
-    def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+    token_exact = False
+
+    def __init__(
+        self,
+        base_url: str,
+        template: ChatTemplate,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ):
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
-        headers = auth_headers(api_key)
+        self.template = template
         self.model = model
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=_limits())
+        self.api_key = api_key
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key), limits=_limits()
+        )
+
+    def __repr__(self) -> str:
+        return f"ChatCompletionsEngine({self.base_url!r})"
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
+    ) -> GenerateOutput:
+        raise EngineError(
+            f"{self.base_url}: a chat-completions endpoint takes messages, not token ids; "
+            "call generate_turn(..., messages=...) (the episode loop does)"
+        )
+
+    async def generate_turn(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        key: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> GenerateOutput:
+        """Send ``messages``/``tools``; return the reply re-tokenized, with its assistant message."""
+        if not messages:
+            raise EngineError(f"{self.base_url}: generate_turn needs the conversation's messages")
+        msg, finish_reason = await self.chat(list(messages), list(tools), sampling_params)
+        ids = self.template.encode(msg["content"])
+        finish = "length" if finish_reason == "length" else "stop"
+        if finish == "stop":
+            ids.append(self.template.eos_token_ids[0])
+        return GenerateOutput(
+            output_ids=ids,
+            output_logprobs=[0.0] * len(ids),
+            finish_reason=finish,
+            matched=ids[-1] if finish == "stop" else None,
+            message=msg,
+            weight_version="api",
+            engine_url=self.base_url,
+        )
+
+    async def health(self) -> bool:
+        try:
+            return (await self._client.get("/models", timeout=10)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _model(self) -> str:
+        if self.model is None:
+            try:
+                resp = await self._client.get("/models")
+                resp.raise_for_status()
+                self.model = str(resp.json()["data"][0]["id"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise EngineError(f"{self.base_url}/models: no model to name ({exc}); pass --model") from None
+        return self.model
 
     async def chat(
         self, messages: list[dict], tools: list[dict] | None, sampling: SamplingParams
     ) -> tuple[dict[str, Any], str]:
         """One chat completion: the first choice's assistant message (role, content, tool_calls) and finish_reason."""
-        model = self.model
-        if model is None:
-            resp = await self._client.get("/models")
-            resp.raise_for_status()
-            model = self.model = resp.json()["data"][0]["id"]
         payload: dict[str, Any] = {
-            "model": model,
+            "model": await self._model(),
             "messages": messages,
             "max_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -417,12 +488,17 @@ class ChatCompletionsClient:
             raise EngineError(f"{self.base_url}/chat/completions: {exc}") from exc
         if resp.status_code >= 400:
             raise EngineRequestError(f"{self.base_url}/chat/completions HTTP {resp.status_code}: {resp.text[:300]}")
-        choice = resp.json()["choices"][0]
-        raw = choice.get("message") or {}
-        message: dict[str, Any] = {"role": "assistant", "content": raw.get("content") or ""}
-        if raw.get("tool_calls"):
-            message["tool_calls"] = raw["tool_calls"]
-        return message, choice.get("finish_reason") or "stop"
+        try:
+            choice = resp.json()["choices"][0]
+            raw = choice.get("message") or {}
+            message: dict[str, Any] = {"role": "assistant", "content": str(raw.get("content") or "")}
+            if raw.get("tool_calls"):
+                message["tool_calls"] = list(raw["tool_calls"])
+            return message, str(choice.get("finish_reason") or "stop")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise EngineError(
+                f"{self.base_url}/chat/completions: malformed reply ({type(exc).__name__}: {exc}): {resp.text[:200]}"
+            ) from None
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -66,7 +66,7 @@ class DemoStats:
 
     def add(self, sample: Sample) -> None:
         self.kept += 1
-        self.assistant_turns += len(sample.metadata.get("turn_spans", []))
+        self.assistant_turns += len(sample.turn_spans)
         self.tokens += len(sample.tokens)
         self.trained_tokens += sum(sample.loss_mask or [])
         self.not_token_exact += not sample.token_exact
@@ -171,11 +171,7 @@ class DemoBuilder:
     ) -> Sample:
         led = self.ledger
         meta = {
-            "turn_rewards": list(turn_rewards),
-            "turn_spans": [list(s) for s in led.model_spans],
-            "env_spans": [list(s) for s in led.env_spans],
             "num_turns": len(led.model_spans),
-            "status_reason": "demonstration",
             "demo": True,
             **metadata,
         }
@@ -192,6 +188,10 @@ class DemoBuilder:
             rollout_log_probs=list(led.log_probs),
             weight_versions=["demo"] * len(led.model_spans),
             token_exact=token_exact,
+            turn_rewards=[float(r) for r in turn_rewards],
+            turn_spans=[(a, b) for a, b in led.model_spans],
+            env_spans=[(a, b) for a, b in led.env_spans],
+            status_reason="demonstration",
         )
         s.validate()
         return s
@@ -481,7 +481,7 @@ async def rejection_samples(
     best: dict[int, Sample] = {}
     kept: list[Sample] = []
     for s in rollout:
-        cut = s.metadata.get("status_reason") in ("response_length", "context_length")  # a turn without its end
+        cut = s.status_reason in ("response_length", "context_length")  # a turn without its end
         if s.status not in (Status.COMPLETED, Status.TRUNCATED) or cut or not s.token_exact or not s.response_length:
             stats.failed_episodes += 1
             continue

@@ -12,7 +12,7 @@ The loop (token in, token out):
 
 Faults never escape: an env that raises, times out or breaks its contract ends the sample as
 ``failed``; an engine that cannot serve the turn ends it as ``aborted``. The reason is in
-``metadata["status_reason"]`` (and ``metadata["error"]``).
+``sample.status_reason`` (and ``metadata["error"]``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from typing import Any
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
-from agentrl.engines.http import ChatCompletionsClient
 from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
-from agentrl.types import Action, Message, Sample, Status
+from agentrl.types import Action, Sample, Status
 
 _PARSER_ID = re.compile(r"call_\d+")
 _BIG_OBSERVATION = 32_768
@@ -75,35 +74,16 @@ class _EndEpisode(Exception):
 class EpisodeContext:
     """What every episode of a run shares: engine, template, config.
 
-    With ``chat`` set (an OpenAI chat-completions client, for evaluating API models) turns are
-    text in, text out: the ledger holds a local re-tokenization with zero log-probs and samples
-    are marked ``token_exact=False``.
+    The engine may be text-in/text-out (:class:`~agentrl.engines.http.ChatCompletionsEngine`, for
+    evaluating API models): then the ledger holds its local re-tokenization with zero log-probs and
+    samples are marked ``token_exact=False`` (the engine's :attr:`~agentrl.Engine.token_exact`).
     """
 
-    engine: Engine | None
+    engine: Engine
     template: ChatTemplate
     config: RolloutConfig
-    chat: ChatCompletionsClient | None = None
     executor: Executor | None = None
     """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
-
-
-async def _chat_turn(ctx: EpisodeContext, convo: list[Message], tools: list[dict], budget: int) -> GenerateOutput:
-    """One text-in/text-out turn, re-tokenized locally (not token-exact)."""
-    assert ctx.chat is not None
-    msg, finish_reason = await ctx.chat.chat(convo, tools, ctx.config.sampling(budget))
-    ids = ctx.template.encode(msg["content"])
-    finish = "length" if finish_reason == "length" else "stop"
-    if finish == "stop":
-        ids.append(ctx.template.eos_token_ids[0])
-    return GenerateOutput(
-        output_ids=ids,
-        output_logprobs=[0.0] * len(ids),
-        finish_reason=finish,
-        matched=ids[-1] if finish == "stop" else None,
-        message=msg,
-        weight_version="api",
-    )
 
 
 def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
@@ -153,7 +133,6 @@ async def run_episode(
     key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
     meta: dict[str, Any] = {
-        "turn_rewards": [],
         "finish_reasons": [],
         "env_infos": [],
         "tool_calls": 0,
@@ -187,7 +166,7 @@ async def run_episode(
         ledger = TokenLedger(prompt_ids)
         convo = list(obs)
         seen_ids: set[str] = set()  # tool-call ids of this episode (unique_call_ids)
-        sample.token_exact = ctx.chat is None
+        sample.token_exact = ctx.engine.token_exact
         context_len = cfg.rollout_max_context_len
         if context_len is not None and len(ledger) >= context_len:
             raise _EndEpisode(Status.TRUNCATED, "context_length")
@@ -199,11 +178,9 @@ async def run_episode(
                 if budget < 1:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
             try:
-                if ctx.chat is not None:
-                    out = await _chat_turn(ctx, convo, tools, budget)
-                else:
-                    assert ctx.engine is not None
-                    out = await ctx.engine.generate(ledger.tokens, cfg.sampling(budget), key=key)
+                out = await ctx.engine.generate_turn(
+                    ledger.tokens, cfg.sampling(budget), key=key, messages=convo, tools=tools
+                )
             except EngineError as exc:
                 raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
             if out.finish_reason == "abort":
@@ -241,7 +218,7 @@ async def run_episode(
             obs, reward, terminated, truncated, info = check_step(
                 await _timed(call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()")
             )
-            meta["turn_rewards"].append(reward)
+            sample.turn_rewards.append(reward)
             meta["env_infos"].append(info)
             if terminated:
                 status, reason = Status.COMPLETED, "terminated"
@@ -282,7 +259,7 @@ async def run_episode(
     finally:
         if env is not None:
             await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
-        release = getattr(ctx.engine, "release", None) if ctx.engine is not None else None
+        release = getattr(ctx.engine, "release", None)
         if release is not None:
             release(key)
     return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
@@ -336,16 +313,16 @@ def _finish(
         sample.loss_mask = list(ledger.loss_mask)
         sample.rollout_log_probs = list(ledger.log_probs)
         sample.response = ctx.template.decode(ledger.response_ids)
-        meta["turn_spans"] = [list(s) for s in ledger.model_spans]
-        meta["env_spans"] = [list(s) for s in ledger.env_spans]
+        sample.turn_spans = [(a, b) for a, b in ledger.model_spans]
+        sample.env_spans = [(a, b) for a, b in ledger.env_spans]
         # a turn cut off at the length limit never reached env.step: it earned 0, and saying so keeps one
         # reward per turn span (what --per-turn-credit reads)
-        meta["turn_rewards"].extend([0.0] * (len(meta["turn_spans"]) - len(meta["turn_rewards"])))
+        sample.turn_rewards.extend([0.0] * (len(sample.turn_spans) - len(sample.turn_rewards)))
     else:
         sample.loss_mask, sample.rollout_log_probs = [], []
     sample.status = status
-    meta["status_reason"] = reason
+    sample.status_reason = reason
     meta["num_turns"] = len(meta["finish_reasons"])
     meta["episode_seconds"] = round(seconds, 4)
-    sample.reward = float(sum(meta["turn_rewards"]))
+    sample.reward = float(sum(sample.turn_rewards))
     return sample

@@ -1,9 +1,9 @@
 """Evaluation: n samples per prompt on held-out datasets, reported as mean reward and pass@k.
 
 :func:`evaluate` runs the same episode loop as training (:func:`generate_rollout`), so an env
-needs nothing extra to be evaluated; it works with the token-exact engine path and with
-``ctx.chat`` (OpenAI chat completions, for API models: samples are ``token_exact=False``, which is
-fine for evaluation and counted in ``count_not_token_exact``).
+needs nothing extra to be evaluated; it works with token-exact engines and with the chat-completions
+adapter (:class:`~agentrl.engines.http.ChatCompletionsEngine`, for API models: samples are
+``token_exact=False``, which is fine for evaluation and counted in ``count_not_token_exact``).
 
 A sample **passes** when it is completed or truncated and its reward is ``>= success_threshold``
 (default 1.0: the usual 0/1 correctness reward). Failed and aborted samples count as not passing

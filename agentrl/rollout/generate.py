@@ -69,7 +69,7 @@ class RolloutSummary:
     def add(self, s: Sample) -> None:
         self.samples += 1
         self.status[s.status.value] += 1
-        self.reasons[s.metadata.get("status_reason", "")] += 1
+        self.reasons[s.status_reason] += 1
         self.reward_sum += float(s.reward or 0.0) if not isinstance(s.reward, dict) else 0.0
         self.turns_sum += int(s.metadata.get("num_turns", 0))
         self.response_tokens += s.response_length
@@ -109,13 +109,13 @@ async def _custom_episode(
         if out.status == Status.PENDING:
             out.status = Status.COMPLETED
         out.validate()
-        out.metadata.setdefault("status_reason", "custom_generate")
+        out.status_reason = out.status_reason or "custom_generate"
         return out
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: the user's function fails its sample only
         sample.status = Status.FAILED
-        sample.metadata["status_reason"] = "custom_generate_error"
+        sample.status_reason = "custom_generate_error"
         sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
         sample.loss_mask, sample.rollout_log_probs = [], []
         return sample
@@ -139,12 +139,11 @@ async def generate_rollout(
     cfg = ctx.config
     if env_factory is None and custom_generate is None:
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
-    if ctx.engine is not None and ctx.chat is None:
-        # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
-        limit = await ctx.engine.context_length()
-        if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):
-            cfg = dataclasses.replace(cfg, rollout_max_context_len=limit)
-            ctx = dataclasses.replace(ctx, config=cfg)
+    # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
+    limit = await ctx.engine.context_length()
+    if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):
+        cfg = dataclasses.replace(cfg, rollout_max_context_len=limit)
+        ctx = dataclasses.replace(ctx, config=cfg)
     own_pool = None
     if ctx.executor is None:
         own_pool = SyncPool.for_rollout(cfg.rollout_concurrency)

@@ -33,7 +33,7 @@ async def apply_custom_reward(fn: RewardFn, args: Any, sample: Sample) -> Sample
         raise
     except BaseException as exc:  # SystemExit included: the reward function fails its sample only
         sample.status = Status.FAILED
-        sample.metadata["status_reason"] = "reward_error"
+        sample.status_reason = "reward_error"
         sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
         return sample
     sample.metadata["rm_reward"] = float(score)
@@ -63,7 +63,7 @@ async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, 
         error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
         for s in live:
             s.status = Status.FAILED
-            s.metadata["status_reason"] = "reward_error"
+            s.status_reason = "reward_error"
             s.metadata["error"] = error
         return samples
     for s, score in zip(live, scores):
