@@ -5,6 +5,7 @@ from ``core.py``): an env author reads ``env.py``; this file is how the CLI and 
 turn a string into a factory. A spec is one of
 
 - ``MODULE:CLASS`` (imported; the current directory is on the path) or ``path/to/file.py:CLASS``;
+  the bundled envs are ``agentrl.envs.NAME:CLASS`` (``envs.NAME:CLASS`` is kept as an alias);
 - a registered id (``agentrl/Calculator-v0``) or ``module:id`` (import ``module``, which registers it);
 - ``gym:<gymnasium id>`` or ``openenv:<url>``, through :mod:`agentrl.adapters`.
 
@@ -38,8 +39,37 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "agentrl.envs"
 """The entry-point group packages use to register env ids (see the module docstring)."""
 
-BUNDLED = "envs"
-"""The bundled envs' module (its entry point is ``bundled = "envs"``); loaded before any other."""
+BUNDLED = "agentrl.envs"
+"""The bundled envs' module (its entry point is ``bundled = "agentrl.envs"``); loaded before any other."""
+
+_ALIASES = {"envs": "agentrl.envs", "tools": "agentrl.tools"}
+"""Old top-level names of the bundled packages, kept working in specs (``--env envs.calculator:Calculator``)."""
+
+
+def _bundled_alias(module_name: str) -> str:
+    """``envs.X`` / ``tools.X`` -> ``agentrl.envs.X`` / ``agentrl.tools.X``, unless the user has their own.
+
+    The bundled envs and tools install inside the agentrl namespace; specs written before that
+    (``envs.calculator:Calculator``) still resolve to the same classes. A package named ``envs`` or
+    ``tools`` of the user's (on ``sys.path``, e.g. in the current directory) wins: the alias applies
+    only when no such package exists or when it is the bundled folder itself (a source checkout),
+    so the bundled classes never load twice under two names.
+    """
+    top, dot, rest = module_name.partition(".")
+    target = _ALIASES.get(top)
+    if target is None:
+        return module_name
+    try:
+        own = importlib.util.find_spec(top)
+        bundled = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return module_name
+    if bundled is None or bundled.origin is None:
+        return module_name
+    if own is not None and (own.origin is None or Path(own.origin).resolve() != Path(bundled.origin).resolve()):
+        return module_name
+    return target + dot + rest
+
 
 _plugins_loaded = False
 _plugins_lock = threading.RLock()  # re-entrant: a plugin may look an id up while it loads
@@ -88,7 +118,7 @@ registry: dict[str, EnvSpec] = {}
 
 
 def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> None:
-    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "envs.calculator:Calculator")``.
+    """Register an environment id (Gymnasium style), e.g. ``register("agentrl/Calculator-v0", "agentrl.envs.calculator:Calculator")``.
 
     Registering an id again with a different entry point replaces it and says so (a re-import of
     the same module registering the same thing is silent).
@@ -118,7 +148,7 @@ def _import_object(spec: str) -> Any:
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(_bundled_alias(module_name))
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -147,7 +177,7 @@ def _registered(spec: str) -> EnvSpec | None:
     if sep and "/" in env_id:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
-        importlib.import_module(module_name)
+        importlib.import_module(_bundled_alias(module_name))
         return registry.get(env_id)
     if not sep and "/" in spec:
         load_plugins()

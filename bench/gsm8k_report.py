@@ -4,7 +4,7 @@
 
 Runs, in order (each step is skipped when its output exists, so an interrupted report resumes):
 
-1. ``python -m envs.gsm8k --split train --output <out>/sft.jsonl``: the train split's calculator
+1. ``python -m agentrl.envs.gsm8k --split train --output <out>/sft.jsonl``: the train split's calculator
    annotations as multi-turn demonstrations (only chains that end on the reference answer);
 2. the held-out eval of the default model: the first ``--problems`` problems of GSM8K's **test**
    split, greedy (pass@1), and the first ``--pass-problems`` of them ``--k`` times at temperature
@@ -38,7 +38,7 @@ def evaluate(checkpoint: str | None, out: Path, name: str, *, problems: int, sam
         agentrl(
             "eval",
             "--env",
-            "envs.gsm8k:GSM8K",
+            "agentrl.envs.gsm8k:GSM8K",
             "--eval-prompt-data",
             "test",
             str(TEST),
@@ -99,7 +99,9 @@ def main() -> None:
     demos = out / "sft.jsonl"
     if not demos.exists():
         subprocess.run(
-            [sys.executable, "-m", "envs.gsm8k", "--split", "train", "--output", str(demos)], cwd=REPO, check=True
+            [sys.executable, "-m", "agentrl.envs.gsm8k", "--split", "train", "--output", str(demos)],
+            cwd=REPO,
+            check=True,
         )
     seconds: dict[str, float] = {}
     results: dict[str, dict] = {}

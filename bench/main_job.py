@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = REPO / "envs" / "data" / "calculator_test.jsonl"
 EVAL = [
     "--env",
-    "envs.calculator:Calculator",
+    "agentrl.envs.calculator:Calculator",
     "--eval-prompt-data",
     "heldout",
     str(HELD_OUT),

@@ -75,7 +75,7 @@ def make_prompts(tok, n: int) -> list[list[int]]:
 async def make_agent_prompts(tok, n: int) -> list[list[int]]:
     """``n`` first-turn prompts of the calculator env, as the episode loop renders them."""
     from agentrl.chat import ChatTemplate
-    from envs.calculator import Calculator
+    from agentrl.envs.calculator import Calculator
 
     template, env = ChatTemplate(tok), Calculator()
     out = []

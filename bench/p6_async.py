@@ -50,7 +50,7 @@ SLEEP_S = 0.2
 class SleepEnv(agentrl.Env):
     """Every step waits 200 ms (a slow tool), then asks for more; ``options["turns"]`` turns per episode.
 
-    Reward: the fraction of digits in each reply, over the turns (as ``envs.digits``).
+    Reward: the fraction of digits in each reply, over the turns (as ``agentrl.envs.digits``).
     """
 
     async def reset(self, *, seed=None, options=None):

@@ -4,7 +4,7 @@
                            [--max-tokens-per-gpu 4096] [--threads N]
 
 Both sides train the SAME multi-turn tool-use conversations (GSM8K's calculator annotations as
-OpenAI-format ``{"messages", "tools"}`` rows, :func:`envs.gsm8k.write_conversations`) from the SAME
+OpenAI-format ``{"messages", "tools"}`` rows, :func:`agentrl.envs.gsm8k.write_conversations`) from the SAME
 initial weights, one optimizer step per repetition over all ``--conversations``: AdamW (same lr,
 betas, no weight decay), grad clip 1.0, fp32, no gradient checkpointing, loss on the assistant
 tokens only (their end-of-turn token included). Same process, same ``torch`` threads; repetitions
@@ -64,7 +64,7 @@ def _marked_template() -> str:
 
 
 def conversations(n: int, out_dir: str) -> list[dict]:
-    from envs.gsm8k import write_conversations
+    from agentrl.envs.gsm8k import write_conversations
 
     path = Path(out_dir) / "gsm8k_sft.jsonl"
     write_conversations("train", path, limit=int(n * 1.3) + 4)

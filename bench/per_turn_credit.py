@@ -4,9 +4,9 @@
     python bench/per_turn_credit.py --model default              # SmolLM2-135M (the local package's)
     python bench/per_turn_credit.py --skip-warm --seeds 3,4      # more seeds from the same warm start
 
-What is measured. Wordle (``envs.wordle:Wordle``) pays a reward at every guess (0.02 per newly
+What is measured. Wordle (``agentrl.envs.wordle:Wordle``) pays a reward at every guess (0.02 per newly
 revealed letter or position, 0.8 .. 0.4 for a solve at guess 1 .. 6), and an episode lasts 1 to 6
-turns. One warm start (``agentrl sft`` on ``envs.wordle:solver_policy``'s games of the env's 64
+turns. One warm start (``agentrl sft`` on ``agentrl.envs.wordle:solver_policy``'s games of the env's 64
 tasks, kept at reward >= 0.5) is trained on by two arms of ``agentrl train``, each once per seed:
 
 - ``outcome``: GRPO on the episode's summed reward, one advantage for every token of the episode;
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # for agentrl.tiny, as the other bench scripts do
 from bench.main_job import agentrl  # noqa: E402
 
-ENV = ["--env", "envs.wordle:Wordle"]
+ENV = ["--env", "agentrl.envs.wordle:Wordle"]
 ARMS: dict[str, list[str]] = {"outcome": [], "per_turn": ["--per-turn-credit"]}
 # (warm-start steps, warm-start lr, RL lr) per model; the tiny one starts from random weights
 DEFAULTS: dict[str, tuple[int, float, float]] = {"tiny": (60, 3e-3, 1e-4), "default": (4, 5e-5, 2e-5)}
@@ -121,7 +121,7 @@ def main() -> None:
             *ENV,
             *base,
             "--demo-policy",
-            "envs.wordle:solver_policy",
+            "agentrl.envs.wordle:solver_policy",
             "--demo-min-reward",
             "0.5",
             "--num-rollout",

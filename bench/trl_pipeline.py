@@ -18,7 +18,7 @@ problems, greedy, up to 3 turns of 64 tokens; ``--limit`` only for smoke runs):
    optimizer steps (``num_rollout``), batch (``global_batch_size``, as micro-batch 4 x accumulation)
    and lr; AdamW betas 0.9/0.98, no weight decay, clip 1.0, constant lr, fp32, assistant-only loss.
 2. TRL ``GRPOTrainer`` from the TRL warm start, ``tools=[calculator]`` (a Python function around
-   ``tools.calculator.evaluate``, errors returned as agentrl's ``"Error: ..."`` text), reward = exact
+   ``agentrl.tools.calculator.evaluate``, errors returned as agentrl's ``"Error: ..."`` text), reward = exact
    answer (``Calculator.exact`` on the final assistant message; 0 when the episode ends on a tool
    call), on the same 64 tasks: grpo.yaml's steps (``num_rollout``), prompts per step
    (``rollout_batch_size``), generations per prompt (``n_samples_per_prompt``, also TRL's
@@ -108,7 +108,7 @@ class StepTimer(TrainerCallback):
 
 def calculator(expression: str):  # no return annotation: it would add "return" to the tool's JSON schema
     from agentrl.tool import ToolError
-    from tools.calculator import evaluate, format_number
+    from agentrl.tools.calculator import evaluate, format_number
 
     try:
         return format_number(evaluate(expression))
@@ -117,7 +117,7 @@ def calculator(expression: str):  # no return annotation: it would add "return" 
 
 
 def _tool_docstring() -> str:
-    from tools.calculator import calculator as tool
+    from agentrl.tools.calculator import calculator as tool
 
     arg = tool.parameters["properties"]["expression"]["description"]
     return f"{tool.description}\n\nArgs:\n    expression: {arg}\n"
@@ -128,8 +128,8 @@ calculator.__doc__ = _tool_docstring()
 
 def exact_answer(completions: list[list[dict]], label: list[str], **kwargs: Any) -> list[float]:
     """1.0 when the episode's final assistant message (no tool call) ends on the label's number (``Calculator.exact``)."""
+    from agentrl.envs.calculator import Calculator
     from agentrl.types import Action
-    from envs.calculator import Calculator
 
     out = []
     for messages, lab in zip(completions, label):
@@ -165,9 +165,9 @@ def demonstrations(base: Path, max_turns: int) -> tuple[list[Any], list[Any]]:
     from transformers import AutoTokenizer
 
     from agentrl.chat import ChatTemplate
+    from agentrl.envs.calculator import Calculator, solver_policy
     from agentrl.rollout.demos import played_sample
     from agentrl.rollout.scripted import play_sync
-    from envs.calculator import Calculator, solver_policy
 
     results = play_sync(Calculator, solver_policy, Calculator.tasks(), max_turns=max_turns)
     bad = [r.error for r in results if r.error or r.reward < 1.0]

@@ -25,7 +25,7 @@ import random
 import re
 
 import agentrl
-from tools.calculator import calculator, evaluate
+from agentrl.tools.calculator import calculator, evaluate
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 BREVITY_WORDS = 60

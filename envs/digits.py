@@ -9,7 +9,7 @@ a tiny local model on it; with the advantage sign flipped the reward falls inste
 
 Not a tool-use task on purpose: a random-init model never writes a well-formed tool call, so a
 tool task would teach nothing without supervised warm-up. The tool path is exercised by
-``envs.calculator`` on the default model.
+``agentrl.envs.calculator`` on the default model.
 """
 
 from __future__ import annotations

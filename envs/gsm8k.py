@@ -11,8 +11,8 @@ N``, for models that first need to learn the format.
 
 Warm starts: the annotations become multi-turn demonstrations, one calculator call per annotation,
 the tool's answer, then ``The answer is N.``. :func:`annotation_policy` plays them on the env (for
-``agentrl sft --demo-policy envs.gsm8k:annotation_policy --demo-min-reward 1``), and
-``python -m envs.gsm8k --split train --output gsm8k_sft.jsonl`` writes them as OpenAI-format
+``agentrl sft --demo-policy agentrl.envs.gsm8k:annotation_policy --demo-min-reward 1``), and
+``python -m agentrl.envs.gsm8k --split train --output gsm8k_sft.jsonl`` writes them as OpenAI-format
 conversations for ``--sft-data``. Only chains whose last calculator result is the reference answer
 earn the reward, so ``--demo-min-reward 1`` keeps exactly the consistent ones.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import agentrl
-from envs.calculator import Calculator
+from agentrl.envs.calculator import Calculator
 
 DATA = Path(__file__).parent / "data" / "gsm8k"
 SPLITS = ("train", "test")
@@ -174,7 +174,9 @@ def _openai_messages(messages: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m envs.gsm8k", description="write GSM8K demonstrations for --sft-data")
+    p = argparse.ArgumentParser(
+        prog="python -m agentrl.envs.gsm8k", description="write GSM8K demonstrations for --sft-data"
+    )
     p.add_argument("--split", default="train", choices=SPLITS)
     p.add_argument("--output", required=True)
     p.add_argument("--limit", type=int, default=None, help="only the first N problems")

@@ -36,7 +36,7 @@ from typing import Any
 
 import agentrl
 from agentrl.data import load_tasks
-from tools.python import python
+from agentrl.tools.python import python
 
 DATA = Path(__file__).resolve().parent / "data" / "python_code.jsonl"
 log = logging.getLogger(__name__)

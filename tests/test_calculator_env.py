@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import agentrl
+from agentrl.envs.calculator import Calculator, ShapedCalculator, random_policy, solver_policy
 from agentrl.rollout.scripted import play
-from envs.calculator import Calculator, ShapedCalculator, random_policy, solver_policy
 
 
 async def _final_reward(text: str, *, call: bool = False, env_cls=ShapedCalculator) -> float:

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.tool import Tool, ToolError, call_tool
-from tools import Calculator, calculator, evaluate
-from tools.calculator import format_number
+from agentrl.tools import Calculator, calculator, evaluate
+from agentrl.tools.calculator import format_number
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import time
 
 import agentrl
 from agentrl.check import check_env
-from envs.calculator import Calculator
+from agentrl.envs.calculator import Calculator
 
 
 async def test_bundled_calculator_env_passes():

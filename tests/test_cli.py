@@ -30,7 +30,7 @@ def test_rollout_starts_the_embedded_engine_itself(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.calculator:Calculator",
+        "agentrl.envs.calculator:Calculator",
         "--prompt-data",
         "envs/data/calculator.jsonl",
         "--num-tasks",
@@ -138,14 +138,14 @@ def test_custom_generate_and_reward_functions(tiny_server, tiny_ckpt, tmp_path):
     [
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
         (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
-        (["--env", "envs.calculator:Nope"], "has no attribute 'Nope'"),
+        (["--env", "agentrl.envs.calculator:Nope"], "has no attribute 'Nope'"),
         (["--prompt-data", "/nonexistent.jsonl"], "No such file"),
         (["--input-key", "question"], "no 'question' key"),
         (["--hf-checkpoint", "/nonexistent"], "not a local Hugging Face checkpoint"),
     ],
 )
 def test_bad_configuration_is_refused_before_work_starts(flags, message):
-    base = {"--env": "envs.calculator:Calculator", "--prompt-data": "envs/data/calculator.jsonl"}
+    base = {"--env": "agentrl.envs.calculator:Calculator", "--prompt-data": "envs/data/calculator.jsonl"}
     args = ["rollout"]
     for k, v in base.items():
         if k not in flags:
@@ -178,7 +178,7 @@ def test_bad_train_flags_are_refused_naming_the_flag(flags, message, tmp_path, c
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("three\n")
         flags = [f if f != "CORRUPT" else str(tmp_path / "run") for f in flags]
-    assert main(["train", "--env", "envs.calculator:Calculator", "--num-rollout", "1", *flags]) == 2
+    assert main(["train", "--env", "agentrl.envs.calculator:Calculator", "--num-rollout", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
 
@@ -189,7 +189,7 @@ def test_chat_api_against_the_engine_the_command_started(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.calculator:Calculator",
+        "agentrl.envs.calculator:Calculator",
         "--prompt-data",
         "envs/data/calculator.jsonl",
         "--num-tasks",
@@ -230,7 +230,7 @@ def test_check_env_reports_a_broken_tasks(tmp_path):
 
 
 def test_check_env_exit_codes(tmp_path):
-    r = run("check-env", "--env", "envs.calculator:Calculator")
+    r = run("check-env", "--env", "agentrl.envs.calculator:Calculator")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 contract violation(s)" in r.stdout
     (tmp_path / "bad.py").write_text(

@@ -91,9 +91,9 @@ async def test_several_calls_run_concurrently_and_answer_in_order():
 
 
 def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
-    from envs.calculator import Calculator
+    from agentrl.envs.calculator import Calculator
 
-    assert agentrl.load_env("envs.calculator:Calculator") is Calculator
+    assert agentrl.load_env("agentrl.envs.calculator:Calculator") is Calculator
     assert agentrl.load_env("agentrl/Calculator-v0") is Calculator
     f = tmp_path / "my_env.py"
     f.write_text(
@@ -114,9 +114,38 @@ def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="registered env id"):
         agentrl.load_env("no/Such-v0")
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        agentrl.load_env("envs.calculator:Nope")
+        agentrl.load_env("agentrl.envs.calculator:Nope")
     with pytest.raises(FileNotFoundError):
         agentrl.load_env(f"{tmp_path}/missing.py:X")
+
+
+def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias(tmp_path):
+    """``envs.NAME:Class`` resolves to the same class as ``agentrl.envs.NAME:Class`` (run from a
+    folder that is not the repository: no top-level ``envs`` package exists there), while a user's
+    own package named ``envs`` wins over the alias."""
+    code = (
+        "import importlib.util, agentrl\n"
+        "from agentrl.envs.calculator import Calculator\n"
+        "from agentrl.tools import calculator\n"
+        "print(importlib.util.find_spec('envs') is None, importlib.util.find_spec('tools') is None)\n"
+        "print(agentrl.load_env('envs.calculator:Calculator') is Calculator)\n"
+        "print(agentrl.load_env('envs.calculator:agentrl/Calculator-v0') is Calculator)\n"
+        "print(agentrl.load_env('agentrl/Calculator-v0') is Calculator, Calculator.tools[0].name)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "True", "True", "True", "calculator"]
+    own = tmp_path / "envs"
+    own.mkdir()
+    (own / "__init__.py").write_text("")
+    (own / "calculator.py").write_text(
+        "import agentrl\nclass Calculator(agentrl.Env):\n    async def reset(self, *, seed=None, options=None):\n"
+        "        return [{'role': 'user', 'content': 'mine'}], {}\n"
+    )
+    code = "import agentrl\nprint(agentrl.load_env('envs.calculator:Calculator').__module__)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["envs.calculator"]
 
 
 def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(tmp_path):

@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 import agentrl
+from agentrl.envs.countdown import FORMAT_CREDIT, Countdown, random_policy, score, solve, solver_policy
 from agentrl.rollout.scripted import play
-from envs.countdown import FORMAT_CREDIT, Countdown, random_policy, score, solve, solver_policy
 from tests.test_cli import read_samples, run
 
 NUMBERS = [1, 3, 4, 6]
@@ -92,7 +92,7 @@ def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.countdown:Countdown",
+        "agentrl.envs.countdown:Countdown",
         "--num-tasks",
         "2",
         "--n-samples-per-prompt",

@@ -8,10 +8,18 @@ import json
 import agentrl
 from agentrl.chat import ChatTemplate
 from agentrl.data import read_rows
+from agentrl.envs.gsm8k import (
+    DATA,
+    GSM8K,
+    GSM8KFormat,
+    annotation_policy,
+    annotations,
+    reference_answer,
+    write_conversations,
+)
 from agentrl.registry import load_env
 from agentrl.rollout.demos import conversation_samples
 from agentrl.rollout.scripted import play_sync
-from envs.gsm8k import DATA, GSM8K, GSM8KFormat, annotation_policy, annotations, reference_answer, write_conversations
 
 
 def test_the_published_splits_ship_with_their_licence():

@@ -12,9 +12,9 @@ import textwrap
 import pytest
 
 import agentrl
+from agentrl.envs.python_code import DATA, PythonCode, extract_code, parse_results, same_value
 from agentrl.rollout.scripted import play
 from agentrl.sandbox import SandboxPool, create_sandbox
-from envs.python_code import DATA, PythonCode, extract_code, parse_results, same_value
 from tests.conftest import sandbox_config
 from tests.test_cli import read_samples, run
 
@@ -275,7 +275,7 @@ def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.python_code:PythonCode",
+        "agentrl.envs.python_code:PythonCode",
         "--num-tasks",
         "2",
         "--n-samples-per-prompt",

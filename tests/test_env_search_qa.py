@@ -10,8 +10,16 @@ import re
 import pytest
 
 import agentrl
+from agentrl.envs.search_qa import (
+    CORPUS_PATH,
+    QUESTIONS,
+    SearchQA,
+    extract_answer,
+    generate_world,
+    normalize_answer,
+    token_f1,
+)
 from agentrl.rollout.scripted import play
-from envs.search_qa import CORPUS_PATH, QUESTIONS, SearchQA, extract_answer, generate_world, normalize_answer, token_f1
 from tests.test_cli import read_samples, run
 
 # What the scripted solver knows: for each question kind, where the answer sits in the template sentence.
@@ -153,7 +161,7 @@ def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.search_qa:SearchQA",
+        "agentrl.envs.search_qa:SearchQA",
         "--num-tasks",
         "2",
         "--n-samples-per-prompt",

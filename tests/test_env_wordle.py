@@ -8,8 +8,7 @@ import statistics
 import pytest
 
 import agentrl
-from agentrl.rollout.scripted import play
-from envs.wordle import (
+from agentrl.envs.wordle import (
     INFO_CREDIT,
     MAX_GUESSES,
     SOLVE_DECAY,
@@ -20,6 +19,7 @@ from envs.wordle import (
     random_policy,
     solver_policy,
 )
+from agentrl.rollout.scripted import play
 from tests.test_cli import read_samples, run
 
 
@@ -131,7 +131,7 @@ def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
     r = run(
         "rollout",
         "--env",
-        "envs.wordle:Wordle",
+        "agentrl.envs.wordle:Wordle",
         "--num-tasks",
         "2",
         "--n-samples-per-prompt",

@@ -429,7 +429,7 @@ async def test_tool_calls_errors_and_ids_through_the_loop(tiny_tokenizer):
     drives a ToolEnv: valid and malformed calls are answered, ids are unique per episode, and every
     request carries exactly the ledger's ids."""
     from agentrl.engines.base import Engine, GenerateOutput
-    from envs.calculator import Calculator
+    from agentrl.envs.calculator import Calculator
 
     tok = tiny_tokenizer
     turns = [

@@ -43,8 +43,8 @@ def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_pat
 
 
 def test_main_job_configs_are_valid_and_the_held_out_set_is_unseen():
+    from agentrl.envs.calculator import Calculator
     from agentrl.flags import load_config_file, run_config_from_values
-    from envs.calculator import Calculator
 
     warm = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/sft.yaml"))
     rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))
@@ -73,8 +73,8 @@ def test_main_job_rl_batches_see_every_template_once():
 
 
 def test_gsm8k_report_configs_are_valid_and_train_on_the_train_split():
+    from agentrl.envs.gsm8k import GSM8K
     from agentrl.flags import load_config_file, run_config_from_values
-    from envs.gsm8k import GSM8K
 
     sft = run_config_from_values(load_config_file(REPO / "examples/gsm8k/sft.yaml"))
     rl = run_config_from_values(load_config_file(REPO / "examples/gsm8k/grpo.yaml"))

@@ -17,7 +17,7 @@ def test_colocated_gpu_run_learns(tiny_ckpt, tmp_path, ray_local):
 
     save = tmp_path / "run"
     cfg = RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(tiny_ckpt),
         num_rollout=24,
         rollout_batch_size=8,

@@ -2,7 +2,7 @@
 raises the reward of a tiny local model on a multi-turn env, and lowers it when the advantage
 sign is flipped, so the test can fail for the reason it exists.
 
-``envs.digits`` scores each of 3 turns by the fraction of digits in the reply; a random-init
+``agentrl.envs.digits`` scores each of 3 turns by the fraction of digits in the reply; a random-init
 model scores ~0.03. About a minute per run on 2 CPU cores.
 """
 
@@ -21,7 +21,7 @@ STEPS = 24
 
 def _config(ckpt, save) -> RunConfig:
     return RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(ckpt),
         num_rollout=STEPS,
         rollout_batch_size=8,

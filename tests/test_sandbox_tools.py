@@ -20,10 +20,10 @@ import pytest
 from agentrl.env import ToolEnv
 from agentrl.sandbox import SandboxPool, create_sandbox
 from agentrl.tool import call_tool
+from agentrl.tools import BashTool, PythonTool, ReadFileTool, WriteFileTool, bash, python, read_file, write_file
+from agentrl.tools.python import REPL_SOURCE
 from agentrl.types import Action, ToolCall
 from tests.conftest import sandbox_config
-from tools import BashTool, PythonTool, ReadFileTool, WriteFileTool, bash, python, read_file, write_file
-from tools.python import REPL_SOURCE
 
 # -- the REPL program, as a plain subprocess --------------------------------------------------------
 

@@ -50,7 +50,12 @@ def test_passthrough_refuses_a_stray_value():
 
 
 def _values(**kw):
-    base = {"env": "envs.digits:Digits", "rollout_batch_size": 2, "n_samples_per_prompt": 2, "global_batch_size": 4}
+    base = {
+        "env": "agentrl.envs.digits:Digits",
+        "rollout_batch_size": 2,
+        "n_samples_per_prompt": 2,
+        "global_batch_size": 4,
+    }
     return {**base, **kw}
 
 
@@ -63,7 +68,7 @@ def test_cli_passes_flags_through_into_the_config(monkeypatch):
         [
             "train",
             "--env",
-            "envs.digits:Digits",
+            "agentrl.envs.digits:Digits",
             "--rollout-backend",
             "sglang",
             "--sglang-launcher",
@@ -85,7 +90,7 @@ def test_other_commands_refuse_unknown_flags(capsys):
     from agentrl import cli
 
     with pytest.raises(SystemExit):
-        cli.main(["rollout", "--env", "envs.digits:Digits", "--sglang-mem-fraction-static", "0.7"])
+        cli.main(["rollout", "--env", "agentrl.envs.digits:Digits", "--sglang-mem-fraction-static", "0.7"])
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
@@ -291,10 +296,12 @@ def test_max_staleness_below_the_push_interval_is_refused():
     from agentrl.config import RunConfig
 
     with pytest.raises(ValueError, match="--max-staleness must be >= 2 with --update-weights-interval 3"):
-        RunConfig(env="envs.calculator:Calculator", update_weights_interval=3).validate()
+        RunConfig(env="agentrl.envs.calculator:Calculator", update_weights_interval=3).validate()
     with pytest.raises(ValueError, match="--max-staleness must be >= 3 with --update-weights-interval 3 and --async"):
         RunConfig(
-            env="envs.calculator:Calculator", update_weights_interval=3, async_mode=True, max_staleness=2
+            env="agentrl.envs.calculator:Calculator", update_weights_interval=3, async_mode=True, max_staleness=2
         ).validate()
-    RunConfig(env="envs.calculator:Calculator", update_weights_interval=3, max_staleness=2).validate()
-    RunConfig(env="envs.calculator:Calculator", async_mode=True).validate()  # the defaults: interval 1, staleness 1
+    RunConfig(env="agentrl.envs.calculator:Calculator", update_weights_interval=3, max_staleness=2).validate()
+    RunConfig(
+        env="agentrl.envs.calculator:Calculator", async_mode=True
+    ).validate()  # the defaults: interval 1, staleness 1

@@ -5,7 +5,7 @@
   them SIGKILLed mid-run: its requests fail over, the monitor restarts it on its port with the
   latest weights, the run finishes every step and leaves no server process behind;
 * ``--train-backend megatron``: the megatron-core trainer raises the reward on the learning env
-  (``envs.digits``), as ``tests/test_learning.py`` asks of the ``torch`` backend.
+  (``agentrl.envs.digits``), as ``tests/test_learning.py`` asks of the ``torch`` backend.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
 
     save = tmp_path / f"{weight_sync}-{async_mode}"
     cfg = RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(tiny_ckpt),
         num_rollout=5,
         rollout_batch_size=4,
@@ -96,7 +96,7 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
 
 def _learning_config(ckpt, save, **train_kw) -> RunConfig:
     return RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(ckpt),
         num_rollout=24,
         rollout_batch_size=8,
@@ -131,7 +131,7 @@ def test_sglang_backend_colocated_with_tensor_handles(tiny_ckpt, tmp_path, ray_l
 
     save = tmp_path / "colocated"
     cfg = RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(tiny_ckpt),
         num_rollout=3,
         rollout_batch_size=4,
@@ -162,7 +162,7 @@ def test_megatron_tp2_with_launched_engines(tiny_ckpt, tmp_path, ray_local, weig
 
     save = tmp_path / weight_sync
     cfg = RunConfig(
-        env="envs.digits:Digits",
+        env="agentrl.envs.digits:Digits",
         hf_checkpoint=str(tiny_ckpt),
         num_rollout=2,
         rollout_batch_size=4,

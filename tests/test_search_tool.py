@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from agentrl.tool import call_tool
-from tools.search import Corpus, Document, SearchTool
+from agentrl.tools.search import Corpus, Document, SearchTool
 
 DOCS = [
     Document("d1", "Harbour", "The harbour of the old town holds fishing boats and a lighthouse."),

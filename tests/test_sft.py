@@ -16,8 +16,8 @@ import torch
 from agentrl.chat import ChatTemplate
 from agentrl.cli import main
 from agentrl.config import RolloutConfig, TrainConfig
+from agentrl.envs.calculator import Calculator, random_policy, solver_policy
 from agentrl.rollout.demos import DemoError, conversation_samples, rejection_samples, scripted_samples
-from envs.calculator import Calculator, random_policy, solver_policy
 
 TOOLS = Calculator().tool_schemas()
 SYSTEM = {"role": "system", "content": Calculator.system_prompt}
@@ -304,13 +304,13 @@ def test_sft_loss_is_the_masked_negative_log_likelihood():
 
 
 def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
-    assert main(["sft", "--env", "envs.calculator:Calculator", "--save", str(tmp_path / "r")]) == 2
+    assert main(["sft", "--env", "agentrl.envs.calculator:Calculator", "--save", str(tmp_path / "r")]) == 2
     assert (
         "pass exactly one of --sft-data FILE, --demo-policy MODULE:FN, --demo-engine-url URL" in capsys.readouterr().err
     )
-    assert main(["train", "--env", "envs.calculator:Calculator", "--sft-data", "x.jsonl"]) == 2
+    assert main(["train", "--env", "agentrl.envs.calculator:Calculator", "--sft-data", "x.jsonl"]) == 2
     assert "use `agentrl sft` (or --loss-type sft_loss)" in capsys.readouterr().err
-    assert main(["sft", "--env", "envs.calculator:Calculator", "--demo-engine-url", "http://127.0.0.1:1"]) == 2
+    assert main(["sft", "--env", "agentrl.envs.calculator:Calculator", "--demo-engine-url", "http://127.0.0.1:1"]) == 2
     assert "needs --demo-min-reward" in capsys.readouterr().err
     assert main(["sft", "--sft-data", "x.jsonl", "--num-epoch", "2", "--num-rollout", "3"]) == 2
     assert "--num-epoch and --num-rollout both" in capsys.readouterr().err
@@ -320,7 +320,7 @@ def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     assert "drop --num-steps-per-rollout" in capsys.readouterr().err
     assert main(["sft", "--sft-data", "x.jsonl", "--demo-min-reward", "1"]) == 2
     assert "--demo-min-reward filters played or sampled episodes" in capsys.readouterr().err
-    assert main(["sft", "--env", "envs.digits:Digits", "--demo-policy", "m:f", "--demo-best-of-n"]) == 2
+    assert main(["sft", "--env", "agentrl.envs.digits:Digits", "--demo-policy", "m:f", "--demo-best-of-n"]) == 2
     assert "--demo-best-of-n needs --demo-engine-url" in capsys.readouterr().err
     assert main(["sft", "--sft-data", "x.jsonl", "--colocate"]) == 2
     assert "--colocate is not supported with --loss-type sft_loss" in capsys.readouterr().err
@@ -332,7 +332,7 @@ def test_sft_flags_are_checked_before_any_work(tmp_path, capsys):
     run = tmp_path / "old_run"  # a run folder without a complete checkpoint is never silently started over
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
-    assert main(["train", "--env", "envs.digits:Digits", "--load", str(run)]) == 2
+    assert main(["train", "--env", "agentrl.envs.digits:Digits", "--load", str(run)]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
     (run / "config.json").write_text('{"rollout": {}, "train": {}}')  # the run's config.json is not a model's
     from agentrl.checkpoint import resolve_hf_checkpoint
@@ -352,13 +352,13 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
         [
             "sft",
             "--env",
-            "envs.calculator:Calculator",
+            "agentrl.envs.calculator:Calculator",
             "--prompt-data",
             str(tasks),
             "--hf-checkpoint",
             str(tiny_ckpt),
             "--demo-policy",
-            "envs.calculator:solver_policy",
+            "agentrl.envs.calculator:solver_policy",
             "--demo-min-reward",
             "1",
             "--num-epoch",
@@ -403,7 +403,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
             [
                 "rollout",
                 "--env",
-                "envs.calculator:Calculator",
+                "agentrl.envs.calculator:Calculator",
                 "--prompt-data",
                 str(tasks),
                 "--hf-checkpoint",
@@ -429,7 +429,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
             [
                 "rollout",
                 "--env",
-                "envs.calculator:Calculator",
+                "agentrl.envs.calculator:Calculator",
                 "--prompt-data",
                 str(tasks),
                 "--hf-checkpoint",
@@ -449,7 +449,17 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
     assert sum(json.loads(x)["metadata"]["tool_calls"] for x in open(base)) == 0
     # --load of an SFT run resumes SFT; RL refuses it as a resume point and points at --hf-checkpoint
     assert (
-        main(["train", "--env", "envs.calculator:Calculator", "--load", str(save), "--hf-checkpoint", str(tiny_ckpt)])
+        main(
+            [
+                "train",
+                "--env",
+                "agentrl.envs.calculator:Calculator",
+                "--load",
+                str(save),
+                "--hf-checkpoint",
+                str(tiny_ckpt),
+            ]
+        )
         == 2
     )
     assert "pass it as --hf-checkpoint instead" in capsys.readouterr().err

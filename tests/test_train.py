@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _cfg(ckpt, save, **kw) -> RunConfig:
     rollout = kw.pop("rollout", {})
     train_kw = kw.pop("train", {})
-    base = dict(env="envs.digits:Digits", hf_checkpoint=str(ckpt), num_rollout=2, rollout_batch_size=2, save=str(save))
+    base = dict(
+        env="agentrl.envs.digits:Digits", hf_checkpoint=str(ckpt), num_rollout=2, rollout_batch_size=2, save=str(save)
+    )
     base.update(kw)
     return RunConfig(
         rollout=RolloutConfig(**{"n_samples_per_prompt": 4, "max_turns": 2, "rollout_max_response_len": 8, **rollout}),
@@ -55,7 +57,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, capsys):
         [
             "train",
             "--env",
-            "envs.digits:Digits",
+            "agentrl.envs.digits:Digits",
             "--rollout-batch-size",
             "3",
             "--n-samples-per-prompt",
@@ -72,7 +74,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, capsys):
     assert not save.exists()
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("rollout_batch_size: 2\nnot_a_flag: 1\n")
-    assert main(["train", "--config", str(cfg_file), "--env", "envs.digits:Digits"]) == 2
+    assert main(["train", "--config", str(cfg_file), "--env", "agentrl.envs.digits:Digits"]) == 2
     assert "unknown keys ['not_a_flag']" in capsys.readouterr().err
     assert main(["train", "--env", "envs.nope:Missing"]) == 2
 
@@ -80,7 +82,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, capsys):
 def test_config_file_flags_override_and_resolved_config_is_saved(tiny_ckpt, tmp_path, ray_local, capsys):
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(
-        'env = "envs.digits:Digits"\nnum_rollout = 5\nrollout_batch_size = 2\nlr = 0.002\n'
+        'env = "agentrl.envs.digits:Digits"\nnum_rollout = 5\nrollout_batch_size = 2\nlr = 0.002\n'
         "n_samples_per_prompt = 2\nglobal_batch_size = 4\nrollout_max_response_len = 8\nmax_turns = 1\n"
     )
     save = tmp_path / "run"
@@ -120,7 +122,7 @@ def test_sigkill_then_resume_keeps_data_order(tiny_ckpt, tmp_path, ray_local):
         "agentrl",
         "train",
         "--env",
-        "envs.digits:Digits",
+        "agentrl.envs.digits:Digits",
         "--hf-checkpoint",
         str(tiny_ckpt),
         "--num-rollout",
@@ -218,7 +220,7 @@ def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_loca
     from agentrl.runtime.train import train
 
     (tmp_path / "my_source.py").write_text(
-        "from envs.digits import Digits\n"
+        "from agentrl.envs.digits import Digits\n"
         "class NoTaskDigits(Digits):\n"
         "    tasks = None  # prompts come only from the data source\n"
         "class Source:\n"
@@ -255,7 +257,7 @@ def test_failing_env_fails_samples_not_the_run(tiny_ckpt, tmp_path, ray_local, m
     from agentrl.runtime.train import train
 
     (tmp_path / "flaky_env.py").write_text(
-        "from envs.digits import Digits\n"
+        "from agentrl.envs.digits import Digits\n"
         "class Flaky(Digits):\n"
         "    async def step(self, action):\n"
         "        if 'custom' not in self.task.get('prompt', '') and hash(action.text) % 2:\n"
@@ -332,7 +334,7 @@ def test_eval_command_reports_pass_at_k(tiny_ckpt, tiny_server, tmp_path, capsys
         [
             "eval",
             "--env",
-            "envs.digits:Digits",
+            "agentrl.envs.digits:Digits",
             "--hf-checkpoint",
             str(tiny_ckpt),
             "--engine-url",
@@ -362,7 +364,7 @@ def test_placement_reserves_bundles_only_for_actors_it_starts(ray_local):
     from agentrl.runtime.cluster import plan_placement
 
     for kw, engines in (({}, 2), ({"engine_url": ["http://127.0.0.1:9"]}, 0)):
-        placement = plan_placement(RunConfig(env="envs.digits:Digits", num_engines=2, **kw))
+        placement = plan_placement(RunConfig(env="agentrl.envs.digits:Digits", num_engines=2, **kw))
         try:
             assert len(placement.trainer) == 1 and len(placement.engines) == engines
             assert len(placement.group.bundle_specs) == 1 + engines

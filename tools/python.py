@@ -24,7 +24,7 @@ and patched modules persist by design, and code from an earlier call can patch t
 loop (its frames are the model's), so it controls everything in a later reply but the request id,
 ``duration`` and whether the child died (``lost``, ``exit_code``). An env that grades the model's
 work must do it outside the session, in a fresh process (``sandbox.run``, as
-:class:`envs.python_code.PythonCode` does), never by running checks in it.
+:class:`agentrl.envs.python_code.PythonCode` does), never by running checks in it.
 
 As in Jupyter, when the last statement is an expression its ``repr`` is shown (unless it is
 ``None``); top-level ``await`` works. An exception is shown as a short traceback of the model's
