@@ -475,7 +475,7 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     if args.engine_api == "chat":
         # the engine this command started wants its own key; a given URL, the user's API key
         key = os.environ.get(args.api_key_env) if args.engine_url else getattr(args, "engine_api_key", None)
-        engine = ChatCompletionsEngine(urls[0], template, model=args.model, api_key=key)
+        engine = Router([ChatCompletionsEngine(u, template, model=args.model, api_key=key) for u in urls])
     else:
         engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
         await wait_healthy(engine, timeout=60)

@@ -133,7 +133,7 @@ class Env:
               mask 0. Ignored when the episode ends (terminated, truncated or its last turn).
             - ``reward``: a finite float for this turn. The sample's ``reward`` is the sum over
               turns (plus a ``--custom-rm-path`` score); each turn's is kept in
-              ``Sample.turn_rewards`` (for per-turn credit).
+              ``Sample.turn_rewards`` (``metadata["turn_rewards"]``; for per-turn credit).
             - ``terminated``: the task is over (solved, failed, answered): the loop stops and the
               sample is ``completed`` (also when ``truncated`` is set too).
             - ``truncated``: stopped for a limit of the env's own (a budget, a timer): the loop

@@ -51,9 +51,9 @@ def _bundled_alias(module_name: str) -> str:
 
     The bundled envs and tools install inside the agentrl namespace; specs written before that
     (``envs.calculator:Calculator``) still resolve to the same classes. A package named ``envs`` or
-    ``tools`` of the user's (on ``sys.path``, e.g. in the current directory) wins: the alias applies
-    only when no such package exists or when it is the bundled folder itself (a source checkout),
-    so the bundled classes never load twice under two names.
+    ``tools`` of the user's (on ``sys.path``, e.g. in the current directory) wins when it holds the
+    module asked for; a plain folder of that name without it (or the bundled folder itself, in a
+    source checkout) does not, so the bundled classes never load twice under two names.
     """
     top, dot, rest = module_name.partition(".")
     target = _ALIASES.get(top)
@@ -66,8 +66,17 @@ def _bundled_alias(module_name: str) -> str:
         return module_name
     if bundled is None or bundled.origin is None:
         return module_name
-    if own is not None and (own.origin is None or Path(own.origin).resolve() != Path(bundled.origin).resolve()):
-        return module_name
+    if own is None or (own.origin is not None and Path(own.origin).resolve() == Path(bundled.origin).resolve()):
+        return target + dot + rest
+    first = rest.partition(".")[0]
+    holds = [
+        Path(loc) / name
+        for loc in own.submodule_search_locations or []
+        for name in (f"{first}.py", f"{first}/__init__.py")
+        if first
+    ]
+    if any(p.is_file() for p in holds) or (not first and own.origin is not None):
+        return module_name  # the user's own package has it
     return target + dot + rest
 
 
@@ -81,8 +90,10 @@ def load_plugins() -> None:
     The bundled envs load first, so a package that registers one of their ids on purpose replaces
     it (with a warning from :func:`register`), whatever order the packages are found in. An entry
     point names a module (imported) or a function (called); one that fails, ``SystemExit``
-    included, is logged and skipped, so one bad package cannot hide the others' envs. Without
-    installed metadata (a source tree on ``sys.path``) the bundled module is imported directly.
+    included, is logged and skipped, so one bad package cannot hide the others' envs. Without the
+    bundled entry point in the installed metadata, ``agentrl.envs`` is imported directly (it exists
+    only once the package is installed: the wheel and ``pip install -e .`` map the repository's
+    ``envs/`` folder to it; a warning says so when it cannot be imported).
     Concurrent callers wait for the first one to finish.
     """
     global _plugins_loaded
@@ -93,8 +104,14 @@ def load_plugins() -> None:
         if not any(ep.value == BUNDLED for ep in points):
             try:
                 importlib.import_module(BUNDLED)
-            except ImportError:
-                pass
+            except ImportError as exc:
+                log.warning(
+                    "the bundled envs (%s) cannot be imported (%s): the agentrl/... ids are unknown. "
+                    "Install the package (pip install -e . in a source checkout; again after an upgrade) "
+                    "so that the repository's envs/ and tools/ folders become agentrl.envs / agentrl.tools",
+                    BUNDLED,
+                    exc,
+                )
         for ep in points:
             try:
                 target = ep.load()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -111,7 +113,21 @@ class Status(str, enum.Enum):
 
 
 CONTRACT_FIELDS = ("turn_rewards", "turn_spans", "env_spans", "status_reason")
-"""The :class:`Sample` fields the episode loop fills beyond slime's, written inside ``metadata`` on the wire."""
+"""The episode loop's record beyond slime's fields: typed :class:`Sample` attributes kept in ``metadata``."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _spans(metadata: dict[str, Any], name: str) -> list[tuple[int, int]]:
+    """``metadata[name]`` as a list of ``(start, end)`` tuples (JSON rows hold lists: stored back as tuples)."""
+    spans = metadata.get(name)
+    if spans is None:
+        spans = metadata[name] = []
+    elif not isinstance(spans, list) or any(not isinstance(x, tuple) for x in spans):
+        spans = metadata[name] = [tuple(x) for x in spans]
+    return spans
 
 
 @dataclass
@@ -125,13 +141,12 @@ class Sample:
     reward-model score. ``token_exact`` is False for samples made through text-in/text-out chat
     completions, which training refuses unless the user opts in.
 
-    The episode loop's own record (not slime fields, typed here because trainers and tools read
-    them): ``turn_rewards`` (the env's reward for each assistant turn, 0.0 for a turn cut off before
-    ``step``), ``turn_spans`` / ``env_spans`` (half-open ``(start, end)`` offsets into the response
-    of each assistant turn and each observation) and ``status_reason`` (why the episode ended:
-    ``terminated``, ``max_turns``, ``env_error``, ...). On the wire (:meth:`to_dict`) they travel
-    inside ``metadata``, where slime's consumers look for custom data and where earlier dumps
-    hold them; :meth:`from_dict` reads them back from there.
+    The episode loop's own record (not slime fields) is typed here too, as properties:
+    :attr:`turn_rewards`, :attr:`turn_spans`, :attr:`env_spans` and :attr:`status_reason`. Their
+    values live in ``metadata`` under the same keys, where slime's consumers keep custom data, where
+    a slime-style custom generate function writes them and where every dump since the first holds
+    them; so there is one copy, the JSON is unchanged, and code that reads ``metadata["turn_rewards"]``
+    keeps working.
     """
 
     group_index: int | None = None
@@ -148,30 +163,52 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
     token_exact: bool = True
-    turn_rewards: list[float] = field(default_factory=list)
-    turn_spans: list[tuple[int, int]] = field(default_factory=list)
-    env_spans: list[tuple[int, int]] = field(default_factory=list)
-    status_reason: str = ""
 
     @property
     def prompt_length(self) -> int:
         """Number of prompt tokens at the front of ``tokens``."""
         return len(self.tokens) - self.response_length
 
-    def __post_init__(self) -> None:
-        # a Sample built the old way, with the loop's record inside metadata, gets it in the typed fields
-        # (from a copy: the caller's dict is not changed under it)
-        if any(name in self.metadata and not getattr(self, name) for name in CONTRACT_FIELDS):
-            self.metadata = dict(self.metadata)
-        for name in CONTRACT_FIELDS:
-            if name in self.metadata and not getattr(self, name):
-                value = self.metadata.pop(name)
-                if name.endswith("_spans"):
-                    value = [tuple(x) for x in value or []]
-                setattr(self, name, value if value is not None else getattr(self, name))
+    @property
+    def turn_rewards(self) -> list[float]:
+        """The env's reward for each assistant turn (0.0 for a turn cut off before ``step``); what
+        ``--per-turn-credit`` reads. The list itself (``append`` records a turn)."""
+        return self.metadata.setdefault("turn_rewards", [])
+
+    @turn_rewards.setter
+    def turn_rewards(self, value: Sequence[float]) -> None:
+        self.metadata["turn_rewards"] = [float(x) for x in value]
+
+    @property
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """Half-open ``(start, end)`` offsets into the response of each assistant turn (loss mask 1)."""
+        return _spans(self.metadata, "turn_spans")
+
+    @turn_spans.setter
+    def turn_spans(self, value: Sequence[Sequence[int]]) -> None:
+        self.metadata["turn_spans"] = [(int(a), int(b)) for a, b in value]
+
+    @property
+    def env_spans(self) -> list[tuple[int, int]]:
+        """Half-open ``(start, end)`` offsets into the response of each observation (loss mask 0)."""
+        return _spans(self.metadata, "env_spans")
+
+    @env_spans.setter
+    def env_spans(self, value: Sequence[Sequence[int]]) -> None:
+        self.metadata["env_spans"] = [(int(a), int(b)) for a, b in value]
+
+    @property
+    def status_reason(self) -> str:
+        """Why the episode ended: ``terminated``, ``max_turns``, ``response_length``, ``env_error``, ...
+        (empty until it has)."""
+        return str(self.metadata.get("status_reason") or "")
+
+    @status_reason.setter
+    def status_reason(self, value: str) -> None:
+        self.metadata["status_reason"] = str(value)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` if the token accounting invariants do not hold."""
+        """Raise ``ValueError`` (naming the field) if the token accounting invariants do not hold."""
         n = self.response_length
         if n < 0 or n > len(self.tokens):
             raise ValueError(f"response_length {n} outside 0..{len(self.tokens)}")
@@ -182,9 +219,18 @@ class Sample:
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask must hold only 0 and 1")
         for name in ("turn_spans", "env_spans"):
-            for span in getattr(self, name):
-                if len(span) != 2 or not 0 <= span[0] <= span[1] <= n:
-                    raise ValueError(f"{name} entry {tuple(span)} is not a (start, end) inside 0..{n}")
+            spans = self.metadata.get(name) or []
+            if not isinstance(spans, list | tuple):
+                raise ValueError(f"metadata[{name!r}] must be a list of (start, end) pairs, not {type(spans).__name__}")
+            for span in spans:
+                ok = isinstance(span, list | tuple) and len(span) == 2 and all(_is_int(x) for x in span)
+                if not ok or not 0 <= span[0] <= span[1] <= n:
+                    raise ValueError(f"{name} entry {span!r} is not a (start, end) inside 0..{n}")
+        rewards = self.metadata.get("turn_rewards") or []
+        if not isinstance(rewards, list | tuple) or any(
+            isinstance(r, bool) or not isinstance(r, numbers.Real) for r in rewards
+        ):
+            raise ValueError(f"turn_rewards must be a list of numbers, not {rewards!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """A shallow dict of the fields (``status`` as its string value), ready for ``json.dumps``.
@@ -192,19 +238,8 @@ class Sample:
         Shallow on purpose: ``metadata`` may hold whatever an env put in its ``info`` (locks, arrays);
         a deep copy could fail on those, so serializers pass ``default=str`` instead.
         """
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CONTRACT_FIELDS}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["status"] = self.status.value
-        meta = dict(self.metadata)
-        typed = {
-            "turn_rewards": list(self.turn_rewards),
-            "turn_spans": [list(x) for x in self.turn_spans],
-            "env_spans": [list(x) for x in self.env_spans],
-            "status_reason": self.status_reason,
-        }
-        for name, value in typed.items():  # a value code put in metadata by hand stays, unless the field has one
-            if value or name not in meta:
-                meta[name] = value
-        d["metadata"] = meta
         return d
 
     def to_json(self) -> str:
@@ -217,10 +252,7 @@ class Sample:
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
-        known["metadata"] = dict(known.get("metadata") or {})  # the loop's record is lifted out by __post_init__
-        for name in ("turn_spans", "env_spans"):
-            if name in known:
-                known[name] = [tuple(x) for x in known[name] or []]
+        known["metadata"] = dict(known.get("metadata") or {})  # the caller's row is not changed under it
         s = cls(**known)
         s.status = Status(s.status)
         if extra:

@@ -142,10 +142,26 @@ def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias
         "import agentrl\nclass Calculator(agentrl.Env):\n    async def reset(self, *, seed=None, options=None):\n"
         "        return [{'role': 'user', 'content': 'mine'}], {}\n"
     )
-    code = "import agentrl\nprint(agentrl.load_env('envs.calculator:Calculator').__module__)\n"
+    code = (
+        "import agentrl\n"
+        "print(agentrl.load_env('envs.calculator:Calculator').__module__)\n"
+        "print(agentrl.load_env('envs.gsm8k:GSM8K').__module__)\n"  # not in the user's package: the bundled one
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["envs.calculator"]
+    assert r.stdout.split() == ["envs.calculator", "agentrl.envs.gsm8k"]
+    # a plain folder named envs (a namespace package, no __init__.py, e.g. a data folder) hides nothing
+    (own / "__init__.py").unlink()
+    (own / "calculator.py").rename(own / "mine.py")
+    code = (
+        "import agentrl\n"
+        "print(agentrl.load_env('envs.calculator:Calculator').__module__)\n"
+        "print(agentrl.load_env('envs:agentrl/Calculator-v0').__module__)\n"
+        "print(agentrl.load_env('envs.mine:Calculator').__module__)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["agentrl.envs.calculator"] * 2 + ["envs.mine"]
 
 
 def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(tmp_path):

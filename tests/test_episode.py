@@ -407,10 +407,12 @@ async def test_chat_completions_path_marks_samples_not_token_exact(tiny_server, 
 
     ctx = _ctx(tiny_server, tiny_tokenizer)
     await ctx.engine.close()
-    ctx.engine = ChatCompletionsEngine(tiny_server, ctx.template)
-    assert await ctx.engine.health()
+    chat = ChatCompletionsEngine(tiny_server, ctx.template)
+    assert await chat.health() and not chat.token_exact
     with pytest.raises(EngineError, match="takes messages, not token ids"):
-        await ctx.engine.generate([1, 2, 3], SamplingParams())
+        await chat.generate([1, 2, 3], SamplingParams())
+    ctx.engine = Router([chat])  # a router over API endpoints routes the turn (messages) and is not token-exact
+    assert not ctx.engine.token_exact
     samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}] * 2)
     await ctx.engine.close()
     for s in samples:

@@ -1,4 +1,4 @@
-"""Sample's typed contract fields (turn_rewards, turn_spans, env_spans, status_reason) and their wire form."""
+"""Sample's typed contract attributes (turn_rewards, turn_spans, env_spans, status_reason): one copy, in metadata."""
 
 from __future__ import annotations
 
@@ -6,10 +6,15 @@ import json
 
 import pytest
 
+from agentrl.chat import ChatTemplate
+from agentrl.config import RolloutConfig
+from agentrl.engines.base import Engine, EngineError
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.generate import generate_rollout
 from agentrl.types import CONTRACT_FIELDS, Sample, Status
 
 
-def _sample(**kw) -> Sample:
+def _sample(**meta) -> Sample:
     return Sample(
         group_index=0,
         index=1,
@@ -19,39 +24,79 @@ def _sample(**kw) -> Sample:
         loss_mask=[1, 1, 0, 1],
         rollout_log_probs=[-0.1, -0.2, 0.0, -0.3],
         status=Status.COMPLETED,
-        metadata={"num_turns": 2},
-        **kw,
+        metadata={"num_turns": 2, **meta},
     )
 
 
-def test_contract_fields_travel_inside_metadata_and_come_back_typed():
-    s = _sample(turn_rewards=[0.0, 1.0], turn_spans=[(0, 2), (3, 4)], env_spans=[(2, 3)], status_reason="terminated")
+def test_typed_attributes_and_metadata_are_one_copy():
+    s = _sample()
+    assert s.turn_rewards == [] and s.turn_spans == [] and s.env_spans == [] and s.status_reason == ""
+    s.turn_rewards.append(1)  # the list itself: the loop appends a turn's reward
+    s.turn_spans = [[0, 2], (3, 4)]
+    s.env_spans = [(2, 3)]
+    s.status_reason = "terminated"
     s.validate()
+    assert s.metadata["turn_rewards"] == [1] and s.metadata["turn_spans"] == [(0, 2), (3, 4)]
+    assert s.metadata["status_reason"] == "terminated"
+    # the wire form is the one every dump has had: inside metadata, no new top-level keys
     d = json.loads(s.to_json())
-    assert not set(CONTRACT_FIELDS) & set(d)  # slime's top-level field set, nothing added
+    assert not set(CONTRACT_FIELDS) & set(d)
     assert d["metadata"] == {
         "num_turns": 2,
-        "turn_rewards": [0.0, 1.0],
+        "turn_rewards": [1],
         "turn_spans": [[0, 2], [3, 4]],
         "env_spans": [[2, 3]],
         "status_reason": "terminated",
     }
     back = Sample.from_dict(d)
-    assert back.turn_rewards == [0.0, 1.0] and back.turn_spans == [(0, 2), (3, 4)] and back.env_spans == [(2, 3)]
-    assert back.status_reason == "terminated" and back.metadata == {"num_turns": 2} and back.status is Status.COMPLETED
-    assert back.to_dict() == s.to_dict()
+    assert back.turn_spans == [(0, 2), (3, 4)] and back.env_spans == [(2, 3)] and back.turn_rewards == [1]
+    assert back.status_reason == "terminated" and back.status is Status.COMPLETED
+    assert json.loads(back.to_json()) == d
 
 
-def test_a_sample_built_the_old_way_is_read_into_the_typed_fields_without_touching_the_callers_dict():
-    meta = {"turn_rewards": [0.5], "turn_spans": [[0, 1]], "status_reason": "max_turns", "tool_calls": 1}
-    s = Sample(tokens=[1, 2], response_length=1, metadata=meta)
-    assert s.turn_rewards == [0.5] and s.turn_spans == [(0, 1)] and s.env_spans == []
-    assert s.status_reason == "max_turns" and s.metadata == {"tool_calls": 1}
-    assert meta == {"turn_rewards": [0.5], "turn_spans": [[0, 1]], "status_reason": "max_turns", "tool_calls": 1}
+def test_slime_style_metadata_is_read_by_the_typed_attributes():
+    s = _sample(turn_rewards=[0.5], turn_spans=[[0, 4]], status_reason="max_turns")
+    assert s.turn_rewards == [0.5] and s.turn_spans == [(0, 4)] and s.status_reason == "max_turns"
 
 
-def test_validate_refuses_a_span_outside_the_response():
-    with pytest.raises(ValueError, match=r"turn_spans entry \(3, 9\) is not a \(start, end\) inside 0..4"):
-        _sample(turn_spans=[(3, 9)]).validate()
-    with pytest.raises(ValueError, match="env_spans entry"):
-        _sample(env_spans=[(2, 1)]).validate()
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"turn_spans": [(3, 9)]}, r"turn_spans entry \(3, 9\) is not a \(start, end\) inside 0..4"),
+        ({"env_spans": [(2, 1)]}, "env_spans entry"),
+        ({"turn_spans": [[5]]}, r"turn_spans entry \[5\]"),
+        ({"turn_spans": "0-4"}, r"metadata\['turn_spans'\] must be a list"),
+        ({"turn_rewards": ["1.0"]}, "turn_rewards must be a list of numbers"),
+    ],
+)
+def test_validate_refuses_a_bad_record_naming_it(meta, message):
+    with pytest.raises(ValueError, match=message):
+        _sample(**meta).validate()
+
+
+class NoEngine(Engine):
+    """Nothing to serve: the custom generate functions below never ask an engine."""
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        raise EngineError("not used")
+
+    async def health(self) -> bool:
+        return True
+
+
+async def test_a_slime_style_custom_generate_function_keeps_its_record(tiny_tokenizer):
+    async def generate(args, sample, sampling_params):
+        sample.tokens, sample.response_length = [1, 2, 3], 2
+        sample.loss_mask, sample.rollout_log_probs = [1, 1], [-0.5, -0.5]
+        sample.metadata["turn_rewards"] = [0.25, 0.75]
+        sample.metadata["turn_spans"] = [[0, 1], [1, 2]]
+        if sample.index == 0:
+            sample.metadata["status_reason"] = "my_reason"
+        sample.reward = 1.0
+        return sample
+
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig())
+    samples, summary = await generate_rollout(ctx, None, [{"prompt": "a"}, {"prompt": "b"}], custom_generate=generate)
+    assert [s.status_reason for s in samples] == ["my_reason", "custom_generate"]
+    assert all(s.turn_rewards == [0.25, 0.75] and s.turn_spans == [(0, 1), (1, 2)] for s in samples)
+    assert summary.reasons == {"my_reason": 1, "custom_generate": 1}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
@@ -57,14 +57,36 @@ class Router(Engine):
             healthy.insert(0, self._sticky[key])
         return healthy + sorted(cooling, key=lambda i: self.failed_until[i])
 
+    @property
+    def token_exact(self) -> bool:  # type: ignore[override]
+        """Token-exact only when every engine behind it is."""
+        return all(e.token_exact for e in self.engines)
+
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
     ) -> GenerateOutput:
+        return await self._route(lambda e: e.generate(input_ids, sampling_params, key=key), key)
+
+    async def generate_turn(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        key: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> GenerateOutput:
+        return await self._route(
+            lambda e: e.generate_turn(input_ids, sampling_params, key=key, messages=messages, tools=tools), key
+        )
+
+    async def _route(self, call: Callable[[Engine], Awaitable[GenerateOutput]], key: str | None) -> GenerateOutput:
+        """``call`` on the episode's sticky engine, else the least loaded; the next one when it fails."""
         errors: list[str] = []
         for i in self._order(key):
             self.outstanding[i] += 1
             try:
-                out = await self.engines[i].generate(input_ids, sampling_params, key=key)
+                out = await call(self.engines[i])
             except EngineRequestError:
                 raise  # the request itself is bad; another engine would refuse it too
             except EngineError as exc:

@@ -188,11 +188,9 @@ class DemoBuilder:
             rollout_log_probs=list(led.log_probs),
             weight_versions=["demo"] * len(led.model_spans),
             token_exact=token_exact,
-            turn_rewards=[float(r) for r in turn_rewards],
-            turn_spans=[(a, b) for a, b in led.model_spans],
-            env_spans=[(a, b) for a, b in led.env_spans],
-            status_reason="demonstration",
         )
+        s.turn_rewards, s.turn_spans, s.env_spans = turn_rewards, led.model_spans, led.env_spans
+        s.status_reason = "demonstration"
         s.validate()
         return s
 

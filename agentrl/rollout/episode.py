@@ -76,7 +76,7 @@ class EpisodeContext:
 
     The engine may be text-in/text-out (:class:`~agentrl.engines.http.ChatCompletionsEngine`, for
     evaluating API models): then the ledger holds its local re-tokenization with zero log-probs and
-    samples are marked ``token_exact=False`` (the engine's :attr:`~agentrl.Engine.token_exact`).
+    samples are marked ``token_exact=False`` (the engine's :attr:`~agentrl.engines.base.Engine.token_exact`).
     """
 
     engine: Engine
@@ -133,6 +133,7 @@ async def run_episode(
     key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
     meta: dict[str, Any] = {
+        "turn_rewards": [],
         "finish_reasons": [],
         "env_infos": [],
         "tool_calls": 0,
@@ -313,8 +314,7 @@ def _finish(
         sample.loss_mask = list(ledger.loss_mask)
         sample.rollout_log_probs = list(ledger.log_probs)
         sample.response = ctx.template.decode(ledger.response_ids)
-        sample.turn_spans = [(a, b) for a, b in ledger.model_spans]
-        sample.env_spans = [(a, b) for a, b in ledger.env_spans]
+        sample.turn_spans, sample.env_spans = ledger.model_spans, ledger.env_spans
         # a turn cut off at the length limit never reached env.step: it earned 0, and saying so keeps one
         # reward per turn span (what --per-turn-credit reads)
         sample.turn_rewards.extend([0.0] * (len(sample.turn_spans) - len(sample.turn_rewards)))

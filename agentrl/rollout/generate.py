@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.engines.base import Engine
 from agentrl.env import Env
 from agentrl.rollout.episode import EpisodeContext, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward
@@ -139,6 +140,8 @@ async def generate_rollout(
     cfg = ctx.config
     if env_factory is None and custom_generate is None:
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
+    if not isinstance(ctx.engine, Engine):
+        raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
     limit = await ctx.engine.context_length()
     if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):
