@@ -332,6 +332,11 @@ class RunConfig:
     dynamic_sampling_filter_path: str | None = option(
         None, help="module:fn filter(args, group) -> bool; 'default' = drop zero-std groups"
     )
+    rollout_sample_filter_path: str | None = option(
+        None,
+        help="module:fn filter(args, groups) -> None that sets Sample.remove_sample: those samples train no token "
+        "but still count in their group's advantages (slime's rollout sample filter)",
+    )
     max_dynamic_sampling_rounds: int = option(
         8, help="with a dynamic-sampling filter: rounds before the step goes on with what it has"
     )

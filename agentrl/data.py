@@ -106,6 +106,16 @@ def task_from_row(
     """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys."""
     if input_key not in row:
         raise ValueError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
+    gen = row.get("generate_function_path")
+    if gen is not None:  # this row's own generate function (slime's Sample.generate_function_path)
+        from agentrl.registry import load_function
+
+        if not isinstance(gen, str):
+            raise ValueError(f"{where}: 'generate_function_path' must be a module:fn string, not {gen!r}")
+        try:
+            load_function(gen)
+        except (ValueError, OSError, ImportError, AttributeError, TypeError) as exc:
+            raise ValueError(f"{where}: 'generate_function_path' {gen!r}: {exc}") from exc
     task = dict(row)
     task["prompt"] = row[input_key]
     task["label"] = row.get(label_key)

@@ -78,11 +78,14 @@ def step_metrics(
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
     Per-episode statistics (``reward_*``, ``response_length_mean``, ``turns_mean``,
-    ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are taken over **trainable** samples only (completed or truncated): a
+    ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are
+    taken over **trainable** samples only (completed or truncated): a
     failed or aborted sample has no real reward (the env raised, the engine died), and counting it
     as 0 would make an infrastructure fault look like a worse policy. How many there were is in
     ``count_failed`` / ``count_aborted``. With no trainable sample these means are NaN (``null`` in
-    the JSONL). Costs (``sampled_tokens``, ``rollout_tokens_per_s``) and counts are over all samples.
+    the JSONL). Costs (``sampled_tokens``, ``rollout_tokens_per_s``, ``non_generation_time_mean``: seconds
+    in env/tool calls) and counts (``count_remove_sample``: samples a filter kept out of the loss) are
+    over all samples; ``spec_accept_rate``/``spec_accept_length`` appear when speculative decoding ran.
 
     ``train_metrics`` (``kl``, ``entropy``, ``clipfrac``, ``grad_norm``, ``loss``,
     ``train_seconds``, ``tokens_per_s`` ...) and ``extra`` are merged in unchanged, so they keep
@@ -102,10 +105,19 @@ def step_metrics(
         "tool_calls_mean": _mean([int(s.metadata.get("tool_calls", 0)) for s in trainable]),
         "tool_call_rate": _mean([float(int(s.metadata.get("tool_calls", 0)) > 0) for s in trainable]),
         "sampled_tokens": sampled,
+        "non_generation_time_mean": _mean([s.non_generation_time for s in samples]),
         "count_not_token_exact": sum(not s.token_exact for s in samples),
+        "count_remove_sample": sum(s.remove_sample for s in samples),
         "rollout_seconds": float(rollout_seconds),
         "rollout_tokens_per_s": sampled / rollout_seconds if rollout_seconds > 0 else math.nan,
     }
+    drafted = sum(s.spec_info.spec_draft_token_num for s in samples)
+    if drafted:  # speculative decoding ran (SGLang with a draft model): slime's acceptance statistics
+        verified = sum(s.spec_info.spec_verify_ct for s in samples)
+        out["spec_accept_rate"] = sum(s.spec_info.spec_accept_token_num for s in samples) / drafted
+        out["spec_accept_length"] = (
+            sum(s.spec_info.completion_token_num for s in samples) / verified if verified else 0.0
+        )
     for status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED, Status.ABORTED):
         out[f"count_{status.value}"] = sum(s.status == status for s in samples)
     out.update(train_metrics or {})

@@ -163,6 +163,52 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
     token_exact: bool = True
+    multimodal_inputs: dict[str, Any] | None = None
+    """Raw multimodal data (images, ...) as slime keeps it; carried through dumps (the vision path is its own work)."""
+    multimodal_train_inputs: dict[str, Any] | None = None
+    """Processed multimodal data (pixel values, ...) as slime keeps it; carried through dumps."""
+    remove_sample: bool = False
+    """Set by a custom generate / reward / ``--rollout-sample-filter-path`` function: the sample stays in its
+    group's advantage normalization, dumps and metrics, but its loss mask is zeroed for training (as slime)."""
+    generate_function_path: str | None = None
+    """``module:fn`` generating this sample instead of the run's env or ``--custom-generate-function-path``
+    (a task row's ``generate_function_path`` key sets it)."""
+    non_generation_time: float = 0.0
+    """Seconds the episode spent outside the engine: env ``reset``/``step``/``close`` (tools included)."""
+
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding counters summed over the episode's turns, from SGLang's ``meta_info``."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+        def add(self, meta_info: dict[str, Any]) -> None:
+            """Add one reply's counters (SGLang reports them only when speculative decoding runs)."""
+            self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num", 0) or 0)
+            self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num", 0) or 0)
+            self.spec_verify_ct += int(meta_info.get("spec_verify_ct", 0) or 0)
+            self.completion_token_num += int(meta_info.get("completion_tokens", 0) or 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return dataclasses.asdict(self)
+
+        @classmethod
+        def from_dict(cls, d: dict[str, Any] | None) -> Sample.SpecInfo:
+            d = d or {}
+            return cls(**{f.name: int(d.get(f.name, 0) or 0) for f in dataclasses.fields(cls)})
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
 
     @property
     def prompt_length(self) -> int:
@@ -226,6 +272,11 @@ class Sample:
                 ok = isinstance(span, list | tuple) and len(span) == 2 and all(_is_int(x) for x in span)
                 if not ok or not 0 <= span[0] <= span[1] <= n:
                     raise ValueError(f"{name} entry {span!r} is not a (start, end) inside 0..{n}")
+        if not isinstance(self.remove_sample, bool):
+            raise ValueError(f"remove_sample must be True or False, not {self.remove_sample!r}")
+        t = self.non_generation_time
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < float("inf"):
+            raise ValueError(f"non_generation_time must be a finite number of seconds >= 0, not {t!r}")
         rewards = self.metadata.get("turn_rewards") or []
         if not isinstance(rewards, list | tuple) or any(
             isinstance(r, bool) or not isinstance(r, numbers.Real) for r in rewards
@@ -240,6 +291,7 @@ class Sample:
         """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["status"] = self.status.value
+        d["spec_info"] = self.spec_info.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -253,6 +305,8 @@ class Sample:
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
         known["metadata"] = dict(known.get("metadata") or {})  # the caller's row is not changed under it
+        if not isinstance(known.get("spec_info", {}), Sample.SpecInfo):
+            known["spec_info"] = Sample.SpecInfo.from_dict(known.get("spec_info"))
         s = cls(**known)
         s.status = Status(s.status)
         if extra:

@@ -154,7 +154,8 @@ def _record(row: dict[str, Any], i: int) -> dict[str, Any]:
         "ns": sum(mask) if mask is not None else n,
         "lp": [_num(x) for x in lps] if isinstance(lps, list) else None,
         "adv": [_num(x) for x in adv] if isinstance(adv, list) else _num(adv),
-        "x": {k: str(v) for k in ("rollout_id", "step") if (v := row.get(k, extra.get(k))) is not None},
+        "x": {k: str(v) for k in ("rollout_id", "step") if (v := row.get(k, extra.get(k))) is not None}
+        | _sample_extras(row),
         "bad": "; ".join(bad) or None,
     }
     if row.get("label") is not None:
@@ -171,6 +172,26 @@ def _record(row: dict[str, Any], i: int) -> dict[str, Any]:
         dumped = json.dumps(rest, ensure_ascii=False, indent=1, default=str)
         rec["meta"] = dumped if len(dumped) <= _META_CHARS else dumped[:_META_CHARS] + "\n… (truncated)"
     return rec
+
+
+def _sample_extras(row: dict[str, Any]) -> dict[str, str]:
+    """slime's control fields worth a glance, only when set: removed from the loss, its own generate
+    function, seconds outside the engine, speculative-decoding counters, multimodal inputs."""
+    out: dict[str, str] = {}
+    if row.get("remove_sample"):
+        out["remove_sample"] = "true (trains no token)"
+    if row.get("generate_function_path"):
+        out["generate_function_path"] = str(row["generate_function_path"])
+    t = row.get("non_generation_time")
+    if isinstance(t, int | float) and t > 0:
+        out["non_generation_time"] = f"{t:.3f}s"
+    spec = row.get("spec_info")
+    if isinstance(spec, dict) and any(spec.values()):
+        out["spec_info"] = json.dumps(spec)
+    for k in ("multimodal_inputs", "multimodal_train_inputs"):
+        if row.get(k) is not None:
+            out[k] = json.dumps(row[k], ensure_ascii=False, default=str)[:200]
+    return out
 
 
 def _reward(r: Any) -> Any:

@@ -216,6 +216,29 @@ def test_dynamic_sampling_and_buffer_filter(tiny_ckpt, tmp_path, ray_local, monk
         assert all(s["group_index"] % 3 != 0 for s in _dump(save, step) if s["metadata"]["rollout_id"] == step)
 
 
+def test_rollout_sample_filter_keeps_removed_samples_out_of_the_loss(tiny_ckpt, tmp_path, ray_local, monkeypatch):
+    """slime's --rollout-sample-filter-path: removed samples are dumped and counted, their advantages
+    computed with their group, and the trainer trains none of their tokens."""
+    from agentrl.runtime.train import train
+
+    (tmp_path / "odd_filter.py").write_text(
+        "def drop_odd(args, groups):\n"
+        "    for g in groups:\n"
+        "        for s in g:\n"
+        "            s.remove_sample = s.index % 2 == 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    save = tmp_path / "run"
+    train(_cfg(tiny_ckpt, save, num_rollout=1, rollout_sample_filter_path="odd_filter:drop_odd"))
+    (line,) = _lines(save)
+    dump = _dump(save, 0)
+    removed = [s for s in dump if s["remove_sample"]]
+    assert removed and all(s["index"] % 2 == 1 for s in removed) and line["count_remove_sample"] == len(removed)
+    trained_removed = [s for s in removed if "advantages" in s]
+    assert trained_removed and line["skipped_samples"] >= len(trained_removed)
+    assert all(s["non_generation_time"] > 0 for s in dump)  # Digits' reset and steps were timed
+
+
 def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     from agentrl.runtime.train import train
 

@@ -60,6 +60,10 @@ class SamplingParams:
         return d
 
 
+_SPEC_KEYS = ("spec_verify_ct", "spec_accept_token_num", "spec_draft_token_num")
+"""The ``meta_info`` keys SGLang adds when it decodes speculatively (slime's ``Sample.SpecInfo`` reads them)."""
+
+
 @dataclass
 class GenerateOutput:
     """What one ``/generate`` call returned, already unpacked from SGLang's JSON.
@@ -79,6 +83,9 @@ class GenerateOutput:
     engine_url: str = ""
     message: dict[str, Any] | None = None
     """The assistant message, for text-in/text-out chat completions (then ids are a local re-tokenization)."""
+    spec: dict[str, int] | None = None
+    """Speculative-decoding counters of this reply (``spec_verify_ct``, ``spec_accept_token_num``,
+    ``spec_draft_token_num``, ``completion_tokens``) when the engine reports them (SGLang with a draft model)."""
 
     @classmethod
     def from_sglang(cls, body: Any, engine_url: str = "") -> GenerateOutput:
@@ -103,6 +110,10 @@ class GenerateOutput:
             out_ids = [int(i) for i in body["output_ids"]] if body.get("output_ids") is not None else lp_ids
             if out_ids != lp_ids:
                 raise EngineError(f"{engine_url}: output_token_logprobs ids differ from output_ids")
+            spec = None
+            if any(k in meta for k in _SPEC_KEYS):
+                spec = {k: int(meta.get(k) or 0) for k in _SPEC_KEYS}
+                spec["completion_tokens"] = int(meta.get("completion_tokens") or len(out_ids))
             return cls(
                 output_ids=out_ids,
                 output_logprobs=lps,
@@ -112,6 +123,7 @@ class GenerateOutput:
                 weight_version=str(meta.get("weight_version", "default")),
                 prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
                 engine_url=engine_url,
+                spec=spec,
             )
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise EngineError(

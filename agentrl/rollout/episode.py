@@ -152,8 +152,11 @@ async def run_episode(
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
         obs, info = check_reset(
-            await _timed(
-                call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor), step_timeout, "reset()"
+            await _env_timed(
+                sample,
+                call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor),
+                step_timeout,
+                "reset()",
             )
         )
         sample.prompt = obs
@@ -188,6 +191,8 @@ async def run_episode(
                 raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
             ledger.append_model(out.output_ids, out.output_logprobs)
             sample.weight_versions.append(out.weight_version)
+            if out.spec is not None:
+                sample.spec_info.add(out.spec)
             meta["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
@@ -217,7 +222,7 @@ async def run_episode(
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
             obs, reward, terminated, truncated, info = check_step(
-                await _timed(call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()")
+                await _env_timed(sample, call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()")
             )
             sample.turn_rewards.append(reward)
             meta["env_infos"].append(info)
@@ -259,11 +264,22 @@ async def run_episode(
         meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         if env is not None:
+            t_close = time.monotonic()
             await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
+            sample.non_generation_time += time.monotonic() - t_close
         release = getattr(ctx.engine, "release", None)
         if release is not None:
             release(key)
     return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
+
+
+async def _env_timed(sample: Sample, coro: Any, timeout: float, what: str) -> Any:
+    """:func:`_timed`, adding the seconds it took to ``sample.non_generation_time`` (raised or not)."""
+    t0 = time.monotonic()
+    try:
+        return await _timed(coro, timeout, what)
+    finally:
+        sample.non_generation_time += time.monotonic() - t0
 
 
 def _construct(factory: Callable[[], Env]) -> Env:

@@ -26,6 +26,7 @@ from typing import Any
 
 from agentrl.engines.base import Engine
 from agentrl.env import Env
+from agentrl.registry import load_function
 from agentrl.rollout.episode import EpisodeContext, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward
 from agentrl.rollout.threads import SyncPool
@@ -94,16 +95,21 @@ class RolloutSummary:
 
 
 async def _custom_episode(
-    fn: GenerateFn, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int
+    fn: GenerateFn | None, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int
 ) -> Sample:
+    """One sample from a custom generate function: the task row's ``generate_function_path``, else ``fn``."""
     sample = Sample(
         group_index=group_index,
         index=index,
         prompt=task["prompt"],
         label=task.get("label"),
-        metadata={k: v for k, v in task.items() if k not in ("prompt", "label")},
+        metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
+        generate_function_path=task.get("generate_function_path"),
     )
     try:
+        if sample.generate_function_path:  # the row's own function wins over the run's (as in slime)
+            fn = load_function(sample.generate_function_path)
+        assert fn is not None, "a custom generate episode needs a function"
         out = await fn(args, sample, ctx.config.sampling().to_json())
         if not isinstance(out, Sample):
             raise TypeError(f"the custom generate function returned {type(out).__name__}, not a Sample")
@@ -138,7 +144,7 @@ async def generate_rollout(
     advances the progress bar), so a killed run keeps what it finished.
     """
     cfg = ctx.config
-    if env_factory is None and custom_generate is None:
+    if env_factory is None and custom_generate is None and not all(t.get("generate_function_path") for t in tasks):
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
@@ -157,7 +163,7 @@ async def generate_rollout(
 
     async def one(task: dict[str, Any], group_index: int, index: int) -> Sample:
         async with sem:
-            if custom_generate is not None:
+            if custom_generate is not None or task.get("generate_function_path"):
                 sample = await _custom_episode(custom_generate, args, ctx, task, group_index, index)
             else:
                 assert env_factory is not None

@@ -93,6 +93,7 @@ class TrainLoop:
         custom_generate: Any = None,
         custom_reward: Any = None,
         group_filter: Any = None,
+        sample_filter: Any = None,
         evaluator: Callable[[int], Any] | None = None,
         engine_memory: Any = None,
         update_guard: Callable[[], Any] | None = None,
@@ -108,6 +109,7 @@ class TrainLoop:
         self.custom_generate = custom_generate
         self.custom_reward = custom_reward
         self.group_filter = group_filter
+        self.sample_filter = sample_filter  # slime's --rollout-sample-filter-path: sets Sample.remove_sample
         self.evaluator = evaluator
         self.engine_memory = engine_memory
         # an async context manager factory wrapped around every weight push (launched SGLang servers:
@@ -184,6 +186,28 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ train
 
+    def filter_samples(self, groups: list[Group]) -> None:
+        """Call ``--rollout-sample-filter-path`` on the step's groups (slime's signature ``fn(args, groups)``).
+
+        The function sets ``remove_sample`` on samples to keep out of the loss and returns None; a
+        removed sample still counts in its group's advantage normalization, as in slime.
+        """
+        if self.sample_filter is None:
+            return
+        try:
+            out = self.sample_filter(self.args, groups)
+        except Exception as exc:
+            raise RuntimeError(f"--rollout-sample-filter-path raised {type(exc).__name__}: {exc}") from exc
+        if out is not None:
+            raise TypeError(
+                "--rollout-sample-filter-path must set Sample.remove_sample in place and return None, "
+                f"not {type(out).__name__}"
+            )
+        for g in groups:
+            for s in g:
+                if not isinstance(s.remove_sample, bool):
+                    raise TypeError(f"--rollout-sample-filter-path set remove_sample={s.remove_sample!r}, not a bool")
+
     def trainable(self, samples: list[Sample], counts: dict[str, int]) -> list[Sample]:
         keep = []
         counts.setdefault("dropped_stale", 0)
@@ -237,7 +261,8 @@ class TrainLoop:
             TrainSample(
                 tokens=list(s.tokens),
                 response_length=s.response_length,
-                loss_mask=list(s.loss_mask),
+                # a removed sample keeps its place (its reward is in its group's baseline) but trains no token
+                loss_mask=[0] * s.response_length if s.remove_sample else list(s.loss_mask),
                 rollout_log_probs=list(s.rollout_log_probs),
             )
             for s in samples
@@ -281,6 +306,7 @@ class TrainLoop:
         cfg = self.cfg
         counts = dict(batch.counts)
         samples = batch.samples
+        self.filter_samples(batch.groups)
         keep = self.trainable(samples, counts)
         t0 = time.monotonic()
         if self.engine_memory is not None:

@@ -91,6 +91,10 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             if cfg.dynamic_sampling_filter_path == "default"
             else load_function(cfg.dynamic_sampling_filter_path)
         )
+    sample_filter = None
+    if cfg.rollout_sample_filter_path:
+        with naming_flag("--rollout-sample-filter-path", cfg.rollout_sample_filter_path):
+            sample_filter = load_function(cfg.rollout_sample_filter_path)
     if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
         cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
     args = args if args is not None else argparse_namespace(cfg)
@@ -151,6 +155,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
                 custom_generate=custom_generate,
                 custom_rm=custom_rm,
                 group_filter=group_filter,
+                sample_filter=sample_filter,
                 eval_sets=eval_sets,
                 resume_step=resume_step,
             )
@@ -380,7 +385,17 @@ class _Runtime:
         )
 
     def build_loop(
-        self, *, factory, source, args, custom_generate, custom_rm, group_filter, eval_sets, resume_step
+        self,
+        *,
+        factory,
+        source,
+        args,
+        custom_generate,
+        custom_rm,
+        group_filter,
+        eval_sets,
+        resume_step,
+        sample_filter=None,
     ) -> Any:
         from agentrl.runtime.loop import TrainLoop
 
@@ -400,6 +415,7 @@ class _Runtime:
             custom_generate=custom_generate,
             custom_reward=custom_rm,
             group_filter=group_filter,
+            sample_filter=sample_filter,
             evaluator=evaluator,
             engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
             update_guard=self._update_guard(engine),

@@ -1,0 +1,222 @@
+"""slime's whole Sample: remove_sample, generate_function_path, non_generation_time, spec_info and the
+multimodal fields, with their behaviour (the e2e half, a filter inside a training run, is in test_train.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+import agentrl
+from agentrl.chat import ChatTemplate
+from agentrl.config import RolloutConfig, RunConfig
+from agentrl.data import task_from_row
+from agentrl.engines.base import Engine, EngineError, GenerateOutput
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.generate import generate_rollout
+from agentrl.runtime.loop import TrainLoop
+from agentrl.types import Sample, Status
+
+
+def test_every_slime_field_round_trips_through_a_dump():
+    s = Sample(
+        group_index=1,
+        index=2,
+        tokens=[5, 6, 7],
+        response_length=1,
+        loss_mask=[1],
+        rollout_log_probs=[-0.5],
+        status=Status.COMPLETED,
+        multimodal_inputs={"images": ["a.png"]},
+        multimodal_train_inputs={"pixel_values": [[0.5]]},
+        remove_sample=True,
+        generate_function_path="mod:fn",
+        non_generation_time=0.25,
+    )
+    s.spec_info.add(
+        {"spec_accept_token_num": 6, "spec_draft_token_num": 8, "spec_verify_ct": 2, "completion_tokens": 9}
+    )
+    s.validate()
+    d = json.loads(s.to_json())
+    assert d["spec_info"] == {
+        "spec_accept_token_num": 6,
+        "spec_draft_token_num": 8,
+        "spec_verify_ct": 2,
+        "completion_token_num": 9,
+    }
+    back = Sample.from_dict(d)
+    assert back == s and back.spec_info.spec_accept_rate == 0.75 and back.spec_info.spec_accept_length == 4.5
+
+
+def test_a_slime_dump_reads_in_keeping_what_has_no_field_yet():
+    """A line as slime's Sample.to_dict writes it: fields agentrl has not adopted are kept, not dropped."""
+    row = {
+        "group_index": 0,
+        "index": 3,
+        "prompt": "p",
+        "tokens": [1, 2],
+        "response_length": 1,
+        "status": "truncated",
+        "metadata": {},
+        "remove_sample": False,
+        "non_generation_time": 1.5,
+        "spec_info": {"spec_accept_token_num": 1, "spec_draft_token_num": 2, "spec_verify_ct": 1},
+        "prefix_cache_info": {"cached_tokens": 4, "total_prompt_tokens": 8},
+        "session_id": "abc",
+    }
+    s = Sample.from_dict(row)
+    assert s.status is Status.TRUNCATED and s.non_generation_time == 1.5 and s.spec_info.spec_accept_token_num == 1
+    assert s.metadata["extra"] == {
+        "prefix_cache_info": {"cached_tokens": 4, "total_prompt_tokens": 8},
+        "session_id": "abc",
+    }
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"remove_sample": 1}, "remove_sample must be True or False"),
+        ({"non_generation_time": -1.0}, "non_generation_time must be a finite number"),
+        ({"non_generation_time": float("nan")}, "non_generation_time must be a finite number"),
+    ],
+)
+def test_validate_refuses_bad_control_fields(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Sample(**kw).validate()
+
+
+def test_speculative_counters_are_read_from_sglangs_meta_info():
+    body = {
+        "text": "hi",
+        "output_ids": [4, 5],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 5},
+            "output_token_logprobs": [[-0.1, 4, None], [-0.2, 5, None]],
+            "completion_tokens": 2,
+            "spec_verify_ct": 1,
+            "spec_accept_token_num": 1,
+            "spec_draft_token_num": 3,
+        },
+    }
+    out = GenerateOutput.from_sglang(body)
+    assert out.spec == {
+        "spec_verify_ct": 1,
+        "spec_accept_token_num": 1,
+        "spec_draft_token_num": 3,
+        "completion_tokens": 2,
+    }
+    del body["meta_info"]["spec_verify_ct"], body["meta_info"]["spec_accept_token_num"]
+    del body["meta_info"]["spec_draft_token_num"]
+    assert GenerateOutput.from_sglang(body).spec is None  # no speculative decoding: nothing to add up
+
+
+class SlowEnv(agentrl.Env):
+    """Two turns; reset and every step sleep, as an env whose tools run for a while."""
+
+    max_turns = 2
+
+    async def reset(self, *, seed=None, options=None):
+        await asyncio.sleep(0.05)
+        return [{"role": "user", "content": "go"}], {}
+
+    async def step(self, action):
+        await asyncio.sleep(0.1)
+        return [{"role": "user", "content": "again"}], 0.5, False, False, {}
+
+
+class SpeculativeEngine(Engine):
+    """A fake of SGLang decoding with a draft model (which needs a GPU): fixed replies carrying the
+    speculative counters SGLang puts in ``meta_info``."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        await asyncio.sleep(0.01)
+        ids = [7, 8, self.eos]
+        spec = {"spec_verify_ct": 2, "spec_accept_token_num": 3, "spec_draft_token_num": 4, "completion_tokens": 3}
+        return GenerateOutput(ids, [-0.1] * 3, "stop", self.eos, spec=spec)
+
+    async def health(self):
+        return True
+
+
+async def test_an_episode_sums_spec_counters_and_times_the_env(tiny_tokenizer):
+    ctx = EpisodeContext(
+        engine=SpeculativeEngine(tiny_tokenizer.eos_token_id),
+        template=ChatTemplate(tiny_tokenizer),
+        config=RolloutConfig(max_turns=2),
+    )
+    (s,), _ = await generate_rollout(ctx, SlowEnv, [{"prompt": "x"}])
+    assert s.status == Status.TRUNCATED and s.status_reason == "max_turns", s.metadata
+    assert s.spec_info == Sample.SpecInfo(6, 8, 4, 6)
+    assert 0.25 <= s.non_generation_time < 1.0  # reset 0.05 + two steps of 0.1, not the engine's time
+
+
+class NoEngine(Engine):
+    """Nothing to serve: the generate functions below never ask an engine."""
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        raise EngineError("not used")
+
+    async def health(self):
+        return True
+
+
+async def test_a_rows_generate_function_path_wins_over_the_runs(tiny_tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "row_gen.py").write_text(
+        "async def special(args, sample, sampling_params):\n"
+        "    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]\n"
+        "    sample.reward = 2.0\n"
+        "    return sample\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "row_gen", raising=False)
+
+    async def default(args, sample, sampling_params):
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        sample.reward = 1.0
+        return sample
+
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig())
+    rows = [task_from_row({"prompt": "a", "generate_function_path": "row_gen:special"}), task_from_row({"prompt": "b"})]
+    samples, _ = await generate_rollout(ctx, None, rows, custom_generate=default)
+    assert [(s.reward, s.generate_function_path) for s in samples] == [(2.0, "row_gen:special"), (1.0, None)]
+    assert "generate_function_path" not in samples[0].metadata
+    # without a run-wide function or env, every row must name its own
+    with pytest.raises(ValueError, match="need an env"):
+        await generate_rollout(ctx, None, rows)
+    with pytest.raises(ValueError, match=r"row 3: 'generate_function_path' 'row_gen:missing'"):
+        task_from_row({"prompt": "c", "generate_function_path": "row_gen:missing"}, where="row 3")
+    with pytest.raises(ValueError, match="must be a module:fn string"):
+        task_from_row({"prompt": "c", "generate_function_path": 5})
+
+
+def test_a_sample_filter_must_work_in_place():
+    samples = [[Sample(index=i) for i in range(2)]]
+
+    def loop(fn) -> TrainLoop:
+        return TrainLoop(
+            RunConfig(),
+            ctx=None,
+            env_factory=None,
+            source=None,
+            trainers=None,
+            sync_weights=lambda v: None,
+            metrics=None,
+            sample_filter=fn,
+        )
+
+    def drop_first(args, groups):
+        groups[0][0].remove_sample = True
+
+    loop(drop_first).filter_samples(samples)
+    assert [s.remove_sample for s in samples[0]] == [True, False]
+    with pytest.raises(TypeError, match="return None, not list"):
+        loop(lambda args, groups: groups).filter_samples(samples)
+    with pytest.raises(TypeError, match="remove_sample='yes'"):
+        loop(lambda args, groups: setattr(groups[0][1], "remove_sample", "yes")).filter_samples(samples)
+    with pytest.raises(RuntimeError, match="--rollout-sample-filter-path raised KeyError"):
+        loop(lambda args, groups: {}["x"]).filter_samples(samples)
