@@ -519,6 +519,10 @@ class RunConfig:
                 not (sft and self.custom_generate_function_path),
                 "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
             ),
+            (
+                not (sft and self.rollout_sample_filter_path),
+                "--rollout-sample-filter-path is for RL rollouts, not --loss-type sft_loss",
+            ),
             (not (sft and self.async_mode), "--async overlaps rollouts with training: not for --loss-type sft_loss"),
             (
                 not (sft and self.colocate),

@@ -9,6 +9,7 @@ can name the exact row to fix. Parquet and ``datasets`` folders need the ``datas
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,9 +114,13 @@ def task_from_row(
         if not isinstance(gen, str):
             raise ValueError(f"{where}: 'generate_function_path' must be a module:fn string, not {gen!r}")
         try:
-            load_function(gen)
-        except (ValueError, OSError, ImportError, AttributeError, TypeError) as exc:
-            raise ValueError(f"{where}: 'generate_function_path' {gen!r}: {exc}") from exc
+            fn = load_function(gen)
+        except Exception as exc:  # a missing module, a syntax error in it, a missing name
+            raise ValueError(f"{where}: 'generate_function_path' {gen!r}: {type(exc).__name__}: {exc}") from exc
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(
+                f"{where}: 'generate_function_path' {gen!r} must be an async def generate(args, sample, sampling_params)"
+            )
     task = dict(row)
     task["prompt"] = row[input_key]
     task["label"] = row.get(label_key)

@@ -85,7 +85,9 @@ def step_metrics(
     ``count_failed`` / ``count_aborted``. With no trainable sample these means are NaN (``null`` in
     the JSONL). Costs (``sampled_tokens``, ``rollout_tokens_per_s``, ``non_generation_time_mean``: seconds
     in env/tool calls) and counts (``count_remove_sample``: samples a filter kept out of the loss) are
-    over all samples; ``spec_accept_rate``/``spec_accept_length`` appear when speculative decoding ran.
+    over all samples; ``spec_accept_rate``/``spec_accept_length`` appear when speculative decoding ran
+    (ratios of the batch's summed counters: accepted / drafted tokens, completion tokens / verify
+    steps; slime logs per-sample means instead, which weigh a short sample like a long one).
 
     ``train_metrics`` (``kl``, ``entropy``, ``clipfrac``, ``grad_norm``, ``loss``,
     ``train_seconds``, ``tokens_per_s`` ...) and ``extra`` are merged in unchanged, so they keep

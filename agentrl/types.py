@@ -205,8 +205,23 @@ class Sample:
 
         @classmethod
         def from_dict(cls, d: dict[str, Any] | None) -> Sample.SpecInfo:
-            d = d or {}
-            return cls(**{f.name: int(d.get(f.name, 0) or 0) for f in dataclasses.fields(cls)})
+            """Read slime's dict form; a value that is not a count >= 0, or an unknown key, is refused."""
+            d = {} if d is None else d
+            if not isinstance(d, dict):
+                raise ValueError(f"spec_info must be an object of counts, not {d!r}")
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(d) - set(names))
+            if unknown:
+                raise ValueError(f"spec_info has unknown keys {unknown} (known: {names})")
+            info = cls(**{k: d.get(k, 0) for k in names})
+            info.check()
+            return info
+
+        def check(self) -> None:
+            for f in dataclasses.fields(self):
+                v = getattr(self, f.name)
+                if not _is_int(v) or v < 0:
+                    raise ValueError(f"spec_info.{f.name} must be an integer count >= 0, not {v!r}")
 
     spec_info: SpecInfo = field(default_factory=SpecInfo)
 
@@ -272,6 +287,14 @@ class Sample:
                 ok = isinstance(span, list | tuple) and len(span) == 2 and all(_is_int(x) for x in span)
                 if not ok or not 0 <= span[0] <= span[1] <= n:
                     raise ValueError(f"{name} entry {span!r} is not a (start, end) inside 0..{n}")
+        if not isinstance(self.spec_info, Sample.SpecInfo):
+            raise ValueError(f"spec_info must be a Sample.SpecInfo, not {type(self.spec_info).__name__}")
+        self.spec_info.check()
+        if self.generate_function_path is not None and not isinstance(self.generate_function_path, str):
+            raise ValueError(f"generate_function_path must be a module:fn string, not {self.generate_function_path!r}")
+        for name in ("multimodal_inputs", "multimodal_train_inputs"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict or None, not {type(getattr(self, name)).__name__}")
         if not isinstance(self.remove_sample, bool):
             raise ValueError(f"remove_sample must be True or False, not {self.remove_sample!r}")
         t = self.non_generation_time

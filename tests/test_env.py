@@ -119,6 +119,13 @@ def test_load_env_by_module_file_and_registered_id(tmp_path, monkeypatch):
         agentrl.load_env(f"{tmp_path}/missing.py:X")
 
 
+def _printed(code: str, cwd: Path) -> list[str]:
+    """What ``python -c code`` prints in ``cwd`` (a folder outside the repository), word by word."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
 def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias(tmp_path):
     """``envs.NAME:Class`` resolves to the same class as ``agentrl.envs.NAME:Class`` (run from a
     folder that is not the repository: no top-level ``envs`` package exists there), while a user's
@@ -132,9 +139,7 @@ def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias
         "print(agentrl.load_env('envs.calculator:agentrl/Calculator-v0') is Calculator)\n"
         "print(agentrl.load_env('agentrl/Calculator-v0') is Calculator, Calculator.tools[0].name)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "True", "True", "True", "True", "calculator"]
+    assert _printed(code, tmp_path) == ["True", "True", "True", "True", "True", "calculator"]
     own = tmp_path / "envs"
     own.mkdir()
     (own / "__init__.py").write_text("")
@@ -147,9 +152,7 @@ def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias
         "print(agentrl.load_env('envs.calculator:Calculator').__module__)\n"
         "print(agentrl.load_env('envs.gsm8k:GSM8K').__module__)\n"  # not in the user's package: the bundled one
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["envs.calculator", "agentrl.envs.gsm8k"]
+    assert _printed(code, tmp_path) == ["envs.calculator", "agentrl.envs.gsm8k"]
     # a plain folder named envs (a namespace package, no __init__.py, e.g. a data folder) hides nothing
     (own / "__init__.py").unlink()
     (own / "calculator.py").rename(own / "mine.py")
@@ -159,9 +162,7 @@ def test_bundled_envs_live_in_the_agentrl_namespace_and_the_old_spec_is_an_alias
         "print(agentrl.load_env('envs:agentrl/Calculator-v0').__module__)\n"
         "print(agentrl.load_env('envs.mine:Calculator').__module__)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["agentrl.envs.calculator"] * 2 + ["envs.mine"]
+    assert _printed(code, tmp_path) == ["agentrl.envs.calculator"] * 2 + ["envs.mine"]
 
 
 def test_installed_packages_register_ids_through_the_agentrl_envs_entry_points(tmp_path):

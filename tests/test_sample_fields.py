@@ -11,7 +11,7 @@ import pytest
 
 import agentrl
 from agentrl.chat import ChatTemplate
-from agentrl.config import RolloutConfig, RunConfig
+from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 from agentrl.data import task_from_row
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
 from agentrl.rollout.episode import EpisodeContext
@@ -110,6 +110,31 @@ def test_speculative_counters_are_read_from_sglangs_meta_info():
     del body["meta_info"]["spec_verify_ct"], body["meta_info"]["spec_accept_token_num"]
     del body["meta_info"]["spec_draft_token_num"]
     assert GenerateOutput.from_sglang(body).spec is None  # no speculative decoding: nothing to add up
+    body["meta_info"]["spec_verify_ct"] = "2"
+    with pytest.raises(EngineError, match=r"meta_info.spec_verify_ct='2' is not a count"):
+        GenerateOutput.from_sglang(body)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ([1, 2], "spec_info must be an object of counts"),
+        ({"spec_verify_ct": 2.9}, r"spec_info.spec_verify_ct must be an integer count >= 0, not 2.9"),
+        ({"spec_verify_ct": True}, "spec_info.spec_verify_ct must be an integer count"),
+        ({"spec_verify_ct": -1}, "spec_info.spec_verify_ct must be an integer count"),
+        ({"accepted": 1}, r"spec_info has unknown keys \['accepted'\]"),
+    ],
+)
+def test_a_bad_spec_info_is_refused_naming_it(value, message):
+    with pytest.raises(ValueError, match=message):
+        Sample.from_dict({"spec_info": value})
+
+
+def test_validate_refuses_bad_typed_fields():
+    with pytest.raises(ValueError, match="generate_function_path must be a module:fn string"):
+        Sample(generate_function_path=5).validate()
+    with pytest.raises(ValueError, match="multimodal_inputs must be a dict or None, not list"):
+        Sample(multimodal_inputs=[1]).validate()
 
 
 class SlowEnv(agentrl.Env):
@@ -134,7 +159,7 @@ class SpeculativeEngine(Engine):
         self.eos = eos
 
     async def generate(self, input_ids, sampling_params, *, key=None):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # engine time, which non_generation_time must not count
         ids = [7, 8, self.eos]
         spec = {"spec_verify_ct": 2, "spec_accept_token_num": 3, "spec_draft_token_num": 4, "completion_tokens": 3}
         return GenerateOutput(ids, [-0.1] * 3, "stop", self.eos, spec=spec)
@@ -152,7 +177,7 @@ async def test_an_episode_sums_spec_counters_and_times_the_env(tiny_tokenizer):
     (s,), _ = await generate_rollout(ctx, SlowEnv, [{"prompt": "x"}])
     assert s.status == Status.TRUNCATED and s.status_reason == "max_turns", s.metadata
     assert s.spec_info == Sample.SpecInfo(6, 8, 4, 6)
-    assert 0.25 <= s.non_generation_time < 1.0  # reset 0.05 + two steps of 0.1, not the engine's time
+    assert 0.25 <= s.non_generation_time < 0.6  # reset 0.05 + two steps of 0.1, not the engine's 2 x 0.3
 
 
 class NoEngine(Engine):
@@ -192,6 +217,66 @@ async def test_a_rows_generate_function_path_wins_over_the_runs(tiny_tokenizer, 
         task_from_row({"prompt": "c", "generate_function_path": "row_gen:missing"}, where="row 3")
     with pytest.raises(ValueError, match="must be a module:fn string"):
         task_from_row({"prompt": "c", "generate_function_path": 5})
+    (tmp_path / "row_sync.py").write_text("def gen(args, sample, sampling_params):\n    return sample\n")
+    with pytest.raises(ValueError, match="'row_sync:gen' must be an async def generate"):
+        task_from_row({"prompt": "c", "generate_function_path": "row_sync:gen"})
+    (tmp_path / "row_broken.py").write_text("def gen(:\n")
+    with pytest.raises(ValueError, match="'row_broken:gen': SyntaxError"):
+        task_from_row({"prompt": "c", "generate_function_path": "row_broken:gen"})
+
+
+async def test_a_reward_function_that_breaks_a_field_fails_its_sample(tiny_tokenizer):
+    async def generate(args, sample, sampling_params):
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        return sample
+
+    def reward(args, sample):
+        sample.remove_sample = "yes" if sample.index == 0 else True
+        return 1.0
+
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig())
+    samples, _ = await generate_rollout(
+        ctx, None, [{"prompt": "a"}, {"prompt": "b"}], custom_generate=generate, custom_reward=reward
+    )
+    assert [s.status_reason for s in samples] == ["reward_error", "custom_generate"]
+    assert "remove_sample must be True or False" in samples[0].metadata["error"] and samples[1].remove_sample
+
+
+def test_step_metrics_report_the_new_fields():
+    from agentrl.metrics import step_metrics
+
+    a = Sample(status=Status.COMPLETED, reward=1.0, non_generation_time=0.5, remove_sample=True)
+    b = Sample(status=Status.COMPLETED, reward=0.0, non_generation_time=1.5)
+    a.spec_info.add(
+        {"spec_accept_token_num": 3, "spec_draft_token_num": 4, "spec_verify_ct": 2, "completion_tokens": 5}
+    )
+    b.spec_info.add(
+        {"spec_accept_token_num": 1, "spec_draft_token_num": 4, "spec_verify_ct": 1, "completion_tokens": 1}
+    )
+    m = step_metrics([a, b], rollout_seconds=1.0)
+    assert m["non_generation_time_mean"] == 1.0 and m["count_remove_sample"] == 1
+    assert m["spec_accept_rate"] == 0.5 and m["spec_accept_length"] == 2.0
+    assert "spec_accept_rate" not in step_metrics([Sample(status=Status.COMPLETED)], rollout_seconds=1.0)
+
+
+def test_the_viewer_shows_the_control_fields(tiny_tokenizer):
+    from agentrl.view import render_html
+
+    s = Sample(index=0, tokens=[5, 6], response_length=1, loss_mask=[1], remove_sample=True)
+    s.generate_function_path = "my_mod:<gen>"
+    html = render_html([s, Sample(index=1, tokens=[5, 6], response_length=1, loss_mask=[1])], tiny_tokenizer)
+    assert html.count("trains no token") == 1 and "my_mod:<gen>" not in html  # shown, escaped by the page
+    assert "generate_function_path" in html
+
+
+def test_sft_refuses_the_rl_only_hooks():
+    with pytest.raises(ValueError, match="--rollout-sample-filter-path is for RL rollouts"):
+        RunConfig(
+            env="agentrl.envs.digits:Digits",
+            sft_data="x.jsonl",
+            rollout_sample_filter_path="m:f",
+            train=TrainConfig(loss_type="sft_loss"),
+        ).validate()
 
 
 def test_a_sample_filter_must_work_in_place():
@@ -212,11 +297,18 @@ def test_a_sample_filter_must_work_in_place():
     def drop_first(args, groups):
         groups[0][0].remove_sample = True
 
+    with pytest.raises(TypeError, match="added or dropped samples"):
+        loop(lambda args, groups: groups[0].clear()).filter_samples([[Sample(index=0), Sample(index=1)]])
+
     loop(drop_first).filter_samples(samples)
     assert [s.remove_sample for s in samples[0]] == [True, False]
     with pytest.raises(TypeError, match="return None, not list"):
         loop(lambda args, groups: groups).filter_samples(samples)
-    with pytest.raises(TypeError, match="remove_sample='yes'"):
+    with pytest.raises(TypeError, match="sample 1: remove_sample='yes' is not True or False"):
         loop(lambda args, groups: setattr(groups[0][1], "remove_sample", "yes")).filter_samples(samples)
+    samples[0][1].remove_sample = None  # set by another hook: refused without a filter too
+    with pytest.raises(TypeError, match="remove_sample=None"):
+        loop(None).filter_samples(samples)
+    samples[0][1].remove_sample = False
     with pytest.raises(RuntimeError, match="--rollout-sample-filter-path raised KeyError"):
         loop(lambda args, groups: {}["x"]).filter_samples(samples)

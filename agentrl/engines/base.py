@@ -64,6 +64,13 @@ _SPEC_KEYS = ("spec_verify_ct", "spec_accept_token_num", "spec_draft_token_num")
 """The ``meta_info`` keys SGLang adds when it decodes speculatively (slime's ``Sample.SpecInfo`` reads them)."""
 
 
+def _count(value: Any, name: str) -> int:
+    """A ``meta_info`` counter: an integer >= 0 (anything else is a malformed reply)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"meta_info.{name}={value!r} is not a count")
+    return value
+
+
 @dataclass
 class GenerateOutput:
     """What one ``/generate`` call returned, already unpacked from SGLang's JSON.
@@ -112,8 +119,8 @@ class GenerateOutput:
                 raise EngineError(f"{engine_url}: output_token_logprobs ids differ from output_ids")
             spec = None
             if any(k in meta for k in _SPEC_KEYS):
-                spec = {k: int(meta.get(k) or 0) for k in _SPEC_KEYS}
-                spec["completion_tokens"] = int(meta.get("completion_tokens") or len(out_ids))
+                spec = {k: _count(meta.get(k, 0), k) for k in _SPEC_KEYS}
+                spec["completion_tokens"] = _count(meta.get("completion_tokens", len(out_ids)), "completion_tokens")
             return cls(
                 output_ids=out_ids,
                 output_logprobs=lps,

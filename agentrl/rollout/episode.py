@@ -147,7 +147,11 @@ async def run_episode(
     env: Env | None = None
     status, reason = Status.TRUNCATED, "max_turns"
     try:
-        env = _construct(env_factory)
+        t_construct = time.monotonic()
+        try:
+            env = _construct(env_factory)
+        finally:
+            sample.non_generation_time += time.monotonic() - t_construct
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)

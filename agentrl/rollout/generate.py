@@ -144,6 +144,7 @@ async def generate_rollout(
     advances the progress bar), so a killed run keeps what it finished.
     """
     cfg = ctx.config
+    tasks = list(tasks)
     if env_factory is None and custom_generate is None and not all(t.get("generate_function_path") for t in tasks):
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):

@@ -29,6 +29,7 @@ async def apply_custom_reward(fn: RewardFn, args: Any, sample: Sample) -> Sample
         score = await maybe_await(fn(args, sample))
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise TypeError(f"the reward function returned {score!r}; expected a finite number")
+        sample.validate()  # what it may have set on the sample (remove_sample, ...) holds
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: the reward function fails its sample only
@@ -57,6 +58,8 @@ async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, 
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores
         ):
             raise TypeError(f"the group reward function returned {scores!r}; expected {len(live)} finite numbers")
+        for s in live:
+            s.validate()
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: fails the group's samples only

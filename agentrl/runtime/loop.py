@@ -192,21 +192,26 @@ class TrainLoop:
         The function sets ``remove_sample`` on samples to keep out of the loss and returns None; a
         removed sample still counts in its group's advantage normalization, as in slime.
         """
-        if self.sample_filter is None:
-            return
-        try:
-            out = self.sample_filter(self.args, groups)
-        except Exception as exc:
-            raise RuntimeError(f"--rollout-sample-filter-path raised {type(exc).__name__}: {exc}") from exc
-        if out is not None:
-            raise TypeError(
-                "--rollout-sample-filter-path must set Sample.remove_sample in place and return None, "
-                f"not {type(out).__name__}"
-            )
-        for g in groups:
+        if self.sample_filter is not None:
+            members = [id(s) for g in groups for s in g]
+            try:
+                out = self.sample_filter(self.args, groups)
+            except Exception as exc:
+                raise RuntimeError(f"--rollout-sample-filter-path raised {type(exc).__name__}: {exc}") from exc
+            if out is not None:
+                raise TypeError(
+                    "--rollout-sample-filter-path must set Sample.remove_sample in place and return None, "
+                    f"not {type(out).__name__}"
+                )
+            if [id(s) for g in groups for s in g] != members:
+                raise TypeError(
+                    "--rollout-sample-filter-path added or dropped samples: set remove_sample instead (groups "
+                    "keep every member for the advantages)"
+                )
+        for g in groups:  # whoever set it (a filter, a custom generate or reward function), it must be a bool
             for s in g:
                 if not isinstance(s.remove_sample, bool):
-                    raise TypeError(f"--rollout-sample-filter-path set remove_sample={s.remove_sample!r}, not a bool")
+                    raise TypeError(f"sample {s.index}: remove_sample={s.remove_sample!r} is not True or False")
 
     def trainable(self, samples: list[Sample], counts: dict[str, int]) -> list[Sample]:
         keep = []
@@ -244,7 +249,8 @@ class TrainLoop:
             t.advantage_estimator,
             rewards=torch.tensor([float(s.reward or 0.0) for s in samples]),
             group_ids=[int(s.group_index or 0) for s in samples],
-            loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+            # the masks the trainer uses: a removed sample's tokens stay out of batch-wide whitening too (as slime)
+            loss_masks=[torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch],
             turn_rewards=[list(s.turn_rewards) for s in samples] if per_turn else None,
             turn_spans=[list(s.turn_spans) for s in samples] if per_turn else None,
             kl=kl,

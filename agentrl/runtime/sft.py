@@ -36,6 +36,10 @@ __all__ = ["SFTLoop", "load_demonstrations"]
 
 def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], checkpoint: Path) -> list[Sample]:
     """The run's demonstrations as Samples, from ``--sft-data``, ``--demo-policy`` or ``--demo-engine-url``."""
+    if any(r.get("generate_function_path") for r in rows):
+        raise ValueError(
+            "a task row has 'generate_function_path': a per-row generate function is for RL rollouts, not demonstrations"
+        )
     from transformers import AutoTokenizer
 
     from agentrl.chat import ChatTemplate
