@@ -76,6 +76,10 @@ def test_health_and_info(http, server):
     assert http.get("/get_weight_version").json() == {"weight_version": server["engine"].weight_version}
     si = http.get("/get_server_info").json()
     assert si["context_length"] == 4096 and si["max_running_requests"] == 4 and "version" in si
+    # SGLang's formats, as slime's external-engine check and topology discovery read them
+    assert si["dtype"] == "float32" and (si["tp_size"], si["dp_size"], si["pp_size"], si["ep_size"]) == (1, 1, 1, 1)
+    newer = http.get("/server_info").json()
+    assert {k: v for k, v in newer.items() if k != "restarts"} == {k: v for k, v in si.items() if k != "restarts"}
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert models["data"][0]["max_model_len"] == 4096 and models["data"][0]["owned_by"] == "agentrl"
@@ -373,6 +377,7 @@ def test_api_key_closes_every_endpoint_but_health(server):
                 ("POST", "/pause_generation", {}),
                 ("POST", "/init_weights_update_group", {}),
                 ("GET", "/get_server_info", None),
+                ("GET", "/server_info", None),
                 ("GET", "/v1/models", None),
             ]:
                 for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

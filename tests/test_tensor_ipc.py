@@ -6,6 +6,7 @@ import base64
 import pickle
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -98,28 +99,38 @@ async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp
             await engine.close()
 
 
-async def test_a_push_that_never_arrives_leaves_no_shared_memory():
-    """Each pickle holds a /dev/shm reference until unpickled; an undelivered one is taken back by the sender."""
-    import gc
-    import glob
-    import os
+def test_a_push_that_never_arrives_leaves_no_shared_memory():
+    """Each pickle holds a /dev/shm reference until unpickled; an undelivered one is taken back by the sender.
 
-    from agentrl.engines.base import EngineError
-    from agentrl.engines.http import SGLangEngine
-    from agentrl.engines.local.process import free_port
-    from agentrl.runtime.weight_sync import TensorTransport
+    Run in a fresh process: the files are named by pid, and in the test process any other thread
+    (an earlier test's leftovers) could create or hold one while this runs.
+    """
+    code = textwrap.dedent("""
+        import asyncio, gc, glob, os
+        import torch
+        from agentrl.engines.base import EngineError
+        from agentrl.engines.http import SGLangEngine
+        from agentrl.engines.local.process import free_port
+        from agentrl.runtime.weight_sync import TensorTransport
 
-    def shm_files() -> set[str]:
-        return {f for f in glob.glob("/dev/shm/torch_*") if f.startswith(f"/dev/shm/torch_{os.getpid()}_")}
+        def shm_files():
+            return {f for f in glob.glob("/dev/shm/torch_*") if f.startswith(f"/dev/shm/torch_{os.getpid()}_")}
 
-    before = shm_files()
-    engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=0)  # nothing listens there
-    try:
-        weights = {f"w{i}": torch.randn(64, 64) for i in range(3)}
-        with pytest.raises(EngineError):
-            await TensorTransport([engine], bucket_bytes=20_000, ranks_per_engine=2).push(weights.items(), "1")
-    finally:
-        await engine.close()
-    del weights
-    gc.collect()
-    assert shm_files() - before == set()
+        async def main():
+            engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=0)  # nothing listens there
+            weights = {f"w{i}": torch.randn(64, 64) for i in range(3)}
+            try:
+                await TensorTransport([engine], bucket_bytes=20_000, ranks_per_engine=2).push(weights.items(), "1")
+            except EngineError:
+                print("refused")
+            finally:
+                await engine.close()
+
+        before = shm_files()
+        asyncio.run(main())
+        gc.collect()
+        print(len(shm_files() - before), "left")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["refused", "0", "left"], r.stdout

@@ -1,7 +1,7 @@
 """SGLang's HTTP API in front of :class:`LocalEngine`, so clients cannot tell it from SGLang.
 
 Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
-``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``), ``/get_weight_version``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``; the trainer's broadcast path
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group`` (see ``distributed.py``; gloo on CPU), colocation's
@@ -195,6 +195,7 @@ def build_app(
         return {"weight_version": engine.weight_version}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # the newer name, which slime's external-engine check asks first
     async def server_info():
         return {
             "model_path": engine.model_path,
@@ -205,7 +206,12 @@ def build_app(
             "max_cached_sequences": engine.store.max_sequences,
             "chunked_prefill_size": engine.chunked_prefill_size,
             "device": str(engine.runner.device),
-            "dtype": str(next(engine.model.parameters()).dtype),
+            "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),  # SGLang's format
+            # one process serves the whole model: SGLang's parallel sizes, as its server args report them
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
             "weight_version": engine.weight_version,
             "engine": "agentrl-local",
             "version": _version(),
