@@ -69,15 +69,12 @@ def _bundled_alias(module_name: str) -> str:
     if own is None or (own.origin is not None and Path(own.origin).resolve() == Path(bundled.origin).resolve()):
         return target + dot + rest
     first = rest.partition(".")[0]
-    holds = [
-        Path(loc) / name
-        for loc in own.submodule_search_locations or []
-        for name in (f"{first}.py", f"{first}/__init__.py")
-        if first
-    ]
-    if any(p.is_file() for p in holds) or (not first and own.origin is not None):
-        return module_name  # the user's own package has it
-    return target + dot + rest
+    if not first:  # the package itself: the user's when it is a real one (a plain folder is no package)
+        has_it = own.origin is not None
+    else:
+        places = [Path(loc) for loc in own.submodule_search_locations or []]
+        has_it = any((p / f"{first}.py").is_file() or (p / first / "__init__.py").is_file() for p in places)
+    return module_name if has_it else target + dot + rest
 
 
 _plugins_loaded = False

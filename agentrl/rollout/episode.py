@@ -18,12 +18,13 @@ Faults never escape: an env that raises, times out or breaks its contract ends t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -147,22 +148,14 @@ async def run_episode(
     env: Env | None = None
     status, reason = Status.TRUNCATED, "max_turns"
     try:
-        t_construct = time.monotonic()
-        try:
+        with _env_clock(sample):
             env = _construct(env_factory)
-        finally:
-            sample.non_generation_time += time.monotonic() - t_construct
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        obs, info = check_reset(
-            await _env_timed(
-                sample,
-                call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor),
-                step_timeout,
-                "reset()",
-            )
-        )
+        with _env_clock(sample):
+            reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
+            obs, info = check_reset(await _timed(reset, step_timeout, "reset()"))
         sample.prompt = obs
         meta["reset_info"] = info
         tools = env.tool_schemas()
@@ -225,9 +218,9 @@ async def run_episode(
             convo.append(out.message if out.message is not None else action.as_message())
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
-            obs, reward, terminated, truncated, info = check_step(
-                await _env_timed(sample, call_env(env.step, action, _executor=ctx.executor), step_timeout, "step()")
-            )
+            with _env_clock(sample):
+                step = call_env(env.step, action, _executor=ctx.executor)
+                obs, reward, terminated, truncated, info = check_step(await _timed(step, step_timeout, "step()"))
             sample.turn_rewards.append(reward)
             meta["env_infos"].append(info)
             if terminated:
@@ -268,20 +261,20 @@ async def run_episode(
         meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         if env is not None:
-            t_close = time.monotonic()
-            await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
-            sample.non_generation_time += time.monotonic() - t_close
+            with _env_clock(sample):
+                await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
         release = getattr(ctx.engine, "release", None)
         if release is not None:
             release(key)
     return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
 
 
-async def _env_timed(sample: Sample, coro: Any, timeout: float, what: str) -> Any:
-    """:func:`_timed`, adding the seconds it took to ``sample.non_generation_time`` (raised or not)."""
+@contextlib.contextmanager
+def _env_clock(sample: Sample) -> Iterator[None]:
+    """Add the seconds the block takes (the env's, raised or not) to ``sample.non_generation_time``."""
     t0 = time.monotonic()
     try:
-        return await _timed(coro, timeout, what)
+        yield
     finally:
         sample.non_generation_time += time.monotonic() - t0
 
