@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling generator")
     s.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="let /release_memory_occupation free the KV cache (SGLang's flag; without it a release frees nothing)",
+    )
+    s.add_argument(
         "--tool-call-parser",
         default="hermes",
         help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
@@ -265,6 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
         seed=args.seed,
+        enable_memory_saver=args.enable_memory_saver,
         tool_parser=tool_parser,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
     )

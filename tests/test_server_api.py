@@ -154,7 +154,11 @@ def test_generate_rejects_bad_requests(http, body):
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 2**63}}, "sampling_params.top_k"),
         ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
         ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
-        ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
+        ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
+        ("/generate", {"input_ids": [1, 2], "logprob_start_len": "0"}, "logprob_start_len"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"custom_params": {"x": 1}}}, "custom_params"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"logit_bias": {"a": 1.0}}}, "logit_bias"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"logit_bias": {"99999": 1.0}}}, "logit_bias"),
         ("/generate", {"input_ids": [1, 2], "sampling_parms": {}}, "sampling_parms"),
         ("/v1/chat/completions", {"messages": ["hi"]}, "messages.0"),
         (

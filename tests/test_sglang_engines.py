@@ -181,6 +181,13 @@ def test_agentrl_command_maps_ignores_and_refuses(caplog):
         )
     with pytest.raises(ValueError, match="no model parallelism"):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", tp_size=2), port=1)
+    # SGLang's memory saver is a real switch of agentrl serve: colocated launches (and users) turn it on
+    assert "--enable-memory-saver" not in argv
+    assert (
+        build_launch_command(SGLangLaunch("/m", binary="agentrl", colocate=True), port=1)[-1] == "--enable-memory-saver"
+    )
+    on = SGLangLaunch("/m", binary="agentrl", server_args={"enable_memory_saver": True})
+    assert build_launch_command(on, port=1)[-1] == "--enable-memory-saver"
     with pytest.raises(ValueError, match="binary"):
         SGLangLaunch("/m", binary="vllm")
 

@@ -30,7 +30,9 @@ N_NEW = 6
 def server(tiny_ckpt, tmp_path_factory):
     """A server of our own: the pushes below change its weights (the shared tiny_server must not see that)."""
     log = tmp_path_factory.mktemp("weight_sync_logs") / "engine.log"
-    with local_server(tiny_ckpt, extra_args=["--seed", "0"], log_path=log, startup_timeout=120) as url:
+    with local_server(
+        tiny_ckpt, extra_args=["--seed", "0", "--enable-memory-saver"], log_path=log, startup_timeout=120
+    ) as url:
         yield url
 
 
@@ -202,7 +204,7 @@ async def test_release_and_resume_memory_over_http(server):
 
 
 async def test_local_engine_release_frees_kv_and_partial_updates(tiny_ckpt, base):
-    engine = LocalEngine(tiny_ckpt, max_running_requests=4, seed=0)
+    engine = LocalEngine(tiny_ckpt, max_running_requests=4, seed=0, enable_memory_saver=True)
     try:
         sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
         first = await engine.generate(PROMPT, sp, return_logprob=True)

@@ -64,7 +64,6 @@ EMBEDDED_IGNORED = frozenset(
         "cuda_graph_max_bs",
         "disable_cuda_graph",
         "disable_cuda_graph_padding",
-        "enable_memory_saver",
         "enable_weights_cpu_backup",
         "enable_draft_weights_cpu_backup",
         "skip_server_warmup",
@@ -253,6 +252,7 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
         )
     if seed is not None:
         extra.setdefault("random_seed", seed)
+    memory_saver = bool(extra.pop("enable_memory_saver", False)) or launch.colocate
     ignored = [k for k in extra if k in EMBEDDED_IGNORED]
     unknown = [k for k in extra if k not in EMBEDDED_IGNORED and k not in EMBEDDED_FLAGS]
     if unknown:
@@ -282,6 +282,8 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
     for name, value in extra.items():
         if name in EMBEDDED_FLAGS:
             argv += [EMBEDDED_FLAGS[name], str(value)]
+    if memory_saver:  # colocated: the trainer's release must free the KV cache
+        argv.append("--enable-memory-saver")
     return argv
 
 

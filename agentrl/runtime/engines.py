@@ -94,6 +94,8 @@ class EngineServer:
         self.url = f"http://{host}:{self.port}"
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # agentrl's own engines release their KV cache when the trainer asks (colocated offload)
+        engine_kwargs.setdefault("enable_memory_saver", True)
         self.engine = LocalEngine(checkpoint, **engine_kwargs)
         app = build_app(self.engine, tool_parser=openai_tool_parser(tool_call_parser), api_key=api_key)
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off")

@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
-from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, sample_batch
+from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
 from agentrl.engines.local.weights import WeightUpdateError, apply_weights, read_source
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,12 @@ class _Request:
         self.finish: dict[str, Any] | None = None
         self.created = time.perf_counter()
         self.generator: torch.Generator | None = None  # own RNG when the request carries sampling_seed
+        self.logprob_start_len = -1  # with return_logprob: input_token_logprobs from this prompt position
+        self.top_logprobs_num = 0
+        self.output_top: list[list[list]] = []  # per output token: top_logprobs_num [logprob, id, text]
+        self.top_p_ids: list[list[int]] = []  # per output token: the kept set (custom_params.return_top_p_token_ids)
+        self.input_meta: dict[str, list] = {}  # input_token_logprobs / input_top_logprobs, once scored
+        self.stream: asyncio.Queue | None = None  # partial responses for a streaming request
 
     def tokens(self) -> np.ndarray:
         """Prompt + output ids whose KV is in the row (the last sampled token's is not yet)."""
@@ -89,7 +96,9 @@ class LocalEngine:
     ``max_running_requests`` rows decode together; more requests wait in FIFO order.
     ``max_cached_sequences`` finished sequences keep their KV for prefix reuse (LRU; 0 disables
     prefix reuse; default ``max_running_requests``). ``context_length`` defaults to the model's
-    ``max_position_embeddings``. ``seed`` seeds the sampling generator.
+    ``max_position_embeddings``. ``seed`` seeds the sampling generator. ``enable_memory_saver`` is
+    SGLang's server arg: without it ``release_memory_occupation`` succeeds and frees nothing, as
+    SGLang's no-op memory saver does (agentrl's own colocated engines turn it on).
     """
 
     def __init__(
@@ -103,6 +112,7 @@ class LocalEngine:
         context_length: int | None = None,
         seed: int | None = None,
         chunked_prefill_size: int = 1024,
+        enable_memory_saver: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,6 +135,7 @@ class LocalEngine:
         self.context_length = int(ctx)
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
+        self.enable_memory_saver = bool(enable_memory_saver)
         self.runner = CachedForward(self.model, rows=max_running_requests, max_capacity=self.context_length)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
@@ -170,6 +181,41 @@ class LocalEngine:
     def num_running(self) -> int:
         return sum(r is not None for r in self._rows)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a row (read from any thread: a snapshot)."""
+        return len(self._inbox) + len(self._waiting)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """KV positions held by running requests."""
+        return sum(r.kv_len for r in list(self._rows) if r is not None)
+
+    def memory_report(self) -> dict[str, float | int]:
+        """SGLang's ``/v1/loads`` memory section: weights and KV buffers in GB, token capacity."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        cache = self.runner.cache
+        kv = sum(b.nbytes for b in cache.k + cache.v)
+        return {
+            "weight_gb": weights / 1e9,
+            "kv_cache_gb": kv / 1e9,
+            "graph_gb": 0.0,
+            "token_capacity": self.max_running_requests * self.context_length,
+        }
+
+    def check_request(self, input_ids: Any, sampling_params: dict | None = None, **options: Any) -> None:
+        """Raise :class:`InvalidRequestError` where :meth:`generate` would, without running anything
+        (a streaming response must refuse a bad request before its 200 goes out)."""
+        self._new_request(
+            input_ids,
+            sampling_params,
+            options.get("rid"),
+            bool(options.get("return_logprob")),
+            bool(options.get("return_text_in_logprobs")),
+            options.get("logprob_start_len", -1),
+            options.get("top_logprobs_num", 0),
+        ).future.cancel()
+
     async def generate(
         self,
         input_ids: list[int],
@@ -178,34 +224,130 @@ class LocalEngine:
         rid: str | None = None,
         return_logprob: bool = False,
         return_text_in_logprobs: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> dict:
         """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
 
+        With ``return_logprob``: ``output_token_logprobs``; ``top_logprobs_num > 0`` adds
+        ``output_top_logprobs``; ``input_token_logprobs`` (and ``input_top_logprobs``) cover the prompt
+        from ``logprob_start_len`` on (-1, the default: the last prompt token only, as SGLang); the first
+        entry's log-prob is None, as SGLang's; from a position before the last one they cost one extra
+        forward of the prompt; with
+        ``max_new_tokens: 0`` that is all the request does (slime's teacher scoring).
         Raises :class:`InvalidRequestError` for requests SGLang would answer with HTTP 400.
         Cancelling the awaiting task aborts the request.
         """
+        req = self._new_request(
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob,
+            return_text_in_logprobs,
+            logprob_start_len,
+            top_logprobs_num,
+        )
+        if req.finish is not None:
+            return self._response(req)
+        self._submit(req)
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            self.abort(req.rid)
+            raise
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        return_text_in_logprobs: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[dict]:
+        """:meth:`generate`, yielding SGLang's cumulative response (text and ids so far, ``finish_reason``
+        None) every ``stream_interval`` tokens as they are sampled, then the final response.
+
+        Closing the iterator early (the client went away) aborts the request.
+        """
+        req = self._new_request(
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob,
+            return_text_in_logprobs,
+            logprob_start_len,
+            top_logprobs_num,
+        )
+        if req.finish is not None:
+            yield self._response(req)
+            return
+        req.stream = asyncio.Queue()
+        self._submit(req)
+        try:
+            while True:
+                getter = asyncio.ensure_future(req.stream.get())
+                done, _ = await asyncio.wait({getter, req.future}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not req.stream.empty():  # chunks sent before the end, in order
+                    yield req.stream.get_nowait()
+                yield req.future.result()
+                return
+        finally:
+            if not req.future.done():
+                self.abort(req.rid)
+
+    def _new_request(
+        self,
+        input_ids: Any,
+        sampling_params: dict | None,
+        rid: str | None,
+        return_logprob: bool,
+        return_text_in_logprobs: bool,
+        logprob_start_len: int,
+        top_logprobs_num: int,
+    ) -> _Request:
         if self._stop or not self._thread.is_alive():
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
         sp = SamplingConfig.from_dict(sampling_params or {})
+        bad = [k for k in sp.logit_bias or {} if int(k) >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"sampling_params.logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(ids):
+            raise InvalidRequestError(
+                f"logprob_start_len must be -1 or a prompt position 0..{len(ids) - 1}, got {logprob_start_len!r}"
+            )
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
+            raise InvalidRequestError(f"top_logprobs_num must lie in 0..{self.vocab_size}, got {top_logprobs_num!r}")
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_length - len(ids))
-        rid = rid or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        req = _Request(rid, ids, sp, (return_logprob, return_text_in_logprobs), loop.create_future(), loop)
+        req = _Request(
+            rid or uuid.uuid4().hex, ids, sp, (return_logprob, return_text_in_logprobs), loop.create_future(), loop
+        )
+        if return_logprob:
+            req.logprob_start_len = logprob_start_len if logprob_start_len >= 0 else len(ids) - 1
+            req.top_logprobs_num = top_logprobs_num
+            if req.logprob_start_len == len(ids) - 1:
+                self._score_prompt(req)  # the last prompt token only: no forward needed
         if sp.sampling_seed is not None:
             req.generator = torch.Generator(device=self._generator.device)
             req.generator.manual_seed(sp.sampling_seed)
-        if sp.max_new_tokens == 0:
-            req.finish = {"type": "length", "length": 0}
-            return self._response(req)
+        if sp.max_new_tokens == 0 and (not return_logprob or req.input_meta):
+            req.finish = {"type": "length", "length": 0}  # nothing to compute: answered without the worker
+        return req
+
+    def _submit(self, req: _Request) -> None:
         with self._cv:
             self._inbox.append(req)
             self._cv.notify()
-        try:
-            return await asyncio.shield(req.future)
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
 
     def _check_input_ids(self, input_ids: Any) -> list[int]:
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
@@ -465,6 +607,8 @@ class LocalEngine:
         )
 
     def _release_memory(self, tags: list[str] | None) -> dict:
+        if not self.enable_memory_saver:
+            return {"success": True, "freed_bytes": 0, "message": "memory saver disabled: nothing released"}
         if "kv_cache" not in (tags or MEMORY_TAGS) or self._kv_released:
             return {"success": True, "freed_bytes": 0, "message": "nothing to release"}
         cache = self.runner.cache
@@ -494,6 +638,16 @@ class LocalEngine:
         new: list[_Request] = []
         while self._waiting and len(new) < len(free):
             req = self._waiting.popleft()
+            if req.return_logprob and not req.input_meta:
+                try:
+                    self._score_prompt(req)
+                except BaseException as exc:  # noqa: BLE001 - fails this request only
+                    self._fail(req, exc)
+                    continue
+                if req.sp.max_new_tokens == 0:  # scoring only: no row, no decode
+                    req.finish = {"type": "length", "length": 0}
+                    self._resolve(req)
+                    continue
             req.row = free[len(new)]
             self._rows[req.row] = req
             new.append(req)
@@ -521,6 +675,42 @@ class LocalEngine:
                 if m > n:
                     src, n = other, m
         return src, min(n, len(req.prompt) - 1)  # always recompute the last prompt token
+
+    def _score_prompt(self, r: _Request) -> None:
+        """``input_token_logprobs`` (and ``input_top_logprobs``) of the prompt from ``logprob_start_len``.
+
+        One plain forward of the whole prompt through the checkpoint's own modules (the KV rows are not
+        touched), then the LM head in chunks of 256 positions so a long prompt never materializes
+        ``[L, vocab]`` logits at once. Same definition as the output log-probs: ``log_softmax(logits /
+        T)`` (greedy: ``T = 1``), without ``logit_bias`` (which acts on sampling only).
+        """
+        start, L = r.logprob_start_len, len(r.input_ids)
+        dev = self.runner.device
+        text = r.return_text_in_logprobs
+        # SGLang's layout: one entry per prompt position from ``start``; the first one's log-prob is None
+        lps: list[list] = [[None, r.input_ids[start], self._token_text(r.input_ids[start], text)]]
+        tops: list[Any] = [None]
+        if start + 1 < L:
+            hidden = self.model.model(input_ids=torch.tensor([r.input_ids], device=dev)).last_hidden_state[0]
+            temp = 1.0 if r.sp.greedy else float(r.sp.temperature)
+            for c in range(start + 1, L, 256):
+                end = min(c + 256, L)
+                logp = torch.log_softmax(self.model.lm_head(hidden[c - 1 : end - 1]).float() / temp, dim=-1)
+                targets = r.input_ids[c:end]
+                chosen = logp.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0].tolist()
+                lps += [[lp, t, self._token_text(t, text)] for lp, t in zip(chosen, targets)]
+                if r.top_logprobs_num:
+                    tops += [self._top_entries(row, r.top_logprobs_num, text) for row in logp]
+        r.input_meta = {"input_token_logprobs": lps}
+        if r.top_logprobs_num:
+            r.input_meta["input_top_logprobs"] = tops
+
+    def _token_text(self, tok: int, want: bool) -> str | None:
+        return self.tokenizer.decode([tok]) if want else None
+
+    def _top_entries(self, logp: torch.Tensor, k: int, text: bool) -> list[list]:
+        vals, idx = logp.topk(k)
+        return [[v, i, self._token_text(i, text)] for v, i in zip(vals.tolist(), idx.tolist())]
 
     def _prefill(self, batch: list[tuple[_Request, int, Any]]) -> None:
         for req, n, src in batch:
@@ -593,29 +783,44 @@ class LocalEngine:
 
     def _sample_and_step(self, reqs: list[_Request], logits: torch.Tensor) -> None:
         gens = [r.generator or self._generator for r in reqs]
+        drawn: list[tuple[int, _Request, int, float]] = []
         try:
+            logits = biased(logits, [r.sp for r in reqs])
             ids, lps = sample_batch(logits, [r.sp for r in reqs], gens)
-            drawn = list(zip(reqs, ids.tolist(), lps.tolist()))
+            drawn = [(i, r, t, lp) for i, (r, t, lp) in enumerate(zip(reqs, ids.tolist(), lps.tolist()))]
         except BaseException as exc:  # noqa: BLE001 - find the request(s) at fault, fail only them
             log.warning("sampling a batch of %d failed (%r); sampling its rows one by one", len(reqs), exc)
             self.last_error = exc
-            drawn = []
             for i, r in enumerate(reqs):
                 try:
-                    one_id, one_lp = sample_batch(logits[i : i + 1], [r.sp], [gens[i]])
-                    drawn.append((r, int(one_id[0]), float(one_lp[0])))
+                    row = biased(logits[i : i + 1], [r.sp])
+                    one_id, one_lp = sample_batch(row, [r.sp], [gens[i]])
+                    drawn.append((i, r, int(one_id[0]), float(one_lp[0])))
                 except BaseException as one_exc:  # noqa: BLE001
                     self._fail(r, one_exc)
-        for r, tok, lp in drawn:
+        for i, r, tok, lp in drawn:
             r.output_ids.append(tok)
             r.logprobs.append(lp)
             try:
+                self._record_extras(r, logits[i], tok)
                 r.finish = self._check_finished(r)
             except BaseException as exc:  # noqa: BLE001 - e.g. a stop string the tokenizer cannot decode against
                 self._fail(r, exc)
                 continue
             if r.finish is not None:
                 self._retire(r)
+            elif r.stream is not None and (r.sp.stream_interval == 1 or len(r.output_ids) % r.sp.stream_interval == 1):
+                # SGLang's scheduler: a chunk at tokens 1, 1 + k, 1 + 2k, ...; the finished response always
+                _call_soon(r.loop, r.stream.put_nowait, self._response(r, partial=True))
+
+    def _record_extras(self, r: _Request, logits: torch.Tensor, tok: int) -> None:
+        """What a request asked for beyond the token and its log-prob: top log-probs, the top-p nucleus."""
+        if r.top_logprobs_num:
+            temp = 1.0 if r.sp.greedy else float(r.sp.temperature)
+            logp = torch.log_softmax(logits.float() / temp, dim=-1)
+            r.output_top.append(self._top_entries(logp, r.top_logprobs_num, r.return_text_in_logprobs))
+        if r.sp.return_top_p_token_ids:
+            r.top_p_ids.append(kept_tokens(logits, r.sp, tok))
 
     def _check_finished(self, r: _Request) -> dict | None:
         """SGLang's order: length first, then stop token, then stop string."""
@@ -649,18 +854,22 @@ class LocalEngine:
             return
         _call_soon(r.loop, _set_result, r.future, response)
 
-    def _response(self, r: _Request) -> dict:
+    def _response(self, r: _Request, *, partial: bool = False) -> dict:
         sp, fin = r.sp, r.finish or {}
         out = r.output_ids
         if not sp.no_stop_trim and fin.get("type") == "stop" and isinstance(fin.get("matched"), int):
             out = out[:-1]
-        text = self.tokenizer.decode(out, skip_special_tokens=sp.skip_special_tokens)
+        text = self.tokenizer.decode(
+            out,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
         if not sp.no_stop_trim and isinstance(fin.get("matched"), str):
             pos = text.find(fin["matched"])
             text = text[:pos] if pos >= 0 else text
         meta: dict[str, Any] = {
             "id": r.rid,
-            "finish_reason": fin,
+            "finish_reason": None if partial else fin,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,
@@ -672,6 +881,12 @@ class LocalEngine:
                 [lp, tok, self.tokenizer.decode([tok]) if r.return_text_in_logprobs else None]
                 for lp, tok in zip(r.logprobs, r.output_ids)
             ]
+            if r.top_logprobs_num:
+                meta["output_top_logprobs"] = [list(e) for e in r.output_top]
+            meta.update(r.input_meta)
+        if sp.return_top_p_token_ids:  # slime's replay format: flat ids + offsets (len = tokens + 1)
+            meta["top_p_token_ids"] = [t for kept in r.top_p_ids for t in kept]
+            meta["top_p_token_offsets"] = [0, *itertools.accumulate(len(k) for k in r.top_p_ids)]
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 

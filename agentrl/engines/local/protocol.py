@@ -20,6 +20,7 @@ from agentrl.engines.local.sampling import INT32, Flag, InvalidRequestError, val
 
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], Field(min_length=1)]
 Count = Annotated[int, Field(strict=True, ge=0, le=INT32)]
+StartLen = Annotated[int, Field(strict=True, ge=-1, le=INT32)]
 
 
 class _Body(BaseModel):
@@ -56,8 +57,6 @@ class GenerateRequest(_Body):
     """SGLang's native ``/generate`` body (one request or a batch: lists of inputs)."""
 
     NEUTRAL = {
-        "logprob_start_len": (None, -1),
-        "top_logprobs_num": (None, 0),
         "token_ids_logprob": (None,),
         "return_hidden_states": (None, False),
         "image_data": (None,),
@@ -83,6 +82,8 @@ class GenerateRequest(_Body):
     sampling_params: dict | list[dict] | None = None
     rid: Annotated[str, Field(strict=True, max_length=256)] | list[Annotated[str, Field(max_length=256)]] | None = None
     return_logprob: Flag | list[Flag] | None = None
+    logprob_start_len: StartLen | list[StartLen] | None = None
+    top_logprobs_num: Count | list[Count] | None = None
     return_text_in_logprobs: Flag = False
     stream: Flag = False
 

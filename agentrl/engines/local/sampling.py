@@ -19,7 +19,6 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as given (bad sampling params, prompt too long, ...): HTTP 400."""
 
 
-_IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
 _NEUTRAL = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
@@ -30,9 +29,12 @@ _NEUTRAL = {
     "regex": None,
     "ebnf": None,
     "structural_tag": None,
-    "logit_bias": None,
     "stop_regex": None,
 }
+
+CUSTOM_PARAMS = ("return_top_p_token_ids",)
+"""``custom_params`` keys the embedded engine acts on (SGLang passes the dict to a custom logit
+processor, which the embedded engine does not run; slime's top-p replay asks for the nucleus)."""
 
 
 INT32 = 2**31 - 1
@@ -64,6 +66,44 @@ class SamplingConfig(BaseModel):
     skip_special_tokens: Flag = True
     no_stop_trim: Flag = False
     sampling_seed: Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-1e9, le=1e9)]],
+            Field(max_length=4096),
+        ]
+        | None
+    ) = None
+    """Token id (as a string, SGLang's and OpenAI's key format) -> a value added to that token's logit
+    before sampling; the returned log-probs are those of the biased distribution that was sampled."""
+    custom_params: dict[str, Any] | None = None
+    """SGLang's free-form dict for custom logit processors; only :data:`CUSTOM_PARAMS` are accepted here."""
+    stream_interval: Annotated[int, Field(strict=True, ge=1, le=INT32)] = 1
+    """With ``stream: true``: tokens per streamed chunk (SGLang's ``stream_interval``)."""
+    spaces_between_special_tokens: Flag = True
+    """Passed to the tokenizer's ``decode`` (slow tokenizers honour it; fast ones have no such option)."""
+
+    @field_validator("custom_params")
+    @classmethod
+    def _custom(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if key not in CUSTOM_PARAMS:
+                raise ValueError(
+                    f"custom_params key {key!r} is not supported by the embedded engine (it runs no custom "
+                    f"logit processor); supported: {list(CUSTOM_PARAMS)}"
+                )
+            if not isinstance(value, bool):
+                raise ValueError(f"custom_params.{key} must be a boolean, got {value!r}")
+        return v
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        """slime's top-p replay: return each output token's kept set (``top_p_token_ids`` / ``_offsets``)."""
+        return bool((self.custom_params or {}).get("return_top_p_token_ids"))
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p removes tokens before sampling."""
+        return self.top_k != -1 or self.top_p < 1 or self.min_p > 0
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -99,7 +139,7 @@ class SamplingConfig(BaseModel):
             elif key in cls.model_fields:
                 if value is not None:
                     given[key] = value
-            elif key not in _IGNORED_KEYS:
+            else:
                 raise InvalidRequestError(f"unknown sampling param {key!r}")
         try:
             return cls(**given)
@@ -117,6 +157,45 @@ def validation_message(exc: ValidationError, prefix: str) -> str:
     return "; ".join(parts)
 
 
+def biased(logits: torch.Tensor, params: list[SamplingConfig]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` in fp32 with each row's ``logit_bias`` added (ids checked by the engine)."""
+    out = logits.float()
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if rows:
+        out = out.clone()
+        for i in rows:
+            bias = params[i].logit_bias or {}
+            idx = torch.tensor([int(k) for k in bias], device=out.device)
+            out[i].index_add_(0, idx, torch.tensor(list(bias.values()), device=out.device, dtype=out.dtype))
+    return out
+
+
+def _drop_mask(probs: torch.Tensor, params: list[SamplingConfig]) -> torch.Tensor:
+    """``[F, V]`` True where top-k / top-p / min-p remove a token; ``probs`` sorted descending per row."""
+    dev = probs.device
+    rank = torch.arange(probs.shape[1], device=dev)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=dev)
+    top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
+    min_p = torch.tensor([float(p.min_p) for p in params], device=dev)
+    drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) > top_p[:, None])
+    return drop | (probs < min_p[:, None] * probs[:, :1])
+
+
+def kept_tokens(logits: torch.Tensor, sp: SamplingConfig, sampled: int) -> list[int]:
+    """The token ids one draw could have picked (slime's top-p replay nucleus), in descending probability.
+
+    ``logits`` is one row ``[V]``, already biased. Greedy keeps the sampled token only; an unfiltered
+    request keeps the whole vocabulary.
+    """
+    if sp.greedy:
+        return [sampled]
+    scaled = logits.float() / float(sp.temperature)
+    probs, order = (scaled - torch.logsumexp(scaled, -1)).exp().sort(descending=True)  # as sample_batch
+    kept = order[~_drop_mask(probs[None], [sp])[0]].tolist()
+    # the draw's own token is in the set by construction; a float tie at the edge must not say otherwise
+    return kept if sampled in kept else [*kept, sampled]
+
+
 def sample_batch(
     logits: torch.Tensor, params: list[SamplingConfig], gens: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +206,7 @@ def sample_batch(
 
     ``logprob = log_softmax(logits / T)[id]`` (greedy: ``T = 1``), before top-k/top-p/min-p
     filtering and never renormalized: SGLang's default, the quantity the trainer's re-score matches.
+    ``logits`` are taken as given: the caller adds ``logit_bias`` first (:func:`biased`).
     Sampling inverts the CDF (``cumsum`` + ``searchsorted``), ~50x cheaper than ``torch.multinomial``
     over a 50k vocabulary on CPU.
     """
@@ -136,18 +216,13 @@ def sample_batch(
     lse = torch.logsumexp(scaled, dim=-1)  # [B]
     ids = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    plain = [i for i in rows if params[i].top_k == -1 and params[i].top_p >= 1 and params[i].min_p <= 0]
+    plain = [i for i in rows if not params[i].filtered]
     if plain:
         ids[plain] = _inverse_cdf((scaled[plain] - lse[plain, None]).exp(), [gens[i] for i in plain])
     filtered = [i for i in rows if i not in set(plain)]
     if filtered:
         probs, order = (scaled[filtered] - lse[filtered, None]).exp().sort(dim=-1, descending=True)  # [F, V]
-        rank = torch.arange(probs.shape[1], device=dev)[None, :]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[1] for i in filtered], device=dev)
-        top_p = torch.tensor([float(params[i].top_p) for i in filtered], device=dev)
-        min_p = torch.tensor([float(params[i].min_p) for i in filtered], device=dev)
-        drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) > top_p[:, None])
-        drop |= probs < min_p[:, None] * probs[:, :1]
+        drop = _drop_mask(probs, [params[i] for i in filtered])
         pick = _inverse_cdf(probs.masked_fill(drop, 0.0), [gens[i] for i in filtered])  # [F], in sorted order
         ids[filtered] = order.gather(1, pick[:, None])[:, 0]
     return ids, scaled.gather(1, ids[:, None])[:, 0] - lse

@@ -2,7 +2,9 @@
 
 Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``), ``/get_weight_version``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``; the trainer's broadcast path
+``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, ``/v1/loads`` (``include``
+sections, as slime polls it for an idle server), ``/metrics`` (Prometheus text with SGLang's
+``sglang:*`` names; always on, SGLang needs ``--enable-metrics``); the trainer's broadcast path
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group`` (see ``distributed.py``; gloo on CPU), colocation's
 ``/release_memory_occupation``, ``/resume_memory_occupation``, and the pause around a weight
@@ -15,8 +17,16 @@ Choices worth knowing:
   (``add_special_tokens=True``: a BOS is prepended where the tokenizer adds one). Chat requests are
   rendered with the chat template (``add_generation_prompt=True``) and tokenized without adding
   special tokens again.
-- ``stream=true`` answers with one cumulative server-sent event after generation finishes, then
-  ``data: [DONE]`` (the embedded engine does not stream token by token).
+- ``/generate`` with ``stream=true`` sends a server-sent event as tokens are sampled (every
+  ``stream_interval`` tokens: at 1, 1 + k, ...), each SGLang's cumulative response (text and
+  ``output_ids`` so far, ``meta_info`` with ``finish_reason`` null until the last), then
+  ``data: [DONE]``; a batch tags each event with its ``index``.
+- ``return_logprob`` extras as SGLang: ``logprob_start_len`` -> ``input_token_logprobs`` (first
+  entry None; ``max_new_tokens: 0`` scores a prompt, slime's teacher call), ``top_logprobs_num`` ->
+  ``output_top_logprobs`` / ``input_top_logprobs``. ``sampling_params.logit_bias`` is added to the
+  logits before sampling; ``custom_params`` accepts slime's ``return_top_p_token_ids`` (each output
+  token's top-p nucleus as ``top_p_token_ids`` / ``top_p_token_offsets``) and refuses other keys
+  (there is no custom logit processor).
 - OpenAI ``n > 1`` and ``echo`` are refused with HTTP 400; ``top_logprobs`` are not computed
   (``null`` / empty lists).
 - Tool calls: ``build_app(engine, tool_parser=f)`` where ``f(text) -> (content, [openai tool_call
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hmac
 import json
 import logging
@@ -90,6 +101,85 @@ def openai_tool_parser(name: str | None) -> ToolParser | None:
         return content, [c.to_openai() for c in calls]
 
     return parse
+
+
+LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+"""SGLang's ``/v1/loads?include=`` sections (``spec``, ``lora``, ``disagg`` have nothing to report here)."""
+
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, float("inf"))
+
+
+def _core_load(engine: LocalEngine) -> dict[str, Any]:
+    """SGLang's ``LoadSnapshot`` core keys for the engine's one rank."""
+    running, waiting = engine.num_running, engine.num_waiting
+    used, total = engine.num_used_tokens, engine.max_running_requests * engine.context_length
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": used,
+        "max_total_num_tokens": total,
+        "max_running_requests": engine.max_running_requests,
+        "token_usage": used / total if total else 0.0,
+        "utilization": running / engine.max_running_requests,
+    }
+
+
+class RequestStats:
+    """Counters over the requests this server answered, for ``/metrics`` (SGLang's metric names)."""
+
+    def __init__(self) -> None:
+        self.requests = self.aborted = self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
+        self.latency_sum = 0.0
+        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
+
+    def record(self, outs: list[dict]) -> None:
+        for out in outs:
+            meta = out["meta_info"]
+            self.requests += 1
+            self.aborted += (meta.get("finish_reason") or {}).get("type") == "abort"
+            self.prompt_tokens += meta["prompt_tokens"]
+            self.generation_tokens += meta["completion_tokens"]
+            self.cached_tokens += meta.get("cached_tokens", 0)
+            latency = float(meta.get("e2e_latency", 0.0))
+            self.latency_sum += latency
+            for i, edge in enumerate(LATENCY_BUCKETS):
+                self.latency_buckets[i] += latency <= edge
+
+    def prometheus(self, engine: LocalEngine, model_name: str) -> str:
+        labels = f'{{model_name="{_label(model_name)}",engine_type="unified"}}'
+        load = _core_load(engine)
+        lines = []
+
+        def metric(name: str, kind: str, doc: str, value: float) -> None:
+            lines.extend(
+                [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} {kind}", f"sglang:{name}{labels} {value}"]
+            )
+
+        metric("num_running_reqs", "gauge", "The number of running requests.", load["num_running_reqs"])
+        metric("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", load["num_waiting_reqs"])
+        metric("num_used_tokens", "gauge", "The number of used tokens.", load["num_used_tokens"])
+        metric("max_total_num_tokens", "gauge", "Maximum total tokens in the KV cache.", load["max_total_num_tokens"])
+        metric("token_usage", "gauge", "The token usage.", load["token_usage"])
+        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        metric("cache_hit_rate", "gauge", "The prefix cache hit rate.", hit)
+        metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
+        metric("generation_tokens_total", "counter", "Number of generation tokens processed.", self.generation_tokens)
+        metric("cached_tokens_total", "counter", "Number of cached prompt tokens.", self.cached_tokens)
+        metric("num_requests_total", "counter", "Number of requests processed.", self.requests)
+        metric("num_aborted_requests_total", "counter", "Number of requests aborted.", self.aborted)
+        name = "sglang:e2e_request_latency_seconds"
+        lines += [f"# HELP {name} Histogram of End-to-end request latency in seconds", f"# TYPE {name} histogram"]
+        for edge, count in zip(LATENCY_BUCKETS, self.latency_buckets):
+            le = "+Inf" if edge == float("inf") else repr(float(edge))
+            lines.append(f'{name}_bucket{labels[:-1]},le="{le}"}} {count}')
+        lines += [f"{name}_sum{labels} {self.latency_sum}", f"{name}_count{labels} {self.requests}"]
+        return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -160,6 +250,39 @@ def build_app(
     tok = engine.tokenizer
     chat_template = ChatTemplate(tok)
     gate = app.state.pause_gate = PauseGate(engine)
+    stats = app.state.stats = RequestStats()
+
+    async def _stream_generate(engine: LocalEngine, gate: PauseGate, jobs: list[dict], batch: bool):
+        """SSE chunks as SGLang writes them: cumulative text/ids, ``meta_info`` each time, ``index`` in a batch."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, job: dict) -> None:
+            try:
+                async for out in engine.generate_stream(**job):
+                    if out["meta_info"]["finish_reason"] is not None:
+                        stats.record([out])
+                    await queue.put({**out, "index": i} if batch else out)
+            except InvalidRequestError as exc:
+                await queue.put({"error": {"message": str(exc)}})
+            except Exception as exc:  # noqa: BLE001 - the stream reports it, as SGLang does
+                await queue.put({"error": {"message": f"the engine failed: {exc!r}"}})
+            finally:
+                await queue.put(None)
+
+        async with gate.admit():
+            tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+            try:
+                left = len(tasks)
+                while left:
+                    item = await queue.get()
+                    if item is None:
+                        left -= 1
+                        continue
+                    yield f"data: {json.dumps(item)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away: end what is still running
+                for t in tasks:
+                    t.cancel()
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError):
@@ -206,6 +329,7 @@ def build_app(
             "max_cached_sequences": engine.store.max_sequences,
             "chunked_prefill_size": engine.chunked_prefill_size,
             "device": str(engine.runner.device),
+            "enable_memory_saver": engine.enable_memory_saver,
             "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),  # SGLang's format
             # one process serves the whole model: SGLang's parallel sizes, as its server args report them
             "tp_size": 1,
@@ -224,10 +348,44 @@ def build_app(
         body = await _json_body(request)
         P.GenerateRequest.parse(body)
         batch, jobs = _generate_jobs(engine, body)
+        if body.get("stream"):
+            for job in jobs:
+                engine.check_request(**job)
+            return StreamingResponse(_stream_generate(engine, gate, jobs, batch), media_type="text/event-stream")
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
-        result: Any = outs if batch else outs[0]
-        return _sse(outs) if body.get("stream") else result
+        stats.record(outs)
+        return outs if batch else outs[0]
+
+    @app.get("/v1/loads")
+    async def loads(include: str = "all", dp_rank: int | None = None, format: str = "json"):
+        """SGLang's load report: one entry per data-parallel rank (one here); slime polls it for idle."""
+        sections = {x.strip() for x in include.split(",") if x.strip()}
+        if not sections or sections - LOAD_SECTIONS:
+            raise InvalidRequestError(f"include: unknown section(s) {sorted(sections - LOAD_SECTIONS) or [include]}")
+        if dp_rank not in (None, 0):
+            raise InvalidRequestError(f"dp_rank: the embedded engine has one rank (0), got {dp_rank}")
+        if format not in ("json", "prometheus"):
+            raise InvalidRequestError(f"format must be 'json' or 'prometheus', got {format!r}")
+        load = _core_load(engine)
+        if sections & {"memory", "all"}:
+            load["memory"] = engine.memory_report()
+        if sections & {"queues", "all"}:
+            load["queues"] = {"waiting": load["num_waiting_reqs"], "grammar": 0, "paused": 0, "retracted": 0}
+        if format == "prometheus":
+            return PlainTextResponse(stats.prometheus(engine, name), media_type=PROMETHEUS)
+        return {
+            "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+            "version": _version(),
+            "accelerator": str(engine.runner.device),
+            "num_accelerators": 1,
+            "loads": [load],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        """SGLang's Prometheus metrics (the names ``--enable-metrics`` exposes), always on here."""
+        return PlainTextResponse(stats.prometheus(engine, name), media_type=PROMETHEUS)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
@@ -296,6 +454,7 @@ def build_app(
                     for ids in prompts
                 )
             )
+        stats.record(outs)
         choices = []
         for i, out in enumerate(outs):
             choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
@@ -498,8 +657,17 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
             "rid": rid,
             "return_logprob": bool(lp),
             "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
+            "logprob_start_len": -1 if start is None else start,
+            "top_logprobs_num": top or 0,
         }
-        for i, sp, rid, lp in zip(ids, per_item("sampling_params", {}), rids, per_item("return_logprob", False))
+        for i, sp, rid, lp, start, top in zip(
+            ids,
+            per_item("sampling_params", {}),
+            rids,
+            per_item("return_logprob", False),
+            per_item("logprob_start_len", -1),
+            per_item("top_logprobs_num", 0),
+        )
     ]
     return batch, jobs
 
