@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import pickle
 import subprocess
 import sys
@@ -134,3 +136,130 @@ def test_a_push_that_never_arrives_leaves_no_shared_memory():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["refused", "0", "left"], r.stdout
+
+
+_META_CLS = None
+
+
+@contextlib.contextmanager
+def sglang_bucket_class():
+    """SGLang's ``FlattenedTensorMetadata`` as slime pickles it: a dataclass of that module and name.
+
+    Built here (SGLang is not installed) under SGLang's own module path, so the pickle names exactly
+    what slime's sender names. The module is in ``sys.modules`` only while pickling: other code asks
+    ``find_spec("sglang")`` to see whether SGLang is installed.
+    """
+    import dataclasses
+    import types
+
+    global _META_CLS
+    name = "sglang.srt.weight_sync.tensor_bucket"
+    if _META_CLS is None:
+        _META_CLS = dataclasses.make_dataclass(
+            "FlattenedTensorMetadata", ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]
+        )
+        _META_CLS.__module__ = name
+    mod = types.ModuleType(name)
+    mod.FlattenedTensorMetadata = _META_CLS
+    added = [m for m in ("sglang", "sglang.srt", "sglang.srt.weight_sync", name) if m not in sys.modules]
+    for m in added:
+        sys.modules[m] = mod if m == name else types.ModuleType(m)
+    try:
+        yield _META_CLS
+    finally:
+        for m in added:
+            sys.modules.pop(m, None)
+
+
+def slime_bucket(named: list[tuple[str, torch.Tensor]], *, by_bytes: bool = True) -> str:
+    """What slime's ``update_weight_from_tensor.py`` sends with ``load_format="flattened_bucket"``:
+    ``MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)``.
+    ``by_bytes``: current SGLang (a uint8 buffer, byte offsets); else older SGLang (one dtype, element offsets)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+    flats, meta, pos = [], [], 0
+    buf = io.BytesIO()
+    with sglang_bucket_class() as meta_cls:
+        for name, t in named:
+            flat = t.contiguous().flatten()
+            flat = flat.view(torch.uint8) if by_bytes else flat
+            meta.append(meta_cls(name, t.shape, t.dtype, pos, pos + flat.numel(), t.numel()))
+            flats.append(flat)
+            pos += flat.numel()
+        ForkingPickler(buf).dump({"flattened_tensor": torch.cat(flats), "metadata": meta})
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
+    from agentrl.engines.tensor_ipc import deserialize_flattened_bucket, serialize_flattened_bucket
+
+    mixed = [
+        ("a", torch.randn(3, 5)),
+        ("odd", torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16)),  # 6 bytes: the next range is unaligned
+        ("b", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+        ("c", torch.randn(4)),
+    ]
+    for payload in (slime_bucket(mixed), serialize_flattened_bucket(mixed)):
+        got = deserialize_flattened_bucket(payload)
+        assert [n for n, _ in got] == [n for n, _ in mixed]
+        for (_, want), (_, t) in zip(mixed, got):
+            assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+    same = [("x", torch.randn(2, 2)), ("y", torch.randn(3))]
+    old = deserialize_flattened_bucket(slime_bucket(same, by_bytes=False))
+    assert all(torch.equal(t, w) for (_, t), (_, w) in zip(old, same))
+    assert deserialize_flattened_bucket(serialize_flattened_bucket([])) == []  # a rank with nothing to send
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("end_idx", 10**6, "does not hold"),
+        ("numel", 7, "does not hold"),
+        ("shape", torch.Size([5, 5]), "has 25 elements"),
+        ("dtype", "float32", "dtype must be a torch dtype"),
+    ],
+)
+def test_bad_bucket_metadata_is_refused_naming_the_tensor(field, value, message):
+    from multiprocessing.reduction import ForkingPickler
+
+    from agentrl.engines.tensor_ipc import deserialize_flattened_bucket
+
+    buf = io.BytesIO()
+    with sglang_bucket_class() as cls:
+        meta = cls("w", torch.Size([2, 3]), torch.float32, 0, 24, 6)
+        setattr(meta, field, value)
+        ForkingPickler(buf).dump({"flattened_tensor": torch.zeros(24, dtype=torch.uint8), "metadata": [meta]})
+    with pytest.raises(ValueError, match=f"'w'.*{message}|{message}"):
+        deserialize_flattened_bucket(base64.b64encode(buf.getvalue()).decode())
+    with pytest.raises(ValueError, match="keys 'flattened_tensor' and 'metadata'"):
+        deserialize_flattened_bucket(serialize_named_tensors([("w", torch.zeros(2))]))
+
+
+@pytest.mark.e2e
+async def test_engine_loads_a_slime_flattened_bucket(tiny_ckpt):
+    from safetensors.torch import load_file
+
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.engines.local.process import local_server
+
+    weights = load_file(str(tiny_ckpt / "model.safetensors"))
+    with local_server(tiny_ckpt, startup_timeout=120) as url:
+        engine = SGLangEngine(url)
+        try:
+            greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+            before = await engine.generate([1, 2, 3, 4], greedy)
+            flipped = -weights["lm_head.weight"]  # argmax becomes argmin: every greedy token changes
+            payload = slime_bucket([("lm_head.weight", flipped)])
+            await engine.update_weights_from_tensor([payload], load_format="flattened_bucket", weight_version="b1")
+            assert (await engine.model_info())["weight_version"] == "b1"
+            after = await engine.generate([1, 2, 3, 4], greedy)
+            assert after.output_ids != before.output_ids
+            restore = slime_bucket([("lm_head.weight", weights["lm_head.weight"])])
+            await engine.update_weights_from_tensor([restore], load_format="flattened_bucket", weight_version="b2")
+            assert (await engine.generate([1, 2, 3, 4], greedy)).output_ids == before.output_ids
+        finally:
+            await engine.close()

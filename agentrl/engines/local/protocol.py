@@ -249,7 +249,7 @@ class UpdateWeightsFromTensorRequest(_Body):
 
     NEUTRAL = {"abort_all_requests": (None, False)}
     serialized_named_tensors: Annotated[list[Annotated[str, Field(strict=True)]], Field(min_length=1, max_length=1)]
-    load_format: Literal["direct"] | None = None
+    load_format: Literal["direct", "flattened_bucket"] | None = None  # flattened_bucket: what slime sends colocated
     weight_version: Version = None
     flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
 

@@ -569,7 +569,7 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank."""
-        from agentrl.engines.tensor_ipc import deserialize_named_tensors
+        from agentrl.engines.tensor_ipc import deserialize_flattened_bucket, deserialize_named_tensors
 
         body = await _json_body(request)
         try:
@@ -580,10 +580,11 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(deserialize_named_tensors, entry)
             raise
+        read = deserialize_flattened_bucket if req.load_format == "flattened_bucket" else deserialize_named_tensors
         try:
-            named = await asyncio.to_thread(deserialize_named_tensors, req.serialized_named_tensors[0])
+            named = await asyncio.to_thread(read, req.serialized_named_tensors[0])
         except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
-            return answer(False, f"could not read serialized_named_tensors: {exc}")
+            return answer(False, f"could not read serialized_named_tensors ({req.load_format or 'direct'}): {exc}")
         version = req.weight_version
         result = await engine.update_weights_from_tensors(
             dict(named), None if version is None else str(version), partial=True
