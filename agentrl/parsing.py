@@ -53,6 +53,17 @@ class ToolCallParser(abc.ABC):
     def parse(self, text: str) -> ParseResult:
         """Split ``text`` into content, well-formed calls and malformed ones."""
 
+    def call_prefix(self, name: str | None = None) -> str | None:
+        """The text a call in this format begins with (of tool ``name``, or of any tool), so that a
+        server can make the model call one (OpenAI ``tool_choice: "required"`` or a named function)
+        by starting its answer with it; None where the format has no text form."""
+        return None
+
+    def call_marker(self) -> str | None:
+        """Text whose appearance means a call may be starting (a streaming server holds content back
+        from there); None: no marker, anything may be a call."""
+        return None
+
 
 def format_tool_error(err: ParseError) -> str:
     """The message the model sees for a call it got wrong (sent as the tool result for ``err.id``)."""
@@ -159,6 +170,14 @@ class HermesParser(ToolCallParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
+    def call_prefix(self, name: str | None = None) -> str:
+        # the built-in tool template's own layout: <tool_call>\n{"name": "...", "arguments": ...}
+        head = self.open_tag + '\n{"name": "'
+        return head if name is None else head + json.dumps(name)[1:-1] + '", "arguments": '
+
+    def call_marker(self) -> str:
+        return self.open_tag
+
     def parse(self, text: str) -> ParseResult:
         if not isinstance(text, str):
             return "", [], [ParseError(f"expected text, got {type(text).__name__}", id="call_0")]
@@ -226,6 +245,12 @@ class Llama3JsonParser(ToolCallParser):
 
     name = "llama3_json"
     python_tag = "<|python_tag|>"
+
+    def call_prefix(self, name: str | None = None) -> str:
+        return '{"name": "' if name is None else '{"name": "' + json.dumps(name)[1:-1] + '", "parameters": '
+
+    def call_marker(self) -> str:
+        return "{"
 
     def parse(self, text: str) -> ParseResult:
         if not isinstance(text, str):

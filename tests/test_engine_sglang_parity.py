@@ -287,3 +287,182 @@ async def test_server_info_reports_the_memory_saver_and_release_follows_it(serve
     assert out["success"] and out["freed_bytes"] == 0
     assert server["engine"].runner.cache.capacity > 1
     await server["engine"].resume_memory_occupation()
+
+
+# ---------------------------------------------------------------- OpenAI-compatible endpoints
+
+
+def _serve(app) -> tuple[str, object, threading.Thread]:
+    import uvicorn
+
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", srv, thread
+
+
+class MarkerCalls:
+    """A tool-call format of this test: ``CALL name`` anywhere starts a call of ``name`` (rest ignored)."""
+
+    def __call__(self, text: str):
+        head, _, rest = text.partition("CALL ")
+        if not _:
+            return text, []
+        name = rest.split(" ")[0]
+        return head, [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": "{}"}}]
+
+    def call_prefix(self, name):
+        return "CALL " + (f"{name} " if name else "")
+
+    def call_marker(self):
+        return "CALL"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": n, "description": d, "parameters": {"type": "object", "properties": {}}}}
+    for n, d in (("get_weather", "Weather of a city."), ("add", "Add two numbers."))
+]
+HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_urls(server):
+    from agentrl.engines.local.openai_routes import openai_tool_parser
+
+    started = [
+        _serve(build_app(server["engine"], model_name="tiny", tool_parser=openai_tool_parser("hermes"))),
+        _serve(build_app(server["engine"], model_name="tiny", tool_parser=MarkerCalls())),
+    ]
+    yield {"hermes": started[0][0], "marker": started[1][0]}
+    for _, srv, thread in started:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def test_openai_n_seed_and_logit_bias(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
+    kw = {"model": "tiny", "messages": HI, "max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3}
+    kw["extra_body"] = {"ignore_eos": True}
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # seeded: replayed
+    assert len({c.message.content for c in a.choices}) > 1  # seed + i: the samples differ
+    one = client.chat.completions.create(**{**kw, "n": 1})
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert a.usage.completion_tokens == 3 * 6 and one.usage.completion_tokens == 6  # every sample counted
+
+    target = 77
+    biased = client.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=4,
+        temperature=0.8,
+        logit_bias={str(target): 100},
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    tok = server["engine"].tokenizer
+    assert biased.choices[0].logprobs.tokens == [tok.decode([target])] * 4
+
+
+def _prompt_tokens(url: str, **kw) -> int:
+    body = {"model": "tiny", "messages": HI, "max_tokens": 1, "temperature": 0, **kw}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_tool_choice_none_named_and_required(server, tool_urls):
+    tok = server["engine"].tokenizer
+    hermes = tool_urls["hermes"]
+    with_tools = _prompt_tokens(hermes, tools=TOOLS)
+    assert _prompt_tokens(hermes, tools=TOOLS, tool_choice="none") == _prompt_tokens(hermes) < with_tools
+    # named: only that tool in the prompt, and the answer starts with the call (hermes layout)
+    from agentrl.chat import ChatTemplate
+    from agentrl.engines.local.openai_routes import _render_chat
+
+    only = _render_chat(tok, ChatTemplate(tok), HI, TOOLS[:1], {})
+    prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert _prompt_tokens(hermes, tools=TOOLS, tool_choice=named) == len(only) + len(
+        tok.encode(prefix, add_special_tokens=False)
+    )
+    required = _prompt_tokens(hermes, tools=TOOLS, tool_choice="required")
+    assert required == with_tools + len(tok.encode('<tool_call>\n{"name": "', add_special_tokens=False))
+
+    # the whole path with a format whose calls always parse: the forced call comes back as tool_calls
+    import openai
+
+    client = openai.OpenAI(base_url=tool_urls["marker"] + "/v1", api_key="none")
+    out = client.chat.completions.create(model="tiny", messages=HI, tools=TOOLS, tool_choice=named, max_tokens=3)
+    ch = out.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_weather"
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=HI,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=3,
+    )
+    assert out.choices[0].message.tool_calls[0].function.name == "add"
+    out = client.chat.completions.create(model="tiny", messages=HI, tools=TOOLS, tool_choice="none", max_tokens=3)
+    assert out.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model="tiny", messages=HI, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    plain = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")  # no parser: cannot force a call
+    with pytest.raises(openai.BadRequestError, match="tool_choice.*tool-call parser"):
+        plain.chat.completions.create(model="tiny", messages=HI, tools=TOOLS, tool_choice="required")
+
+
+def test_openai_streams_deltas_that_add_up_to_the_answer(server, tool_urls):
+    import openai
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
+    kw = {"model": "tiny", "messages": HI, "max_tokens": 24, "temperature": 0.9, "seed": 3}
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(deltas) == whole and len(deltas) > 5  # token by token, not one chunk at the end
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+    ckw = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0.9, "seed": 3, "n": 2}
+    full = client.completions.create(**ckw)
+    parts = {0: "", 1: ""}
+    for c in client.completions.create(**ckw, stream=True):
+        for ch in c.choices:
+            parts[ch.index] += ch.text
+    assert parts == {ch.index: ch.text for ch in full.choices}
+
+    # with a tool format, the call arrives as one tool_calls delta; text before the marker streams
+    marker = openai.OpenAI(base_url=tool_urls["marker"] + "/v1", api_key="none")
+    named = {"type": "function", "function": {"name": "add"}}
+    chunks = list(
+        marker.chat.completions.create(
+            model="tiny", messages=HI, tools=TOOLS, tool_choice=named, max_tokens=4, stream=True
+        )
+    )
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in calls] == ["add"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stable_text_holds_back_what_may_change():
+    from agentrl.engines.local.openai_routes import _stable
+
+    assert _stable("abc\ufffd", False, [], None) == "abc"  # a character still being sampled
+    assert _stable("answer: 4</ans", False, ["</answer>"], None) == "answer: 4"  # a stop string may be starting
+    assert _stable("hi <tool_call>{", False, [], "<tool_call>") == "hi "
+    assert _stable("hi <tool", False, [], "<tool_call>") == "hi "
+    assert _stable("hi <tool", True, [], "<tool_call>") == "hi <tool"

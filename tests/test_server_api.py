@@ -173,7 +173,37 @@ def test_generate_rejects_bad_requests(http, body):
             {"messages": [{"role": "user", "content": "hi"}], "temperature": 10**400},
             "sampling_params.temperature",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 200}},
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "any"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"x": 1}},
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+        ),
         ("/v1/completions", {"prompt": "a", "stop_token_ids": 5}, "sampling_params.stop_token_ids"),
         ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
         ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
@@ -281,6 +311,10 @@ def test_fuzzed_bodies_never_kill_or_500_the_server(http, server):
     assert http.post("/generate", json=probe).json()["output_ids"] == before
 
 
+def client_tok(server):
+    return server["engine"].tokenizer
+
+
 def test_openai_completions(server):
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="none")
     c = client.completions.create(
@@ -303,8 +337,9 @@ def test_openai_completions(server):
     assert [ch.index for ch in two.choices] == [0, 1] and two.usage.prompt_tokens == 5
     default = client.completions.create(model="tiny", prompt="a", extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="a", n=2)
+    many = client.completions.create(model="tiny", prompt=["a", "b c"], n=3, max_tokens=2, seed=5, temperature=1.0)
+    assert [ch.index for ch in many.choices] == list(range(6))  # prompt p, sample i -> p * n + i
+    assert many.usage.prompt_tokens == len(client_tok(server).encode("a")) + len(client_tok(server).encode("b c"))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="a", echo=True)
 

@@ -113,17 +113,34 @@ class ChatMessage(BaseModel):
     tool_call_id: Annotated[str, Field(strict=True)] | None = None
 
 
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Flag = False
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=256)]
+
+
+class NamedToolChoice(BaseModel):
+    """OpenAI ``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _Function
+
+
 class _OpenAIBody(_Body):
     """Fields shared by OpenAI completions and chat completions; sampling fields go to :class:`SamplingConfig`."""
 
     NEUTRAL = {
-        "n": (None, 1),
         "user": None,
-        "stream_options": None,
         "frequency_penalty": (None, 0, 0.0),
         "presence_penalty": (None, 0, 0.0),
         "repetition_penalty": (None, 1, 1.0),
-        "logit_bias": (None,),
         "response_format": (None, {"type": "text"}),
         "parallel_tool_calls": (None, True, False),
         "metadata": None,
@@ -144,7 +161,16 @@ class _OpenAIBody(_Body):
     skip_special_tokens: Any = None
     no_stop_trim: Any = None
     seed: Any = None  # OpenAI's name for SGLang's sampling_seed
+    n: Annotated[int, Field(strict=True, ge=1, le=128)] = 1
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=4096),
+        ]
+        | None
+    ) = None
     stream: Flag = False
+    stream_options: StreamOptions | None = None
 
     def sampling(self, default_max: int | None) -> dict:
         """SGLang ``sampling_params`` (validated by the engine, errors naming ``sampling_params.<field>``)."""
@@ -165,6 +191,8 @@ class _OpenAIBody(_Body):
                 sp[key] = getattr(self, key)
         if self.seed is not None:
             sp["sampling_seed"] = self.seed
+        if self.logit_bias:
+            sp["logit_bias"] = dict(self.logit_bias)
         return sp
 
 
@@ -187,7 +215,7 @@ class ChatCompletionRequest(_OpenAIBody):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[dict] | None = None
-    tool_choice: Literal["auto"] | None = None  # "none"/"required"/a named tool are not implemented
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     logprobs: Flag = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=0)] | None = None
     chat_template_kwargs: dict | None = None

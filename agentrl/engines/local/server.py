@@ -27,10 +27,8 @@ Choices worth knowing:
   logits before sampling; ``custom_params`` accepts slime's ``return_top_p_token_ids`` (each output
   token's top-p nucleus as ``top_p_token_ids`` / ``top_p_token_offsets``) and refuses other keys
   (there is no custom logit processor).
-- OpenAI ``n > 1`` and ``echo`` are refused with HTTP 400; ``top_logprobs`` are not computed
-  (``null`` / empty lists).
-- Tool calls: ``build_app(engine, tool_parser=f)`` where ``f(text) -> (content, [openai tool_call
-  dicts])``; when it returns calls the choice gets ``tool_calls`` and ``finish_reason="tool_calls"``.
+- The OpenAI endpoints live in ``openai_routes.py`` (``n``, ``seed``, ``logit_bias``,
+  ``tool_choice``, token-by-token streaming; ``echo`` and top alternatives are refused).
 - ``/pause_generation`` follows SGLang's ``mode="abort"`` (its default): running requests end at
   once with finish reason ``abort`` (partial output returned), the call returns when none is left,
   and new generate requests (native and OpenAI) wait until ``/continue_generation``. SGLang's
@@ -47,35 +45,23 @@ import datetime
 import hmac
 import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from agentrl.chat import ChatTemplate
 from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
+from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes
 
-ToolParser = Callable[[str], tuple[str, list[dict]]]
 log = logging.getLogger(__name__)
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def _sse(payloads: list[Any]) -> StreamingResponse:
-    async def events():
-        for p in payloads:
-            yield f"data: {json.dumps(p)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _json_body(request: Request) -> dict:
@@ -86,21 +72,6 @@ async def _json_body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return body
-
-
-def openai_tool_parser(name: str | None) -> ToolParser | None:
-    """``--tool-call-parser NAME`` as the server's hook: text -> (content, OpenAI ``tool_calls``); None for none."""
-    if not name or name == "none":
-        return None
-    from agentrl.parsing import get_parser
-
-    parser = get_parser(name)
-
-    def parse(text: str) -> tuple[str, list[dict]]:
-        content, calls, _ = parser.parse(text)
-        return content, [c.to_openai() for c in calls]
-
-    return parse
 
 
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
@@ -247,8 +218,6 @@ def build_app(
     if api_key:
         _require_api_key(app, api_key)
     name = model_name or engine.model_path
-    tok = engine.tokenizer
-    chat_template = ChatTemplate(tok)
     gate = app.state.pause_gate = PauseGate(engine)
     stats = app.state.stats = RequestStats()
 
@@ -420,105 +389,7 @@ def build_app(
         engine.abort(req.rid, abort_all=req.abort_all)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "agentrl",
-                    "root": name,
-                    "parent": None,
-                    "max_model_len": engine.context_length,
-                }
-            ],
-        }
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = P.CompletionRequest.parse(await _json_body(request))
-        prompts = (
-            req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
-        )
-        sp = req.sampling(default_max=16)
-        nlp = req.logprobs
-        async with gate.admit():
-            outs = await asyncio.gather(
-                *(
-                    engine.generate(
-                        ids if isinstance(ids, list) else tok.encode(ids), dict(sp), return_logprob=nlp is not None
-                    )
-                    for ids in prompts
-                )
-            )
-        stats.record(outs)
-        choices = []
-        for i, out in enumerate(outs):
-            choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
-            if nlp is not None:
-                lps = out["meta_info"]["output_token_logprobs"]
-                texts = [tok.decode([t]) for _, t, _ in lps]
-                offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
-                choice["logprobs"] = {
-                    "tokens": texts,
-                    "token_logprobs": [lp for lp, _, _ in lps],
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
-            choices.append(choice)
-        resp = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": choices,
-            "usage": _usage(outs),
-        }
-        return _sse([resp]) if req.stream else resp
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = P.ChatCompletionRequest.parse(await _json_body(request))
-        ids = _render_chat(tok, chat_template, req.message_dicts(), req.tools, req.chat_template_kwargs or {})
-        sp = req.sampling(default_max=None)
-        want_lp = req.logprobs
-        async with gate.admit():
-            out = await engine.generate(ids, sp, return_logprob=want_lp)
-        content, calls = out["text"], []
-        if tool_parser is not None:
-            content, calls = tool_parser(out["text"])
-        fin = _finish(out)
-        if calls:
-            fin["finish_reason"] = "tool_calls"
-        logprobs = None
-        if want_lp:
-            logprobs = {
-                "content": [
-                    {"token": (t := tok.decode([i])), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for lp, i, _ in out["meta_info"]["output_token_logprobs"]
-                ]
-            }
-        message = {"role": "assistant", "content": content, "tool_calls": calls or None}
-        resp = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, **fin}],
-            "usage": _usage([out]),
-        }
-        if req.stream:
-            chunk = {
-                **resp,
-                "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": message, "logprobs": logprobs, **fin}],
-            }
-            return _sse([chunk])
-        return resp
-
+    add_openai_routes(app, engine, name=name, gate=gate, stats=stats, tool_parser=tool_parser, json_body=_json_body)
     return app
 
 
@@ -671,34 +542,6 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
         )
     ]
     return batch, jobs
-
-
-def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
-    """Render with the model's template, or agentrl's built-in tool template when tools are offered
-    and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
-    try:
-        text = tok.apply_chat_template(
-            messages,
-            tools=tools,
-            chat_template=chat.template_for(tools),
-            add_generation_prompt=True,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
-        raise InvalidRequestError(f"chat template failed: {exc}") from exc
-    return tok.encode(text, add_special_tokens=False)
-
-
-def _finish(out: dict) -> dict:
-    fr = out["meta_info"]["finish_reason"] or {}
-    return {"finish_reason": fr.get("type"), "matched_stop": fr.get("matched") if fr.get("type") == "stop" else None}
-
-
-def _usage(outs: list[dict]) -> dict:
-    p = sum(o["meta_info"]["prompt_tokens"] for o in outs)
-    c = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _version() -> str:

@@ -1,0 +1,412 @@
+"""The embedded engine's OpenAI-compatible endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Everything OpenAI's request defines is either done or refused with a 400 naming the field (see
+``protocol.py``). Tool calls: ``build_app(engine, tool_parser=f)`` where ``f(text) -> (content,
+[OpenAI tool_call dicts])`` (``--tool-call-parser NAME`` builds one from :mod:`agentrl.parsing`);
+when it returns calls the choice gets ``tool_calls`` and ``finish_reason="tool_calls"``. What is done
+here, beyond plain sampling:
+
+- ``n``: n samples of the same prompt (choice ``i`` of prompt ``p`` is index ``p * n + i``, as
+  OpenAI lays them out); with ``seed``, sample ``i`` draws with ``seed + i`` (n copies of one seed
+  would be n identical answers).
+- ``logit_bias``: token id -> bias in [-100, 100], added to the logits before sampling.
+- ``tool_choice``: ``"none"`` renders without tools and parses no calls; ``"auto"`` (the default)
+  parses calls; ``"required"`` and a named function start the answer with the parser's call prefix
+  (``<tool_call>\\n{"name": "f", "arguments": `` for hermes), so the model must write a call (to that
+  function). SGLang constrains decoding with a JSON schema instead; a forced prefix makes the call
+  happen but does not make its arguments valid JSON, which the parser then reports as content.
+- ``stream``: chunks as tokens are sampled (OpenAI's ``chat.completion.chunk`` / ``text_completion``
+  deltas). Text that may still change is held back: a trailing partial UTF-8 character, the start of
+  a stop string, and, when tools are parsed, everything from the parser's call marker on (the calls
+  come as one ``tool_calls`` delta at the end). ``stream_options.include_usage`` adds the usage chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from agentrl.chat import ChatTemplate
+from agentrl.engines.local import protocol as P
+from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+
+ToolParser = Callable[[str], tuple[str, list[dict]]]
+"""The server's tool-call hook: text -> (content, OpenAI ``tool_calls``). One from
+:func:`openai_tool_parser` also has ``call_prefix(name)`` and ``call_marker()``."""
+
+
+def openai_tool_parser(name: str | None) -> ToolParser | None:
+    """``--tool-call-parser NAME`` as the server's hook; None for none."""
+    if not name or name == "none":
+        return None
+    from agentrl.parsing import get_parser
+
+    return _ParserHook(get_parser(name))
+
+
+class _ParserHook:
+    def __init__(self, parser: Any):
+        self.parser = parser
+
+    def __call__(self, text: str) -> tuple[str, list[dict]]:
+        """Calls that parse become ``tool_calls``; the raw text of a malformed one stays in the content
+        (the client sees what the model wrote instead of an empty message)."""
+        content, calls, errors = self.parser.parse(text)
+        content = "\n".join(x for x in (content, *(e.raw for e in errors)) if x)
+        return content, [c.to_openai() for c in calls]
+
+    def call_prefix(self, name: str | None) -> str | None:
+        return self.parser.call_prefix(name)
+
+    def call_marker(self) -> str | None:
+        return self.parser.call_marker()
+
+
+def add_openai_routes(
+    app: FastAPI,
+    engine: LocalEngine,
+    *,
+    name: str,
+    gate: Any,
+    stats: Any,
+    tool_parser: ToolParser | None,
+    json_body: Callable[[Request], Any],
+) -> None:
+    """Mount the OpenAI endpoints on ``app``; generation passes ``gate`` (pauses) and is counted in ``stats``."""
+    tok = engine.tokenizer
+    chat_template = ChatTemplate(tok)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "agentrl",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": engine.context_length,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.CompletionRequest.parse(await json_body(request))
+        prompts = (
+            req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
+        )
+        jobs = []
+        for ids in prompts:
+            ids = ids if isinstance(ids, list) else tok.encode(ids)
+            for sp in _samples(req, req.sampling(default_max=16)):
+                jobs.append({"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs is not None})
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+        }
+        if req.stream:
+            for job in jobs:
+                engine.check_request(**job)
+            return _sse(_stream_completions(engine, gate, stats, jobs, head, req, tok))
+        async with gate.admit():
+            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+        stats.record(outs)
+        choices = []
+        for i, out in enumerate(outs):
+            choice = {"index": i, "text": out["text"], "logprobs": None, **_finish(out)}
+            if req.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(tok, out["meta_info"]["output_token_logprobs"], 0)
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": _usage(outs, req.n)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = P.ChatCompletionRequest.parse(await json_body(request))
+        tools, prefix, parse = _tool_plan(req, tool_parser)
+        ids = _render_chat(tok, chat_template, req.message_dicts(), tools, req.chat_template_kwargs or {})
+        if prefix:
+            ids = ids + tok.encode(prefix, add_special_tokens=False)
+        jobs = [{"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs} for sp in _samples(req)]
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+        }
+        if req.stream:
+            for job in jobs:
+                engine.check_request(**job)
+            hook = tool_parser if parse else None
+            return _sse(_stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix))
+        async with gate.admit():
+            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+        stats.record(outs)
+        choices = []
+        for i, out in enumerate(outs):
+            content, calls = prefix + out["text"], []
+            if parse and tool_parser is not None:
+                content, calls = tool_parser(content)
+            fin = _finish(out)
+            if calls:
+                fin["finish_reason"] = "tool_calls"
+            logprobs = _chat_logprobs(tok, out) if req.logprobs else None
+            message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+            choices.append({"index": i, "message": message, "logprobs": logprobs, **fin})
+        return {**head, "choices": choices, "usage": _usage(outs, req.n)}
+
+
+def _samples(req: P._OpenAIBody, sp: dict | None = None) -> list[dict]:
+    """One sampling-params dict per requested sample (``n``); sample ``i`` seeded ``seed + i``."""
+    sp = sp if sp is not None else req.sampling(default_max=None)
+    out = []
+    for i in range(req.n):
+        one = dict(sp)
+        if (
+            "sampling_seed" in one
+            and isinstance(one["sampling_seed"], int)
+            and not isinstance(one["sampling_seed"], bool)
+        ):
+            one["sampling_seed"] = one["sampling_seed"] + i
+        out.append(one)
+    return out
+
+
+def _tool_plan(req: P.ChatCompletionRequest, hook: ToolParser | None) -> tuple[list[dict] | None, str, bool]:
+    """(tools for the template, forced answer prefix, whether to parse calls) for ``tool_choice``."""
+    choice, tools = req.tool_choice, req.tools
+    if choice == "none":
+        return None, "", False
+    if choice in (None, "auto"):
+        return tools, "", True
+    if not tools:
+        raise InvalidRequestError(f"tool_choice: {_choice_text(choice)} needs tools")
+    prefix_of = getattr(hook, "call_prefix", None)
+    if choice == "required":
+        prefix = prefix_of(None) if prefix_of else None
+        chosen = tools
+    else:
+        wanted = choice.function.name
+        chosen = [t for t in tools if (t.get("function") or {}).get("name") == wanted]
+        if not chosen:
+            names = [(t.get("function") or {}).get("name") for t in tools]
+            raise InvalidRequestError(f"tool_choice: function {wanted!r} is not among the tools {names}")
+        prefix = prefix_of(wanted) if prefix_of else None
+    if not prefix:
+        raise InvalidRequestError(
+            f"tool_choice: {_choice_text(choice)} needs a tool-call parser with a text call format "
+            "(serve with --tool-call-parser hermes, qwen or llama3_json)"
+        )
+    return chosen, prefix, True
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+# ---------------------------------------------------------------- streaming
+
+
+async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, partial or final response) of every job's stream, as they come; the request holds the gate."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def one(i: int, job: dict) -> None:
+        try:
+            async for out in engine.generate_stream(**job):
+                await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI servers do
+            await queue.put((i, exc))
+        finally:
+            await queue.put(None)
+
+    async with gate.admit():
+        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                    continue
+                i, out = item
+                if isinstance(out, BaseException):
+                    raise out
+                if out["meta_info"]["finish_reason"] is not None:
+                    stats.record([out])
+                yield i, out
+        finally:  # the client went away: end what is still running
+            for t in tasks:
+                t.cancel()
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for e in events:
+                yield f"data: {json.dumps(e)}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the status line is out: the error travels as an event
+            yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _stable(text: str, final: bool, stops: list[str], marker: str | None) -> str:
+    """The part of ``text`` that later tokens cannot change or hide."""
+    if final:
+        return text
+    end = len(text.rstrip("\ufffd"))  # a character whose bytes are not all sampled yet
+    for s in stops:  # a stop string may be starting: it would be trimmed
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    if marker is not None:
+        at = text.find(marker)
+        if at >= 0:
+            end = min(end, at)
+        else:
+            for k in range(min(len(marker) - 1, end), 0, -1):
+                if text[:end].endswith(marker[:k]):
+                    end -= k
+                    break
+    return text[:end]
+
+
+async def _stream_completions(engine, gate, stats, jobs, head, req, tok) -> AsyncIterator[dict]:
+    sent = [""] * len(jobs)
+    lp_sent = [0] * len(jobs)
+    stops = _stops(jobs[0]["sampling_params"])
+    outs: dict[int, dict] = {}
+    async for i, out in _merged(engine, gate, stats, jobs):
+        final = out["meta_info"]["finish_reason"] is not None
+        text = _stable(out["text"], final, stops, None)
+        delta = text[len(sent[i]) :] if text.startswith(sent[i]) else ""
+        sent[i] = text if delta or final else sent[i]
+        choice: dict[str, Any] = {"index": i, "text": delta, "logprobs": None, "finish_reason": None}
+        if req.logprobs is not None:
+            lps = out["meta_info"]["output_token_logprobs"]
+            choice["logprobs"] = _completion_logprobs(tok, lps[lp_sent[i] :], 0)
+            lp_sent[i] = len(lps)
+        if final:
+            choice.update(_finish(out))
+            outs[i] = out
+        if delta or final or choice["logprobs"]:
+            yield {**head, "choices": [choice]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": _usage([outs[i] for i in sorted(outs)], req.n)}
+
+
+async def _stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix) -> AsyncIterator[dict]:
+    head = {**head, "object": "chat.completion.chunk"}
+    marker = None
+    if hook is not None:
+        marker = hook.call_marker() if hasattr(hook, "call_marker") else ""  # "": hold everything back
+    stops = _stops(jobs[0]["sampling_params"])
+    sent = [""] * len(jobs)
+    lp_sent = [0] * len(jobs)
+    outs: dict[int, dict] = {}
+    for i in range(len(jobs)):  # OpenAI's first chunk: the role
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    async for i, out in _merged(engine, gate, stats, jobs):
+        final = out["meta_info"]["finish_reason"] is not None
+        full = prefix + out["text"]
+        delta: dict[str, Any] = {}
+        fin: dict[str, Any] = {"finish_reason": None}
+        if final:
+            outs[i] = out
+            content, calls = hook(full) if hook is not None else (full, [])
+            rest = content[len(sent[i]) :] if content.startswith(sent[i]) else ""
+            if rest:
+                delta["content"] = rest
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+            fin = _finish(out)
+            if calls:
+                fin["finish_reason"] = "tool_calls"
+        elif not prefix:
+            text = _stable(full, False, stops, marker if marker != "" else None)
+            if marker == "":
+                text = ""
+            if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                delta["content"] = text[len(sent[i]) :]
+                sent[i] = text
+        choice: dict[str, Any] = {"index": i, "delta": delta, **fin}
+        if req.logprobs:
+            lps = out["meta_info"]["output_token_logprobs"]
+            choice["logprobs"] = {"content": _chat_logprob_entries(tok, lps[lp_sent[i] :])}
+            lp_sent[i] = len(lps)
+        if delta or final:
+            yield {**head, "choices": [choice]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": _usage([outs[i] for i in sorted(outs)], req.n)}
+
+
+def _stops(sp: dict) -> list[str]:
+    if sp.get("no_stop_trim"):
+        return []
+    stop = sp.get("stop") or []
+    return [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
+    """Render with the model's template, or agentrl's built-in tool template when tools are offered
+    and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
+    try:
+        text = tok.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=chat.template_for(tools),
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
+        raise InvalidRequestError(f"chat template failed: {exc}") from exc
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _completion_logprobs(tok: Any, lps: list, offset: int) -> dict:
+    texts = [tok.decode([t]) for _, t, _ in lps]
+    offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in lps], "top_logprobs": None, "text_offset": offsets}
+
+
+def _chat_logprob_entries(tok: Any, lps: list) -> list[dict]:
+    out = []
+    for lp, i, _ in lps:
+        t = tok.decode([i])
+        out.append({"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []})
+    return out
+
+
+def _chat_logprobs(tok: Any, out: dict) -> dict:
+    return {"content": _chat_logprob_entries(tok, out["meta_info"]["output_token_logprobs"])}
+
+
+def _finish(out: dict) -> dict:
+    fr = out["meta_info"]["finish_reason"] or {}
+    return {"finish_reason": fr.get("type"), "matched_stop": fr.get("matched") if fr.get("type") == "stop" else None}
+
+
+def _usage(outs: list[dict], n: int) -> dict:
+    """OpenAI's usage: each prompt counted once, whatever ``n``; every sample's completion tokens."""
+    p = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
+    c = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
