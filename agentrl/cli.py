@@ -257,7 +257,8 @@ def _exit_when_stdin_closes() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.engines.http import API_KEY_ENV
-    from agentrl.engines.local.server import openai_tool_parser, serve
+    from agentrl.engines.local.openai_routes import openai_tool_parser
+    from agentrl.engines.local.server import serve
 
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tool_parser = openai_tool_parser(args.tool_call_parser)

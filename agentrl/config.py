@@ -197,8 +197,14 @@ class TrainConfig:
 
     loss_type: str = option(
         "policy_loss",
-        help="policy_loss (RL on rollouts) or sft_loss (a warm start on demonstrations; = agentrl sft)",
+        help="policy_loss (RL on rollouts), sft_loss (a warm start on demonstrations; = agentrl sft) or "
+        "custom_loss (--custom-loss-function-path)",
         choices=LOSS_TYPES,
+    )
+    custom_loss_function_path: str | None = option(
+        None,
+        help="with --loss-type custom_loss: module:fn (or file.py:fn) called as fn(args, batch, log_probs, "
+        "sum_of_sample_mean) -> (loss, metrics) on every micro-batch (see agentrl.algo.loss.custom_loss)",
     )
     advantage_estimator: str = option(
         "grpo",
@@ -285,6 +291,10 @@ class TrainConfig:
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
+            (
+                (self.loss_type == "custom_loss") == bool(self.custom_loss_function_path),
+                "--loss-type custom_loss and --custom-loss-function-path go together: set both or neither",
+            ),
             (0.0 <= self.gamma <= 1.0, "--gamma must be in [0, 1]"),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),

@@ -175,6 +175,9 @@ class Sample:
     (a task row's ``generate_function_path`` key sets it)."""
     non_generation_time: float = 0.0
     """Seconds the episode spent outside the engine: env ``reset``/``step``/``close`` (tools included)."""
+    train_metadata: dict[str, Any] | None = None
+    """Data for the trainer (slime's field): set by a custom generate / reward / sample-filter function,
+    handed to a ``--loss-type custom_loss`` function as ``batch["metadata"]`` (one entry per sample)."""
 
     @dataclass
     class SpecInfo:
@@ -292,7 +295,7 @@ class Sample:
         self.spec_info.check()
         if self.generate_function_path is not None and not isinstance(self.generate_function_path, str):
             raise ValueError(f"generate_function_path must be a module:fn string, not {self.generate_function_path!r}")
-        for name in ("multimodal_inputs", "multimodal_train_inputs"):
+        for name in ("multimodal_inputs", "multimodal_train_inputs", "train_metadata"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict or None, not {type(getattr(self, name)).__name__}")
         if not isinstance(self.remove_sample, bool):

@@ -308,3 +308,21 @@ def test_two_processes_tp_pp_dp_match_one(tiny_ckpt, tmp_path, monkeypatch):
     weights = torch.load(f"{out}.pp2_tied.pt")
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(v, weights[k if k != "lm_head.weight" else "model.embed_tokens.weight"], msg=k)
+
+
+def test_custom_loss_matches_the_torch_trainer(tiny_ckpt, tmp_path):
+    """--loss-type custom_loss on megatron: the same function, the same numbers as on the torch backend."""
+    from .test_custom_loss import LOSSES
+
+    (tmp_path / "my_losses.py").write_text(LOSSES)
+    samples = [
+        dataclasses.replace(s, train_metadata={"w": float(i % 3)}) for i, s in enumerate(make_samples(8, seed=6))
+    ]
+    c = cfg(
+        max_tokens_per_gpu=48, loss_type="custom_loss", custom_loss_function_path=f"{tmp_path}/my_losses.py:weighted"
+    )
+    tt, mt = TorchTrainer(tiny_ckpt, c), MegatronTrainer(tiny_ckpt, c)
+    want, got = tt.train_step(samples), mt.train_step(samples)
+    assert got["w_seen"] == want["w_seen"] == sum(i % 3 for i in range(8))
+    assert got["weighted_nll"] == pytest.approx(want["weighted_nll"], rel=1e-4)
+    assert_weights_close(mt, tt)

@@ -241,6 +241,33 @@ def test_rollout_sample_filter_keeps_removed_samples_out_of_the_loss(tiny_ckpt, 
     assert all(s["non_generation_time"] > 0 for s in dump)  # Digits' reset and steps were timed
 
 
+def test_custom_loss_trains_with_train_metadata_set_by_a_filter(tiny_ckpt, tmp_path, ray_local, monkeypatch):
+    """slime's custom loss path end to end: a sample filter sets train_metadata, the trainer actor loads
+    --custom-loss-function-path and hands it every sample's metadata; its metrics reach metrics.jsonl."""
+    from agentrl.runtime.train import train
+
+    from .test_custom_loss import LOSSES
+
+    (tmp_path / "my_losses.py").write_text(LOSSES)
+    (tmp_path / "weights_filter.py").write_text(
+        "def weigh(args, groups):\n"
+        "    for g in groups:\n"
+        "        for s in g:\n"
+        "            s.train_metadata = {'w': float(s.index % 2)}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    save = tmp_path / "run"
+    cfg = _cfg(tiny_ckpt, save, num_rollout=1, rollout_sample_filter_path="weights_filter:weigh")
+    cfg.train.loss_type, cfg.train.custom_loss_function_path = "custom_loss", f"{tmp_path}/my_losses.py:weighted"
+    train(cfg)
+    (line,) = _lines(save)
+    dump = _dump(save, 0)
+    assert all(s["train_metadata"] == {"w": float(s["index"] % 2)} for s in dump)
+    trained = [s for s in dump if "advantages" in s]
+    assert line["w_seen"] == sum(s["train_metadata"]["w"] for s in trained) > 0
+    assert "weighted_nll" in line
+
+
 def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     from agentrl.runtime.train import train
 

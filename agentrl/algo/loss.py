@@ -14,6 +14,9 @@ the whole step): summing the per-micro-batch losses then gives exactly the whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -172,6 +175,73 @@ def sft_loss(
     return nll, {"sft_loss": float(nll.detach())}
 
 
+CustomLoss = Callable[..., tuple[Tensor, dict[str, float]]]
+"""``fn(args, batch, log_probs, sum_of_sample_mean) -> (loss, metrics)``, see :func:`custom_loss`."""
+
+
+def custom_loss(
+    fn: CustomLoss,
+    cfg: LossConfig,
+    batch: Any,
+    logp: Tensor,
+    old_logp: Tensor,
+    *,
+    num_tokens: float,
+    num_seqs: float,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``--loss-type custom_loss``: the user's ``fn(args, batch, log_probs, sum_of_sample_mean)``, slime's
+    custom loss signature with agentrl's packed layout.
+
+    ``args`` is the training config (slime's flag names); ``log_probs`` the current policy's
+    log-probs of the response tokens of this micro-batch (``[N]``, with gradient; slime passes the
+    raw logits, which are vocab-parallel under Megatron: both agentrl backends give the same
+    log-probs instead). ``batch`` holds, aligned with ``log_probs``: ``loss_masks``, ``advantages``,
+    ``log_probs`` (the old policy's), ``ref_log_probs`` / ``rollout_log_probs`` / ``entropy``
+    (None when not computed), ``seq_ids`` (which sample of the micro-batch), and per sample
+    ``response_lengths`` and ``metadata`` (each sample's ``train_metadata``); ``tokens`` is the packed
+    row. ``sum_of_sample_mean(values)`` reduces ``[N]`` values with the step's normalization (the
+    same as the built-in losses: ``--calculate-per-token-loss`` or per-sample means), so micro-batch
+    losses add up to the step's. The loss must be a finite scalar tensor; metrics a dict of numbers.
+    """
+    mask, seq_ids = batch.mask, batch.seq_ids
+
+    def sum_of_sample_mean(values: Tensor) -> Tensor:
+        return aggregate(
+            values, mask, seq_ids, per_token=cfg.calculate_per_token_loss, num_tokens=num_tokens, num_seqs=num_seqs
+        )
+
+    view = {
+        "tokens": batch.input_ids[0],
+        "loss_masks": mask,
+        "advantages": batch.advantages,
+        "log_probs": old_logp,
+        "ref_log_probs": ref_logp,
+        "rollout_log_probs": batch.rollout_log_probs,
+        "entropy": entropy,
+        "seq_ids": seq_ids,
+        "response_lengths": list(batch.response_lengths),
+        "metadata": list(batch.train_metadata),
+    }
+    name = getattr(cfg, "custom_loss_function_path", None) or "the custom loss"
+    out = fn(cfg, view, logp, sum_of_sample_mean)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"--custom-loss-function-path {name}: must return (loss, metrics), got {type(out).__name__}")
+    loss, metrics = out
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(f"--custom-loss-function-path {name}: the loss must be a scalar tensor, got {loss!r:.80}")
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise ValueError(f"--custom-loss-function-path {name}: the loss is not finite ({float(loss.detach())})")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise TypeError(f"--custom-loss-function-path {name}: metrics must be a dict of name -> number")
+    try:
+        values = {k: float(v) for k, v in metrics.items()}
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"--custom-loss-function-path {name}: metrics must be numbers ({exc})") from None
+    return loss.reshape(()), values
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -185,8 +255,11 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     rollout_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    custom_fn: CustomLoss | None = None,
+    batch: Any = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch loss to ``backward()`` (:func:`sft_loss` instead with ``--loss-type sft_loss``):
+    """The micro-batch loss to ``backward()`` (:func:`sft_loss` instead with ``--loss-type sft_loss``,
+    :func:`custom_loss` of ``custom_fn`` on ``batch`` with ``--loss-type custom_loss``):
 
         loss = agg(w_t * pg_t) + kl_loss_coef * agg(kl_t) - entropy_coef * agg(H_t)
 
@@ -198,6 +271,20 @@ def policy_loss(
     """
     if cfg.loss_type == "sft_loss":
         return sft_loss(logp, mask, seq_ids, cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+    if cfg.loss_type == "custom_loss":
+        if custom_fn is None or batch is None:
+            raise ValueError("--loss-type custom_loss needs the loaded --custom-loss-function-path and the batch")
+        return custom_loss(
+            custom_fn,
+            cfg,
+            batch,
+            logp,
+            old_logp,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            ref_logp=ref_logp,
+            entropy=entropy,
+        )
 
     def agg(v: torch.Tensor) -> torch.Tensor:
         return aggregate(

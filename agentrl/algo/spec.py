@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-LOSS_TYPES = ("policy_loss", "sft_loss")
-"""slime's ``--loss-type``: RL on rollouts, or supervised fine-tuning on demonstrations."""
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+"""slime's ``--loss-type``: RL on rollouts, supervised fine-tuning on demonstrations, or the user's
+function (``--custom-loss-function-path``, see :func:`agentrl.algo.loss.custom_loss`)."""
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 """``--advantage-estimator`` values :func:`agentrl.algo.advantages.compute_advantages` knows."""

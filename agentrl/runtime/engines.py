@@ -85,8 +85,9 @@ class EngineServer:
         import uvicorn
 
         from agentrl.engines.local.engine import LocalEngine
+        from agentrl.engines.local.openai_routes import openai_tool_parser
         from agentrl.engines.local.process import free_port
-        from agentrl.engines.local.server import build_app, openai_tool_parser
+        from agentrl.engines.local.server import build_app
 
         if num_threads:
             torch.set_num_threads(num_threads)

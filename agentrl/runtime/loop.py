@@ -235,7 +235,7 @@ class TrainLoop:
         """(old, ref): whether this configuration needs them before the update."""
         t = self.cfg.train
         ref = t.use_kl_loss or (t.advantage_estimator.startswith("reinforce_plus_plus") and t.kl_coef > 0)
-        old = ref or t.use_tis or t.num_steps_per_rollout > 1
+        old = ref or t.use_tis or t.num_steps_per_rollout > 1 or t.loss_type == "custom_loss"
         return old, ref
 
     def advantages(self, samples: list[Sample], batch: list[TrainSample]) -> None:
@@ -270,6 +270,7 @@ class TrainLoop:
                 # a removed sample keeps its place (its reward is in its group's baseline) but trains no token
                 loss_mask=[0] * s.response_length if s.remove_sample else list(s.loss_mask),
                 rollout_log_probs=list(s.rollout_log_probs),
+                train_metadata=s.train_metadata,
             )
             for s in samples
         ]

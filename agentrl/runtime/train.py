@@ -91,6 +91,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             if cfg.dynamic_sampling_filter_path == "default"
             else load_function(cfg.dynamic_sampling_filter_path)
         )
+    if cfg.train.custom_loss_function_path:  # loaded here first, so a bad path stops the run before Ray starts
+        with naming_flag("--custom-loss-function-path", cfg.train.custom_loss_function_path):
+            load_function(cfg.train.custom_loss_function_path)
     sample_filter = None
     if cfg.rollout_sample_filter_path:
         with naming_flag("--rollout-sample-filter-path", cfg.rollout_sample_filter_path):

@@ -40,6 +40,8 @@ class TrainSample:
     rollout_log_probs: list[float] | None = None
     old_log_probs: list[float] | None = None
     ref_log_probs: list[float] | None = None
+    train_metadata: dict | None = None
+    """The sample's ``Sample.train_metadata``, handed to a custom loss (``batch["metadata"]``)."""
 
     @property
     def prompt_length(self) -> int:
@@ -78,6 +80,16 @@ class Trainer(abc.ABC):
         """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
 
 
+def load_custom_loss(cfg: Any) -> Callable[..., Any] | None:
+    """The ``--custom-loss-function-path`` function when ``--loss-type custom_loss`` (each trainer rank
+    loads it itself: functions do not travel to Ray actors by value); else None."""
+    if getattr(cfg, "loss_type", None) != "custom_loss":
+        return None
+    from agentrl.registry import load_function
+
+    return load_function(cfg.custom_loss_function_path)
+
+
 def with_gradient(samples: Sequence[TrainSample], cfg: Any) -> list[TrainSample]:
     """The samples that can move the weights in a policy-loss step; the rest need no forward or backward.
 
@@ -85,11 +97,11 @@ def with_gradient(samples: Sequence[TrainSample], cfg: Any) -> list[TrainSample]
     GSPO, TIS alike), so a sample whose advantages are 0 on every trained token (a GRPO group whose
     episodes all tie) contributes exactly 0 to the gradient. Dropping it saves its whole pass; the
     loss keeps the batch's normalizers (``num_tokens``/``num_seqs`` of all samples), so the
-    gradient and the optimizer step are those of the full batch. SFT, KL and entropy terms depend
-    on every sample: then all are kept.
+    gradient and the optimizer step are those of the full batch. SFT, KL and entropy terms (and a
+    custom loss) depend on every sample: then all are kept.
     """
-    if cfg.loss_type == "sft_loss" or cfg.use_kl_loss or cfg.entropy_coef != 0:
-        return list(samples)
+    if cfg.loss_type != "policy_loss" or cfg.use_kl_loss or cfg.entropy_coef != 0:
+        return list(samples)  # SFT and KL terms need every sample; a custom loss may too
     return [s for s in samples if any(a != 0 and m for a, m in zip(s.advantages, s.loss_mask))]
 
 

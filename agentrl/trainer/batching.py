@@ -23,7 +23,7 @@ that order, so ``logits[logit_positions]`` lines up with ``targets``, ``mask`` a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -83,6 +83,7 @@ class PackedBatch:
     old_log_probs: torch.Tensor | None = None  # [N]
     ref_log_probs: torch.Tensor | None = None  # [N]
     rollout_log_probs: torch.Tensor | None = None  # [N]
+    train_metadata: list[dict | None] = field(default_factory=list)  # per packed sample, for a custom loss
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +161,7 @@ def pack_samples(
         old_log_probs=_flat(chosen, "old_log_probs", required=False),
         ref_log_probs=_flat(chosen, "ref_log_probs", required=False),
         rollout_log_probs=_flat(chosen, "rollout_log_probs", required=False),
+        train_metadata=[s.train_metadata for s in chosen],
     )
 
 

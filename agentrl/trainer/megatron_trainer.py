@@ -64,7 +64,7 @@ from torch import nn
 
 from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample, run_optimizer_steps
+from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_loss, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
 from agentrl.trainer.megatron_compat import cpu_schedule
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
@@ -125,6 +125,7 @@ class MegatronTrainer(Trainer):
         from agentrl.trainer.megatron_compat import init_megatron_parallel, megatron_available
 
         cfg.validate()
+        self.custom_loss_fn = load_custom_loss(cfg)
         reason = megatron_available()
         if reason:
             raise RuntimeError(f"the megatron backend cannot start: {reason}")
@@ -393,6 +394,8 @@ class MegatronTrainer(Trainer):
             ref_logp=b.ref_log_probs,
             rollout_logp=b.rollout_log_probs,
             entropy=entropy,
+            custom_fn=self.custom_loss_fn,
+            batch=b,
         )
         metrics["loss"] = float(loss.detach())
         # with calculate_per_token_loss the schedule leaves the loss as is; the count is only logged by it

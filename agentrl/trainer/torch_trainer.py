@@ -49,7 +49,15 @@ from torch import nn
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer import packed_attention
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample, mean_over_trained, run_optimizer_steps, with_gradient
+from agentrl.trainer.base import (
+    LogProbs,
+    Trainer,
+    TrainSample,
+    load_custom_loss,
+    mean_over_trained,
+    run_optimizer_steps,
+    with_gradient,
+)
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
@@ -120,6 +128,7 @@ class TorchTrainer(Trainer):
         device: str | torch.device | None = None,
     ):
         cfg.validate()
+        self.custom_loss_fn = load_custom_loss(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.checkpoint_path = Path(checkpoint_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -311,6 +320,8 @@ class TorchTrainer(Trainer):
             ref_logp=ref_logp,
             rollout_logp=b.rollout_log_probs,
             entropy=entropy,
+            custom_fn=self.custom_loss_fn,
+            batch=b,
         )
 
     def _clip_grad(self) -> float:
