@@ -392,3 +392,45 @@ def test_tp2_and_pp2_over_gloo(megatron_world, checkpoints):
             tp2 = results[(name, 2, 1, "logits")]
             assert tp2.shape[-1] == mm.padded_vocab_size(VOCAB, 2)
             torch.testing.assert_close(tp2[..., :VOCAB], tp1, rtol=1e-4, atol=1e-4)
+
+
+def _theta(cfg) -> float:
+    """RoPE base as config.json holds it (newer transformers keep it in rope_parameters)."""
+    return (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
+
+
+def slime_model_args(cfg) -> list[str]:
+    """``MODEL_ARGS`` as slime's ``scripts/models/qwen*.sh`` write them, for an HF config."""
+    args = ["--swiglu", "--num-layers", str(cfg.num_hidden_layers), "--hidden-size", str(cfg.hidden_size)]
+    args += ["--ffn-hidden-size", str(cfg.intermediate_size), "--num-attention-heads", str(cfg.num_attention_heads)]
+    args += ["--group-query-attention", "--num-query-groups", str(cfg.num_key_value_heads)]
+    args += ["--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm"]
+    args += ["--norm-epsilon", repr(cfg.rms_norm_eps), "--rotary-base", str(int(_theta(cfg)))]
+    args += ["--vocab-size", str(cfg.vocab_size), "--kv-channels", str(getattr(cfg, "head_dim", None) or 16)]
+    if cfg.model_type == "qwen2":
+        args.append("--add-qkv-bias")
+    if cfg.model_type == "qwen3":
+        args.append("--qk-layernorm")
+    if not cfg.tie_word_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama_tied"])
+def test_slime_model_args_are_accepted_when_they_agree_and_refused_naming_both_values(checkpoints, name):
+    from agentrl.flags import parse_passthrough_flags
+
+    hf = checkpoints[name][1]
+    args = parse_passthrough_flags(slime_model_args(hf))["megatron_args"]
+    built = mm.transformer_config_from_hf(hf, overrides=args)  # pasted MODEL_ARGS: accepted, nothing overridden
+    assert built.num_layers == hf.num_hidden_layers and built.num_query_groups == hf.num_key_value_heads
+    with pytest.raises(
+        ValueError, match=r"--rotary-base 500000 disagrees with the checkpoint's config.json, which gives"
+    ):
+        mm.transformer_config_from_hf(hf, overrides={**args, "rotary_base": 500000})
+    with pytest.raises(ValueError, match=r"--num-layers 3 disagrees .* gives 2"):
+        mm.transformer_config_from_hf(hf, overrides={**args, "num_layers": 3})
+    flipped = "--untie-embeddings-and-output-weights" if hf.tie_word_embeddings else "--qk-layernorm"
+    wrong = parse_passthrough_flags(slime_model_args(hf) + [flipped])["megatron_args"]
+    with pytest.raises(ValueError, match=f"{flipped} disagrees"):
+        mm.transformer_config_from_hf(hf, overrides=wrong)

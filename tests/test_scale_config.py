@@ -146,8 +146,14 @@ def test_other_commands_refuse_unknown_flags(capsys):
         ({"train_backend": "megatron", "megatron_args": {"recompute_granularity": "full"}}, "activation recompute"),
         ({"train_backend": "megatron", "gradient_checkpointing": True}, "activation recompute"),
         ({"train_backend": "megatron", "dtype": "bfloat16"}, "--dtype bfloat16 with the megatron backend needs GPUs"),
-        ({"train_backend": "megatron", "megatron_args": {"bf16": True}}, "--bf16 is set by agentrl (use --dtype)"),
-        ({"train_backend": "megatron", "megatron_args": {"num_layers": 4}}, "--num-layers is set by agentrl (from"),
+        (
+            {"train_backend": "megatron", "megatron_args": {"bf16": True}},
+            "--bf16 disagrees with --dtype auto (training in float32); set --dtype bfloat16",
+        ),
+        (
+            {"train_backend": "megatron", "megatron_args": {"activation_func": "gelu"}},
+            "--activation-func is set by agentrl (from",
+        ),
         (
             {
                 "rollout_backend": "sglang",

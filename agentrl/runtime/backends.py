@@ -47,10 +47,22 @@ MEGATRON_DERIVED_FIELDS = {
         ),
         "not supported by this backend",
     ),
-    **dict.fromkeys(("bf16", "fp16", "params_dtype", "pipeline_dtype"), "use --dtype"),
+    **dict.fromkeys(("params_dtype", "pipeline_dtype"), "use --dtype"),
     **dict.fromkeys(("variable_seq_lengths", "calculate_per_token_loss"), "packed rows and the global loss need it"),
 }
 """Megatron flags agentrl derives itself (a pass-through value would silently fight it), with where they come from."""
+
+
+def _precision_flag_problem(cfg: RunConfig, name: str, value: Any) -> list[str]:
+    """slime's ``--bf16`` / ``--fp16`` accepted where they agree with ``--dtype`` (``auto``: bf16 on GPUs)."""
+    want = {"bf16": "bfloat16", "fp16": "float16"}[name]
+    dtype = cfg.train.dtype
+    effective = dtype if dtype != "auto" else ("bfloat16" if cfg.actor_num_gpus_per_node else "float32")
+    if value is True and effective == want:
+        return []
+    if value is False and effective != want:
+        return []
+    return [f"--{name} disagrees with --dtype {dtype} (training in {effective}); set --dtype {want} or drop --{name}"]
 
 
 def sglang_installed() -> bool:
@@ -68,11 +80,15 @@ def backend_problems(cfg: RunConfig) -> list[str]:
         reason = megatron_available()
         if reason:
             return [f"--train-backend megatron: {reason}"]
-        from agentrl.trainer.megatron_model import megatron_field_names
+        from agentrl.trainer.megatron_model import MODEL_FLAGS, megatron_field_names
 
         known = megatron_field_names()
-        for name in cfg.train.megatron_args:
-            if name in MEGATRON_DERIVED_FIELDS:
+        for name, value in cfg.train.megatron_args.items():
+            if name in MODEL_FLAGS:
+                continue  # slime's MODEL_ARGS: checked against config.json when the model config is built
+            if name in ("bf16", "fp16"):
+                problems += _precision_flag_problem(cfg, name, value)
+            elif name in MEGATRON_DERIVED_FIELDS:
                 problems.append(
                     f"--{name.replace('_', '-')} is set by agentrl ({MEGATRON_DERIVED_FIELDS[name]}); drop it"
                 )

@@ -50,8 +50,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,63 @@ def _dims(cfg: Any) -> _Dims:
     )
 
 
+# -- slime's MODEL_ARGS ---------------------------------------------------------------------------
+
+MODEL_FLAGS: dict[str, Callable[[_Dims], Any]] = {
+    "num_layers": lambda d: d.num_layers,
+    "hidden_size": lambda d: d.hidden,
+    "ffn_hidden_size": lambda d: d.ffn,
+    "num_attention_heads": lambda d: d.heads,
+    "num_query_groups": lambda d: d.groups,
+    "group_query_attention": lambda d: True,  # megatron reads num_query_groups only with it; always agreeable
+    "kv_channels": lambda d: d.head_dim,
+    "vocab_size": lambda d: d.vocab,
+    "max_position_embeddings": lambda d: d.max_positions,
+    "swiglu": lambda d: True,
+    "normalization": lambda d: "RMSNorm",
+    "norm_epsilon": lambda d: d.eps,
+    "layernorm_epsilon": lambda d: d.eps,
+    "use_rotary_position_embeddings": lambda d: True,
+    "position_embedding_type": lambda d: "rope",
+    "rotary_base": lambda d: d.rope_theta,
+    "rotary_percent": lambda d: 1.0,
+    "use_rope_scaling": lambda d: False,  # a scaled RoPE checkpoint is refused by the architecture check
+    "disable_bias_linear": lambda d: True,
+    "add_qkv_bias": lambda d: d.qkv_bias,
+    "qk_layernorm": lambda d: d.qk_norm,
+    "untie_embeddings_and_output_weights": lambda d: not d.tied,
+    "attention_dropout": lambda d: 0.0,  # agentrl trains without dropout (the first ratio must be 1)
+    "hidden_dropout": lambda d: 0.0,
+}
+"""Megatron-LM's model flags as slime's ``scripts/models/*.sh`` pass them (``MODEL_ARGS``), and the value
+each must have for the checkpoint: agentrl derives the architecture from config.json, so a pasted
+flag is checked against it (a disagreement is refused, naming both) and then has nothing left to set."""
+
+
+def check_model_flags(hf_config: Any, flags: dict[str, Any]) -> None:
+    """Refuse a ``MODEL_ARGS`` flag that disagrees with the checkpoint's ``config.json``, naming both values.
+
+    A flag given without a value (``--swiglu``) is True; numbers compare within float rounding.
+    """
+    d = _dims(hf_config)
+    for name, given in flags.items():
+        if name not in MODEL_FLAGS:
+            continue
+        want = MODEL_FLAGS[name](d)
+        same = (
+            given == want
+            if isinstance(want, bool) or isinstance(given, bool) or isinstance(want, str)
+            else isinstance(given, int | float) and math.isclose(float(given), float(want), rel_tol=1e-9)
+        )
+        if not same:
+            flag = "--" + name.replace("_", "-")
+            shown = "" if given is True else f" {given}"
+            raise ValueError(
+                f"{flag}{shown} disagrees with the checkpoint's config.json, which gives {want!r}: agentrl builds "
+                "the model from the checkpoint; fix the flag or drop it"
+            )
+
+
 # -- config and model ----------------------------------------------------------------------------
 
 
@@ -216,6 +274,8 @@ def transformer_config_from_hf(
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
     )
     overrides = dict(overrides or {})
+    check_model_flags(hf_config, overrides)  # slime's MODEL_ARGS: checked, then nothing left to set
+    overrides = {k: v for k, v in overrides.items() if k not in MODEL_FLAGS}
     known = megatron_field_names()
     for name in overrides:
         if name not in known:
