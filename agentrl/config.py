@@ -379,6 +379,15 @@ class RunConfig:
     n_samples_per_eval_prompt: int = option(1, help="episodes per eval task (pass@k uses them)")
     eval_temperature: float | None = option(None, help="sampling temperature of evals (default: --rollout-temperature)")
     async_mode: bool = option(False, help="overlap the rollout of step k+1 with training of step k")
+    true_on_policy_mode: bool = option(
+        False,
+        help="exact on-policy training (slime's flag): no stale samples (refuses --async, --update-weights-interval > 1, "
+        "--num-steps-per-rollout > 1), and every step checks that the trainer's log-probs of the sampled tokens match "
+        "the engine's within --true-on-policy-tolerance (reported as true_on_policy_logprob_diff_max/mean)",
+    )
+    true_on_policy_tolerance: float = option(
+        1e-3, help="largest |trainer - engine| log-prob gap --true-on-policy-mode accepts before it fails the step"
+    )
     max_staleness: int = option(
         1,
         help="train on samples at most this many weight versions behind the trainer (older ones are dropped; at least --update-weights-interval - 1, plus 1 with --async)",
@@ -579,6 +588,24 @@ class RunConfig:
             ),
             (self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1"),
             (self.max_staleness >= 0, "--max-staleness must be >= 0"),
+            (
+                not (self.true_on_policy_mode and (self.async_mode or self.update_weights_interval > 1)),
+                "--true-on-policy-mode trains only on samples of the current weights: drop --async and "
+                "--update-weights-interval",
+            ),
+            (
+                not (self.true_on_policy_mode and t.num_steps_per_rollout > 1),
+                "--true-on-policy-mode: a second step per rollout would train on the previous weights' samples; "
+                "use --num-steps-per-rollout 1",
+            ),
+            (
+                not (self.true_on_policy_mode and sft),
+                "--true-on-policy-mode is for RL rollouts, not --loss-type sft_loss",
+            ),
+            (
+                0 < self.true_on_policy_tolerance < float("inf"),
+                "--true-on-policy-tolerance must be a finite number > 0",
+            ),
             (self.update_weights_interval >= 1, "--update-weights-interval must be >= 1"),
             (
                 # between pushes the engines fall behind the trainer by up to interval - 1 versions (one

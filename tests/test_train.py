@@ -268,6 +268,39 @@ def test_custom_loss_trains_with_train_metadata_set_by_a_filter(tiny_ckpt, tmp_p
     assert "weighted_nll" in line
 
 
+def test_true_on_policy_mode_checks_trainer_against_engine_log_probs(tiny_ckpt, tmp_path, ray_local):
+    """slime's --true-on-policy-mode: every step compares the trainer's log-probs of the sampled tokens with
+    the engine's; within tolerance the gap is reported, beyond it the step fails before any update."""
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "run"
+    train(_cfg(tiny_ckpt, save, num_rollout=1, true_on_policy_mode=True))
+    (line,) = _lines(save)
+    assert 0 < line["true_on_policy_logprob_diff_max"] < 1e-3  # fp32 engine and trainer: rounding apart
+    assert line["true_on_policy_logprob_diff_mean"] <= line["true_on_policy_logprob_diff_max"]
+    with pytest.raises(RuntimeError, match="--true-on-policy-mode: the trainer's log-probs differ"):
+        train(
+            _cfg(
+                tiny_ckpt, tmp_path / "strict", num_rollout=1, true_on_policy_mode=True, true_on_policy_tolerance=1e-12
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"async_mode": True}, "drop --async"),
+        ({"update_weights_interval": 2, "max_staleness": 1}, "drop --async and --update-weights-interval"),
+        ({"train": {"global_batch_size": 4, "num_steps_per_rollout": 2}}, "--num-steps-per-rollout 1"),
+        ({"true_on_policy_tolerance": 0.0}, "--true-on-policy-tolerance must be"),
+    ],
+)
+def test_true_on_policy_mode_refuses_what_would_make_it_off_policy(tiny_ckpt, tmp_path, kw, message):
+    cfg = _cfg(tiny_ckpt, tmp_path, true_on_policy_mode=True, **kw)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+
+
 def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     from agentrl.runtime.train import train
 

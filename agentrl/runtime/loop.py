@@ -220,7 +220,7 @@ class TrainLoop:
         for s in samples:
             if not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
                 counts["dropped_untrainable"] += 1
-            elif staleness([s], self.version) > self.cfg.max_staleness:
+            elif staleness([s], self.version) > (0 if self.cfg.true_on_policy_mode else self.cfg.max_staleness):
                 counts["dropped_stale"] += 1
             else:
                 keep.append(s)
@@ -236,6 +236,7 @@ class TrainLoop:
         t = self.cfg.train
         ref = t.use_kl_loss or (t.advantage_estimator.startswith("reinforce_plus_plus") and t.kl_coef > 0)
         old = ref or t.use_tis or t.num_steps_per_rollout > 1 or t.loss_type == "custom_loss"
+        old = old or self.cfg.true_on_policy_mode
         return old, ref
 
     def advantages(self, samples: list[Sample], batch: list[TrainSample]) -> None:
@@ -284,9 +285,35 @@ class TrainLoop:
             if lp.ref is not None:
                 for b, ref in zip(batch, lp.ref):
                     b.ref_log_probs = ref
+        checked = self.check_on_policy(batch) if self.cfg.true_on_policy_mode else {}
         self.advantages(samples, batch)
         metrics = await asyncio.to_thread(self.trainers.train_step, batch)
-        return metrics, [b.advantages for b in batch]
+        return {**metrics, **checked}, [b.advantages for b in batch]
+
+    def check_on_policy(self, batch: list[TrainSample]) -> dict[str, float]:
+        """``--true-on-policy-mode``: the trainer's log-probs of the sampled tokens against the engine's.
+
+        Fails the step (before any update) when the largest gap exceeds ``--true-on-policy-tolerance``:
+        the run asked for exact on-policy training, and training anyway would silently not be it.
+        """
+        gaps = [
+            abs(o - r)
+            for b in batch
+            for o, r, m in zip(b.old_log_probs or [], b.rollout_log_probs or [], b.loss_mask)
+            if m
+        ]
+        if not gaps:
+            return {}
+        worst, mean = max(gaps), sum(gaps) / len(gaps)
+        tol = self.cfg.true_on_policy_tolerance
+        if worst > tol:
+            raise RuntimeError(
+                f"--true-on-policy-mode: the trainer's log-probs differ from the engine's by up to {worst:.3g} "
+                f"(mean {mean:.3g}) over {len(gaps)} sampled tokens, above --true-on-policy-tolerance {tol:g}: "
+                "the engine and trainer do not compute the same policy (precision, kernels, or a stale engine); "
+                "match their dtypes, or raise the tolerance"
+            )
+        return {"true_on_policy_logprob_diff_max": worst, "true_on_policy_logprob_diff_mean": mean}
 
     # ------------------------------------------------------------------ the run
 
