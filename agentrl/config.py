@@ -379,6 +379,9 @@ class RunConfig:
     n_samples_per_eval_prompt: int = option(1, help="episodes per eval task (pass@k uses them)")
     eval_temperature: float | None = option(None, help="sampling temperature of evals (default: --rollout-temperature)")
     async_mode: bool = option(False, help="overlap the rollout of step k+1 with training of step k")
+    async_buffer_size: int = option(
+        1, help="with --async: rollouts collected ahead of training (slime's flag; each is one more version stale)"
+    )
     true_on_policy_mode: bool = option(
         False,
         help="exact on-policy training (slime's flag): no stale samples (refuses --async, --update-weights-interval > 1, "
@@ -497,6 +500,7 @@ class RunConfig:
         t = self.train
         n = self.samples_per_rollout
         sft = self.is_sft
+        ahead = self.async_buffer_size if self.async_mode else 0  # rollouts collected before their step trains
         sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
         checks = [
             (
@@ -588,6 +592,11 @@ class RunConfig:
             ),
             (self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1"),
             (self.max_staleness >= 0, "--max-staleness must be >= 0"),
+            (1 <= self.async_buffer_size <= 64, "--async-buffer-size must be in [1, 64]"),
+            (
+                self.async_buffer_size == 1 or self.async_mode,
+                "--async-buffer-size buffers rollouts ahead of training: it needs --async",
+            ),
             (
                 not (self.true_on_policy_mode and (self.async_mode or self.update_weights_interval > 1)),
                 "--true-on-policy-mode trains only on samples of the current weights: drop --async and "
@@ -610,9 +619,10 @@ class RunConfig:
             (
                 # between pushes the engines fall behind the trainer by up to interval - 1 versions (one
                 # more with --async): a smaller bound would drop every sample of those steps as stale
-                self.max_staleness >= self.update_weights_interval - 1 + int(self.async_mode),
-                f"--max-staleness must be >= {self.update_weights_interval - 1 + int(self.async_mode)} with "
-                f"--update-weights-interval {self.update_weights_interval}{' and --async' if self.async_mode else ''} "
+                self.max_staleness >= self.update_weights_interval - 1 + ahead,
+                f"--max-staleness must be >= {self.update_weights_interval - 1 + ahead} with "
+                f"--update-weights-interval {self.update_weights_interval}"
+                f"{f' and --async --async-buffer-size {self.async_buffer_size}' if self.async_mode else ''} "
                 "(samples are up to that many weight versions old by design); raise --max-staleness",
             ),
             (

@@ -183,6 +183,27 @@ def test_async_mode_bounds_staleness(tiny_ckpt, tmp_path, ray_local):
     assert lines[-1]["weight_version"] == 4
 
 
+def test_async_buffer_size_collects_rollouts_further_ahead(tiny_ckpt, tmp_path, ray_local):
+    """slime's --async-buffer-size 2: rollouts k+1 and k+2 run while step k trains, so a step can train on
+    samples two versions old (never more); --max-staleness must allow it."""
+    from agentrl.runtime.train import train
+
+    with pytest.raises(ValueError, match="--max-staleness must be >= 2 .* --async-buffer-size 2"):
+        _cfg(tiny_ckpt, tmp_path, async_mode=True, async_buffer_size=2, max_staleness=1).validate()
+    with pytest.raises(ValueError, match="--async-buffer-size buffers rollouts ahead of training: it needs --async"):
+        _cfg(tiny_ckpt, tmp_path, async_buffer_size=2).validate()
+    save = tmp_path / "run"
+    train(_cfg(tiny_ckpt, save, num_rollout=5, async_mode=True, async_buffer_size=2, max_staleness=2))
+    oldest = []
+    for step in range(5):
+        versions = {int(v) if v.isdigit() else 0 for s in _dump(save, step) for v in s["weight_versions"]}
+        assert versions and min(versions) >= step - 2 and max(versions) <= step, (step, versions)
+        oldest.append(min(versions))
+    # with one rollout ahead no step could see a sample two versions old; two ahead, some step does
+    assert any(oldest[step] == step - 2 for step in range(2, 5)), oldest
+    assert all(line["dropped_stale"] == 0 for line in _lines(save)) and len(_lines(save)) == 5
+
+
 def test_dynamic_sampling_and_buffer_filter(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     from agentrl.runtime.train import train
 

@@ -20,6 +20,7 @@ sample's oldest ``weight_versions`` entry says how stale it is; stale samples ar
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -321,17 +322,20 @@ class TrainLoop:
         """Run steps ``start_step .. num_rollout-1``; return the metric lines written."""
         cfg = self.cfg
         lines: list[dict[str, Any]] = []
-        pending: asyncio.Task | None = None
+        pending: collections.deque[asyncio.Task] = collections.deque()  # rollouts of the next steps, in order
         try:
             for step in range(self.start_step, cfg.num_rollout):
-                batch = await pending if pending is not None else await self.collect(step)
-                pending = None
-                if cfg.async_mode and step + 1 < cfg.num_rollout:
-                    pending = asyncio.create_task(self.collect(step + 1))  # overlaps this step's training
+                batch = await pending.popleft() if pending else await self.collect(step)
+                if cfg.async_mode:  # keep --async-buffer-size rollouts going while this step trains
+                    nxt = step + 1 + len(pending)
+                    while len(pending) < cfg.async_buffer_size and nxt < cfg.num_rollout:
+                        pending.append(asyncio.create_task(self.collect(nxt)))
+                        nxt += 1
                 lines.append(await self.step(step, batch))
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()  # a failed step must not leave a rollout running against the engines
+            for task in pending:  # a failed step must not leave rollouts running against the engines
+                if not task.done():
+                    task.cancel()
         return lines
 
     async def step(self, step: int, batch: Batch) -> dict[str, Any]:
