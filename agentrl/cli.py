@@ -37,6 +37,7 @@ _ROLLOUT_RUN_FIELDS = (
     "prompt_data",
     "engine_url",
     "custom_generate_function_path",
+    "rollout_function_path",
     "custom_rm_path",
     "engine_max_running_requests",
 )
@@ -363,14 +364,23 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from agentrl.registry import load_env, load_function
 
     cfg = _config_from_args(args)
-    if not args.env and not args.custom_generate_function_path:
-        raise ValueError("pass --env MODULE:CLASS (or --custom-generate-function-path module:fn)")
+    if not args.env and not args.custom_generate_function_path and not args.rollout_function_path:
+        raise ValueError(
+            "pass --env MODULE:CLASS (or --custom-generate-function-path / --rollout-function-path module:fn)"
+        )
+    if args.custom_generate_function_path and args.rollout_function_path:
+        raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
     with naming_flag("--env", args.env):
         factory = load_env(args.env) if args.env else None
     tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
     if not tasks:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
     custom_generate = load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
+    if args.rollout_function_path:
+        from agentrl.rollout.generate import BatchGenerate
+
+        with naming_flag("--rollout-function-path", args.rollout_function_path):
+            custom_generate = BatchGenerate(load_function(args.rollout_function_path))
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)

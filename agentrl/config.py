@@ -365,6 +365,11 @@ class RunConfig:
     custom_generate_function_path: str | None = option(
         None, help="module:fn, slime's generate(args, sample, sampling_params) replacing the env-driven episode loop"
     )
+    rollout_function_path: str | None = option(
+        None,
+        help="module:fn, the reference's batch rollout: async fn(args, samples, evaluation=False) -> samples, "
+        "called once per rollout with every sample (instead of --env or --custom-generate-function-path)",
+    )
     allow_non_token_exact: bool = option(
         False,
         help="train on samples that are not token-exact (chat-API rollouts, demonstrations the template cannot lay down turn by turn) instead of refusing them",
@@ -504,7 +509,10 @@ class RunConfig:
         sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
         checks = [
             (
-                self.env is not None or self.custom_generate_function_path is not None or (sft and self.sft_data),
+                self.env is not None
+                or self.custom_generate_function_path is not None
+                or self.rollout_function_path is not None
+                or (sft and self.sft_data),
                 "pass --env MODULE:CLASS (or --custom-generate-function-path)"
                 if not sft
                 else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS",
@@ -541,6 +549,15 @@ class RunConfig:
             (
                 not (sft and self.custom_generate_function_path),
                 "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
+            ),
+            (
+                not (self.rollout_function_path and self.custom_generate_function_path),
+                "--rollout-function-path generates the whole rollout; --custom-generate-function-path one sample: "
+                "pass one of them",
+            ),
+            (
+                not (sft and self.rollout_function_path),
+                "--rollout-function-path is for RL rollouts, not --loss-type sft_loss",
             ),
             (
                 not (sft and self.rollout_sample_filter_path),

@@ -312,3 +312,44 @@ def test_a_sample_filter_must_work_in_place():
     samples[0][1].remove_sample = False
     with pytest.raises(RuntimeError, match="--rollout-sample-filter-path raised KeyError"):
         loop(lambda args, groups: {}["x"]).filter_samples(samples)
+
+
+async def test_a_batch_rollout_function_gets_every_sample_in_one_call(tiny_tokenizer, tmp_path, monkeypatch):
+    """slime's ``--rollout-function-path`` signature: async fn(args, samples, evaluation) -> samples."""
+    from agentrl.rollout.generate import BatchGenerate
+
+    calls = []
+
+    async def batch(args, samples, evaluation=False):
+        calls.append(([(s.group_index, s.index, s.prompt) for s in samples], evaluation))
+        for s in samples:
+            s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+            s.reward = float(s.index)
+        return list(reversed(samples))  # any order, the same samples
+
+    (tmp_path / "row_gen2.py").write_text(
+        "async def own(args, sample, sampling_params):\n"
+        "    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]\n"
+        "    sample.reward = -1.0\n"
+        "    return sample\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctx = EpisodeContext(
+        engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(n_samples_per_prompt=2)
+    )
+    rows = [{"prompt": "a"}, task_from_row({"prompt": "b", "generate_function_path": "row_gen2:own"}), {"prompt": "c"}]
+    samples, _ = await generate_rollout(ctx, None, rows, custom_generate=BatchGenerate(batch))
+    assert calls == [([(0, 0, "a"), (0, 1, "a"), (2, 4, "c"), (2, 5, "c")], False)]  # one call; row b ran its own
+    assert [s.reward for s in samples] == [0.0, 1.0, -1.0, -1.0, 4.0, 5.0]
+    assert [s.status_reason for s in samples[:2]] == ["rollout_function", "rollout_function"]
+
+    async def drops_one(args, samples, evaluation=False):
+        return samples[:-1]
+
+    async def exits(args, samples, evaluation=False):
+        raise SystemExit(3)
+
+    for fn, message in ((drops_one, "none added, dropped or repeated"), (exits, "SystemExit")):
+        samples, _ = await generate_rollout(ctx, None, rows[:1], custom_generate=BatchGenerate(fn, evaluation=True))
+        assert [s.status for s in samples] == [Status.FAILED, Status.FAILED]  # the samples fail, not the run
+        assert all(s.status_reason == "rollout_function_error" and message in s.metadata["error"] for s in samples)

@@ -322,6 +322,32 @@ def test_true_on_policy_mode_refuses_what_would_make_it_off_policy(tiny_ckpt, tm
         cfg.validate()
 
 
+def test_a_batch_rollout_function_drives_training(tiny_ckpt, tmp_path, ray_local):
+    """--rollout-function-path with the reference's batch signature replaces the env for a whole run."""
+    from agentrl.runtime.train import train
+
+    (tmp_path / "batch_fn.py").write_text(
+        "calls = []\n"
+        "async def rollout(args, samples, evaluation=False):\n"
+        "    calls.append(len(samples))\n"
+        "    for s in samples:\n"
+        "        s.tokens = [5, 6, 7, 8 + s.index % 3]\n"
+        "        s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-1.0]\n"
+        "        s.reward = float(s.index % 2)\n"
+        "    return samples\n"
+    )
+    save = tmp_path / "run"
+    cfg = _cfg(tiny_ckpt, save, num_rollout=2, env=None, rollout_function_path=f"{tmp_path}/batch_fn.py:rollout")
+    cfg.prompt_data = str(tmp_path / "rows.jsonl")
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(4)))
+    train(cfg)
+    lines = _lines(save)
+    assert len(lines) == 2 and all(line["train_tokens"] == 8 for line in lines)  # 2 prompts x 4 samples x 1 token
+    assert {s["metadata"]["status_reason"] for s in _dump(save, 1)} == {"rollout_function"}
+    with pytest.raises(ValueError, match="pass one of them"):
+        _cfg(tiny_ckpt, save, rollout_function_path="a:b", custom_generate_function_path="c:d").validate()
+
+
 def test_user_data_source_and_eval_during_training(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     from agentrl.runtime.train import train
 

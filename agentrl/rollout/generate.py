@@ -98,14 +98,7 @@ async def _custom_episode(
     fn: GenerateFn | None, args: Any, ctx: EpisodeContext, task: dict[str, Any], group_index: int, index: int
 ) -> Sample:
     """One sample from a custom generate function: the task row's ``generate_function_path``, else ``fn``."""
-    sample = Sample(
-        group_index=group_index,
-        index=index,
-        prompt=task["prompt"],
-        label=task.get("label"),
-        metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
-        generate_function_path=task.get("generate_function_path"),
-    )
+    sample = _pending_sample(task, group_index, index)
     try:
         if sample.generate_function_path:  # the row's own function wins over the run's (as in slime)
             fn = load_function(sample.generate_function_path)
@@ -121,11 +114,72 @@ async def _custom_episode(
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: the user's function fails its sample only
-        sample.status = Status.FAILED
-        sample.status_reason = "custom_generate_error"
-        sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
-        sample.loss_mask, sample.rollout_log_probs = [], []
-        return sample
+        return _fail(sample, "custom_generate_error", exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGenerate:
+    """slime's ``--rollout-function-path`` with the reference's batch signature, as ``custom_generate``:
+    ``async def fn(args, samples: list[Sample], evaluation: bool = False) -> list[Sample]``.
+
+    The function gets every sample of the rollout at once (prompt, label, ``group_index``, ``index``
+    and the task row in ``metadata``) and returns them completed. It must return the same samples
+    (same ``index`` values; it may return new objects); an exception, or a list that adds, drops or
+    repeats samples, fails every sample of the call (recorded in ``metadata["error"]``), not the run.
+    """
+
+    fn: Callable[..., Any]
+    evaluation: bool = False
+
+
+def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sample:
+    return Sample(
+        group_index=group_index,
+        index=index,
+        prompt=task["prompt"],
+        label=task.get("label"),
+        metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
+        generate_function_path=task.get("generate_function_path"),
+    )
+
+
+def _fail(sample: Sample, reason: str, exc: BaseException) -> Sample:
+    sample.status = Status.FAILED
+    sample.status_reason = reason
+    sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+    sample.loss_mask, sample.rollout_log_probs = [], []
+    return sample
+
+
+async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]) -> list[Sample]:
+    """Every sample through one call of the batch function, checked; a failure fails them all."""
+    want = [s.index for s in pending]
+    try:
+        out = await batch.fn(args, pending, batch.evaluation)
+        if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
+            raise TypeError(f"the rollout function returned {type(out).__name__}, not a list of Samples")
+        got = sorted(s.index if s.index is not None else -1 for s in out)
+        if got != sorted(want):
+            raise ValueError(
+                f"the rollout function returned samples with indices {got[:8]}... for {len(want)} samples "
+                f"{sorted(want)[:8]}...: it must return the same samples (none added, dropped or repeated)"
+            )
+        done = []
+        for s in out:
+            if s.status == Status.PENDING:
+                s.status = Status.COMPLETED
+            try:
+                s.validate()
+            except Exception as exc:  # noqa: BLE001 - one bad sample fails itself
+                done.append(_fail(s, "rollout_function_error", exc))
+                continue
+            s.status_reason = s.status_reason or "rollout_function"
+            done.append(s)
+        return done
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # SystemExit included: the user's function fails its samples only
+        return [_fail(s, "rollout_function_error", exc) for s in pending]
 
 
 async def generate_rollout(
@@ -134,7 +188,7 @@ async def generate_rollout(
     tasks: Iterable[dict[str, Any]],
     *,
     args: Any = None,
-    custom_generate: GenerateFn | None = None,
+    custom_generate: GenerateFn | BatchGenerate | None = None,
     custom_reward: RewardFn | None = None,
     on_sample: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], RolloutSummary]:
@@ -171,7 +225,11 @@ async def generate_rollout(
                 sample = await run_episode(
                     ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
                 )
-            if custom_reward is not None:
+        return await finish(sample)
+
+    async def finish(sample: Sample) -> Sample:
+        if custom_reward is not None:
+            async with sem:
                 sample = await apply_custom_reward(custom_reward, args, sample)
         summary.add(sample)
         if on_sample is not None:
@@ -184,9 +242,25 @@ async def generate_rollout(
 
     jobs = []
     n = cfg.n_samples_per_prompt
-    for g, task in enumerate(tasks):
-        for j in range(n):
-            jobs.append(one(task, g, g * n + j))
+    if isinstance(custom_generate, BatchGenerate):  # one call for the rows without their own function
+        pending = [
+            _pending_sample(task, g, g * n + j)
+            for g, task in enumerate(tasks)
+            if not task.get("generate_function_path")
+            for j in range(n)
+        ]
+        own = [
+            one(task, g, g * n + j)
+            for g, task in enumerate(tasks)
+            if task.get("generate_function_path")  # a row's own function wins, as with per-sample generation
+            for j in range(n)
+        ]
+        done = await _batch_episodes(custom_generate, args, pending) if pending else []
+        jobs = [finish(s) for s in done] + own
+    else:
+        for g, task in enumerate(tasks):
+            for j in range(n):
+                jobs.append(one(task, g, g * n + j))
     try:
         samples = list(await asyncio.gather(*jobs))
     finally:

@@ -82,7 +82,14 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
             eval_sets[name] = load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
-    custom_generate = load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
+    custom_generate: Any = (
+        load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
+    )
+    if cfg.rollout_function_path:
+        from agentrl.rollout.generate import BatchGenerate
+
+        with naming_flag("--rollout-function-path", cfg.rollout_function_path):
+            custom_generate = BatchGenerate(load_function(cfg.rollout_function_path))
     custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
     group_filter = None
     if cfg.dynamic_sampling_filter_path:
