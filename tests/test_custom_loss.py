@@ -38,6 +38,10 @@ def nan(args, batch, log_probs, sum_of_sample_mean):
 
 def bad_metrics(args, batch, log_probs, sum_of_sample_mean):
     return log_probs.sum() * 0, {"x": "high"}
+
+def says_loss(args, batch, log_probs, sum_of_sample_mean):
+    loss = sum_of_sample_mean(-log_probs)
+    return loss, {"loss": float(loss)}
 '''
 
 
@@ -55,6 +59,7 @@ def test_a_custom_loss_equal_to_sft_trains_exactly_like_sft(tiny_ckpt, losses, p
     builtin = TorchTrainer(tiny_ckpt, cfg(loss_type="sft_loss", **common))
     custom = TorchTrainer(tiny_ckpt, cfg(loss_type="custom_loss", custom_loss_function_path=losses("nll"), **common))
     want, got = builtin.train_step(samples), custom.train_step(samples)
+    assert "pg_loss" not in got and got["loss"] == pytest.approx(want["loss"], rel=1e-5)  # no zeros for unrun terms
     assert got["nll"] == pytest.approx(want["sft_loss"], rel=1e-5) and got["grad_norm"] == pytest.approx(
         want["grad_norm"], rel=1e-4
     )
@@ -83,6 +88,7 @@ def test_train_metadata_reaches_the_loss(tiny_ckpt, losses):
         ("not_a_tensor", TypeError, "scalar tensor"),
         ("nan", ValueError, "not finite"),
         ("bad_metrics", TypeError, "metrics must be numbers"),
+        ("says_loss", ValueError, "'loss' is the trainer's own"),
     ],
 )
 def test_a_bad_custom_loss_fails_the_step_naming_the_flag(tiny_ckpt, losses, name, error, message):

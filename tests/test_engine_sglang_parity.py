@@ -9,6 +9,7 @@ loopback port serves a tiny model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -255,6 +256,8 @@ async def test_loads_report_running_requests_until_an_abort_empties_the_engine(s
         assert _num_requests((await c.get("/v1/loads?include=core")).json()) == 0
         r = await c.get("/v1/loads?include=bogus")
         assert r.status_code == 400 and "include" in r.json()["error"]["message"]
+        r = await c.get("/v1/loads?dp_rank=x")
+        assert r.status_code == 400 and "dp_rank" in r.json()["error"]["message"]
 
 
 def _metric(text: str, name: str) -> float:
@@ -466,3 +469,129 @@ def test_stable_text_holds_back_what_may_change():
     assert _stable("hi <tool_call>{", False, [], "<tool_call>") == "hi "
     assert _stable("hi <tool", False, [], "<tool_call>") == "hi "
     assert _stable("hi <tool", True, [], "<tool_call>") == "hi <tool"
+
+
+# ---------------------------------------------------------------- review findings, pinned
+
+
+class _ScriptedStream:
+    """An engine stand-in for the streaming code alone: yields the given cumulative texts (one token each)."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    async def generate_stream(self, **job):
+        for k, text in enumerate(self.texts):
+            last = k == len(self.texts) - 1
+            meta = {
+                "finish_reason": {"type": "stop", "matched": 2} if last else None,
+                "prompt_tokens": 3,
+                "completion_tokens": k + 1,
+                "output_token_logprobs": [[-0.5, 10 + j, None] for j in range(k + 1)],
+            }
+            yield {"text": text, "output_ids": list(range(k + 1)), "meta_info": meta}
+
+
+class _Gate:
+    @contextlib.asynccontextmanager
+    async def admit(self):
+        yield
+
+
+class _Stats:
+    def record(self, outs):
+        pass
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ["\n", "\nHello", "\nHello world", "\nHello world, how are you"],  # the parser strips: leading newline
+        ["Sure ", "Sure <tool", "Sure <tool_call>{bad", "Sure <tool_call>{bad json"],  # a malformed call stays content
+        ["Hi ", "Hi <tool_call>\n", 'Hi <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'],
+    ],
+)
+async def test_streamed_chat_adds_up_to_the_parsed_answer(server, texts):
+    from agentrl.engines.local import protocol as P
+    from agentrl.engines.local.openai_routes import _stream_chat, openai_tool_parser
+
+    hook = openai_tool_parser("hermes")
+    req = P.ChatCompletionRequest.parse({"messages": HI, "stream": True, "logprobs": True})
+    chunks = [
+        c
+        async for c in _stream_chat(
+            _ScriptedStream(texts),
+            _Gate(),
+            _Stats(),
+            [{"sampling_params": {}}],
+            {"id": "x"},
+            req,
+            server["engine"].tokenizer,
+            hook,
+            "",
+        )
+    ]
+    content, calls = hook(texts[-1])
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == content  # what the non-streamed answer says
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls") or []] == [
+        c["function"]["name"] for c in calls
+    ]
+    entries = [e for c in chunks[1:] for e in c["choices"][0]["logprobs"]["content"]]
+    assert len(entries) == len(texts)  # a token whose text is held back still has its log-prob sent
+
+
+async def test_a_failing_batch_samples_each_row_with_its_bias_once(ckpt, monkeypatch):
+    """The one-by-one fallback after a failed batch must not bias the logits a second time."""
+    import agentrl.engines.local.engine as engine_mod
+
+    eng = LocalEngine(ckpt, max_running_requests=4, seed=0)
+    try:
+        sp = {"temperature": 0, "max_new_tokens": 1, "logit_bias": {"7": 4.0}}
+        alone = await eng.generate(PROMPT, sp, return_logprob=True)
+        real = engine_mod.sample_batch
+
+        def fails_on_batches(logits, params, gens):
+            if len(params) > 1:
+                raise RuntimeError("a batch fault")
+            return real(logits, params, gens)
+
+        monkeypatch.setattr(engine_mod, "sample_batch", fails_on_batches)
+        two = await asyncio.gather(*(eng.generate(PROMPT, sp, return_logprob=True) for _ in range(2)))
+        want = alone["meta_info"]["output_token_logprobs"][0][0]
+        assert all(abs(o["meta_info"]["output_token_logprobs"][0][0] - want) < 1e-5 for o in two)
+    finally:
+        await eng.close()
+
+
+async def test_a_partial_response_that_fails_fails_its_request_only(ckpt, monkeypatch):
+    eng = LocalEngine(ckpt, max_running_requests=4, seed=0)
+    real = eng._response
+
+    def response(r, *, partial=False):
+        if partial and r.rid == "bad":
+            raise RuntimeError("cannot decode")
+        return real(r, partial=partial)
+
+    monkeypatch.setattr(eng, "_response", response)
+    try:
+        sp = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+        ok = asyncio.ensure_future(eng.generate(PROMPT, sp))
+        with pytest.raises(Exception, match="cannot decode"):
+            async for _ in eng.generate_stream(PROMPT, sp, rid="bad"):
+                pass
+        assert len((await ok)["output_ids"]) == 20 and eng.alive and eng.restarts == 0
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"sampling_params": {"temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}}}, "top_p < 1"),
+        ({"return_logprob": True, "top_logprobs_num": 100000}, "top_logprobs_num"),
+    ],
+)
+def test_unbounded_answers_are_refused(http, body, field):
+    r = http.post("/generate", json={"input_ids": PROMPT, **body})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

@@ -201,6 +201,12 @@ def test_generate_rejects_bad_requests(http, body):
         ),
         (
             "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+            "stream_options is only allowed with stream: true",
+        ),
+        ("/v1/completions", {"prompt": "a", "seed": 2**64 - 1, "n": 2}, "seed"),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages.0.content",
         ),

@@ -211,6 +211,17 @@ def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
     old = deserialize_flattened_bucket(slime_bucket(same, by_bytes=False))
     assert all(torch.equal(t, w) for (_, t), (_, w) in zip(old, same))
     assert deserialize_flattened_bucket(serialize_flattened_bucket([])) == []  # a rank with nothing to send
+    assert (
+        deserialize_flattened_bucket(slime_bucket([("i", torch.arange(3))], by_bytes=False))[0][1].dtype == torch.int64
+    )
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    with sglang_bucket_class() as cls:  # an int64 buffer whose entry claims float32: refused, never converted
+        meta = [cls("i", torch.Size([3]), torch.float32, 0, 3, 3)]
+        ForkingPickler(buf).dump({"flattened_tensor": torch.arange(3), "metadata": meta})
+    with pytest.raises(ValueError, match="'i': torch.float32 in a torch.int64 buffer"):
+        deserialize_flattened_bucket(base64.b64encode(buf.getvalue()).decode())
 
 
 @pytest.mark.parametrize(
@@ -220,6 +231,7 @@ def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
         ("numel", 7, "does not hold"),
         ("shape", torch.Size([5, 5]), "has 25 elements"),
         ("dtype", "float32", "dtype must be a torch dtype"),
+        ("start_idx", False, "offsets integers"),
     ],
 )
 def test_bad_bucket_metadata_is_refused_naming_the_tensor(field, value, message):

@@ -203,7 +203,10 @@ def custom_loss(
     ``response_lengths`` and ``metadata`` (each sample's ``train_metadata``); ``tokens`` is the packed
     row. ``sum_of_sample_mean(values)`` reduces ``[N]`` values with the step's normalization (the
     same as the built-in losses: ``--calculate-per-token-loss`` or per-sample means), so micro-batch
-    losses add up to the step's. The loss must be a finite scalar tensor; metrics a dict of numbers.
+    losses add up to the step's. The loss must be a finite scalar tensor; metrics a dict of numbers,
+    which the trainer SUMS over micro-batches and ranks (as it does the built-in terms): report
+    globally normalized values (e.g. through ``sum_of_sample_mean``) or counts, not per-micro-batch
+    means. ``loss`` is the trainer's own metric name (the step's loss).
     """
     mask, seq_ids = batch.mask, batch.seq_ids
 
@@ -235,6 +238,11 @@ def custom_loss(
         raise ValueError(f"--custom-loss-function-path {name}: the loss is not finite ({float(loss.detach())})")
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
         raise TypeError(f"--custom-loss-function-path {name}: metrics must be a dict of name -> number")
+    if "loss" in metrics:
+        raise ValueError(
+            f"--custom-loss-function-path {name}: the metric name 'loss' is the trainer's own (the step's summed "
+            "loss); report yours under another name"
+        )
     try:
         values = {k: float(v) for k, v in metrics.items()}
     except (TypeError, ValueError) as exc:

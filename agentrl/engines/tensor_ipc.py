@@ -129,12 +129,15 @@ def deserialize_flattened_bucket(data: str | bytes) -> list[tuple[str, torch.Ten
         raise ValueError("metadata must be a list of FlattenedTensorMetadata")
     out = []
     for m in metas:
+        offsets = (m.start_idx, m.end_idx, m.numel)
         if not isinstance(m.dtype, torch.dtype) or not all(
-            isinstance(v, int) for v in (m.start_idx, m.end_idx, m.numel)
+            isinstance(v, int) and not isinstance(v, bool) for v in offsets
         ):
             raise ValueError(f"bucket entry {m.name!r}: dtype must be a torch dtype and offsets integers")
         shape = torch.Size(m.shape)
         by_bytes = flat.dtype == torch.uint8 and m.dtype != torch.uint8
+        if not by_bytes and flat.dtype != m.dtype:  # the older layout holds one dtype: no silent conversion
+            raise ValueError(f"bucket entry {m.name!r}: {m.dtype} in a {flat.dtype} buffer")
         width = m.dtype.itemsize if by_bytes else 1
         if not 0 <= m.start_idx <= m.end_idx <= flat.numel() or m.end_idx - m.start_idx != m.numel * width:
             raise ValueError(
@@ -152,7 +155,7 @@ def deserialize_flattened_bucket(data: str | bytes) -> list[tuple[str, torch.Ten
             except RuntimeError:  # a range not aligned to the dtype: copy it first
                 t = part.clone().view(m.dtype)
         else:
-            t = part.to(m.dtype)
+            t = part
         out.append((str(m.name), t.reshape(shape)))
     return out
 

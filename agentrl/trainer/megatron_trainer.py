@@ -456,7 +456,8 @@ class MegatronTrainer(Trainer):
 
     def _metric_names(self, sums: dict[str, float]) -> list[str]:
         """The same sorted names on every rank (only last stages computed any)."""
-        names = set(sums) | {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        builtin = {"loss"} if self.cfg.loss_type == "custom_loss" else {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        names = set(sums) | builtin  # a custom loss reports its own metrics, not zeros for terms it never computed
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, sorted(names))

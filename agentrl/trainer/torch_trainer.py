@@ -333,7 +333,8 @@ class TorchTrainer(Trainer):
 
     def _metric_names(self, sums: dict[str, float]) -> list[str]:
         """The same sorted names on every rank (one that ran only empty passes has none of its own)."""
-        names = set(sums) | {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        builtin = {"loss"} if self.cfg.loss_type == "custom_loss" else {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
+        names = set(sums) | builtin  # a custom loss reports its own metrics, not zeros for terms it never computed
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, sorted(names))

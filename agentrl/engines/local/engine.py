@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAULTS = 3
 """Iterations failing in a row (outside any one request) after which the engine reports itself unhealthy."""
 
+MAX_TOP_LOGPROBS = 128
+"""Largest ``top_logprobs_num``: each entry is a list per token (per prompt token too, from ``logprob_start_len``)."""
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang's ``tags`` for ``/release_memory_occupation`` and ``/resume_memory_occupation``."""
 
@@ -286,6 +289,7 @@ class LocalEngine:
             return
         req.stream = asyncio.Queue()
         self._submit(req)
+        getter: asyncio.Future | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(req.stream.get())
@@ -299,6 +303,8 @@ class LocalEngine:
                 yield req.future.result()
                 return
         finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
             if not req.future.done():
                 self.abort(req.rid)
 
@@ -325,8 +331,18 @@ class LocalEngine:
             raise InvalidRequestError(
                 f"logprob_start_len must be -1 or a prompt position 0..{len(ids) - 1}, got {logprob_start_len!r}"
             )
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
-            raise InvalidRequestError(f"top_logprobs_num must lie in 0..{self.vocab_size}, got {top_logprobs_num!r}")
+        top_max = min(MAX_TOP_LOGPROBS, self.vocab_size)
+        if (
+            not isinstance(top_logprobs_num, int)
+            or isinstance(top_logprobs_num, bool)
+            or not 0 <= top_logprobs_num <= top_max
+        ):
+            raise InvalidRequestError(f"top_logprobs_num must lie in 0..{top_max}, got {top_logprobs_num!r}")
+        if sp.return_top_p_token_ids and not sp.filtered and not sp.greedy:
+            raise InvalidRequestError(
+                "custom_params.return_top_p_token_ids needs top_p < 1 (or top_k / min_p): without a filter every "
+                "token's set is the whole vocabulary"
+            )
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_length - len(ids))
         loop = asyncio.get_running_loop()
         req = _Request(
@@ -691,7 +707,8 @@ class LocalEngine:
         lps: list[list] = [[None, r.input_ids[start], self._token_text(r.input_ids[start], text)]]
         tops: list[Any] = [None]
         if start + 1 < L:
-            hidden = self.model.model(input_ids=torch.tensor([r.input_ids], device=dev)).last_hidden_state[0]
+            ids = torch.tensor([r.input_ids], device=dev)
+            hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
             temp = 1.0 if r.sp.greedy else float(r.sp.temperature)
             for c in range(start + 1, L, 256):
                 end = min(c + 256, L)
@@ -781,37 +798,42 @@ class LocalEngine:
             self.runner.cache.copy_row(last, dst, req.kv_len)
             rows[dst], rows[last], req.row = req, None, dst
 
-    def _sample_and_step(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+    def _sample_and_step(self, reqs: list[_Request], raw: torch.Tensor) -> None:
         gens = [r.generator or self._generator for r in reqs]
-        drawn: list[tuple[int, _Request, int, float]] = []
+        drawn: list[tuple[_Request, torch.Tensor, int, float]] = []  # (request, its biased logits row, token, lp)
         try:
-            logits = biased(logits, [r.sp for r in reqs])
+            logits = biased(raw, [r.sp for r in reqs])
             ids, lps = sample_batch(logits, [r.sp for r in reqs], gens)
-            drawn = [(i, r, t, lp) for i, (r, t, lp) in enumerate(zip(reqs, ids.tolist(), lps.tolist()))]
+            drawn = [(r, logits[i], t, lp) for i, (r, t, lp) in enumerate(zip(reqs, ids.tolist(), lps.tolist()))]
         except BaseException as exc:  # noqa: BLE001 - find the request(s) at fault, fail only them
             log.warning("sampling a batch of %d failed (%r); sampling its rows one by one", len(reqs), exc)
             self.last_error = exc
             for i, r in enumerate(reqs):
                 try:
-                    row = biased(logits[i : i + 1], [r.sp])
+                    row = biased(raw[i : i + 1], [r.sp])  # from the raw logits: each row biased once
                     one_id, one_lp = sample_batch(row, [r.sp], [gens[i]])
-                    drawn.append((i, r, int(one_id[0]), float(one_lp[0])))
+                    drawn.append((r, row[0], int(one_id[0]), float(one_lp[0])))
                 except BaseException as one_exc:  # noqa: BLE001
                     self._fail(r, one_exc)
-        for i, r, tok, lp in drawn:
+        for r, row_logits, tok, lp in drawn:
             r.output_ids.append(tok)
             r.logprobs.append(lp)
             try:
-                self._record_extras(r, logits[i], tok)
+                self._record_extras(r, row_logits, tok)
                 r.finish = self._check_finished(r)
-            except BaseException as exc:  # noqa: BLE001 - e.g. a stop string the tokenizer cannot decode against
+                if r.finish is None and r.stream is not None and self._stream_due(r):
+                    # SGLang's scheduler: a chunk at tokens 1, 1 + k, 1 + 2k, ...; the finished response always
+                    _call_soon(r.loop, r.stream.put_nowait, self._response(r, partial=True))
+            except BaseException as exc:  # noqa: BLE001 - e.g. a stop string or a partial text that cannot be decoded
                 self._fail(r, exc)
                 continue
             if r.finish is not None:
                 self._retire(r)
-            elif r.stream is not None and (r.sp.stream_interval == 1 or len(r.output_ids) % r.sp.stream_interval == 1):
-                # SGLang's scheduler: a chunk at tokens 1, 1 + k, 1 + 2k, ...; the finished response always
-                _call_soon(r.loop, r.stream.put_nowait, self._response(r, partial=True))
+
+    @staticmethod
+    def _stream_due(r: _Request) -> bool:
+        k = r.sp.stream_interval
+        return k == 1 or len(r.output_ids) % k == 1
 
     def _record_extras(self, r: _Request, logits: torch.Tensor, tok: int) -> None:
         """What a request asked for beyond the token and its log-prob: top log-probs, the top-p nucleus."""

@@ -171,6 +171,9 @@ def add_openai_routes(
 def _samples(req: P._OpenAIBody, sp: dict | None = None) -> list[dict]:
     """One sampling-params dict per requested sample (``n``); sample ``i`` seeded ``seed + i``."""
     sp = sp if sp is not None else req.sampling(default_max=None)
+    seed = sp.get("sampling_seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed + req.n - 1 > 2**64 - 1:
+        raise InvalidRequestError(f"seed: with n={req.n} the samples draw with seed..seed+{req.n - 1}, past 2**64-1")
     out = []
     for i in range(req.n):
         one = dict(sp)
@@ -199,9 +202,9 @@ def _tool_plan(req: P.ChatCompletionRequest, hook: ToolParser | None) -> tuple[l
         chosen = tools
     else:
         wanted = choice.function.name
-        chosen = [t for t in tools if (t.get("function") or {}).get("name") == wanted]
+        chosen = [t for t in tools if _tool_name(t) == wanted]
         if not chosen:
-            names = [(t.get("function") or {}).get("name") for t in tools]
+            names = [_tool_name(t) for t in tools]
             raise InvalidRequestError(f"tool_choice: function {wanted!r} is not among the tools {names}")
         prefix = prefix_of(wanted) if prefix_of else None
     if not prefix:
@@ -212,6 +215,11 @@ def _tool_plan(req: P.ChatCompletionRequest, hook: ToolParser | None) -> tuple[l
     return chosen, prefix, True
 
 
+def _tool_name(tool: Any) -> Any:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else None
+
+
 def _choice_text(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
@@ -220,36 +228,40 @@ def _choice_text(choice: Any) -> str:
 
 
 async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) -> AsyncIterator[tuple[int, dict]]:
-    """(index, partial or final response) of every job's stream, as they come; the request holds the gate."""
+    """(index, partial or final response) of every job's stream, as they come.
+
+    Each job holds the pause gate only while its engine request runs (the chunks wait in a queue), so
+    a client that reads slowly never holds up ``/pause_generation`` and the weight update behind it.
+    """
     queue: asyncio.Queue = asyncio.Queue()
 
     async def one(i: int, job: dict) -> None:
         try:
-            async for out in engine.generate_stream(**job):
-                await queue.put((i, out))
+            async with gate.admit():
+                async for out in engine.generate_stream(**job):
+                    await queue.put((i, out))
         except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI servers do
             await queue.put((i, exc))
         finally:
             await queue.put(None)
 
-    async with gate.admit():
-        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                    continue
-                i, out = item
-                if isinstance(out, BaseException):
-                    raise out
-                if out["meta_info"]["finish_reason"] is not None:
-                    stats.record([out])
-                yield i, out
-        finally:  # the client went away: end what is still running
-            for t in tasks:
-                t.cancel()
+    tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+                continue
+            i, out = item
+            if isinstance(out, BaseException):
+                raise out
+            if out["meta_info"]["finish_reason"] is not None:
+                stats.record([out])
+            yield i, out
+    finally:  # the client went away: end what is still running
+        for t in tasks:
+            t.cancel()
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -286,21 +298,37 @@ def _stable(text: str, final: bool, stops: list[str], marker: str | None) -> str
     return text[:end]
 
 
+def _delta(sent: str, now: str) -> str:
+    """What to send after ``sent`` so the client holds ``now``. ``now`` normally extends ``sent``; where a
+    tokenizer's clean-up or a parser rewrote earlier text it cannot be unsent: the rest after the common
+    prefix is sent, so nothing is lost."""
+    if now.startswith(sent):
+        return now[len(sent) :]
+    k = 0
+    while k < min(len(sent), len(now)) and sent[k] == now[k]:
+        k += 1
+    return now[k:] if len(now) > len(sent) else ""
+
+
 async def _stream_completions(engine, gate, stats, jobs, head, req, tok) -> AsyncIterator[dict]:
     sent = [""] * len(jobs)
     lp_sent = [0] * len(jobs)
+    offset = [0] * len(jobs)  # characters of text already covered by logprobs (OpenAI's offsets are absolute)
     stops = _stops(jobs[0]["sampling_params"])
     outs: dict[int, dict] = {}
     async for i, out in _merged(engine, gate, stats, jobs):
         final = out["meta_info"]["finish_reason"] is not None
         text = _stable(out["text"], final, stops, None)
-        delta = text[len(sent[i]) :] if text.startswith(sent[i]) else ""
-        sent[i] = text if delta or final else sent[i]
+        delta = _delta(sent[i], text)
+        if delta:
+            sent[i] += delta
         choice: dict[str, Any] = {"index": i, "text": delta, "logprobs": None, "finish_reason": None}
         if req.logprobs is not None:
-            lps = out["meta_info"]["output_token_logprobs"]
-            choice["logprobs"] = _completion_logprobs(tok, lps[lp_sent[i] :], 0)
-            lp_sent[i] = len(lps)
+            lps = out["meta_info"]["output_token_logprobs"][lp_sent[i] :]
+            if lps or final:
+                choice["logprobs"] = _completion_logprobs(tok, lps, offset[i])
+                offset[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                lp_sent[i] += len(lps)
         if final:
             choice.update(_finish(out))
             outs[i] = out
@@ -311,10 +339,12 @@ async def _stream_completions(engine, gate, stats, jobs, head, req, tok) -> Asyn
 
 
 async def _stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix) -> AsyncIterator[dict]:
+    """Content deltas are what the parser makes of the stable text so far (a parser strips and cuts out
+    calls: the deltas then add up to the non-streamed ``content``); calls come once, at the end."""
     head = {**head, "object": "chat.completion.chunk"}
-    marker = None
-    if hook is not None:
-        marker = hook.call_marker() if hasattr(hook, "call_marker") else ""  # "": hold everything back
+    marker_of = getattr(hook, "call_marker", None)
+    marker = marker_of() if marker_of is not None else None
+    hold_all = hook is not None and marker is None  # a format without a marker: anything may be a call
     stops = _stops(jobs[0]["sampling_params"])
     sent = [""] * len(jobs)
     lp_sent = [0] * len(jobs)
@@ -326,30 +356,31 @@ async def _stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix) 
         full = prefix + out["text"]
         delta: dict[str, Any] = {}
         fin: dict[str, Any] = {"finish_reason": None}
+        calls: list[dict] = []
         if final:
             outs[i] = out
             content, calls = hook(full) if hook is not None else (full, [])
-            rest = content[len(sent[i]) :] if content.startswith(sent[i]) else ""
-            if rest:
-                delta["content"] = rest
+        elif prefix or hold_all:
+            content = ""  # a forced call, or no way to tell content from a call before the end
+        else:
+            stable = _stable(full, False, stops, marker)
+            content = hook(stable)[0] if hook is not None else stable
+        text = _delta(sent[i], content)
+        if text:
+            delta["content"] = text
+            sent[i] += text
+        if final:
             if calls:
                 delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             fin = _finish(out)
             if calls:
                 fin["finish_reason"] = "tool_calls"
-        elif not prefix:
-            text = _stable(full, False, stops, marker if marker != "" else None)
-            if marker == "":
-                text = ""
-            if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                delta["content"] = text[len(sent[i]) :]
-                sent[i] = text
         choice: dict[str, Any] = {"index": i, "delta": delta, **fin}
         if req.logprobs:
-            lps = out["meta_info"]["output_token_logprobs"]
-            choice["logprobs"] = {"content": _chat_logprob_entries(tok, lps[lp_sent[i] :])}
-            lp_sent[i] = len(lps)
-        if delta or final:
+            lps = out["meta_info"]["output_token_logprobs"][lp_sent[i] :]
+            choice["logprobs"] = {"content": _chat_logprob_entries(tok, lps)}
+            lp_sent[i] += len(lps)
+        if delta or final or (req.logprobs and choice["logprobs"]["content"]):
             yield {**head, "choices": [choice]}
     if req.stream_options and req.stream_options.include_usage:
         yield {**head, "choices": [], "usage": _usage([outs[i] for i in sorted(outs)], req.n)}

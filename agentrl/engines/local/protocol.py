@@ -172,6 +172,12 @@ class _OpenAIBody(_Body):
     stream: Flag = False
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _OpenAIBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def sampling(self, default_max: int | None) -> dict:
         """SGLang ``sampling_params`` (validated by the engine, errors naming ``sampling_params.<field>``)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens

@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from agentrl.engines.http import API_KEY_ENV
@@ -222,40 +223,50 @@ def build_app(
     stats = app.state.stats = RequestStats()
 
     async def _stream_generate(engine: LocalEngine, gate: PauseGate, jobs: list[dict], batch: bool):
-        """SSE chunks as SGLang writes them: cumulative text/ids, ``meta_info`` each time, ``index`` in a batch."""
+        """SSE chunks as SGLang writes them: cumulative text/ids, ``meta_info`` each time, ``index`` in a batch.
+
+        Each job holds the pause gate only while its engine request runs (chunks wait in a queue): a
+        client that reads slowly never holds up ``/pause_generation``.
+        """
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int, job: dict) -> None:
+            tag = {"index": i} if batch else {}
             try:
-                async for out in engine.generate_stream(**job):
-                    if out["meta_info"]["finish_reason"] is not None:
-                        stats.record([out])
-                    await queue.put({**out, "index": i} if batch else out)
+                async with gate.admit():
+                    async for out in engine.generate_stream(**job):
+                        if out["meta_info"]["finish_reason"] is not None:
+                            stats.record([out])
+                        await queue.put({**out, **tag})
             except InvalidRequestError as exc:
-                await queue.put({"error": {"message": str(exc)}})
+                await queue.put({"error": {"message": str(exc)}, **tag})
             except Exception as exc:  # noqa: BLE001 - the stream reports it, as SGLang does
-                await queue.put({"error": {"message": f"the engine failed: {exc!r}"}})
+                await queue.put({"error": {"message": f"the engine failed: {exc!r}"}, **tag})
             finally:
                 await queue.put(None)
 
-        async with gate.admit():
-            tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
-            try:
-                left = len(tasks)
-                while left:
-                    item = await queue.get()
-                    if item is None:
-                        left -= 1
-                        continue
-                    yield f"data: {json.dumps(item)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away: end what is still running
-                for t in tasks:
-                    t.cancel()
+        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                    continue
+                yield f"data: {json.dumps(item)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away: end what is still running
+            for t in tasks:
+                t.cancel()
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError):
         return _error(str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_query(_: Request, exc: RequestValidationError):  # e.g. /v1/loads?dp_rank=x: a 400, as the rest
+        parts = [f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in exc.errors()[:3]]
+        return _error("; ".join(parts))
 
     @app.exception_handler(EngineFault)
     async def _fault(_: Request, exc: EngineFault):  # this request only; the engine goes on serving
