@@ -380,7 +380,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         from agentrl.rollout.generate import BatchGenerate
 
         with naming_flag("--rollout-function-path", args.rollout_function_path):
-            custom_generate = BatchGenerate(load_function(args.rollout_function_path))
+            custom_generate = BatchGenerate.load(args.rollout_function_path)
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)

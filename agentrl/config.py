@@ -625,6 +625,15 @@ class RunConfig:
                 "use --num-steps-per-rollout 1",
             ),
             (
+                self.true_on_policy_mode or self.true_on_policy_tolerance == 1e-3,
+                "--true-on-policy-tolerance is the check of --true-on-policy-mode: set the mode too, or drop it",
+            ),
+            (
+                not (self.true_on_policy_mode and self.allow_non_token_exact),
+                "--true-on-policy-mode compares the engine's log-probs token by token: not with "
+                "--allow-non-token-exact samples (their log-probs are not the engine's)",
+            ),
+            (
                 not (self.true_on_policy_mode and sft),
                 "--true-on-policy-mode is for RL rollouts, not --loss-type sft_loss",
             ),

@@ -595,3 +595,14 @@ async def test_a_partial_response_that_fails_fails_its_request_only(ckpt, monkey
 def test_unbounded_answers_are_refused(http, body, field):
     r = http.post("/generate", json={"input_ids": PROMPT, **body})
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_a_rewritten_stream_text_is_never_sent_twice():
+    """A tokenizer's clean-up can rewrite text already sent: only what lies past it is sent after."""
+    from agentrl.engines.local.openai_routes import _delta
+
+    client, basis = "", ""
+    for now in ("Hello ", "Hello,", "Hello, world", "Hello, world!", "Hello, world! Bye"):
+        text, basis = _delta(basis, now)
+        client += text
+    assert client == "Hello  world! Bye"  # the rewritten "," is the one character that could not be sent

@@ -434,3 +434,10 @@ def test_slime_model_args_are_accepted_when_they_agree_and_refused_naming_both_v
     wrong = parse_passthrough_flags(slime_model_args(hf) + [flipped])["megatron_args"]
     with pytest.raises(ValueError, match=f"{flipped} disagrees"):
         mm.transformer_config_from_hf(hf, overrides=wrong)
+
+
+def test_model_flags_from_a_config_file_compare_as_numbers(checkpoints):
+    hf = checkpoints["qwen3"][1]
+    mm.check_model_flags(hf, {"norm_epsilon": "1e-6", "normalization": "RMSNorm"})  # YAML reads 1e-6 as text
+    with pytest.raises(ValueError, match="--num-layers disagrees"):  # a flag with no value is True, not 1
+        mm.check_model_flags(hf, {"num_layers": True})

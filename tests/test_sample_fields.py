@@ -349,7 +349,66 @@ async def test_a_batch_rollout_function_gets_every_sample_in_one_call(tiny_token
     async def exits(args, samples, evaluation=False):
         raise SystemExit(3)
 
-    for fn, message in ((drops_one, "none added, dropped or repeated"), (exits, "SystemExit")):
+    for fn, message in ((drops_one, "none added, dropped, repeated or moved"), (exits, "SystemExit")):
         samples, _ = await generate_rollout(ctx, None, rows[:1], custom_generate=BatchGenerate(fn, evaluation=True))
         assert [s.status for s in samples] == [Status.FAILED, Status.FAILED]  # the samples fail, not the run
         assert all(s.status_reason == "rollout_function_error" and message in s.metadata["error"] for s in samples)
+
+
+async def test_a_rollout_function_may_not_move_samples_between_groups(tiny_tokenizer):
+    from agentrl.rollout.generate import BatchGenerate
+
+    async def regroup(args, samples, evaluation=False):
+        for s in samples:
+            s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+            s.group_index = 7  # would merge groups (or index past the run's rows)
+        return samples
+
+    ctx = EpisodeContext(
+        engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(n_samples_per_prompt=2)
+    )
+    samples, _ = await generate_rollout(ctx, None, [{"prompt": "a"}], custom_generate=BatchGenerate(regroup))
+    assert [s.status for s in samples] == [Status.FAILED, Status.FAILED]
+    assert "in their groups" in samples[0].metadata["error"]
+
+    async def moves_one(args, sample, sampling_params):
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        sample.group_index = 3
+        return sample
+
+    samples, _ = await generate_rollout(ctx, None, [{"prompt": "a"}], custom_generate=moves_one)
+    assert all(s.status == Status.FAILED and "groups are the run's" in s.metadata["error"] for s in samples)
+
+
+def test_a_rollout_function_with_slimes_other_signature_is_refused_at_load(tmp_path):
+    from agentrl.rollout.generate import BatchGenerate
+
+    (tmp_path / "fns.py").write_text(
+        "def generate_rollout(args, rollout_id, data_source, evaluation=False):\n    return []\n"
+        "async def two_args(args, samples):\n    return samples\n"
+        "async def good(args, samples, evaluation=False):\n    return samples\n"
+    )
+    for name in ("generate_rollout", "two_args"):
+        with pytest.raises(TypeError, match="must be `async def fn\\(args, samples, evaluation=False\\)"):
+            BatchGenerate.load(f"{tmp_path}/fns.py:{name}")
+    assert BatchGenerate.load(f"{tmp_path}/fns.py:good").evaluation is False
+
+
+async def test_eval_runs_the_rollout_function_told_it_evaluates(tiny_tokenizer):
+    from agentrl.rollout.eval import evaluate
+    from agentrl.rollout.generate import BatchGenerate
+
+    seen = []
+
+    async def batch(args, samples, evaluation=False):
+        seen.append(evaluation)
+        for s in samples:
+            s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+            s.reward = 1.0
+        return samples
+
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig())
+    out = await evaluate(
+        ctx, None, {"set": [{"prompt": "a"}]}, n_samples=2, custom_generate=BatchGenerate(batch, evaluation=True)
+    )
+    assert seen == [True] and out["set"]["reward_mean"] == 1.0

@@ -314,12 +314,15 @@ def test_true_on_policy_mode_checks_trainer_against_engine_log_probs(tiny_ckpt, 
         ({"update_weights_interval": 2, "max_staleness": 1}, "drop --async and --update-weights-interval"),
         ({"train": {"global_batch_size": 4, "num_steps_per_rollout": 2}}, "--num-steps-per-rollout 1"),
         ({"true_on_policy_tolerance": 0.0}, "--true-on-policy-tolerance must be"),
+        ({"allow_non_token_exact": True}, "not with --allow-non-token-exact"),
     ],
 )
 def test_true_on_policy_mode_refuses_what_would_make_it_off_policy(tiny_ckpt, tmp_path, kw, message):
     cfg = _cfg(tiny_ckpt, tmp_path, true_on_policy_mode=True, **kw)
     with pytest.raises(ValueError, match=message):
         cfg.validate()
+    with pytest.raises(ValueError, match="--true-on-policy-tolerance is the check of --true-on-policy-mode"):
+        _cfg(tiny_ckpt, tmp_path, true_on_policy_tolerance=1e-2).validate()
 
 
 def test_a_batch_rollout_function_drives_training(tiny_ckpt, tmp_path, ray_local):
@@ -339,10 +342,12 @@ def test_a_batch_rollout_function_drives_training(tiny_ckpt, tmp_path, ray_local
     save = tmp_path / "run"
     cfg = _cfg(tiny_ckpt, save, num_rollout=2, env=None, rollout_function_path=f"{tmp_path}/batch_fn.py:rollout")
     cfg.prompt_data = str(tmp_path / "rows.jsonl")
+    cfg.eval_prompt_data, cfg.eval_interval = [("held", str(tmp_path / "rows.jsonl"))], 1  # evals use it too
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(4)))
     train(cfg)
     lines = _lines(save)
     assert len(lines) == 2 and all(line["train_tokens"] == 8 for line in lines)  # 2 prompts x 4 samples x 1 token
+    assert all(line["eval/held/reward_mean"] == 0.5 for line in lines)  # the function scored the eval: index % 2
     assert {s["metadata"]["status_reason"] for s in _dump(save, 1)} == {"rollout_function"}
     with pytest.raises(ValueError, match="pass one of them"):
         _cfg(tiny_ckpt, save, rollout_function_path="a:b", custom_generate_function_path="c:d").validate()

@@ -99,6 +99,7 @@ async def evaluate(
     custom_reward: RewardFn | None = None,
     args: Any = None,
     on_sample: Callable[[str, Sample], None] | None = None,
+    custom_generate: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate on each dataset (name -> task rows, as :func:`load_tasks` reads them); one dict per dataset.
 
@@ -107,7 +108,8 @@ async def evaluate(
     another, so ``seconds`` is each one's own wall time. Each result holds ``reward_mean``,
     ``reward_std``, ``pass@k`` for k in 1, 2, 4, ... and n, ``num_prompts``, ``num_samples``,
     ``count_<status>``, ``count_not_token_exact`` and ``seconds``. ``on_sample(dataset_name,
-    sample)`` sees every sample as it finishes (to stream them to a file).
+    sample)`` sees every sample as it finishes (to stream them to a file). ``custom_generate`` replaces
+    the env as in training (a batch rollout function is called with ``evaluation=True``, as slime).
     """
     if n_samples < 1:
         raise ValueError("n_samples must be >= 1")
@@ -119,7 +121,13 @@ async def evaluate(
         sink = (lambda s, _name=name: on_sample(_name, s)) if on_sample is not None else None
         t0 = time.monotonic()
         samples, _ = await generate_rollout(
-            ctx, env_factory, tasks, args=args, custom_reward=custom_reward, on_sample=sink
+            ctx,
+            env_factory,
+            tasks,
+            args=args,
+            custom_generate=custom_generate,
+            custom_reward=custom_reward,
+            on_sample=sink,
         )
         results[name] = score_samples(samples, n_samples=n_samples, success_threshold=success_threshold)
         results[name]["seconds"] = round(time.monotonic() - t0, 3)

@@ -106,6 +106,11 @@ async def _custom_episode(
         out = await fn(args, sample, ctx.config.sampling().to_json())
         if not isinstance(out, Sample):
             raise TypeError(f"the custom generate function returned {type(out).__name__}, not a Sample")
+        if (out.group_index, out.index) != (group_index, index):
+            raise ValueError(
+                f"the custom generate function moved the sample to group {out.group_index}, index {out.index} "
+                f"(given {group_index}, {index}): groups are the run's"
+            )
         if out.status == Status.PENDING:
             out.status = Status.COMPLETED
         out.validate()
@@ -131,6 +136,27 @@ class BatchGenerate:
     fn: Callable[..., Any]
     evaluation: bool = False
 
+    @classmethod
+    def load(cls, spec: str) -> BatchGenerate:
+        """``module:fn``, checked: an ``async def`` taking ``(args, samples, evaluation)``. slime's own
+        ``--rollout-function-path`` is the synchronous ``generate_rollout(args, rollout_id, data_source,
+        evaluation)``; given one, say so instead of failing every sample of the run."""
+        import inspect
+
+        fn = load_function(spec)
+        try:
+            inspect.signature(fn).bind(None, [], False)
+            binds = True
+        except (TypeError, ValueError):
+            binds = False
+        if not inspect.iscoroutinefunction(fn) or not binds:
+            raise TypeError(
+                f"{spec!r} must be `async def fn(args, samples, evaluation=False) -> list[Sample]` (the reference's "
+                "batch signature); slime's generate_rollout(args, rollout_id, data_source, evaluation) is a "
+                "different function: wrap it, or use --custom-generate-function-path for one sample at a time"
+            )
+        return cls(fn)
+
 
 def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sample:
     return Sample(
@@ -153,16 +179,17 @@ def _fail(sample: Sample, reason: str, exc: BaseException) -> Sample:
 
 async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]) -> list[Sample]:
     """Every sample through one call of the batch function, checked; a failure fails them all."""
-    want = [s.index for s in pending]
+    want = sorted((s.group_index, s.index) for s in pending)
     try:
         out = await batch.fn(args, pending, batch.evaluation)
         if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
             raise TypeError(f"the rollout function returned {type(out).__name__}, not a list of Samples")
-        got = sorted(s.index if s.index is not None else -1 for s in out)
-        if got != sorted(want):
+        got = sorted((s.group_index, s.index) for s in out if isinstance(s.index, int))
+        if len(got) != len(out) or got != want:
             raise ValueError(
-                f"the rollout function returned samples with indices {got[:8]}... for {len(want)} samples "
-                f"{sorted(want)[:8]}...: it must return the same samples (none added, dropped or repeated)"
+                f"the rollout function returned (group_index, index) pairs {got[:6]}... for the {len(want)} "
+                f"samples {want[:6]}... it was given: it must return the same samples, in their groups "
+                "(none added, dropped, repeated or moved)"
             )
         done = []
         for s in out:
@@ -255,14 +282,21 @@ async def generate_rollout(
             if task.get("generate_function_path")  # a row's own function wins, as with per-sample generation
             for j in range(n)
         ]
-        done = await _batch_episodes(custom_generate, args, pending) if pending else []
-        jobs = [finish(s) for s in done] + own
+
+        async def batch_then_finish() -> list[Sample]:
+            done = await _batch_episodes(custom_generate, args, pending) if pending else []
+            return list(await asyncio.gather(*(finish(s) for s in done)))
+
     else:
         for g, task in enumerate(tasks):
             for j in range(n):
                 jobs.append(one(task, g, g * n + j))
     try:
-        samples = list(await asyncio.gather(*jobs))
+        if isinstance(custom_generate, BatchGenerate):  # the batch and rows with their own function, together
+            batched, mine = await asyncio.gather(batch_then_finish(), asyncio.gather(*own))
+            samples = batched + list(mine)
+        else:
+            samples = list(await asyncio.gather(*jobs))
     finally:
         if own_pool is not None:
             own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its (daemon) thread

@@ -122,6 +122,12 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ rollout
 
+    async def _collect_after(self, previous: asyncio.Task | None, step: int) -> Batch:
+        """:meth:`collect` once ``previous`` (the rollout of the step before) has finished, however it ended."""
+        if previous is not None:
+            await asyncio.wait({previous})
+        return await self.collect(step)
+
     async def collect(self, step: int) -> Batch:
         """``rollout_batch_size`` groups for ``step`` (see the module docstring)."""
         cfg, need = self.cfg, self.cfg.rollout_batch_size
@@ -326,10 +332,12 @@ class TrainLoop:
         try:
             for step in range(self.start_step, cfg.num_rollout):
                 batch = await pending.popleft() if pending else await self.collect(step)
-                if cfg.async_mode:  # keep --async-buffer-size rollouts going while this step trains
+                if cfg.async_mode:  # keep --async-buffer-size rollouts queued while this step trains
                     nxt = step + 1 + len(pending)
                     while len(pending) < cfg.async_buffer_size and nxt < cfg.num_rollout:
-                        pending.append(asyncio.create_task(self.collect(nxt)))
+                        # one rollout generates at a time (as slime's rollout manager): --rollout-concurrency
+                        # bounds the episodes in flight and prompts are drawn in step order
+                        pending.append(asyncio.create_task(self._collect_after(pending[-1] if pending else None, nxt)))
                         nxt += 1
                 lines.append(await self.step(step, batch))
         finally:

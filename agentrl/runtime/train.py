@@ -45,7 +45,8 @@ def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
         source = PromptSource(rows, shuffle=cfg.shuffle_prompts, seed=cfg.train.seed)
     if cfg.buffer_filter_path or cfg.dynamic_sampling_filter_path or cfg.async_mode:
         bf = load_function(cfg.buffer_filter_path) if cfg.buffer_filter_path else None
-        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=cfg.max_staleness)
+        stale = 0 if cfg.true_on_policy_mode else cfg.max_staleness  # the loop's own limit, one value
+        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=stale)
     return source
 
 
@@ -89,7 +90,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         from agentrl.rollout.generate import BatchGenerate
 
         with naming_flag("--rollout-function-path", cfg.rollout_function_path):
-            custom_generate = BatchGenerate(load_function(cfg.rollout_function_path))
+            custom_generate = BatchGenerate.load(cfg.rollout_function_path)
     custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
     group_filter = None
     if cfg.dynamic_sampling_filter_path:
@@ -412,7 +413,7 @@ class _Runtime:
         cfg = self.cfg
         ctx = self._context(args, resume_step)
         engine = ctx.engine
-        evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
+        evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args, custom_generate) if eval_sets else None
         return TrainLoop(
             cfg,
             ctx=ctx,
@@ -545,8 +546,14 @@ def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:
     return max(1, cores // world), max(1, cores // engines)
 
 
-def _evaluator(cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_rm: Any, args: Any):
+def _evaluator(
+    cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_rm: Any, args: Any, custom_generate: Any = None
+):
     from agentrl.rollout.eval import evaluate
+    from agentrl.rollout.generate import BatchGenerate
+
+    if isinstance(custom_generate, BatchGenerate):  # slime: the rollout function evaluates too, told so
+        custom_generate = dataclasses.replace(custom_generate, evaluation=True)
 
     rc = cfg.rollout
     if cfg.eval_temperature is not None:
@@ -555,7 +562,13 @@ def _evaluator(cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_r
 
     async def run(step: int) -> dict[str, float]:
         results = await evaluate(
-            eval_ctx, factory, eval_sets, n_samples=cfg.n_samples_per_eval_prompt, custom_reward=custom_rm, args=args
+            eval_ctx,
+            factory,
+            eval_sets,
+            n_samples=cfg.n_samples_per_eval_prompt,
+            custom_reward=custom_rm,
+            args=args,
+            custom_generate=custom_generate,
         )
         out: dict[str, float] = {}
         for name, res in results.items():

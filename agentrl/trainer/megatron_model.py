@@ -189,12 +189,16 @@ def check_model_flags(hf_config: Any, flags: dict[str, Any]) -> None:
 
     A flag given without a value (``--swiglu``) is True; numbers compare within float rounding.
     """
+    from agentrl.flags import _literal
+
     d = _dims(hf_config)
     for name, given in flags.items():
         if name not in MODEL_FLAGS:
             continue
+        if isinstance(given, str):  # a config file's "1e-6" (YAML reads it as text)
+            given = _literal(given)
         want = MODEL_FLAGS[name](d)
-        same = (
+        same = isinstance(given, bool) == isinstance(want, bool) and (  # --num-layers with no value is True, not 1
             given == want
             if isinstance(want, bool) or isinstance(given, bool) or isinstance(want, str)
             else isinstance(given, int | float) and math.isclose(float(given), float(want), rel_tol=1e-9)

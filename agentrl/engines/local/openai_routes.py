@@ -298,16 +298,13 @@ def _stable(text: str, final: bool, stops: list[str], marker: str | None) -> str
     return text[:end]
 
 
-def _delta(sent: str, now: str) -> str:
-    """What to send after ``sent`` so the client holds ``now``. ``now`` normally extends ``sent``; where a
-    tokenizer's clean-up or a parser rewrote earlier text it cannot be unsent: the rest after the common
-    prefix is sent, so nothing is lost."""
-    if now.startswith(sent):
-        return now[len(sent) :]
-    k = 0
-    while k < min(len(sent), len(now)) and sent[k] == now[k]:
-        k += 1
-    return now[k:] if len(now) > len(sent) else ""
+def _delta(basis: str, now: str) -> tuple[str, str]:
+    """(text to send, the new basis): ``basis`` is the server text the client's text was last built
+    from. ``now`` normally extends it; where a tokenizer's clean-up or a parser rewrote earlier text,
+    that part cannot be unsent: only what lies past the old basis is sent, and the basis moves on."""
+    if len(now) <= len(basis) and basis.startswith(now):
+        return "", basis
+    return now[len(basis) :], now
 
 
 async def _stream_completions(engine, gate, stats, jobs, head, req, tok) -> AsyncIterator[dict]:
@@ -319,9 +316,7 @@ async def _stream_completions(engine, gate, stats, jobs, head, req, tok) -> Asyn
     async for i, out in _merged(engine, gate, stats, jobs):
         final = out["meta_info"]["finish_reason"] is not None
         text = _stable(out["text"], final, stops, None)
-        delta = _delta(sent[i], text)
-        if delta:
-            sent[i] += delta
+        delta, sent[i] = _delta(sent[i], text)
         choice: dict[str, Any] = {"index": i, "text": delta, "logprobs": None, "finish_reason": None}
         if req.logprobs is not None:
             lps = out["meta_info"]["output_token_logprobs"][lp_sent[i] :]
@@ -365,10 +360,9 @@ async def _stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix) 
         else:
             stable = _stable(full, False, stops, marker)
             content = hook(stable)[0] if hook is not None else stable
-        text = _delta(sent[i], content)
+        text, sent[i] = _delta(sent[i], content)
         if text:
             delta["content"] = text
-            sent[i] += text
         if final:
             if calls:
                 delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
