@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
@@ -21,6 +19,8 @@ import pytest
 import torch
 
 from agentrl.engines.local import LocalEngine, build_app
+
+from .test_server_api import _start
 
 PROMPT = [5, 17, 42, 99, 7, 120, 33, 64, 11, 250]
 
@@ -39,26 +39,11 @@ def ref(ckpt):
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ckpt):
-    import uvicorn
-
     engine = LocalEngine(ckpt, max_running_requests=4, seed=0)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name="tiny"), host="127.0.0.1", port=port))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "engine": engine}
+    url, srv, thread = _start(build_app(engine, model_name="tiny"))
+    yield {"url": url, "engine": engine}
     srv.should_exit = True
     thread.join(10)
     asyncio.run(engine.close())
@@ -295,20 +280,6 @@ async def test_server_info_reports_the_memory_saver_and_release_follows_it(serve
 # ---------------------------------------------------------------- OpenAI-compatible endpoints
 
 
-def _serve(app) -> tuple[str, object, threading.Thread]:
-    import uvicorn
-
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", srv, thread
-
-
 class MarkerCalls:
     """A tool-call format of this test: ``CALL name`` anywhere starts a call of ``name`` (rest ignored)."""
 
@@ -338,8 +309,8 @@ def tool_urls(server):
     from agentrl.engines.local.openai_routes import openai_tool_parser
 
     started = [
-        _serve(build_app(server["engine"], model_name="tiny", tool_parser=openai_tool_parser("hermes"))),
-        _serve(build_app(server["engine"], model_name="tiny", tool_parser=MarkerCalls())),
+        _start(build_app(server["engine"], model_name="tiny", tool_parser=openai_tool_parser("hermes"))),
+        _start(build_app(server["engine"], model_name="tiny", tool_parser=MarkerCalls())),
     ]
     yield {"hermes": started[0][0], "marker": started[1][0]}
     for _, srv, thread in started:

@@ -24,6 +24,7 @@ here, beyond plain sampling:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -227,11 +228,16 @@ def _choice_text(choice: Any) -> str:
 # ---------------------------------------------------------------- streaming
 
 
-async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) -> AsyncIterator[tuple[int, dict]]:
-    """(index, partial or final response) of every job's stream, as they come.
+async def merge_streams(
+    engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]
+) -> AsyncIterator[tuple[int, dict | Exception]]:
+    """(index, partial or final response) of every job's stream, as they come; a job that fails yields
+    (index, the exception) once and ends. Finished responses are counted in ``stats``.
 
     Each job holds the pause gate only while its engine request runs (the chunks wait in a queue), so
     a client that reads slowly never holds up ``/pause_generation`` and the weight update behind it.
+    Closing the iterator (the client went away) cancels the jobs still running, which aborts them.
+    Serves ``/generate`` (``server.py``) and the OpenAI endpoints alike.
     """
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -239,8 +245,10 @@ async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) 
         try:
             async with gate.admit():
                 async for out in engine.generate_stream(**job):
+                    if out["meta_info"]["finish_reason"] is not None:
+                        stats.record([out])
                     await queue.put((i, out))
-        except Exception as exc:  # noqa: BLE001 - reported in the stream, as OpenAI servers do
+        except Exception as exc:  # noqa: BLE001 - the caller reports it in the stream
             await queue.put((i, exc))
         finally:
             await queue.put(None)
@@ -253,15 +261,19 @@ async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) 
             if item is None:
                 left -= 1
                 continue
-            i, out = item
-            if isinstance(out, BaseException):
-                raise out
-            if out["meta_info"]["finish_reason"] is not None:
-                stats.record([out])
-            yield i, out
-    finally:  # the client went away: end what is still running
+            yield item
+    finally:
         for t in tasks:
             t.cancel()
+
+
+async def _merged(engine: LocalEngine, gate: Any, stats: Any, jobs: list[dict]) -> AsyncIterator[tuple[int, dict]]:
+    """:func:`merge_streams`, a failed job raising (the OpenAI stream then ends with an error event)."""
+    async with contextlib.aclosing(merge_streams(engine, gate, stats, jobs)) as items:  # closed: jobs end
+        async for i, out in items:
+            if isinstance(out, Exception):
+                raise out
+            yield i, out
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:

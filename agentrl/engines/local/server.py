@@ -56,7 +56,7 @@ from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
-from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes
+from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, merge_streams
 
 log = logging.getLogger(__name__)
 
@@ -223,41 +223,17 @@ def build_app(
     stats = app.state.stats = RequestStats()
 
     async def _stream_generate(engine: LocalEngine, gate: PauseGate, jobs: list[dict], batch: bool):
-        """SSE chunks as SGLang writes them: cumulative text/ids, ``meta_info`` each time, ``index`` in a batch.
-
-        Each job holds the pause gate only while its engine request runs (chunks wait in a queue): a
-        client that reads slowly never holds up ``/pause_generation``.
-        """
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def one(i: int, job: dict) -> None:
-            tag = {"index": i} if batch else {}
-            try:
-                async with gate.admit():
-                    async for out in engine.generate_stream(**job):
-                        if out["meta_info"]["finish_reason"] is not None:
-                            stats.record([out])
-                        await queue.put({**out, **tag})
-            except InvalidRequestError as exc:
-                await queue.put({"error": {"message": str(exc)}, **tag})
-            except Exception as exc:  # noqa: BLE001 - the stream reports it, as SGLang does
-                await queue.put({"error": {"message": f"the engine failed: {exc!r}"}, **tag})
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                    continue
-                yield f"data: {json.dumps(item)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away: end what is still running
-            for t in tasks:
-                t.cancel()
+        """SSE chunks as SGLang writes them: cumulative text/ids, ``meta_info`` each time, ``index`` in a batch;
+        a failed job sends an error event (see :func:`~.openai_routes.merge_streams`)."""
+        async with contextlib.aclosing(merge_streams(engine, gate, stats, jobs)) as items:  # closed: jobs end
+            async for i, out in items:
+                tag = {"index": i} if batch else {}
+                if isinstance(out, InvalidRequestError):
+                    out = {"error": {"message": str(out)}}
+                elif isinstance(out, Exception):  # the stream reports it, as SGLang does
+                    out = {"error": {"message": f"the engine failed: {out!r}"}}
+                yield f"data: {json.dumps({**out, **tag})}\n\n"
+        yield "data: [DONE]\n\n"
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError):
