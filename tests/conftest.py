@@ -35,6 +35,32 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tied_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny tokenizer with a 2-layer Llama (vocab 400) that ties embeddings and head (as SmolLM2 does)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tied")
+    for f in tiny_ckpt.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_ckpt):
     from transformers import AutoTokenizer
 

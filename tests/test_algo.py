@@ -10,10 +10,13 @@ import torch
 from agentrl.algo.advantages import (
     compute_advantages,
     discounted_returns,
+    gae,
     grpo,
     masked_whiten,
     per_turn_grpo,
     per_turn_returns,
+    ppo_advantages,
+    ppo_token_rewards,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     rloo,
@@ -26,6 +29,7 @@ from agentrl.algo.loss import (
     policy_loss,
     ppo_clip_loss,
     tis_weights,
+    value_loss,
 )
 from agentrl.config import TrainConfig
 
@@ -286,6 +290,86 @@ def test_per_turn_grpo_bad_spans():
         per_turn_grpo(tr, [[(0, 2)], [(0, 2)], [(0, 3)]], ids, masks)  # 1 span for 2 rewards
     with pytest.raises(ValueError):
         per_turn_grpo(tr, [[(0, 2), (4, 9)], [(0, 2)], [(0, 3)]], ids, masks)  # past the response
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO: GAE over a critic's values
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gae_multi_turn_hand_computed():
+    """Two assistant turns (tokens 0-2 and 5-6) around two env tokens (3-4, mask 0).
+
+    Token rewards: turn 1's 0.5 on token 2, turn 2's 1.0 plus the rest of the episode reward
+    (2.0 - 1.5 = 0.5) on token 6. Policy tokens k = 0, 1, 2, 5, 6 with V = .1 .2 .3 .4 .5 (the env
+    tokens' values, 9, are never read); gamma .9, lambda .5 (gamma * lambda = .45):
+      delta = r + .9 V_next - V:  .08, .07, .56 (turn 1's end bootstraps from token 5), .05, 1.0
+      A (from the end):           1.0, .05 + .45 = .5, .56 + .225 = .785, .07 + .35325 = .42325,
+                                  .08 + .1904625 = .2704625
+      R = A + V
+    """
+    mask = T([1.0, 1, 1, 0, 0, 1, 1])
+    tok = ppo_token_rewards(2.0, mask, turn_rewards=[0.5, 1.0], turn_spans=[(0, 3), (5, 7)])
+    assert close(tok, [0, 0, 0.5, 0, 0, 0, 1.5])
+    values = T([0.1, 0.2, 0.3, 9.0, 9.0, 0.4, 0.5])
+    adv, ret = gae(tok, values, mask, gamma=0.9, lambd=0.5)
+    assert close(adv, [0.2704625, 0.42325, 0.785, 0, 0, 0.5, 1.0])
+    assert close(ret, [0.3704625, 0.62325, 1.085, 0, 0, 0.9, 1.5])
+    # the same through the batch entry point, with a second sample that has no turn record
+    advs, rets = ppo_advantages(
+        [2.0, 1.0],
+        [mask, T([0.0, 1, 1])],
+        [values, T([0.0, 0.25, 0.5])],
+        turn_rewards=[[0.5, 1.0], []],
+        turn_spans=[[(0, 3), (5, 7)], []],
+        gamma=0.9,
+        lambd=0.5,
+    )
+    assert close(advs[0], adv) and close(rets[0], ret)
+    # sample 2: reward 1.0 on its last token; delta = (.9 * .5 - .25, 1 - .5) = (.2, .5); A = (.2 + .45 * .5, .5)
+    assert close(advs[1], [0, 0.425, 0.5]) and close(rets[1], [0, 0.675, 1.0])
+
+
+def test_gae_lambda_one_zero_values_is_reward_to_go():
+    """gamma = lambda = 1 and V = 0: A_t = R_t = the sum of the rewards from t on (Monte Carlo)."""
+    mask = T([1.0, 0, 1, 1])
+    tok = T([0.25, 0.0, 0.5, 1.0])
+    adv, ret = gae(tok, torch.zeros(4), mask, gamma=1.0, lambd=1.0)
+    assert close(adv, [1.75, 0, 1.5, 1.0]) and close(ret, adv)
+
+
+def test_ppo_token_rewards_kl_and_unplaceable_turns():
+    mask = T([0.0, 1, 1, 0])
+    # turn 2's span holds no policy token: its reward joins the rest on the last policy token
+    tok = ppo_token_rewards(3.0, mask, turn_rewards=[1.0, 2.0], turn_spans=[(0, 2), (3, 4)])
+    assert close(tok, [0, 1.0, 2.0, 0])
+    tok = ppo_token_rewards(1.0, mask, kl=T([5.0, 0.2, 0.4, 5.0]), kl_coef=0.5)
+    assert close(tok, [0, -0.1, 1.0 - 0.2, 0])  # KL only on policy tokens
+    assert close(ppo_token_rewards(1.0, torch.zeros(3)), [0, 0, 0])  # nothing sampled: nothing to credit
+    with pytest.raises(ValueError, match="values for a"):
+        ppo_advantages([1.0], [T([1.0, 1])], [T([0.0])])
+
+
+def test_value_loss_clip_hand_computed():
+    """v = (1.0, 0.1), old = (0.5, 0.0), R = (2.0, 0.0), clip 0.2:
+    token 0: clipped value .7, losses (1-2)^2 = 1 and (.7-2)^2 = 1.69 -> .5 * 1.69 = .845, the clipped
+    branch (no gradient: v moved further than the clip); token 1: both .01 -> .005. Mean .425."""
+    v = T([1.0, 0.1], requires_grad=True)
+    loss, m = value_loss(
+        v,
+        T([0.5, 0.0]),
+        T([2.0, 0.0]),
+        T([1.0, 1.0]),
+        torch.zeros(2, dtype=torch.long),
+        value_clip=0.2,
+        per_token=True,
+        num_tokens=2,
+        num_seqs=1,
+    )
+    assert close(loss, 0.425) and close(m["value_loss"], 0.425)
+    assert close(m["value_clipfrac"], 0.5) and close(m["values_mean"], 0.55)
+    loss.backward()
+    assert close(v.grad, [0.0, 0.05])  # token 1: .5 * 2 * (.1 - 0) / 2 tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,3 +643,11 @@ def test_kl_in_the_reward_fetches_reference_log_probs_for_both_reinforce_estimat
     assert old and ref
     cfg = RunConfig(train=TrainConfig(advantage_estimator=estimator, kl_coef=0.0))
     assert TrainLoop.needs_log_probs(SimpleNamespace(cfg=cfg)) == (False, False)
+    assert TrainConfig(advantage_estimator=estimator, kl_coef=0.1).needs_ref_model  # the trainers load it
+
+
+def test_kl_coef_refused_where_it_would_be_ignored():
+    """grpo has no token rewards to fold a KL into: --kl-coef was silently ignored there."""
+    with pytest.raises(ValueError, match="--kl-coef"):
+        TrainConfig(advantage_estimator="grpo", kl_coef=0.1).validate()
+    TrainConfig(advantage_estimator="ppo", kl_coef=0.1).validate()

@@ -28,7 +28,9 @@ if megatron_available():
 
 from agentrl.trainer.base import TrainSample  # noqa: E402
 from agentrl.trainer.batching import pack_micro_batches  # noqa: E402
+from agentrl.trainer.megatron_critic import MegatronCritic  # noqa: E402
 from agentrl.trainer.megatron_trainer import MegatronParallel, MegatronTrainer  # noqa: E402
+from agentrl.trainer.torch_critic import TorchCritic  # noqa: E402
 from agentrl.trainer.torch_trainer import TorchTrainer  # noqa: E402
 
 from .test_trainer import cfg, make_samples, reference_log_probs  # noqa: E402
@@ -165,6 +167,31 @@ def test_save_load_resumes_exactly_and_is_a_hf_checkpoint(tiny_ckpt, tmp_path):
         assert na == nb and torch.equal(ta, tb), na
 
 
+def test_critic_matches_the_torch_critic_and_resumes_exactly(tiny_ckpt, tmp_path):
+    """Values, the value step and the values after it agree with TorchCritic; a saved critic resumes bit-exactly."""
+    c = cfg(advantage_estimator="ppo", critic_lr=1e-2, max_tokens_per_gpu=40, num_steps_per_rollout=2)
+    samples = make_samples(8, seed=8)
+    tc, mc = TorchCritic(tiny_ckpt, c), MegatronCritic(tiny_ckpt, c)
+    want_v, got_v = tc.compute_values(samples), mc.compute_values(samples)
+    torch.testing.assert_close(flat(got_v), flat(want_v), rtol=0, atol=1e-4)
+    batch = with_targets(samples, want_v)
+    want, got = tc.train_step(batch), mc.train_step(batch)
+    for k in ("value_loss", "value_clipfrac", "values_mean", "grad_norm"):
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+    torch.testing.assert_close(flat(mc.compute_values(samples)), flat(tc.compute_values(samples)), rtol=0, atol=2e-4)
+    with pytest.raises(TypeError, match="compute_values"):
+        mc.compute_log_probs(samples, ref=False)
+    mc.save(tmp_path / "critic", extra_state={"k": 1})
+    again = MegatronCritic(tiny_ckpt, c)
+    assert again.load(tmp_path / "critic") == {"k": 1}
+    assert again.compute_values(samples) == mc.compute_values(samples)
+    batch = with_targets(samples, mc.compute_values(samples))
+    ma, mb = mc.train_step(batch), again.train_step(batch)
+    for k in ("value_loss", "value_clipfrac", "values_mean", "grad_norm"):
+        assert ma[k] == mb[k], k  # bit-exact resume
+    assert again.compute_values(samples) == mc.compute_values(samples)
+
+
 def test_load_refuses_another_layout(tiny_ckpt, tmp_path):
     c = cfg()
     TorchTrainer(tiny_ckpt, c).save(tmp_path / "torch")
@@ -229,6 +256,7 @@ def _run_layout(name: str, layout: MegatronParallel, ckpt: str, rank: int, out: 
     weights = {k: v.clone() for k, v in trainer.named_weights()}
     if rank == 0:
         torch.save(weights, f"{out}.{name}.pt")
+    result["critic"] = _critic_layout(name, layout, ckpt, rank, mine)
     if name == "tp2":  # peers of one replica given different samples: refused on both ranks
         with pytest.raises(ValueError, match="same shard"):
             trainer.compute_log_probs(samples[rank : rank + 2], ref=False)
@@ -240,6 +268,37 @@ def _run_layout(name: str, layout: MegatronParallel, ckpt: str, rank: int, out: 
             torch.equal(a, b) for (_, a), (_, b) in zip(trainer.named_weights(), resumed.named_weights())
         )
     return result
+
+
+def _critic_layout(name: str, layout: MegatronParallel, ckpt: str, rank: int, mine: list) -> dict:
+    """The critic on this layout: values before and after two optimizer steps toward a fixed return."""
+    import torch.distributed as dist
+
+    from agentrl.trainer.megatron_critic import MegatronCritic
+
+    def gathered(values: list[list[float]]) -> list[list[float]]:
+        both: list = [None, None]
+        dist.all_gather_object(both, values)
+        if name == "dp2":  # back into the order of the whole batch (see _shard)
+            return [v for k in (0, 2) for r in (0, 1) for v in both[r][k : k + 2]]
+        assert both[0] == both[1], name  # TP/PP peers of one replica agree
+        return both[rank]
+
+    critic = MegatronCritic(ckpt, two_process_critic_config(), rank=rank, world_size=2, parallel=layout)
+    values = critic.compute_values(mine)
+    metrics = critic.train_step(with_targets(mine, values))
+    return {"values": gathered(values), "metrics": metrics, "after": gathered(critic.compute_values(mine))}
+
+
+def two_process_critic_config():
+    return dataclasses.replace(two_process_config(), advantage_estimator="ppo", critic_lr=1e-2)
+
+
+def with_targets(samples: list, values: list[list[float]]) -> list:
+    return [
+        dataclasses.replace(s, values=v, returns=[1.0 if m else 0.0 for m in s.loss_mask])
+        for s, v in zip(samples, values)
+    ]
 
 
 def _worker(rank: int, port: int, ckpts: dict[str, str], out: str) -> None:
@@ -283,10 +342,14 @@ def test_two_processes_tp_pp_dp_match_one(tiny_ckpt, tmp_path, monkeypatch):
 
     c, samples = two_process_config(), two_process_samples()
     ckpts = {"untied": str(tiny_ckpt), "tied": str(tied_copy(tiny_ckpt, tmp_path / "tied"))}
-    refs, wants = {}, {}
+    refs, wants, critics = {}, {}, {}
     for kind, ckpt in ckpts.items():
         refs[kind] = TorchTrainer(ckpt, c)
         wants[kind] = (flat(refs[kind].compute_log_probs(samples, ref=False).old), refs[kind].train_step(samples))
+        critic = TorchCritic(ckpt, two_process_critic_config())
+        values = critic.compute_values(samples)
+        metrics = critic.train_step(with_targets(samples, values))
+        critics[kind] = {"values": values, "metrics": metrics, "after": critic.compute_values(samples)}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -300,6 +363,11 @@ def test_two_processes_tp_pp_dp_match_one(tiny_ckpt, tmp_path, monkeypatch):
         assert r["same_on_peer"], name
         torch.testing.assert_close(flat(r["logp"]), want_logp, rtol=0, atol=1e-4, msg=name)
         assert_metrics_close(r["metrics"], want)
+        got_c, want_c = r["critic"], critics[kind]  # the critic: replicated head over TP, untied head over PP
+        torch.testing.assert_close(flat(got_c["values"]), flat(want_c["values"]), rtol=0, atol=1e-4, msg=name)
+        for k in ("value_loss", "grad_norm"):
+            assert got_c["metrics"][k] == pytest.approx(want_c["metrics"][k], rel=1e-4, abs=1e-6), (name, k)
+        torch.testing.assert_close(flat(got_c["after"]), flat(want_c["after"]), rtol=0, atol=2e-4, msg=name)
         weights = torch.load(f"{out}.{name}.pt")
         for k, v in refs[kind].named_weights():
             torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")

@@ -17,6 +17,7 @@ Estimators (``--advantage-estimator``):
 * ``rloo``   A_i = r_i - mean of the other samples of the group.
 * ``reinforce_plus_plus_baseline``  r_i - mean_g broadcast to tokens, whitened over the batch.
 * ``reinforce_plus_plus``  discounted token-level returns (KL-shaped), whitened over the batch.
+* ``ppo``    GAE over a learned value function (the critic): see :func:`ppo_advantages`.
 
 ``--per-turn-credit`` (grpo/gspo only) replaces the one reward per episode by one return per
 assistant turn: see :func:`per_turn_grpo`.
@@ -322,6 +323,127 @@ def per_turn_grpo(
 
 
 # ---------------------------------------------------------------------------------------------
+# PPO: generalized advantage estimation over a critic's values
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_token_rewards(
+    reward: float,
+    mask: Tensor,
+    *,
+    turn_rewards: Sequence[float] = (),
+    turn_spans: Sequence[tuple[int, int]] = (),
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> Tensor:
+    """Per-token rewards r_t of one sample for GAE. mask [L] -> [L].
+
+    * ``turn_rewards[t]`` (what the env returned after assistant turn t) sits on the LAST policy token
+      of that turn (``turn_spans[t]``, half-open response offsets), so the value of a later turn never
+      sees an earlier turn's reward as its own;
+    * the rest of the episode reward, ``reward - sum(turn_rewards)`` (a reward model's score, or the
+      whole reward when the env reports no turns), sits on the last policy token of the response;
+    * ``-kl_coef * kl_t`` on every policy token when ``kl`` (per-token KL to the reference) is given.
+
+    A turn reward whose span has no policy token (a turn cut off before it sampled anything) joins the
+    end-of-episode rest. Tokens the env or the template wrote (mask 0) get 0.
+    """
+    m = mask.float()
+    out = torch.zeros_like(m)  # [L]
+    idx = m.nonzero(as_tuple=True)[0]
+    if idx.numel() == 0:
+        return out
+    rest = float(reward) - sum(float(r) for r in turn_rewards)
+    for t, r in enumerate(turn_rewards):
+        if t < len(turn_spans):
+            start, end = turn_spans[t]
+            inside = idx[(idx >= start) & (idx < end)]
+            if inside.numel():
+                out[inside[-1]] += float(r)
+                continue
+        rest += float(r)
+    out[idx[-1]] += rest
+    if kl is not None and kl_coef:
+        out = out - kl_coef * kl.detach().float() * m
+    return out
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over the POLICY tokens of one sample.
+
+    Let k_0 < k_1 < ... < k_{K-1} be the response positions with mask 1 (tokens the policy sampled);
+    env/tool tokens (mask 0) are not decisions and are skipped. With V_j = values[k_j] (the critic's
+    value of the state before token k_j) and r_j = token_rewards[k_j]:
+
+        delta_j = r_j + gamma * V_{j+1} - V_j          (V_K = 0: the episode ends after the last token)
+        A_j     = delta_j + gamma * lambd * A_{j+1}    (A_K = 0)
+        R_j     = A_j + V_j                            (the critic's regression target)
+
+    So the value at the end of one assistant turn bootstraps from the value at the first token of the
+    next turn, and gamma discounts per policy token (an observation in between does not shrink it).
+    Mask-0 positions get A = R = 0. token_rewards, values, mask: [L] -> (advantages [L], returns [L]).
+    """
+    m = mask.float()
+    adv = torch.zeros_like(m)
+    ret = torch.zeros_like(m)
+    idx = m.nonzero(as_tuple=True)[0]
+    r = token_rewards.float()[idx].tolist()
+    v = values.float()[idx].tolist()
+    a_k = [0.0] * len(idx)
+    running = 0.0
+    for j in range(len(idx) - 1, -1, -1):
+        next_v = v[j + 1] if j + 1 < len(idx) else 0.0
+        running = r[j] + gamma * next_v - v[j] + gamma * lambd * running
+        a_k[j] = running
+    if len(idx):
+        a = torch.tensor(a_k, dtype=torch.float32)
+        adv[idx] = a
+        ret[idx] = a + torch.tensor(v, dtype=torch.float32)
+    return adv, ret
+
+
+def ppo_advantages(
+    rewards: Rewards,
+    loss_masks: Sequence[Tensor],
+    values: Sequence[Tensor],
+    *,
+    turn_rewards: Sequence[Sequence[float]] | None = None,
+    turn_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+    kl: Sequence[Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """``--advantage-estimator ppo``: (advantages, returns) per sample, each a list of [L_i] tensors.
+
+    Token rewards from :func:`ppo_token_rewards` (per-turn rewards at the end of their turn, KL
+    shaping with ``kl_coef``), then :func:`gae` with the critic's ``values``. Advantages are not
+    whitened here: ``--normalize-advantages`` does that for every estimator (slime's flag).
+    """
+    r = _as_rewards(rewards)
+    masks = _as_masks(loss_masks)
+    if not (len(masks) == len(values) == r.numel()):
+        raise ValueError(f"{r.numel()} rewards, {len(masks)} loss masks and {len(values)} value lists: one per sample")
+    advs, rets = [], []
+    for i, m in enumerate(masks):
+        v = torch.as_tensor(values[i], dtype=torch.float32).reshape(-1)
+        if v.numel() != m.numel():
+            raise ValueError(f"sample {i}: {v.numel()} values for a {m.numel()}-token response")
+        tok = ppo_token_rewards(
+            float(r[i]),
+            m,
+            turn_rewards=turn_rewards[i] if turn_rewards is not None else (),
+            turn_spans=turn_spans[i] if turn_spans is not None else (),
+            kl=kl[i] if kl is not None else None,
+            kl_coef=kl_coef,
+        )
+        a, ret = gae(tok, v, m, gamma, lambd)
+        advs.append(a)
+        rets.append(ret)
+    return advs, rets
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
 
@@ -351,6 +473,8 @@ def compute_advantages(
         raise ValueError(
             f"unknown --advantage-estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
         )
+    if estimator == "ppo":
+        raise ValueError("--advantage-estimator ppo needs the critic's values: call ppo_advantages")
     masks = _as_masks(loss_masks)
     if len(masks) != _as_rewards(rewards).numel():
         raise ValueError(f"{len(masks)} loss masks for {_as_rewards(rewards).numel()} rewards")

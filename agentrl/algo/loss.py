@@ -175,6 +175,49 @@ def sft_loss(
     return nll, {"sft_loss": float(nll.detach())}
 
 
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    value_clip: float,
+    per_token: bool,
+    num_tokens: float,
+    num_seqs: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """The critic's clipped value loss (PPO, as slime's ``value_loss``) over one micro-batch.
+
+        v_clip_t = old_v_t + clip(v_t - old_v_t, -value_clip, value_clip)
+        loss     = agg( 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2) )
+
+    ``old_values`` are the critic's values when the rollout's advantages were computed, ``returns``
+    the GAE targets R_t = A_t + old_v_t (:func:`agentrl.algo.advantages.gae`); the clip keeps one
+    update from moving a value further than ``value_clip`` from where it was. ``agg`` is
+    :func:`aggregate` (``per_token``: ``--calculate-per-token-loss``). Metrics: ``value_loss``,
+    ``value_clipfrac`` (share of tokens where the clipped branch is the larger) and ``values_mean``,
+    normalized alike so micro-batches sum. All inputs [T].
+    """
+    v = values.float()
+    old = old_values.detach().float()
+    ret = returns.detach().float()
+    clipped = old + (v - old).clamp(-value_clip, value_clip)
+    l_unclipped = (v - ret) ** 2
+    l_clipped = (clipped - ret) ** 2
+
+    def agg(x: Tensor) -> Tensor:
+        return aggregate(x, mask, seq_ids, per_token=per_token, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    loss = agg(0.5 * torch.maximum(l_unclipped, l_clipped))
+    metrics = {
+        "value_loss": float(loss.detach()),
+        "value_clipfrac": float(agg((l_clipped > l_unclipped).float())),
+        "values_mean": float(agg(v.detach())),
+    }
+    return loss, metrics
+
+
 CustomLoss = Callable[..., tuple[Tensor, dict[str, float]]]
 """``fn(args, batch, log_probs, sum_of_sample_mean) -> (loss, metrics)``, see :func:`custom_loss`."""
 

@@ -12,8 +12,9 @@ LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 """slime's ``--loss-type``: RL on rollouts, supervised fine-tuning on demonstrations, or the user's
 function (``--custom-loss-function-path``, see :func:`agentrl.algo.loss.custom_loss`)."""
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
-"""``--advantage-estimator`` values :func:`agentrl.algo.advantages.compute_advantages` knows."""
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
+"""``--advantage-estimator`` values: :func:`agentrl.algo.advantages.compute_advantages` computes all but
+``ppo``, whose advantages need a critic's values (:func:`agentrl.algo.advantages.ppo_advantages`)."""
 
 KL_LOSS_TYPES = ("k1", "k2", "k3")
 """``--kl-loss-type``: Schulman's estimators of KL(policy || reference), see :func:`agentrl.algo.loss.kl_penalty`."""

@@ -2,7 +2,8 @@
 
 ``iter_0000005`` holds the state after 5 rollout steps: a Hugging Face model folder (config,
 tokenizer, safetensors: ``AutoModelForCausalLM.from_pretrained`` loads it), the trainer's
-optimizer/RNG state and ``loop_state.json`` (data cursor, buffer, weight version). A checkpoint is
+optimizer/RNG state and ``loop_state.json`` (data cursor, buffer, weight version); a ppo run adds
+its critic under ``critic/``. A checkpoint is
 written to ``iter_NNNNNNN.tmp`` and renamed when complete, and the tracker
 ``latest_checkpointed_iteration.txt`` is replaced atomically after that, so a run killed at any
 moment (SIGKILL included) resumes from the last complete checkpoint.
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 TRACKER = "latest_checkpointed_iteration.txt"
+CRITIC_DIR = "critic"
+"""``iter_NNNNNNN/critic/``: a ppo run's critic (weights, optimizer, RNG), saved and resumed with the actor."""
 
 
 def iter_dir(save: str | Path, step: int) -> Path:

@@ -8,14 +8,17 @@ authentication for new local clusters (the token lands in ``~/.ray/auth_token``)
 Placement: one placement group holds a bundle per trainer rank and per engine. ``--colocate``
 puts each engine in the bundle of a trainer rank (they share the device; the engine releases its
 memory while the trainer works); otherwise engines get bundles of their own
-(``--rollout-num-gpus``, ``--rollout-num-gpus-per-engine``). On a CPU machine a bundle is CPUs.
+(``--rollout-num-gpus``, ``--rollout-num-gpus-per-engine``). With ``--advantage-estimator ppo`` the
+critic has as many ranks as the actor, each in a bundle of its own (a device of its own on GPU), or
+in its trainer rank's bundle with ``--colocate`` (actor, critic and engine then split the device
+0.34 / 0.33 / 0.33 and the critic keeps its memory). On a CPU machine a bundle is CPUs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config import RunConfig
@@ -53,6 +56,9 @@ class Placement:
     trainer_cpus: float
     engine_cpus: float
     group: Any = None
+    critic: list[tuple[Any, int]] = field(default_factory=list)
+    """ppo: one bundle per critic rank (the trainer's own bundles with ``--colocate``)."""
+    critic_gpus: float = 0.0
 
     def release(self) -> None:
         """Give the reserved bundles back to Ray (the actors in them must be gone)."""
@@ -81,6 +87,7 @@ def plan_placement(cfg: RunConfig) -> Placement:
     from ray.util.placement_group import placement_group
 
     world = cfg.trainer_world_size
+    critics = world if cfg.train.advantage_estimator == "ppo" else 0
     gpus_per_trainer = 1.0 if cfg.actor_num_gpus_per_node else 0.0
     if cfg.engine_url:
         n_engines = 0  # engines someone else runs need no bundles
@@ -94,12 +101,17 @@ def plan_placement(cfg: RunConfig) -> Placement:
         engine_gpus = float(cfg.rollout_num_gpus_per_engine)
         if not cfg.colocate:
             bundles += [{"GPU": engine_gpus, "CPU": 1.0} for _ in range(n_engines)]
-        t_gpu, e_gpu = (0.5, 0.5) if cfg.colocate else (1.0, engine_gpus)
+            bundles += [{"GPU": 1.0, "CPU": 1.0} for _ in range(critics)]
+        if cfg.colocate:
+            t_gpu, e_gpu, c_gpu = (0.34, 0.33, 0.33) if critics else (0.5, 0.5, 0.0)
+        else:
+            t_gpu, e_gpu, c_gpu = 1.0, engine_gpus, 1.0
     else:
-        # CPU: trainer ranks and engines share the node's cores; bundles only order the actors.
-        cpus = min(1.0, total_cpus / max(world + n_engines, 1))
-        bundles = [{"CPU": cpus} for _ in range(world + (0 if cfg.colocate else n_engines))]
-        t_gpu = e_gpu = 0.0
+        # CPU: trainer ranks, critic ranks and engines share the node's cores; bundles only order the actors.
+        own = world + (0 if cfg.colocate else n_engines + critics)
+        cpus = min(1.0, total_cpus / max(own, 1))
+        bundles = [{"CPU": cpus} for _ in range(own)]
+        t_gpu = e_gpu = c_gpu = 0.0
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=120)
@@ -111,8 +123,10 @@ def plan_placement(cfg: RunConfig) -> Placement:
     trainer = [(pg, i) for i in range(world)]
     if cfg.colocate:
         engines = [(pg, i % world) for i in range(n_engines)]
+        critic = [(pg, i) for i in range(critics)]
     else:
         engines = [(pg, world + i) for i in range(n_engines)]
+        critic = [(pg, world + n_engines + i) for i in range(critics)]
     share = bundles[0].get("CPU", 1.0)
-    t_cpu = share / 2 if cfg.colocate else share
-    return Placement(trainer, engines, t_gpu, e_gpu, t_cpu, t_cpu, pg)
+    t_cpu = share / (3 if critics else 2) if cfg.colocate else share
+    return Placement(trainer, engines, t_gpu, e_gpu, t_cpu, t_cpu, pg, critic=critic, critic_gpus=c_gpu)

@@ -7,9 +7,12 @@ One step (``rollout_id``) of the synchronous loop:
    episodes each); with dynamic sampling, rejected groups are dropped and more prompts generated;
 2. keep what may be trained on: completed or truncated, token-exact, at least one sampled token,
    not older than ``--max-staleness`` weight versions; everything else is counted in the metrics;
-3. old/reference log-probs from the trainer when an algorithm term needs them, then per-token
+3. old/reference log-probs from the trainer when an algorithm term needs them (and, with
+   ``--advantage-estimator ppo``, the critic's values, computed beside them), then per-token
    advantages (``agentrl.algo.advantages``);
-4. ``train_step`` on the trainer actors; weights go to the engines (version += 1);
+4. ``train_step`` on the trainer actors (with ppo the critic's ``train_step`` on its own actors at
+   the same time; the first ``--num-critic-only-steps`` train the critic alone); weights go to the
+   engines (version += 1);
 5. metrics line, rollout dump, checkpoint and eval at their intervals.
 
 ``--async`` overlaps step 1 of rollout k+1 with steps 3-4 of rollout k (slime's ``train_async.py``):
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algo.advantages import compute_advantages
+from agentrl.algo.advantages import compute_advantages, masked_whiten, ppo_advantages
 from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
@@ -71,11 +74,30 @@ def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
     )
 
 
+def value_fit(batch: list[TrainSample]) -> dict[str, float]:
+    """How well the critic's values (before this step's update) predicted the returns, over the trained tokens.
+
+    ``returns_mean``, and ``critic/explained_variance`` = 1 - Var(R - V) / Var(R) (1: perfect, 0: no
+    better than a constant, < 0: worse), the usual PPO diagnostic; it does not grow with the reward's
+    scale as the value loss does.
+    """
+    pairs = [(r, v) for b in batch for r, v, m in zip(b.returns or [], b.values or [], b.loss_mask) if m]
+    if not pairs:
+        return {}
+    rets = torch.tensor([r for r, _ in pairs], dtype=torch.float64)
+    vals = torch.tensor([v for _, v in pairs], dtype=torch.float64)
+    var = float(rets.var(unbiased=False))
+    out = {"returns_mean": float(rets.mean())}
+    if var > 0:
+        out["critic/explained_variance"] = 1.0 - float((rets - vals).var(unbiased=False)) / var
+    return out
+
+
 class TrainLoop:
     """Drives a run; every collaborator is passed in so tests can assemble a loop from real parts.
 
     ``trainers`` is a :class:`~agentrl.runtime.trainer_group.TrainerGroup` (or anything with its
-    methods), ``sync_weights(version)`` pushes the trainer's weights to the engines, ``metrics`` a
+    methods), ``critic`` (ppo only) a second one with ``role="critic"``, ``sync_weights(version)`` pushes the trainer's weights to the engines, ``metrics`` a
     :class:`~agentrl.metrics.MetricsLogger`, ``source`` a data source (optionally a
     :class:`~agentrl.runtime.data.BufferedSource`).
     """
@@ -98,8 +120,12 @@ class TrainLoop:
         evaluator: Callable[[int], Any] | None = None,
         engine_memory: Any = None,
         update_guard: Callable[[], Any] | None = None,
+        critic: Any = None,
     ):
+        if (cfg.train.advantage_estimator == "ppo") != (critic is not None):
+            raise ValueError("--advantage-estimator ppo trains a critic beside the actor: pass critic= (and only then)")
         self.cfg = cfg
+        self.critic = critic
         self.ctx = ctx
         self.env_factory = env_factory
         self.source = source
@@ -241,7 +267,7 @@ class TrainLoop:
     def needs_log_probs(self) -> tuple[bool, bool]:
         """(old, ref): whether this configuration needs them before the update."""
         t = self.cfg.train
-        ref = t.use_kl_loss or (t.advantage_estimator.startswith("reinforce_plus_plus") and t.kl_coef > 0)
+        ref = t.needs_ref_model
         old = ref or t.use_tis or t.num_steps_per_rollout > 1 or t.loss_type == "custom_loss"
         old = old or self.cfg.true_on_policy_mode
         return old, ref
@@ -253,6 +279,23 @@ class TrainLoop:
         if batch and batch[0].ref_log_probs is not None and batch[0].old_log_probs is not None:
             kl = [torch.tensor(b.old_log_probs) - torch.tensor(b.ref_log_probs) for b in batch]
         per_turn = t.per_turn_credit
+        masks = [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch]
+        if t.advantage_estimator == "ppo":
+            advs, returns = ppo_advantages(
+                torch.tensor([float(s.reward or 0.0) for s in samples]),
+                masks,
+                [torch.tensor(b.values) for b in batch],
+                turn_rewards=[list(s.turn_rewards) for s in samples],
+                turn_spans=[list(s.turn_spans) for s in samples],
+                kl=kl,
+                kl_coef=t.kl_coef,
+                gamma=t.gamma,
+                lambd=t.lambd,
+            )
+            for b, r in zip(batch, returns):
+                b.returns = [float(x) for x in r]
+            self._set_advantages(batch, advs, masks)
+            return
         advs = compute_advantages(
             t.advantage_estimator,
             rewards=torch.tensor([float(s.reward or 0.0) for s in samples]),
@@ -267,10 +310,15 @@ class TrainLoop:
             std_normalize=not t.disable_grpo_std_normalization,
             per_turn=per_turn,
         )
+        self._set_advantages(batch, advs, masks)
+
+    def _set_advantages(self, batch: list[TrainSample], advs: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+        if self.cfg.train.normalize_advantages:  # slime's --normalize-advantages: whiten over the trained tokens
+            advs = masked_whiten(advs, masks)
         for b, a in zip(batch, advs):
             b.advantages = [float(x) for x in a]
 
-    async def train(self, samples: list[Sample]) -> tuple[dict[str, float], list[list[float]]]:
+    async def train(self, samples: list[Sample], step: int = 0) -> tuple[dict[str, float], list[list[float]]]:
         batch = [
             TrainSample(
                 tokens=list(s.tokens),
@@ -285,17 +333,40 @@ class TrainLoop:
         if not batch:
             return {}, []
         need_old, need_ref = self.needs_log_probs()
-        if need_old:
-            lp = await asyncio.to_thread(self.trainers.compute_log_probs, batch, ref=need_ref)
-            for b, old in zip(batch, lp.old):
-                b.old_log_probs = old
-            if lp.ref is not None:
-                for b, ref in zip(batch, lp.ref):
-                    b.ref_log_probs = ref
+        # the critic (its own actors) scores the batch while the actor computes its log-probs
+        values = asyncio.create_task(asyncio.to_thread(self.critic.compute_values, batch)) if self.critic else None
+        try:
+            if need_old:
+                lp = await asyncio.to_thread(self.trainers.compute_log_probs, batch, ref=need_ref)
+                for b, old in zip(batch, lp.old):
+                    b.old_log_probs = old
+                if lp.ref is not None:
+                    for b, ref in zip(batch, lp.ref):
+                        b.ref_log_probs = ref
+            if values is not None:
+                for b, v in zip(batch, await values):
+                    b.values = v
+        finally:
+            if values is not None and not values.done():
+                await asyncio.wait({values})  # never leave the critic's call behind a failed actor call
         checked = self.check_on_policy(batch) if self.cfg.true_on_policy_mode else {}
         self.advantages(samples, batch)
-        metrics = await asyncio.to_thread(self.trainers.train_step, batch)
-        return {**metrics, **checked}, [b.advantages for b in batch]
+        if self.critic is None:
+            metrics = await asyncio.to_thread(self.trainers.train_step, batch)
+            return {**metrics, **checked}, [b.advantages for b in batch]
+        # ppo: actor and critic step together on their own actors; a failure of either fails the step
+        critic_only = step < self.cfg.train.num_critic_only_steps
+        jobs = [asyncio.to_thread(self.critic.train_step, batch)]
+        if not critic_only:
+            jobs.append(asyncio.to_thread(self.trainers.train_step, batch))
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for who, r in zip(("critic", "actor"), results):
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"ppo step {step}: the {who}'s train step failed: {type(r).__name__}: {r}") from r
+        critic_metrics = {f"critic/{k}": v for k, v in results[0].items()}
+        metrics = dict(results[1]) if not critic_only else {}
+        extra = {"critic_only_step": float(critic_only), **value_fit(batch)}
+        return {**metrics, **critic_metrics, **checked, **extra}, [b.advantages for b in batch]
 
     def check_on_policy(self, batch: list[TrainSample]) -> dict[str, float]:
         """``--true-on-policy-mode``: the trainer's log-probs of the sampled tokens against the engine's.
@@ -357,13 +428,14 @@ class TrainLoop:
         t0 = time.monotonic()
         if self.engine_memory is not None:
             await self.engine_memory.release()
-        train_metrics, advs = await self.train(keep)
+        train_metrics, advs = await self.train(keep, step)
         train_seconds = time.monotonic() - t0
         if self.engine_memory is not None:
             await self.engine_memory.resume()
-        self.version += 1
+        actor_trained = not train_metrics.get("critic_only_step")
+        self.version += int(actor_trained)  # a critic-only step leaves the policy (and the engines) as they were
         t1 = time.monotonic()
-        if (step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout:
+        if actor_trained and ((step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout):
             async with (self.update_guard or contextlib.nullcontext)():
                 await asyncio.to_thread(self.sync_weights, self.version)
         sync_seconds = time.monotonic() - t1
@@ -402,6 +474,8 @@ class TrainLoop:
             "python_random": repr(random.getstate()),
         }
         self.trainers.save(str(tmp), extra_state={"loop": state})
+        if self.critic is not None:
+            self.critic.save(str(tmp / checkpoints.CRITIC_DIR), extra_state={"loop": state})
         return checkpoints.commit(self.run_dir, steps_done, tmp, state)
 
     def resume(self, load: str | Path) -> bool:
@@ -410,7 +484,18 @@ class TrainLoop:
         if path is None:
             return False
         state = checkpoints.read_loop_state(path)
+        critic_dir = path / checkpoints.CRITIC_DIR
+        if self.critic is not None and not critic_dir.is_dir():
+            raise ValueError(
+                f"--load: {path} holds no critic ({checkpoints.CRITIC_DIR}/): it was not a ppo run. Resuming it "
+                "with --advantage-estimator ppo would start a critic from scratch; start a new run from its "
+                "weights with --hf-checkpoint instead"
+            )
+        if self.critic is None and critic_dir.is_dir():
+            log.warning("resuming %s without ppo: its critic (%s) is not used", path, critic_dir)
         self.trainers.load(str(path))
+        if self.critic is not None:
+            self.critic.load(str(critic_dir))
         if state.get("data") is not None and hasattr(self.source, "load_state_dict"):
             self.source.load_state_dict(state["data"])
         self.start_step = int(state["step"])

@@ -114,19 +114,34 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     cfg.hf_checkpoint = str(ckpt)
+    _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
+    if cfg.critic_hf_checkpoint:  # checked before Ray starts, as the policy's
+        with naming_flag("--critic-hf-checkpoint", cfg.critic_hf_checkpoint):
+            critic_ckpt = resolve_hf_checkpoint(cfg.critic_hf_checkpoint)
+            _refuse_critic_checkpoint("--critic-hf-checkpoint", critic_ckpt, "an HF causal LM to start a critic from")
+            _check_critic_vocab(ckpt, critic_ckpt)
+        cfg.critic_hf_checkpoint = str(critic_ckpt)
     if cfg.train_backend == "megatron":  # an architecture megatron cannot express is refused before Ray starts
         from transformers import AutoConfig
 
         from agentrl.trainer.megatron_model import transformer_config_from_hf
 
         t = cfg.train
-        transformer_config_from_hf(
-            AutoConfig.from_pretrained(str(ckpt), local_files_only=True),
-            tp=t.tensor_model_parallel_size,
-            pp=t.pipeline_model_parallel_size,
-            cp=t.context_parallel_size,
-            overrides=dict(t.megatron_args),
-        )
+        checked: list[tuple[str, str | None]] = [
+            ("--hf-checkpoint", str(ckpt)),
+            ("--critic-hf-checkpoint", cfg.critic_hf_checkpoint),
+        ]
+        for flag, model_path in checked:
+            if model_path is None:
+                continue
+            with naming_flag(flag, model_path):
+                transformer_config_from_hf(
+                    AutoConfig.from_pretrained(model_path, local_files_only=True),
+                    tp=t.tensor_model_parallel_size,
+                    pp=t.pipeline_model_parallel_size,
+                    cp=t.context_parallel_size,
+                    overrides=dict(t.megatron_args),
+                )
     demos = None
     if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
         from agentrl.runtime.sft import load_demonstrations, sft_steps
@@ -181,6 +196,27 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         return summary
 
 
+def _refuse_critic_checkpoint(flag: str, path: Path, wanted: str) -> None:
+    """A saved critic (``iter_*/critic``: a value head, not an LM head) is not a model to start from."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("agentrl_value_head"):
+        raise ValueError(
+            f"{flag} {path}: a ppo run's saved critic (a value head), not {wanted}; "
+            "a run's critic resumes with --load of its run folder"
+        )
+
+
+def _check_critic_vocab(policy: Path, critic: Path) -> None:
+    """The critic reads the policy's token ids: both checkpoints must share a vocabulary."""
+    a = json.loads((policy / "config.json").read_text()).get("vocab_size")
+    b = json.loads((critic / "config.json").read_text()).get("vocab_size")
+    if a != b:
+        raise ValueError(
+            f"its vocabulary ({b} ids) differs from the policy's ({a} ids, --hf-checkpoint {policy}); the critic "
+            "scores the policy's tokens: start it from a model with the same tokenizer"
+        )
+
+
 def _resume_point(cfg: RunConfig) -> Path | None:
     """The checkpoint ``--load`` resumes from. A folder that holds a run but no complete checkpoint is
     refused (resuming must never silently start over); a missing or empty folder starts fresh, and says so."""
@@ -196,6 +232,12 @@ def _resume_point(cfg: RunConfig) -> Path | None:
             raise ValueError(
                 f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
                 "; to start from its weights pass it as --hf-checkpoint instead"
+            )
+        if cfg.train.advantage_estimator == "ppo" and not (found / checkpoints.CRITIC_DIR).is_dir():
+            raise ValueError(
+                f"--load {cfg.load}: {found} holds no critic ({checkpoints.CRITIC_DIR}/): it was not a ppo run. "
+                "Resuming it with --advantage-estimator ppo would start a critic from scratch; start a new run "
+                "from its weights with --hf-checkpoint instead"
             )
         return found
     root = Path(cfg.load)
@@ -236,6 +278,7 @@ class _Runtime:
         self.checkpoint = checkpoint
         self.engines: Any = None
         self.trainers: Any = None
+        self.critic: Any = None  # ppo: the critic's trainer group
         self.metrics: Any = None
         self.placement: Any = None
         self.routes_taken: list[str] = []  # the route of every weight push, in order
@@ -286,6 +329,19 @@ class _Runtime:
             num_threads=t_threads,
             backend=cfg.train_backend,
         )
+        if placement.critic:
+            self.critic = TrainerGroup(
+                Path(cfg.critic_hf_checkpoint) if cfg.critic_hf_checkpoint else self.checkpoint,
+                cfg.train,
+                world_size=cfg.trainer_world_size,
+                num_cpus=placement.trainer_cpus,
+                num_gpus=placement.critic_gpus,
+                placement_group=placement.critic[0][0],
+                bundle_indices=[b for _, b in placement.critic],
+                num_threads=t_threads,
+                backend=cfg.train_backend,
+                role="critic",
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -293,11 +349,11 @@ class _Runtime:
             self.metrics.close()
         if getattr(self, "env_pool", None) is not None:
             self.env_pool.shutdown()  # idle workers end; hung ones are daemon threads
-        for part in (self.trainers, self.engines):
+        for part in (self.trainers, self.critic, self.engines):
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.shutdown()
-        self.trainers = self.engines = None
+        self.trainers = self.critic = self.engines = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
@@ -430,6 +486,7 @@ class _Runtime:
             evaluator=evaluator,
             engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
             update_guard=self._update_guard(engine),
+            critic=self.critic,
         )
 
     def _update_guard(self, router: Any) -> Any:

@@ -2,7 +2,10 @@
 
 :class:`TrainerGroup` owns ``world_size`` :class:`TrainerActor` s, each holding one rank of a
 backend: :class:`~agentrl.trainer.torch_trainer.TorchTrainer` (``torch``) or
-:class:`~agentrl.trainer.megatron_trainer.MegatronTrainer` (``megatron``). The actors form their own
+:class:`~agentrl.trainer.megatron_trainer.MegatronTrainer` (``megatron``); with ``role="critic"``
+their value-model counterparts (:class:`~agentrl.trainer.torch_critic.TorchCritic`,
+:class:`~agentrl.trainer.megatron_critic.MegatronCritic`), which answer ``compute_values``
+instead of ``compute_log_probs`` (ppo runs one group of each). The actors form their own
 ``torch.distributed`` group (gloo on CPU, nccl on GPU) when ``world_size > 1``; the driver never
 joins it. Every public method fans the call out to all ranks (sharded models need every rank in
 every collective) and gathers the answer:
@@ -37,19 +40,39 @@ import ray
 from agentrl.config import TrainConfig
 from agentrl.trainer.base import LogProbs, TrainSample
 
+ROLES = ("actor", "critic")
+"""What a trainer group trains: the policy (``actor``) or ppo's value model (``critic``)."""
+
 
 def make_trainer(
-    backend: str, checkpoint: str, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1, device: str | None = None
+    backend: str,
+    checkpoint: str,
+    cfg: TrainConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str | None = None,
+    role: str = "actor",
 ) -> Any:
     """One rank of the ``torch`` or ``megatron`` backend (the process group must already exist)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown trainer role {role!r}: expected actor or critic")
     if backend == "torch":
+        if role == "critic":
+            from agentrl.trainer.torch_critic import TorchCritic
+
+            return TorchCritic(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
         from agentrl.trainer.torch_trainer import TorchTrainer
 
         return TorchTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
-    if backend == "megatron":
+    if backend == "megatron":  # layout from cfg
+        if role == "critic":
+            from agentrl.trainer.megatron_critic import MegatronCritic
+
+            return MegatronCritic(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
         from agentrl.trainer.megatron_trainer import MegatronTrainer
 
-        return MegatronTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)  # layout from cfg
+        return MegatronTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
     raise ValueError(f"unknown train backend {backend!r}: expected torch or megatron")
 
 
@@ -78,6 +101,7 @@ class TrainerActor:
         master: tuple[str, int],
         device: str,
         backend: str = "torch",
+        role: str = "actor",
     ) -> None:
         """Join the process group (``world_size > 1``) and load this rank's model."""
         import torch.distributed as dist
@@ -85,11 +109,16 @@ class TrainerActor:
         if world_size > 1:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
             dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world_size)
-        self.trainer = make_trainer(backend, checkpoint, cfg, rank=rank, world_size=world_size, device=device)
+        self.trainer = make_trainer(
+            backend, checkpoint, cfg, rank=rank, world_size=world_size, device=device, role=role
+        )
         self.checkpoint = checkpoint
 
     def compute_log_probs(self, samples: list[TrainSample], ref: bool) -> LogProbs:
         return self.trainer.compute_log_probs(samples, ref=ref)
+
+    def compute_values(self, samples: list[TrainSample]) -> list[list[float]]:
+        return self.trainer.compute_values(samples)
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         return self.trainer.train_step(samples)
@@ -205,7 +234,11 @@ class TrainerGroup:
         bundle_indices: Sequence[int] | None = None,
         num_threads: int | None = None,
         backend: str = "torch",
+        role: str = "actor",
     ):
+        if role not in ROLES:
+            raise ValueError(f"unknown trainer role {role!r}: expected actor or critic")
+        self.role = role
         if num_gpus is None:
             num_gpus = 1 if _cluster_has_gpus() else 0
         self.cfg, self.world_size, self.backend = cfg, world_size, backend
@@ -234,25 +267,33 @@ class TrainerGroup:
         device = "cuda" if num_gpus > 0 else "cpu"  # Ray shows each actor its GPU as cuda:0
         ray.get(
             [
-                a.setup.remote(str(checkpoint), cfg, r, world_size, master, device, backend)
+                a.setup.remote(str(checkpoint), cfg, r, world_size, master, device, backend, role)
                 for r, a in enumerate(self.actors)
             ]
         )
 
-    def compute_log_probs(self, samples: Sequence[TrainSample], ref: bool = False) -> LogProbs:
-        """Log-probs of every sample (token-balanced contiguous shards per data rank), in the original order."""
+    def _per_sample(self, method: str, samples: Sequence[TrainSample], *args: Any) -> list[Any]:
+        """Call ``method`` on token-balanced contiguous shards (one per data rank); one answer per data rank, in order."""
         lay = self.layout
         bounds = _token_balanced_bounds([len(s.tokens) for s in samples], lay.dp)
         parts = ray.get(
             [
-                a.compute_log_probs.remote(list(samples[slice(*bounds[lay.dp_rank(r)])]), ref)
+                getattr(a, method).remote(list(samples[slice(*bounds[lay.dp_rank(r)])]), *args)
                 for r, a in enumerate(self.actors)
             ]
         )
-        parts = [parts[lay.source_rank(d)] for d in range(lay.dp)]
+        return [parts[lay.source_rank(d)] for d in range(lay.dp)]
+
+    def compute_log_probs(self, samples: Sequence[TrainSample], ref: bool = False) -> LogProbs:
+        """Log-probs of every sample (token-balanced contiguous shards per data rank), in the original order."""
+        parts = self._per_sample("compute_log_probs", samples, ref)
         old = [lp for part in parts for lp in part.old]
         refs = [lp for part in parts for lp in part.ref] if ref else None
         return LogProbs(old=old, ref=refs)
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """A critic group's values of every sample, sharded like :meth:`compute_log_probs`, in the original order."""
+        return [v for part in self._per_sample("compute_values", samples) for v in part]
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """``num_steps_per_rollout`` steps; each global batch is split evenly over the data-parallel ranks."""

@@ -30,7 +30,8 @@ class TrainSample:
 
     ``loss_mask`` (1 = sampled by the policy) and ``advantages`` cover the response only.
     ``rollout_log_probs`` are the engine's (for TIS); ``old_log_probs``/``ref_log_probs`` are
-    filled by :meth:`Trainer.compute_log_probs` when needed.
+    filled by :meth:`Trainer.compute_log_probs` when needed; ``values``/``returns`` by the loop for a
+    critic (:class:`Critic`).
     """
 
     tokens: list[int]
@@ -42,6 +43,10 @@ class TrainSample:
     ref_log_probs: list[float] | None = None
     train_metadata: dict | None = None
     """The sample's ``Sample.train_metadata``, handed to a custom loss (``batch["metadata"]``)."""
+    values: list[float] | None = None
+    """ppo: the critic's values when the advantages were computed (the value clip's anchor)."""
+    returns: list[float] | None = None
+    """ppo: the critic's regression targets (GAE returns)."""
 
     @property
     def prompt_length(self) -> int:
@@ -78,6 +83,32 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
+
+
+class Critic(abc.ABC):
+    """A value model (``--advantage-estimator ppo``): the policy's architecture with a scalar head.
+
+    Same sample records and sharding as a :class:`Trainer`, with values in place of log-probs: the
+    value at response token t is the critic's estimate of the return from the state BEFORE token t
+    (read from the position that predicts token t, as a log-prob is). ``train_step`` regresses the
+    values on ``TrainSample.returns`` with :func:`agentrl.algo.loss.value_loss`.
+    """
+
+    @abc.abstractmethod
+    def compute_values(self, samples: list[TrainSample]) -> list[list[float]]:
+        """The value of every response token's state under the current critic weights."""
+
+    @abc.abstractmethod
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps of the value loss; return metrics."""
+
+    @abc.abstractmethod
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        """Write the critic's weights, optimizer and RNG state under ``path``."""
+
+    @abc.abstractmethod
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote; return its ``extra_state``."""
 
 
 def load_custom_loss(cfg: Any) -> Callable[..., Any] | None:

@@ -84,6 +84,8 @@ class PackedBatch:
     ref_log_probs: torch.Tensor | None = None  # [N]
     rollout_log_probs: torch.Tensor | None = None  # [N]
     train_metadata: list[dict | None] = field(default_factory=list)  # per packed sample, for a custom loss
+    values: torch.Tensor | None = None  # [N] ppo: the critic's values at advantage time
+    returns: torch.Tensor | None = None  # [N] ppo: the critic's targets
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +164,8 @@ def pack_samples(
         ref_log_probs=_flat(chosen, "ref_log_probs", required=False),
         rollout_log_probs=_flat(chosen, "rollout_log_probs", required=False),
         train_metadata=[s.train_metadata for s in chosen],
+        values=_flat(chosen, "values", required=False),
+        returns=_flat(chosen, "returns", required=False),
     )
 
 

@@ -147,7 +147,7 @@ class MegatronTrainer(Trainer):
         self._topology()
         self.model = self._build(torch.float32)
         self.ref_model = None
-        if cfg.use_kl_loss:
+        if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -158,6 +158,12 @@ class MegatronTrainer(Trainer):
             eps=1e-8,
         )
         self.step = 0
+
+    def _builtin_metrics(self) -> set[str]:
+        """Metric names every rank reports (only last stages compute any)."""
+        if self.cfg.loss_type == "custom_loss":  # a custom loss reports its own, not zeros for terms it never computed
+            return {"loss"}
+        return {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
 
     def _check_layout(self) -> None:
         p = self.parallel
@@ -293,15 +299,21 @@ class MegatronTrainer(Trainer):
         )
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 
-    def _score(self, model: nn.Module, samples: Sequence[TrainSample]) -> list[list[float]]:
-        """Per-sample response log-probs under ``model`` (forward only), on every rank."""
+    def _score(
+        self, model: nn.Module, samples: Sequence[TrainSample], output_fn: Callable | None = None
+    ) -> list[list[float]]:
+        """Per-sample response log-probs under ``model`` (forward only), on every rank.
+
+        ``output_fn(batch, output) -> [N]`` turns the last stage's output into the per-token numbers
+        (default: log-probs of the targets; the critic's values for a critic).
+        """
         batches = self._micro_batches(samples, train=False)
         out: list[list[float]] = [[] for _ in samples]
         if not batches:
             return out
         model.eval()
         with torch.no_grad():
-            results = self._schedule(model, batches, self._log_prob_output, forward_only=True)
+            results = self._schedule(model, batches, output_fn or self._log_prob_output, forward_only=True)
         total = sum(sum(b.response_lengths) for b in batches)
         flat = self._from_last_stage(torch.cat(results) if self.is_last_stage else None, total)
         for b, chunk in zip(batches, flat.split([sum(b.response_lengths) for b in batches])):
@@ -318,11 +330,11 @@ class MegatronTrainer(Trainer):
     def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
         """Per-response-token log-probs under the current weights (and the reference model when ``ref``).
 
-        ``ref`` needs ``use_kl_loss`` (only then is a reference model built). Every rank of a replica
+        ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model built). Every rank of a replica
         gets the same result.
         """
         if ref and self.ref_model is None:
-            raise ValueError("reference log-probs need a reference model: set use_kl_loss=True")
+            raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")
         old = self._score(self.model, samples)
         return LogProbs(old=old, ref=self._score(self.ref_model, samples) if ref else None)
 
@@ -456,8 +468,7 @@ class MegatronTrainer(Trainer):
 
     def _metric_names(self, sums: dict[str, float]) -> list[str]:
         """The same sorted names on every rank (only last stages computed any)."""
-        builtin = {"loss"} if self.cfg.loss_type == "custom_loss" else {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
-        names = set(sums) | builtin  # a custom loss reports its own metrics, not zeros for terms it never computed
+        names = set(sums) | self._builtin_metrics()
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, sorted(names))

@@ -140,10 +140,11 @@ class TorchTrainer(Trainer):
         # per-sample attention inside packed rows (no cross-sample T x T work), where transformers allows
         self.packed_attention = packed_attention.enable(self.model)
         self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
+        self._adapt_model()
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.ref_model = None
-        if cfg.use_kl_loss:
+        if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
             self.ref_model = load_causal_lm(self.checkpoint_path, self.dtype, self.device).eval()
             self.ref_model.requires_grad_(False)
             if self.packed_attention and not packed_attention.enable(self.ref_model):
@@ -158,6 +159,19 @@ class TorchTrainer(Trainer):
             eps=1e-8,
         )
         self.step = 0
+
+    def _adapt_model(self) -> None:
+        """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""
+
+    def _with_gradient(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
+        """The samples a step must run forward and backward (:func:`with_gradient`)."""
+        return with_gradient(samples, self.cfg)
+
+    def _builtin_metrics(self) -> set[str]:
+        """Metric names every rank reports, even one that ran only empty passes."""
+        if self.cfg.loss_type == "custom_loss":  # a custom loss reports its own, not zeros for terms it never computed
+            return {"loss"}
+        return {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
 
     def _shard(self) -> None:
         """FSDP2: each decoder layer is one all-gather unit, the root holds embeddings and head."""
@@ -221,10 +235,10 @@ class TorchTrainer(Trainer):
     def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
         """Per-response-token log-probs under the current weights (and the reference model when ``ref``).
 
-        ``ref`` needs ``use_kl_loss`` (only then is a reference model loaded).
+        ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model loaded).
         """
         if ref and self.ref_model is None:
-            raise ValueError("reference log-probs need a reference model: set use_kl_loss=True")
+            raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")
         self.model.eval()
         old: list[list[float]] = [[] for _ in samples]
         refs: list[list[float]] = [[] for _ in samples]
@@ -263,7 +277,7 @@ class TorchTrainer(Trainer):
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
-        live = with_gradient(samples, self.cfg)
+        live = self._with_gradient(samples)
         num_tokens, num_seqs, live_tokens, live_seqs = self._sum_over_ranks(
             [sum(sum(s.loss_mask) for s in samples), len(samples), sum(sum(s.loss_mask) for s in live), len(live)]
         )
@@ -333,8 +347,7 @@ class TorchTrainer(Trainer):
 
     def _metric_names(self, sums: dict[str, float]) -> list[str]:
         """The same sorted names on every rank (one that ran only empty passes has none of its own)."""
-        builtin = {"loss"} if self.cfg.loss_type == "custom_loss" else {"loss", "pg_loss", "kl", "entropy", "clipfrac"}
-        names = set(sums) | builtin  # a custom loss reports its own metrics, not zeros for terms it never computed
+        names = set(sums) | self._builtin_metrics()
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, sorted(names))

@@ -1,0 +1,89 @@
+"""The ``torch`` backend's critic: a :class:`~agentrl.trainer.torch_trainer.TorchTrainer` whose LM head is a value head.
+
+Everything else is the actor's machinery unchanged: packed micro-batches, the head run only at the
+positions that score response tokens (``logits_to_keep``), FSDP2 at world > 1, fp32 master weights,
+global normalization over the step, the same checkpoint layout (``model.safetensors`` holds the trunk
+and ``lm_head.weight`` of shape ``[1, hidden]`` plus its bias; ``config.json`` says
+``agentrl_value_head: true`` and unties the embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from agentrl.algo.loss import value_loss
+from agentrl.config import TrainConfig
+from agentrl.trainer.base import Critic, TrainSample
+from agentrl.trainer.batching import PackedBatch
+from agentrl.trainer.critic import CRITIC_METRICS, critic_config, value_head
+from agentrl.trainer.torch_trainer import TorchTrainer
+
+
+class TorchCritic(TorchTrainer, Critic):
+    """HF causal LM trunk + scalar value head, trained on the clipped value loss; one instance per rank."""
+
+    def __init__(
+        self,
+        checkpoint_path: str | Path,
+        cfg: TrainConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device | None = None,
+    ):
+        self.value_clip = cfg.value_clip
+        super().__init__(checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device)
+
+    def _adapt_model(self) -> None:
+        """Swap the LM head for the value head (the packing check above ran on the real logits)."""
+        self.model.set_output_embeddings(value_head(self.model.config.hidden_size, self.cfg.seed).to(self.device))
+        self.model.config.tie_word_embeddings = False  # the embeddings stay; the head is its own weight now
+        self.model.config.agentrl_value_head = True
+
+    def _values(self, b: PackedBatch) -> torch.Tensor:
+        """The value head's output at the positions that score the batch's response tokens: [N] fp32."""
+        return self._logits(self.model, b)[:, 0].float()
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Per-response-token values under the current critic (every rank runs the same number of passes)."""
+        self.model.eval()
+        out: list[list[float]] = [[] for _ in samples]
+        for batch in self._micro_batches(samples, train=False):
+            if batch is None:
+                self._dummy_pass(self.model, backward=False)
+                continue
+            b = batch.to(self.device)
+            for i, values in zip(b.indices, b.split(self._values(b))):
+                out[i] = values
+        return out
+
+    def compute_log_probs(self, samples: list[TrainSample], *, ref: bool):  # type: ignore[override]
+        raise TypeError("a critic has values, not log-probs: call compute_values")
+
+    def _with_gradient(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
+        return list(samples)  # every sample's values are regressed, whatever its advantages
+
+    def _builtin_metrics(self) -> set[str]:
+        return set(CRITIC_METRICS)
+
+    def _micro_batch_loss(self, b: PackedBatch, num_tokens: float, num_seqs: float):
+        if b.values is None or b.returns is None:
+            raise ValueError("the critic trains on TrainSample.values and .returns (the train loop sets them)")
+        return value_loss(
+            self._values(b),
+            b.values,
+            b.returns,
+            b.mask,
+            b.seq_ids,
+            value_clip=self.value_clip,
+            per_token=self.cfg.calculate_per_token_loss,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+
+
+__all__ = ["TorchCritic"]

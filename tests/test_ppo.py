@@ -1,0 +1,227 @@
+"""PPO with a critic (``--advantage-estimator ppo``): the value model, its sharded group, the loop, the flags.
+
+The GAE and value-loss formulas are checked by hand in ``test_algo.py``; the learning run is in
+``test_learning.py``; the megatron critic's agreement with this one in ``test_megatron_trainer.py``.
+Here: the critic reads its values where the policy reads logits, learns a fixed target, saves and
+resumes exactly, shards over two Ray actors like the actor does, trains beside the actor in the loop
+(critic-only warm-up included), resumes with the run, and every bad flag is refused before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.cli import main
+from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+from agentrl.trainer.torch_critic import TorchCritic
+
+from .test_trainer import cfg, make_samples
+
+
+def ppo_cfg(**kw) -> TrainConfig:
+    return cfg(**{"advantage_estimator": "ppo", **kw})
+
+
+def with_targets(samples, values, target: float = 1.0):
+    """Samples with the critic's values and a fixed return on every policy token."""
+    return [
+        dataclasses.replace(s, values=v, returns=[target if m else 0.0 for m in s.loss_mask])
+        for s, v in zip(samples, values)
+    ]
+
+
+def test_values_are_read_where_the_policy_reads_logits(tiny_ckpt):
+    """Value of response token t = head(hidden state of the token before it), packed or alone."""
+    critic = TorchCritic(tiny_ckpt, ppo_cfg(max_tokens_per_gpu=64))
+    head = critic.model.get_output_embeddings()
+    assert tuple(head.weight.shape) == (1, critic.model.config.hidden_size)
+    samples = make_samples(6, seed=3)
+    packed = critic.compute_values(samples)
+    with torch.no_grad():
+        for s, v in zip(samples, packed):
+            hidden = critic.model.model(input_ids=torch.tensor([s.tokens])).last_hidden_state[0]  # [L, h]
+            expected = head(hidden[s.prompt_length - 1 : -1])[:, 0]
+            torch.testing.assert_close(torch.tensor(v), expected, atol=1e-5, rtol=0)
+    with pytest.raises(TypeError, match="compute_values"):
+        critic.compute_log_probs(samples, ref=False)
+
+
+def test_critic_learns_a_fixed_target_saves_and_resumes(tied_ckpt, tmp_path):
+    """Value loss falls toward a fixed return; the head is its own weight (embeddings untied, kept);
+    a reloaded critic continues exactly; the saved folder says it is a value head."""
+    critic = TorchCritic(tied_ckpt, ppo_cfg(lr=1e-3, critic_lr=1e-2, use_kl_loss=True, kl_loss_coef=0.1))
+    assert critic.ref_model is None and critic.cfg.lr == 1e-2  # --critic-lr; no reference model for a critic
+    embed = critic.model.get_input_embeddings().weight
+    assert critic.model.get_output_embeddings().weight is not embed
+    before = embed.detach().clone()
+    samples = make_samples(8, seed=4)
+    losses = []
+    for _ in range(8):
+        batch = with_targets(samples, critic.compute_values(samples))
+        losses.append(critic.train_step(batch)["value_loss"])
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert not torch.equal(before, embed.detach())  # the trunk trains too, not the head alone
+    critic.save(tmp_path / "critic", extra_state={"k": 2})
+    assert json.loads((tmp_path / "critic" / "config.json").read_text())["agentrl_value_head"] is True
+
+    again = TorchCritic(tied_ckpt, ppo_cfg(lr=1e-3, critic_lr=1e-2))
+    assert again.load(tmp_path / "critic") == {"k": 2}
+    assert again.compute_values(samples) == critic.compute_values(samples)
+    batch = with_targets(samples, critic.compute_values(samples))
+    torch.manual_seed(0)
+    a = critic.train_step(batch)
+    torch.manual_seed(0)
+    b = again.train_step(batch)
+    assert a["value_loss"] == pytest.approx(b["value_loss"], abs=1e-7)
+    for x, y in zip(again.compute_values(samples), critic.compute_values(samples)):
+        assert x == pytest.approx(y, abs=1e-6)
+
+
+def test_value_clip_stops_the_gradient_past_the_clip(tiny_ckpt):
+    """Rollout values 1 below the current ones, returns 5 above: the clipped value (rollout + 0.2) is
+    further from the return than the current one, so the loss takes the clipped branch, which has no
+    gradient: with ``--value-clip 0.2`` the step leaves the critic exactly as it was; with 10 it moves."""
+    samples = make_samples(8, seed=5)
+    for clip in (0.2, 10.0):
+        critic = TorchCritic(tiny_ckpt, ppo_cfg(critic_lr=1e-2, value_clip=clip, weight_decay=0.0))
+        v0 = critic.compute_values(samples)
+        batch = [
+            dataclasses.replace(s, values=[x - 1.0 for x in v], returns=[x + 5.0 for x in v])
+            for s, v in zip(samples, v0)
+        ]
+        m = critic.train_step(batch)
+        v1 = critic.compute_values(samples)
+        if clip < 1:
+            assert m["value_clipfrac"] == pytest.approx(1.0) and v1 == v0
+        else:
+            assert m["value_clipfrac"] == 0.0 and v1 != v0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--critic-lr", "1e-5"], "need --advantage-estimator ppo"),
+        (["--lambd", "0.9"], "need --advantage-estimator ppo"),
+        (["--num-critic-only-steps", "1"], "need --advantage-estimator ppo"),
+        (["--critic-hf-checkpoint", "/nowhere"], "--critic-hf-checkpoint is the critic's start"),
+        (["--advantage-estimator", "ppo", "--per-turn-credit"], "--per-turn-credit is for grpo/gspo"),
+        (["--advantage-estimator", "ppo", "--num-critic-only-steps", "2"], "must be below --num-rollout"),
+        (["--advantage-estimator", "ppo", "--lambd", "1.5"], "--lambd must be in [0, 1]"),
+        (["--advantage-estimator", "ppo", "--value-clip", "0"], "--value-clip must be > 0"),
+        (["--kl-coef", "0.1"], "--kl-coef folds the KL into the rewards"),
+    ],
+)
+def test_bad_ppo_flags_are_refused_before_ray_starts(tmp_path, capsys, argv, message):
+    save = tmp_path / "run"
+    rc = main(["train", "--env", "agentrl.envs.digits:Digits", "--num-rollout", "2", "--save", str(save), *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not save.exists()
+
+
+def test_critic_checkpoints_are_checked_before_ray_starts(tiny_ckpt, tied_ckpt, tmp_path, capsys):
+    """A critic from another tokenizer, or a saved critic passed as a model to start from, is refused."""
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((tied_ckpt / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
+    base = ["train", "--env", "agentrl.envs.digits:Digits", "--hf-checkpoint", str(tied_ckpt)]
+    assert main([*base, "--advantage-estimator", "ppo", "--critic-hf-checkpoint", str(other)]) == 2
+    assert "differs from the policy's" in capsys.readouterr().err
+    saved = tmp_path / "saved_critic"
+    TorchCritic(tiny_ckpt, ppo_cfg()).save(saved)
+    assert main([*base, "--advantage-estimator", "ppo", "--critic-hf-checkpoint", str(saved)]) == 2
+    assert "a ppo run's saved critic" in capsys.readouterr().err
+    assert main(["train", "--env", "agentrl.envs.digits:Digits", "--hf-checkpoint", str(saved)]) == 2
+    assert "not a policy" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- Ray: a sharded critic, the loop
+
+
+@pytest.mark.e2e
+def test_critic_group_fsdp2_matches_single_rank(tiny_ckpt, ray_local):
+    """Two critic ranks (FSDP2 over gloo) give the values and the value step of one unsharded rank."""
+    from agentrl.runtime.trainer_group import TrainerGroup
+
+    samples = make_samples(8, seed=6)
+    config = ppo_cfg(critic_lr=1e-2, global_batch_size=8, max_tokens_per_gpu=32)
+    group = TrainerGroup(tiny_ckpt, config, world_size=2, num_cpus=1, role="critic")
+    try:
+        single = TorchCritic(tiny_ckpt, config)
+        v_group, v_single = group.compute_values(samples), single.compute_values(samples)
+        for a, b in zip(v_group, v_single):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+        batch = with_targets(samples, v_single)
+        m_group, m_single = group.train_step(batch), single.train_step(batch)
+        assert m_group["value_loss"] == pytest.approx(m_single["value_loss"], abs=1e-5)
+        assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
+        for a, b in zip(group.compute_values(samples), single.compute_values(samples)):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    finally:
+        group.shutdown()
+    with pytest.raises(ValueError, match="role"):
+        TrainerGroup(tiny_ckpt, config, role="judge")
+
+
+def _run(ckpt, save, **kw) -> RunConfig:
+    train_kw = {"lr": 1e-3, "global_batch_size": 8, "advantage_estimator": "ppo", **kw.pop("train", {})}
+    return RunConfig(
+        env="agentrl.envs.digits:Digits",
+        hf_checkpoint=str(ckpt),
+        rollout_batch_size=2,
+        save=str(save),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=8),
+        train=TrainConfig(**train_kw),
+        **kw,
+    )
+
+
+def _lines(save: Path) -> list[dict]:
+    return [json.loads(line) for line in open(save / "metrics.jsonl")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_ppo_run_trains_both_saves_the_critic_and_resumes_it(tiny_ckpt, tmp_path, ray_local, backend):
+    """Critic-only warm-up leaves the policy (and its version) alone; the critic is saved with the run and
+    ``--load`` resumes it; resuming a run without a critic as ppo is refused. (Both backends: the critic
+    group is a TrainerGroup of the run's --train-backend.)"""
+    from agentrl.runtime.train import train
+
+    if backend == "megatron":
+        from agentrl.trainer.megatron_compat import megatron_available
+
+        if megatron_available():
+            pytest.skip(megatron_available())
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    train(_run(tiny_ckpt, run, num_rollout=3, train_backend=backend, train={"num_critic_only_steps": 1}))
+    lines = _lines(run)
+    assert [line["weight_version"] for line in lines] == [0, 1, 2]  # step 0 trained the critic alone
+    assert lines[0]["critic_only_step"] == 1.0 and "pg_loss" not in lines[0]
+    assert all("pg_loss" in line for line in lines[1:])
+    assert all(line["critic/value_loss"] > 0 and "critic/explained_variance" in line for line in lines)
+    critic_dir = run / "iter_0000003" / "critic"
+    assert (critic_dir / "trainer_state.pt").is_file()
+    # --load resumes actor and critic: one more step from the saved critic
+    summary = train(_run(tiny_ckpt, run, num_rollout=4, train_backend=backend, load=str(run)))
+    assert summary["weight_version"] == 3 and (run / "iter_0000004" / "critic").is_dir()
+    assert [line["step"] for line in _lines(run)] == [0, 1, 2, 3]
+    # the critic took up where it was: 3 optimizer steps saved, 4 after the resumed step (a fresh one would say 1)
+    steps = [torch.load(run / f"iter_{k:07d}" / "critic" / "trainer_state.pt")["step"] for k in (3, 4)]
+    assert steps == [3, 4]
+    # a checkpoint without a critic cannot silently grow a fresh one on resume: refused before Ray starts
+    plain = tmp_path / "plain"
+    shutil.copytree(run / "iter_0000004", plain / "iter_0000004", ignore=shutil.ignore_patterns("critic"))
+    (plain / "latest_checkpointed_iteration.txt").write_text("4")
+    with pytest.raises(ValueError, match="holds no critic"):
+        train(_run(tiny_ckpt, plain, num_rollout=5, train_backend=backend, load=str(plain)))
+    print(f"{backend}: {time.monotonic() - t0:.1f}s")
