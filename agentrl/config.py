@@ -468,6 +468,12 @@ class RunConfig:
     engine_url: list[str] = option(
         factory=list, help="running SGLang-compatible engine to roll out on (repeatable; default: embedded engines)"
     )
+    rollout_return_routed_experts: bool = option(
+        False,
+        help="ask SGLang for the MoE expert ids of every token (return_routed_experts) and keep them in "
+        "Sample.rollout_routed_experts; the servers need --enable-return-routed-experts (checked at start). Recorded "
+        "for the user's functions and dumps: the trainers do not replay routing",
+    )
     num_engines: int = option(1, help="embedded engines (each a Ray actor; episodes stick to one per episode)")
     engine_max_running_requests: int = option(32, help="requests each engine batches at once")
     colocate: bool = option(
@@ -736,6 +742,17 @@ class RunConfig:
                 ),
                 "--weight-sync tensor with --rollout-backend sglang on GPUs hands over CUDA IPC handles: it needs "
                 "--colocate and --rollout-num-gpus-per-engine 1 (else use nccl)",
+            ),
+            (
+                not self.rollout_return_routed_experts or bool(self.engine_url) or self.rollout_backend == "sglang",
+                "--rollout-return-routed-experts needs SGLang servers serving an MoE model (--engine-url or "
+                "--rollout-backend sglang): the embedded engine serves dense models, it has no experts to report",
+            ),
+            (
+                not {"use_rollout_routing_replay", "use_routing_replay"} & set(t.megatron_args),
+                "routing replay in training (slime's --use-rollout-routing-replay / --use-routing-replay) is not "
+                "implemented: agentrl's megatron backend trains dense models; --rollout-return-routed-experts records "
+                "the rollout's routing",
             ),
             (self.num_engines >= 1, "--num-engines must be >= 1"),
             (self.trainer_num_procs >= 1, "--trainer-num-procs must be >= 1"),

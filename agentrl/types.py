@@ -178,6 +178,11 @@ class Sample:
     train_metadata: dict[str, Any] | None = None
     """Data for the trainer (slime's field): set by a custom generate / reward / sample-filter function,
     handed to a ``--loss-type custom_loss`` function as ``batch["metadata"]`` (one entry per sample)."""
+    rollout_routed_experts: Any = None
+    """MoE routing of the rollout (slime's field): an int32 numpy array ``[tokens covered, layers * top-k]``,
+    the expert ids SGLang's router picked for every token it forwarded (``--rollout-return-routed-experts``;
+    the last turn's reply covers the whole episode up to its last sampled token). ``.reshape(n, layers,
+    top_k)`` gives slime's 3-d view. Dumps hold it as ``{"dtype", "shape", "base64"}``."""
 
     @dataclass
     class SpecInfo:
@@ -298,6 +303,9 @@ class Sample:
         for name in ("multimodal_inputs", "multimodal_train_inputs", "train_metadata"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict or None, not {type(getattr(self, name)).__name__}")
+        r = self.rollout_routed_experts
+        if r is not None and not (getattr(r, "dtype", None) == "int32" and getattr(r, "ndim", 0) == 2):
+            raise ValueError(f"rollout_routed_experts must be a 2-d int32 numpy array or None, not {type(r).__name__}")
         if not isinstance(self.remove_sample, bool):
             raise ValueError(f"remove_sample must be True or False, not {self.remove_sample!r}")
         t = self.non_generation_time
@@ -318,6 +326,8 @@ class Sample:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["status"] = self.status.value
         d["spec_info"] = self.spec_info.to_dict()
+        if self.rollout_routed_experts is not None:
+            d["rollout_routed_experts"] = encode_int32_array(self.rollout_routed_experts)
         return d
 
     def to_json(self) -> str:
@@ -333,8 +343,37 @@ class Sample:
         known["metadata"] = dict(known.get("metadata") or {})  # the caller's row is not changed under it
         if not isinstance(known.get("spec_info", {}), Sample.SpecInfo):
             known["spec_info"] = Sample.SpecInfo.from_dict(known.get("spec_info"))
+        if isinstance(known.get("rollout_routed_experts"), dict):
+            known["rollout_routed_experts"] = decode_int32_array(known["rollout_routed_experts"])
         s = cls(**known)
         s.status = Status(s.status)
         if extra:
             s.metadata.setdefault("extra", {}).update(extra)
         return s
+
+
+def encode_int32_array(array: Any) -> dict[str, Any]:
+    """An int32 numpy array as JSON: ``{"dtype": "int32", "shape": [...], "base64": ...}`` (SGLang's wire bytes)."""
+    import base64
+
+    import numpy as np
+
+    a = np.ascontiguousarray(array, dtype=np.int32)
+    return {"dtype": "int32", "shape": list(a.shape), "base64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def decode_int32_array(d: dict[str, Any]) -> Any:
+    """Inverse of :func:`encode_int32_array`; a row that does not match its shape is refused."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    try:
+        if d.get("dtype") != "int32":
+            raise ValueError(f"dtype {d.get('dtype')!r} (only int32)")
+        shape = [int(x) for x in d["shape"]]
+        raw = base64.b64decode(str(d["base64"]).encode("ascii"), validate=True)
+        return np.frombuffer(raw, dtype=np.int32).reshape(shape).copy()
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise ValueError(f"rollout_routed_experts is not an encoded int32 array: {exc}") from None

@@ -412,3 +412,105 @@ async def test_eval_runs_the_rollout_function_told_it_evaluates(tiny_tokenizer):
         ctx, None, {"set": [{"prompt": "a"}]}, n_samples=2, custom_generate=BatchGenerate(batch, evaluation=True)
     )
     assert seen == [True] and out["set"]["reward_mean"] == 1.0
+
+
+# ---------------------------------------------------------------- rollout_routed_experts (MoE routing)
+
+
+def _b64(ids: list[int]) -> str:
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(ids, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def test_routed_experts_are_read_from_sglangs_meta_info():
+    """SGLang's ``meta_info.routed_experts``: base64 int32 bytes, (prompt + reply - 1) tokens x layers x top-k."""
+    body = {
+        "output_ids": [4, 5],
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.1, 4, None], [-0.2, 5, None]],
+            "prompt_tokens": 3,
+            "routed_experts": _b64(list(range(4 * 2 * 2))),  # 3 + 2 - 1 = 4 forwarded tokens, 2 layers, top-2
+        },
+    }
+    out = GenerateOutput.from_sglang(body)
+    assert out.routed_experts.dtype == "int32" and out.routed_experts.tolist() == list(range(16))
+    body["meta_info"]["routed_experts"] = _b64(list(range(15)))  # not a whole number of ids per token
+    with pytest.raises(EngineError, match="holds 15 ids for 4 forwarded tokens"):
+        GenerateOutput.from_sglang(body)
+    body["meta_info"]["routed_experts"] = "not base64!"
+    with pytest.raises(EngineError, match="malformed"):
+        GenerateOutput.from_sglang(body)
+    del body["meta_info"]["routed_experts"]
+    assert GenerateOutput.from_sglang(body).routed_experts is None
+
+
+class MoEEngine(Engine):
+    """A fake of SGLang serving an MoE model with ``--enable-return-routed-experts`` (which needs a GPU):
+    fixed replies whose routed experts cover every forwarded token, 3 layers x top-2, id = position % 8."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        import numpy as np
+
+        ids = [7, 8, self.eos]
+        forwarded = len(input_ids) + len(ids) - 1
+        routed = (np.arange(forwarded * 6, dtype=np.int32) // 6) % 8
+        return GenerateOutput(ids, [-0.1] * 3, "stop", self.eos, prompt_tokens=len(input_ids), routed_experts=routed)
+
+    async def health(self):
+        return True
+
+
+async def test_an_episode_keeps_the_last_turns_routing_and_dumps_round_trip_it(tiny_tokenizer):
+    ctx = EpisodeContext(
+        engine=MoEEngine(tiny_tokenizer.eos_token_id),
+        template=ChatTemplate(tiny_tokenizer),
+        config=RolloutConfig(max_turns=2),
+    )
+    (s,), _ = await generate_rollout(ctx, SlowEnv, [{"prompt": "x"}])
+    routed = s.rollout_routed_experts
+    # the second turn's reply covered the whole episode up to its last sampled token (no observation after it)
+    assert routed.shape == (len(s.tokens) - 1, 6) and routed.dtype == "int32"
+    assert routed[:, 0].tolist() == [i % 8 for i in range(len(s.tokens) - 1)]
+    s.validate()
+    back = Sample.from_dict(json.loads(s.to_json()))
+    assert back.rollout_routed_experts.tolist() == routed.tolist()
+    with pytest.raises(ValueError, match="rollout_routed_experts is not an encoded int32 array"):
+        Sample.from_dict({"rollout_routed_experts": {"dtype": "int64", "shape": [1], "base64": ""}})
+    with pytest.raises(ValueError, match="rollout_routed_experts must be a 2-d int32 numpy array"):
+        Sample(rollout_routed_experts=[[1]]).validate()
+
+
+def test_routed_experts_flags_are_refused_where_they_cannot_work(capsys):
+    from agentrl.cli import main
+
+    base = ["train", "--env", "agentrl.envs.digits:Digits"]
+    assert main([*base, "--rollout-return-routed-experts"]) == 2
+    assert "the embedded engine serves dense models" in capsys.readouterr().err
+    assert main([*base, "--train-backend", "megatron", "--use-rollout-routing-replay"]) == 2
+    assert "routing replay in training" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+async def test_the_embedded_server_refuses_routed_experts_naming_them(tiny_server):
+    """It serves dense models: server_info says so (the run's start-up check reads it) and a request is a 400."""
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.http import EngineRequestError, SGLangEngine
+    from agentrl.engines.router import Router
+    from agentrl.runtime.train import _check_routed_experts
+
+    engine = SGLangEngine(tiny_server, return_routed_experts=True)
+    try:
+        assert (await engine.server_info())["enable_return_routed_experts"] is False
+        with pytest.raises(EngineRequestError, match="return_routed_experts=True is not supported"):
+            await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+    finally:
+        await engine.close()
+    with pytest.raises(ValueError, match="start SGLang with --enable-return-routed-experts"):
+        await asyncio.to_thread(_check_routed_experts, Router([SGLangEngine(tiny_server, return_routed_experts=True)]))

@@ -9,6 +9,7 @@ response shapes are SGLang's native ``/generate`` shapes.
 from __future__ import annotations
 
 import abc
+import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,9 @@ class GenerateOutput:
     spec: dict[str, int] | None = None
     """Speculative-decoding counters of this reply (``spec_verify_ct``, ``spec_accept_token_num``,
     ``spec_draft_token_num``, ``completion_tokens``) when the engine reports them (SGLang with a draft model)."""
+    routed_experts: Any = None
+    """MoE expert ids of every token the engine forwarded (prompt and reply but the last sampled token), flat
+    int32, when asked for (``return_routed_experts``): SGLang's ``meta_info.routed_experts``, base64 bytes."""
 
     @classmethod
     def from_sglang(cls, body: Any, engine_url: str = "") -> GenerateOutput:
@@ -121,6 +125,19 @@ class GenerateOutput:
             if any(k in meta for k in _SPEC_KEYS):
                 spec = {k: _count(meta.get(k, 0), k) for k in _SPEC_KEYS}
                 spec["completion_tokens"] = _count(meta.get("completion_tokens", len(out_ids)), "completion_tokens")
+            routed = None
+            if meta.get("routed_experts") is not None:
+                import base64
+
+                import numpy as np
+
+                raw = base64.b64decode(str(meta["routed_experts"]).encode("ascii"), validate=True)
+                routed = np.frombuffer(raw, dtype=np.int32).copy()
+                forwarded = int(meta.get("prompt_tokens", 0) or 0) + len(out_ids) - 1
+                if forwarded > 0 and routed.size % forwarded:
+                    raise ValueError(
+                        f"meta_info.routed_experts holds {routed.size} ids for {forwarded} forwarded tokens"
+                    )
             return cls(
                 output_ids=out_ids,
                 output_logprobs=lps,
@@ -131,8 +148,9 @@ class GenerateOutput:
                 prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
                 engine_url=engine_url,
                 spec=spec,
+                routed_experts=routed,
             )
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError, binascii.Error) as exc:
             raise EngineError(
                 f"{engine_url}: malformed /generate reply ({type(exc).__name__}: {exc}): {str(body)[:200]}"
             ) from None

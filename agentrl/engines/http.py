@@ -71,8 +71,11 @@ class SGLangEngine(Engine):
         max_retries: int = 3,
         backoff: float = 0.5,
         api_key: str | None = None,
+        return_routed_experts: bool = False,
     ):
         self.url = url.rstrip("/")
+        # MoE routing of every forwarded token (SGLang started with --enable-return-routed-experts)
+        self.return_routed_experts = return_routed_experts
         self.api_key = api_key  # sent as SGLang's --api-key expects: Authorization: Bearer <key>
         self.timeout = timeout
         self.max_retries = max_retries
@@ -159,6 +162,8 @@ class SGLangEngine(Engine):
             "return_logprob": True,
             "rid": "",
         }
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         status, out = await self._post(
             "/generate",
             payload,

@@ -187,6 +187,8 @@ async def run_episode(
             if out.finish_reason == "abort":
                 raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
             ledger.append_model(out.output_ids, out.output_logprobs)
+            if out.routed_experts is not None:  # the reply covers every token forwarded so far: keep the latest
+                sample.rollout_routed_experts = out.routed_experts.reshape(max(len(ledger) - 1, 0), -1)
             sample.weight_versions.append(out.weight_version)
             if out.spec is not None:
                 sample.spec_info.add(out.spec)

@@ -418,7 +418,12 @@ class _Runtime:
         cfg = self.cfg
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
-        engine = Router([SGLangEngine(u, api_key=self.engines.api_key) for u in self.engines.urls])
+        routed = cfg.rollout_return_routed_experts
+        engine = Router(
+            [SGLangEngine(u, api_key=self.engines.api_key, return_routed_experts=routed) for u in self.engines.urls]
+        )
+        if routed:
+            _check_routed_experts(engine)
         # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
         pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
         self.env_pool = pool
@@ -521,6 +526,25 @@ class _Runtime:
         return guard
 
 
+def _check_routed_experts(router: Any) -> None:
+    """--rollout-return-routed-experts: every server must have been started to report them (or each request fails)."""
+
+    async def infos() -> list[dict[str, Any]]:
+        try:
+            return [await e.server_info() for e in router.engines]
+        finally:
+            for e in router.engines:
+                await e.close()  # this loop ends here: the run's loop opens its own sessions
+
+    for e, info in zip(router.engines, asyncio.run(infos())):
+        if not info.get("enable_return_routed_experts"):
+            raise ValueError(
+                f"--rollout-return-routed-experts: {e.url} does not report routed experts (its /get_server_info has "
+                "no enable_return_routed_experts: true); start SGLang with --enable-return-routed-experts (with "
+                "--rollout-backend sglang: --sglang-enable-return-routed-experts) on an MoE model"
+            )
+
+
 def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
     """Point the router at engines that came back on another address (a lost actor rescheduled)."""
     from agentrl.engines.http import SGLangEngine
@@ -528,7 +552,7 @@ def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
     for i, url in enumerate(urls):
         old = router.engines[i] if i < len(router.engines) else None
         if old is not None and getattr(old, "url", url) != url:
-            router.engines[i] = SGLangEngine(url, api_key=api_key)
+            router.engines[i] = SGLangEngine(url, api_key=api_key, return_routed_experts=old.return_routed_experts)
             asyncio.get_running_loop().create_task(old.close())
 
 

@@ -59,6 +59,7 @@ class GenerateRequest(_Body):
     NEUTRAL = {
         "token_ids_logprob": (None,),
         "return_hidden_states": (None, False),
+        "return_routed_experts": (None, False),
         "image_data": (None,),
         "audio_data": (None,),
         "video_data": (None,),
