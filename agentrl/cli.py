@@ -1,7 +1,7 @@
 """The ``agentrl`` command: ``train``, ``sft``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``.
 
 Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
-``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-response-len``,
+``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-turn-len``,
 ``--rollout-temperature``, ``--custom-generate-function-path``, ``--custom-rm-path``, ...).
 Bad flags are refused before any model is loaded, with the flag to change in the message.
 """

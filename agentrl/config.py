@@ -6,9 +6,11 @@ every subcommand's flags and reads config files from them, so a flag cannot drif
 This module is a leaf: it checks values (``validate``) but imports no backend; what a chosen backend
 needs from the machine is checked by :func:`agentrl.runtime.backends.check_run`.
 
-``--rollout-max-response-len`` is the per-turn generation budget (slime sends it as
-``max_new_tokens`` on every generate call); ``--rollout-max-context-len`` caps the whole episode
-(prompt + every turn + every observation): an episode that would pass it ends as ``truncated``.
+Token budgets of an episode: ``--rollout-max-turn-len`` caps one assistant turn (``max_new_tokens``
+of each generate call); ``--rollout-max-response-len`` is slime's: the whole response of a sample
+(every turn and every observation after the prompt), so each turn may sample at most what is left;
+``--rollout-max-context-len`` caps prompt plus response. An episode that reaches a budget ends as
+``truncated`` (``status_reason`` ``response_length``, ``response_budget`` or ``context_length``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,19 @@ class RolloutConfig:
     max_turns: int | None = option(
         None, help="assistant turns per episode (default: the env's max_turns, else 4; with both, the smaller)"
     )
-    rollout_max_response_len: int = option(256, help="max new tokens per assistant turn")
+    rollout_max_turn_len: int = option(256, help="max new tokens per assistant turn")
+    apply_chat_template: bool = option(
+        False,
+        help="render each task's prompt with the chat template (a string becomes one user message; add_generation_"
+        "prompt, the row's tools) before a custom generate function gets it as sample.prompt; without it the "
+        "prompt is handed over raw, as in slime. Env episodes always render their messages",
+    )
+    rollout_max_response_len: int | None = option(
+        None,
+        help="max tokens of a sample's whole response, all turns and observations (slime's meaning: each turn "
+        "samples at most what is left, and a custom generate function gets it as max_new_tokens); default: no "
+        "budget beyond --rollout-max-turn-len per turn and --rollout-max-context-len",
+    )
     rollout_max_context_len: int | None = option(
         None, help="max tokens of a whole episode (prompt + all turns + observations)"
     )
@@ -148,12 +162,16 @@ class RolloutConfig:
             ),
             (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
             (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
-            (self.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
+            (self.rollout_max_turn_len >= 1, "--rollout-max-turn-len must be >= 1"),
+            (
+                self.rollout_max_response_len is None or 1 <= self.rollout_max_response_len <= _INT32,
+                f"--rollout-max-response-len must be in [1, {_INT32}]",
+            ),
             (
                 self.rollout_max_context_len is None or self.rollout_max_context_len >= 2,
                 "--rollout-max-context-len must be >= 2",
             ),
-            (self.rollout_max_response_len <= _INT32, f"--rollout-max-response-len must be <= {_INT32}"),
+            (self.rollout_max_turn_len <= _INT32, f"--rollout-max-turn-len must be <= {_INT32}"),
             # the bounds an engine accepts (agentrl.engines.local.sampling): refused here, not by every request
             (0 <= self.rollout_temperature <= 1e6, "--rollout-temperature must be a finite number in [0, 1e6]"),
             (0 < self.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
@@ -178,9 +196,10 @@ class RolloutConfig:
             raise ValueError("bad configuration: " + "; ".join(problems))
 
     def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
-        """The sampling params of one generate call."""
+        """The sampling params of one generate call. Without ``max_new_tokens``: the whole-response
+        budget when set (what slime hands a custom generate function), else the per-turn one."""
         return SamplingParams(
-            max_new_tokens=max_new_tokens or self.rollout_max_response_len,
+            max_new_tokens=max_new_tokens or self.rollout_max_response_len or self.rollout_max_turn_len,
             temperature=self.rollout_temperature,
             top_p=self.rollout_top_p,
             top_k=self.rollout_top_k,
@@ -623,6 +642,14 @@ class RunConfig:
             (
                 not (sft and self.custom_generate_function_path),
                 "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
+            ),
+            (
+                not self.rollout.apply_chat_template
+                or bool(self.custom_generate_function_path or self.rollout_function_path)
+                or self.env is None,
+                "--apply-chat-template renders the prompt a custom generate function receives (slime's sample.prompt); "
+                "an env's episodes always go through the chat template: pass --custom-generate-function-path or "
+                "--rollout-function-path, or drop --apply-chat-template",
             ),
             (
                 not (self.rollout_function_path and self.custom_generate_function_path),

@@ -54,7 +54,7 @@ def evaluate(checkpoint: str | None, out: Path, name: str, *, problems: int, sam
             str(samples),
             "--rollout-temperature",
             str(temperature),
-            "--rollout-max-response-len",
+            "--rollout-max-turn-len",
             "256",
             "--rollout-concurrency",
             "64",

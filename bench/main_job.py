@@ -37,7 +37,7 @@ EVAL = [
     "0",
     "--max-turns",
     "3",
-    "--rollout-max-response-len",
+    "--rollout-max-turn-len",
     "64",
 ]
 

@@ -41,7 +41,7 @@ async def sdk_run(url: str, template: ChatTemplate, episodes: int, turns: int, m
     engine = RecordingEngine(SGLangEngine(url))
     # Turns end at the first sentence ("." stop string), so episodes stay multi-turn on any model.
     cfg = RolloutConfig(
-        max_turns=turns + 1, rollout_concurrency=episodes, rollout_max_response_len=max_new, rollout_stop=["."]
+        max_turns=turns + 1, rollout_concurrency=episodes, rollout_max_turn_len=max_new, rollout_stop=["."]
     )
     ctx = EpisodeContext(engine=engine, template=template, config=cfg)
     tasks = [{"prompt": f"Tell me about the number {i}.", "label": None} for i in range(episodes)]

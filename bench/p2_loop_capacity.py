@@ -49,7 +49,7 @@ class TalkEnv(agentrl.Env):
 async def sdk_run(url: str, template: ChatTemplate, episodes: int, concurrency: int, turns: int):
     TalkEnv.turns = turns
     engine = RecordingEngine(SGLangEngine(url))
-    cfg = RolloutConfig(max_turns=turns + 1, rollout_concurrency=concurrency, rollout_max_response_len=16)
+    cfg = RolloutConfig(max_turns=turns + 1, rollout_concurrency=concurrency, rollout_max_turn_len=16)
     ctx = EpisodeContext(engine=engine, template=template, config=cfg)
     tasks = [{"prompt": f"task {i}", "label": None} for i in range(episodes)]
     t = time.perf_counter()

@@ -94,7 +94,7 @@ def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_m
         rollout=RolloutConfig(
             n_samples_per_prompt=a.n_samples_per_prompt,
             max_turns=a.turns,
-            rollout_max_response_len=a.max_response_len,
+            rollout_max_turn_len=a.max_response_len,
             rollout_seed=7,
         ),
         train=TrainConfig(lr=1e-5, global_batch_size=n, seed=7, max_tokens_per_gpu=a.max_tokens_per_gpu),

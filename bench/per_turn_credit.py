@@ -161,7 +161,7 @@ def main() -> None:
                     str(lr),
                     "--gamma",
                     str(a.gamma),
-                    "--rollout-max-response-len",
+                    "--rollout-max-turn-len",
                     str(a.max_response_len),
                     "--save",
                     str(run),

@@ -105,7 +105,7 @@ def child(a: argparse.Namespace) -> None:
         cfg = RolloutConfig(
             max_turns=3,
             rollout_concurrency=a.concurrency,
-            rollout_max_response_len=200,
+            rollout_max_turn_len=200,
             env_step_timeout=a.step_timeout,
         )
         ctx = EpisodeContext(

@@ -52,7 +52,7 @@ What TRL cannot do out of the box here, and the workarounds (nothing in TRL or t
   function has none, and its docstring is built from agentrl's tool description, so the prompt TRL
   renders is byte-identical to agentrl's rollout prompt (checked).
 * TRL has one completion budget for the whole multi-turn episode (assistant + tool tokens), not
-  agentrl's per-turn limit: ``max_completion_length = max_turns x rollout_max_response_len`` (192)
+  agentrl's per-turn limit: ``max_completion_length = max_turns x rollout_max_turn_len`` (192)
   with ``max_tool_calling_iterations = max_turns - 1`` (so at most 3 assistant turns). TRL's SFT
   loss is a mean over the batch's tokens; agentrl's warm start averages each sample's mean.
 * Checkpoints: ``save_pretrained`` of the model only, plus the base model's ORIGINAL tokenizer files
@@ -325,7 +325,7 @@ def train_grpo(start: Path, base: Path, results: list[Any], cfg: dict, steps: in
     group = int(cfg["n_samples_per_prompt"])  # micro-batch = one group: TRL needs batches divisible by it
     per_step = int(cfg["rollout_batch_size"]) * group
     temperature = float(cfg.get("rollout_temperature", 1.0))
-    max_turns, turn_len = int(cfg["max_turns"]), int(cfg["rollout_max_response_len"])
+    max_turns, turn_len = int(cfg["max_turns"]), int(cfg["rollout_max_turn_len"])
     args = GRPOConfig(
         output_dir=str(out / "trl_grpo_work"),
         use_cpu=True,

@@ -32,7 +32,7 @@ async def test_default_model_multi_turn_samples_are_token_exact():
         ctx = EpisodeContext(
             engine=engine,
             template=ChatTemplate(tok),
-            config=RolloutConfig(rollout_max_response_len=24, max_turns=3, n_samples_per_prompt=2),
+            config=RolloutConfig(rollout_max_turn_len=24, max_turns=3, n_samples_per_prompt=2),
         )
         samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "Name a prime number."}])
         await engine.close()

@@ -97,7 +97,7 @@ def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
         "2",
         "--n-samples-per-prompt",
         "2",
-        "--rollout-max-response-len",
+        "--rollout-max-turn-len",
         "48",
         "--hf-checkpoint",
         str(tiny_ckpt),

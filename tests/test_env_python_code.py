@@ -282,7 +282,7 @@ def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
         "2",
         "--max-turns",
         "2",
-        "--rollout-max-response-len",
+        "--rollout-max-turn-len",
         "24",
         "--sandbox",
         "local",

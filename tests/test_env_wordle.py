@@ -138,7 +138,7 @@ def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
         "2",
         "--max-turns",
         "6",
-        "--rollout-max-response-len",
+        "--rollout-max-turn-len",
         "48",
         "--hf-checkpoint",
         str(tiny_ckpt),

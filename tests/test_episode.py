@@ -69,7 +69,7 @@ class ToolTalkEnv(agentrl.Env):
 def _ctx(url_or_engine, tokenizer, **cfg) -> EpisodeContext:
     engine = url_or_engine if not isinstance(url_or_engine, str) else SGLangEngine(url_or_engine)
     # 200 tokens: the tiny model ends a turn after ~10 (P(hitting the limit) ~ 0.9**200), so tests see no length finish
-    config = RolloutConfig(**{"rollout_max_response_len": 200, "max_turns": 5, **cfg})
+    config = RolloutConfig(**{"rollout_max_turn_len": 200, "max_turns": 5, **cfg})
     return EpisodeContext(engine=engine, template=ChatTemplate(tokenizer), config=config)
 
 
@@ -353,7 +353,7 @@ async def test_context_overflow_truncates(tiny_server, tiny_tokenizer):
 async def test_a_turn_cut_off_at_the_length_limit_earns_zero(tiny_server, tiny_tokenizer):
     # 2 tokens a turn: most turns hit the limit before the tiny model ends them; such a turn never
     # reaches env.step, yet --per-turn-credit needs one reward per turn span
-    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_max_response_len=2)
+    ctx = _ctx(tiny_server, tiny_tokenizer, rollout_max_turn_len=2)
     samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hi"}] * 6)
     await ctx.engine.close()
     cut = [s for s in samples if s.status_reason == "response_length"]
@@ -597,7 +597,7 @@ async def test_abort_request_aborts_the_sample(tmp_path, tiny_tokenizer):
 
     ckpt = build_model(tmp_path / "long", mean_turn_tokens=100000.0)  # practically never ends a turn by itself
     with local_server(ckpt, log_path=tmp_path / "e.log") as url:
-        ctx = _ctx(url, tiny_tokenizer, rollout_max_response_len=3000)
+        ctx = _ctx(url, tiny_tokenizer, rollout_max_turn_len=3000)
         rollout = asyncio.create_task(generate_rollout(ctx, TalkEnv, [{"prompt": "x"}]))
         await asyncio.sleep(1.0)
         async with aiohttp.ClientSession() as s:
@@ -608,3 +608,52 @@ async def test_abort_request_aborts_the_sample(tmp_path, tiny_tokenizer):
     s = samples[0]
     assert s.status == Status.ABORTED and s.status_reason == "engine_abort", s.metadata
     s.validate()
+
+
+class BudgetRecordingEngine(SGLangEngine):
+    """The real client to the real server, remembering each call's ``max_new_tokens``."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.asked: list[int] = []
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        self.asked.append(sampling_params.max_new_tokens)
+        return await super().generate(input_ids, sampling_params, key=key)
+
+
+async def test_whole_response_budget_spans_every_turn(tiny_server, tiny_tokenizer):
+    """--rollout-max-response-len (slime's meaning): each turn may sample what the response has left after
+    the earlier turns AND observations; --rollout-max-turn-len still caps a single turn."""
+    engine = BudgetRecordingEngine(tiny_server)
+    ctx = _ctx(engine, tiny_tokenizer, rollout_max_response_len=90, rollout_max_turn_len=25, max_turns=10)
+    samples = []
+    for prompt in ("hello there", "hi", "what now", "go on"):  # one at a time: the calls come in order
+        samples += (await generate_rollout(ctx, TalkEnv, [{"prompt": prompt}]))[0]
+    await engine.close()
+    asked = iter(engine.asked)
+    for s in samples:
+        s.validate()
+        for start, _ in s.turn_spans:  # a turn starts after the earlier turns and observations (~40 tokens each)
+            assert next(asked) == min(25, 90 - start)
+        if s.status == Status.TRUNCATED:
+            assert s.status_reason in ("response_budget", "response_length"), s.metadata
+        if s.status_reason == "response_budget":  # the budget ran out: at a turn's end or before the next turn
+            assert s.turn_spans[-1][1] == 90 or s.response_length >= 90
+    assert next(asked, None) is None
+    assert any(len(s.turn_spans) >= 2 for s in samples)  # some turn got less than a whole turn's budget
+    assert any(s.status_reason == "response_budget" for s in samples), [s.status_reason for s in samples]
+
+
+async def test_a_custom_generate_function_gets_the_whole_budget_as_max_new_tokens(tiny_tokenizer):
+    seen = []
+
+    async def generate(args, sample, sampling_params):
+        seen.append(sampling_params["max_new_tokens"])
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        return sample
+
+    for cfg, want in (({"rollout_max_response_len": 300}, 300), ({}, 200)):
+        ctx = _ctx(SGLangEngine("http://127.0.0.1:9"), tiny_tokenizer, **cfg)  # never called
+        await generate_rollout(ctx, None, [{"prompt": "x"}], custom_generate=generate)
+        assert seen.pop() == want

@@ -38,7 +38,7 @@ class ParityEnv(agentrl.Env):
 
 
 async def test_evaluate_end_to_end(tiny_server, tiny_tokenizer):
-    config = RolloutConfig(rollout_max_response_len=200, max_turns=2, rollout_temperature=1.0)
+    config = RolloutConfig(rollout_max_turn_len=200, max_turns=2, rollout_temperature=1.0)
     ctx = EpisodeContext(engine=SGLangEngine(tiny_server), template=ChatTemplate(tiny_tokenizer), config=config)
     datasets = {"even": [{"prompt": f"Question {i}"} for i in range(3)], "odd": [{"prompt": "Hi"}]}
     seen: dict[str, list] = {"even": [], "odd": []}
@@ -72,7 +72,7 @@ async def test_evaluate_end_to_end(tiny_server, tiny_tokenizer):
 async def test_evaluate_through_chat_completions(tiny_server, tiny_tokenizer):
     from agentrl.engines.http import ChatCompletionsEngine
 
-    config = RolloutConfig(rollout_max_response_len=200, max_turns=2)
+    config = RolloutConfig(rollout_max_turn_len=200, max_turns=2)
     template = ChatTemplate(tiny_tokenizer)
     ctx = EpisodeContext(engine=ChatCompletionsEngine(tiny_server, template), template=template, config=config)
     try:

@@ -26,7 +26,7 @@ def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_pat
         "2",
         "--max-turns",
         "4",
-        "--rollout-max-response-len",
+        "--rollout-max-turn-len",
         "32",
         "--engine-url",
         tiny_server,

@@ -53,7 +53,7 @@ def test_megatron_colocated_gpu_run_learns(tiny_ckpt, tmp_path, ray_local):
         rollout_num_gpus=1,
         colocate=True,
         train_backend="megatron",
-        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7),
     )
     train(cfg)

@@ -25,7 +25,7 @@ def test_colocated_gpu_run_learns(tiny_ckpt, tmp_path, ray_local):
         actor_num_gpus_per_node=1,
         rollout_num_gpus=1,
         colocate=True,
-        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7),
     )
     train(cfg)

@@ -28,7 +28,7 @@ def _config(ckpt, save) -> RunConfig:
         num_rollout=STEPS,
         rollout_batch_size=8,
         save=str(save),
-        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7),
     )
 

@@ -178,7 +178,7 @@ def _run(ckpt, save, **kw) -> RunConfig:
         hf_checkpoint=str(ckpt),
         rollout_batch_size=2,
         save=str(save),
-        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=8),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_turn_len=8),
         train=TrainConfig(**train_kw),
         **kw,
     )

@@ -514,3 +514,56 @@ async def test_the_embedded_server_refuses_routed_experts_naming_them(tiny_serve
         await engine.close()
     with pytest.raises(ValueError, match="start SGLang with --enable-return-routed-experts"):
         await asyncio.to_thread(_check_routed_experts, Router([SGLangEngine(tiny_server, return_routed_experts=True)]))
+
+
+# ---------------------------------------------------------------- --apply-chat-template
+
+
+async def test_apply_chat_template_renders_the_prompt_custom_functions_receive(tiny_tokenizer):
+    """Raw by default (slime); with the flag the chat template's text, tools and generation prompt included,
+    for the per-sample and the batch functions alike; a row that cannot be rendered fails its samples only."""
+    from agentrl.rollout.generate import BatchGenerate
+
+    seen: dict[str, list] = {"one": [], "batch": []}
+
+    async def one(args, sample, sampling_params):
+        seen["one"].append(sample.prompt)
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        return sample
+
+    async def batch(args, samples, evaluation=False):
+        for s in samples:
+            await one(args, s, {})
+            seen["batch"].append(seen["one"].pop())
+        return samples
+
+    tools = [{"type": "function", "function": {"name": "calc", "description": "math", "parameters": {}}}]
+    rows = [{"prompt": "What is 2+2?"}, {"prompt": [{"role": "user", "content": "hi"}], "tools": tools}]
+    template = ChatTemplate(tiny_tokenizer)
+    for flag in (False, True):
+        ctx = EpisodeContext(engine=NoEngine(), template=template, config=RolloutConfig(apply_chat_template=flag))
+        await generate_rollout(ctx, None, rows, custom_generate=one)
+        await generate_rollout(ctx, None, rows, custom_generate=BatchGenerate(batch))
+        if not flag:
+            assert seen["one"] == seen["batch"] == ["What is 2+2?", [{"role": "user", "content": "hi"}]]
+        else:
+            want = [
+                template.render([{"role": "user", "content": "What is 2+2?"}], None, add_generation_prompt=True),
+                template.render([{"role": "user", "content": "hi"}], tools, add_generation_prompt=True),
+            ]
+            assert seen["one"] == seen["batch"] == want
+            assert "What is 2+2?" in want[0] and "calc" in want[1] and want[0] != "What is 2+2?"
+        seen = {"one": [], "batch": []}
+    ctx = EpisodeContext(engine=NoEngine(), template=template, config=RolloutConfig(apply_chat_template=True))
+    bad = [{"prompt": 5}, {"prompt": "fine"}]
+    for fn in (one, BatchGenerate(batch)):
+        samples, _ = await generate_rollout(ctx, None, bad, custom_generate=fn)
+        assert [s.status for s in samples] == [Status.FAILED, Status.COMPLETED]
+        assert "string or a list of messages" in samples[0].metadata["error"]
+
+
+def test_apply_chat_template_without_a_custom_function_is_refused(capsys):
+    from agentrl.cli import main
+
+    assert main(["train", "--env", "agentrl.envs.digits:Digits", "--apply-chat-template"]) == 2
+    assert "--apply-chat-template renders the prompt a custom generate function receives" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def test_sglang_backend_trains_through_an_engine_kill(tiny_ckpt, tmp_path, ray_l
         engine_monitor_interval=1.0,
         weight_sync=weight_sync,
         async_mode=async_mode,
-        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=3, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )
     killed: list[int] = []
@@ -102,7 +102,7 @@ def _learning_config(ckpt, save, **train_kw) -> RunConfig:
         rollout_batch_size=8,
         save=str(save),
         train_backend="megatron",
-        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=8, max_turns=3, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=64, seed=7, **train_kw),
     )
 
@@ -140,7 +140,7 @@ def test_sglang_backend_colocated_with_tensor_handles(tiny_ckpt, tmp_path, ray_l
         sglang_launcher="agentrl",
         colocate=True,
         weight_sync="tensor",
-        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7),
     )
     train(cfg)
@@ -173,7 +173,7 @@ def test_megatron_tp2_with_launched_engines(tiny_ckpt, tmp_path, ray_local, weig
         sglang_launcher="agentrl",
         weight_sync=weight_sync,
         num_engines=2 if weight_sync == "tensor" else 1,
-        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_response_len=16, rollout_seed=7),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=2, rollout_max_turn_len=16, rollout_seed=7),
         train=TrainConfig(lr=3e-3, global_batch_size=16, seed=7, tensor_model_parallel_size=2),
     )
     train(cfg)

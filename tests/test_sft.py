@@ -264,7 +264,7 @@ def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_s
     from agentrl.rollout.episode import EpisodeContext
 
     engine = SGLangEngine(tiny_server)
-    cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=1, rollout_max_response_len=48, rollout_seed=3)
+    cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=1, rollout_max_turn_len=48, rollout_seed=3)
     ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=cfg)
     tasks = [{"prompt": f"task {i}", "score": score} for i, score in enumerate((0.0, 0.5, 1.0, 0.2))]
 
@@ -378,7 +378,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
             "100",
             "--eval-temperature",
             "0",
-            "--rollout-max-response-len",
+            "--rollout-max-turn-len",
             "48",
             "--max-turns",
             "2",
@@ -410,7 +410,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
                 str(save),
                 "--rollout-temperature",
                 "0",
-                "--rollout-max-response-len",
+                "--rollout-max-turn-len",
                 "48",
                 "--max-turns",
                 "1",
@@ -436,7 +436,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
                 str(tiny_ckpt),
                 "--rollout-temperature",
                 "0",
-                "--rollout-max-response-len",
+                "--rollout-max-turn-len",
                 "48",
                 "--max-turns",
                 "1",

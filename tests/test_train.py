@@ -33,7 +33,7 @@ def _cfg(ckpt, save, **kw) -> RunConfig:
     )
     base.update(kw)
     return RunConfig(
-        rollout=RolloutConfig(**{"n_samples_per_prompt": 4, "max_turns": 2, "rollout_max_response_len": 8, **rollout}),
+        rollout=RolloutConfig(**{"n_samples_per_prompt": 4, "max_turns": 2, "rollout_max_turn_len": 8, **rollout}),
         train=TrainConfig(**{"lr": 1e-3, "global_batch_size": 8, **train_kw}),
         **base,
     )
@@ -83,7 +83,7 @@ def test_config_file_flags_override_and_resolved_config_is_saved(tiny_ckpt, tmp_
     cfg_file = tmp_path / "exp.toml"
     cfg_file.write_text(
         'env = "agentrl.envs.digits:Digits"\nnum_rollout = 5\nrollout_batch_size = 2\nlr = 0.002\n'
-        "n_samples_per_prompt = 2\nglobal_batch_size = 4\nrollout_max_response_len = 8\nmax_turns = 1\n"
+        "n_samples_per_prompt = 2\nglobal_batch_size = 4\nrollout_max_turn_len = 8\nmax_turns = 1\n"
     )
     save = tmp_path / "run"
     rc = main(
@@ -133,7 +133,7 @@ def test_sigkill_then_resume_keeps_data_order(tiny_ckpt, tmp_path, ray_local):
         "4",
         "--max-turns",
         "2",
-        "--rollout-max-response-len",
+        "--rollout-max-turn-len",
         "8",
         "--global-batch-size",
         "8",
@@ -483,7 +483,7 @@ def test_eval_command_reports_pass_at_k(tiny_ckpt, tiny_server, tmp_path, capsys
             "4",
             "--success-threshold",
             "0.01",
-            "--rollout-max-response-len",
+            "--rollout-max-turn-len",
             "8",
             "--output",
             str(out),

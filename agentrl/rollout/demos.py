@@ -479,7 +479,7 @@ async def rejection_samples(
     best: dict[int, Sample] = {}
     kept: list[Sample] = []
     for s in rollout:
-        cut = s.status_reason in ("response_length", "context_length")  # a turn without its end
+        cut = s.status_reason in ("response_length", "response_budget", "context_length")  # a turn without its end
         if s.status not in (Status.COMPLETED, Status.TRUNCATED) or cut or not s.token_exact or not s.response_length:
             stats.failed_episodes += 1
             continue

@@ -171,8 +171,14 @@ async def run_episode(
         context_len = cfg.rollout_max_context_len
         if context_len is not None and len(ledger) >= context_len:
             raise _EndEpisode(Status.TRUNCATED, "context_length")
+        prompt_len, whole = len(ledger), cfg.rollout_max_response_len
         for turn in range(max_turns):
-            budget = cfg.rollout_max_response_len
+            budget = cfg.rollout_max_turn_len
+            if whole is not None:  # slime's budget over the whole response: this turn gets what is left
+                left = whole - (len(ledger) - prompt_len)
+                if left < 1:
+                    raise _EndEpisode(Status.TRUNCATED, "response_budget")
+                budget = min(budget, left)
             if context_len is not None:
                 # prompt + output stays below the context length (SGLang refuses a request that reaches it)
                 budget = min(budget, context_len - 1 - len(ledger))
@@ -195,7 +201,9 @@ async def run_episode(
             meta["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
-                raise _EndEpisode(Status.TRUNCATED, "context_length" if hit_context else "response_length")
+                spent = whole is not None and len(ledger) - prompt_len >= whole
+                reason = "context_length" if hit_context else "response_budget" if spent else "response_length"
+                raise _EndEpisode(Status.TRUNCATED, reason)
             text, last_token_text = _turn_text(ctx, out)
             if out.message is not None and out.message.get("tool_calls"):
                 content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)

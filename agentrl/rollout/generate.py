@@ -100,6 +100,7 @@ async def _custom_episode(
     """One sample from a custom generate function: the task row's ``generate_function_path``, else ``fn``."""
     sample = _pending_sample(task, group_index, index)
     try:
+        _apply_chat_template(sample, task, ctx)
         if sample.generate_function_path:  # the row's own function wins over the run's (as in slime)
             fn = load_function(sample.generate_function_path)
         assert fn is not None, "a custom generate episode needs a function"
@@ -167,6 +168,28 @@ def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sampl
         metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
         generate_function_path=task.get("generate_function_path"),
     )
+
+
+def _apply_chat_template(sample: Sample, task: dict[str, Any], ctx: EpisodeContext) -> None:
+    """``--apply-chat-template``: the prompt as the model sees it, rendered text (slime's Dataset does the same).
+
+    A string is one user message, a list is the conversation; the row's ``tools`` (OpenAI schemas) go to
+    the template too; the generation prompt is added. Without the flag the prompt stays as the row has it.
+    """
+    if not ctx.config.apply_chat_template:
+        return
+    prompt = task["prompt"]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(
+            f"--apply-chat-template: the prompt must be a string or a list of messages, not {prompt!r:.80}"
+        )
+    tools = task.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(
+            f"--apply-chat-template: the row's tools must be a list of OpenAI tool schemas, not {tools!r:.80}"
+        )
+    sample.prompt = ctx.template.render(messages, tools, add_generation_prompt=True)
 
 
 def _fail(sample: Sample, reason: str, exc: BaseException) -> Sample:
@@ -270,12 +293,17 @@ async def generate_rollout(
     jobs = []
     n = cfg.n_samples_per_prompt
     if isinstance(custom_generate, BatchGenerate):  # one call for the rows without their own function
-        pending = [
-            _pending_sample(task, g, g * n + j)
-            for g, task in enumerate(tasks)
-            if not task.get("generate_function_path")
-            for j in range(n)
-        ]
+        pending, unrendered = [], []
+        for g, task in enumerate(tasks):
+            if task.get("generate_function_path"):
+                continue
+            for j in range(n):
+                sample = _pending_sample(task, g, g * n + j)
+                try:
+                    _apply_chat_template(sample, task, ctx)
+                    pending.append(sample)
+                except Exception as exc:  # noqa: BLE001 - a row the template cannot render fails its samples
+                    unrendered.append(_fail(sample, "custom_generate_error", exc))
         own = [
             one(task, g, g * n + j)
             for g, task in enumerate(tasks)
@@ -285,7 +313,7 @@ async def generate_rollout(
 
         async def batch_then_finish() -> list[Sample]:
             done = await _batch_episodes(custom_generate, args, pending) if pending else []
-            return list(await asyncio.gather(*(finish(s) for s in done)))
+            return list(await asyncio.gather(*(finish(s) for s in done + unrendered)))
 
     else:
         for g, task in enumerate(tasks):

@@ -4,7 +4,7 @@ Run it (from the repository root) on the embedded engine and default model:
 
     agentrl check-env --env examples/arithmetic/env.py:Arithmetic --prompt-data examples/arithmetic/tasks.jsonl
     agentrl rollout --env examples/arithmetic/env.py:Arithmetic --prompt-data examples/arithmetic/tasks.jsonl \
-        --n-samples-per-prompt 4 --max-turns 4 --rollout-max-response-len 256 --output samples.jsonl
+        --n-samples-per-prompt 4 --max-turns 4 --rollout-max-turn-len 256 --output samples.jsonl
 """
 
 import agentrl
