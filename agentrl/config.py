@@ -241,7 +241,7 @@ class TrainConfig:
         False, help="GRPO advantages are reward - group mean, not divided by the group's std"
     )
     gamma: float = option(
-        1.0, help="discount per policy token (reinforce_plus_plus) or per turn (--per-turn-credit); 1: none"
+        1.0, help="discount per policy token (ppo's GAE, reinforce_plus_plus) or per turn (--per-turn-credit); 1: none"
     )
     lambd: float = option(1.0, help="ppo: GAE lambda (1: Monte-Carlo returns minus the value baseline)")
     value_clip: float = option(
@@ -362,8 +362,14 @@ class TrainConfig:
                 "turn's last token, GAE carries it back): drop --per-turn-credit",
             ),
             (
-                not (self.advantage_estimator == "ppo" and self.loss_type != "policy_loss"),
-                "--advantage-estimator ppo trains with the policy loss: drop --loss-type",
+                not (self.advantage_estimator == "ppo" and self.loss_type == "custom_loss"),
+                "--advantage-estimator ppo trains the actor with the policy loss: drop --loss-type custom_loss",
+            ),
+            (
+                self.loss_type != "sft_loss"
+                or (self.advantage_estimator != "ppo" and not self.normalize_advantages and not self.kl_coef),
+                "a warm start (--loss-type sft_loss, agentrl sft) fits demonstrations: --advantage-estimator ppo, "
+                "--normalize-advantages and --kl-coef are RL flags",
             ),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
@@ -607,7 +613,9 @@ class RunConfig:
                 "--critic-hf-checkpoint is the critic's start: it needs --advantage-estimator ppo",
             ),
             (
-                t.num_critic_only_steps < self.num_rollout or t.advantage_estimator != "ppo",
+                t.num_critic_only_steps < self.num_rollout
+                or t.advantage_estimator != "ppo"
+                or (self.num_epoch is not None and not sft),  # checked again once --num-epoch sets --num-rollout
                 f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({self.num_rollout}): "
                 "the actor would never train",
             ),

@@ -225,3 +225,131 @@ def test_ppo_run_trains_both_saves_the_critic_and_resumes_it(tiny_ckpt, tmp_path
     with pytest.raises(ValueError, match="holds no critic"):
         train(_run(tiny_ckpt, plain, num_rollout=5, train_backend=backend, load=str(plain)))
     print(f"{backend}: {time.monotonic() - t0:.1f}s")
+
+
+def test_softcapped_architectures_get_a_plain_value_head(tiny_ckpt, tmp_path):
+    """Gemma2 soft-caps its logits in forward: the critic turns that off, so a value is head(hidden state)."""
+    import shutil as sh
+
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    for f in tiny_ckpt.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            sh.copy(f, tmp_path / f.name)
+    config = Gemma2Config(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.5,  # |logit| < 0.5: a value of 3 could never be fitted
+        attn_logit_softcapping=None,  # (sdpa cannot cap attention scores)
+    )
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    critic = TorchCritic(tmp_path, ppo_cfg(critic_lr=5e-2))
+    assert critic.model.config.final_logit_softcapping is None
+    samples = make_samples(4, seed=9)
+    for _ in range(30):
+        critic.train_step(with_targets(samples, critic.compute_values(samples), target=3.0))
+    values = [v for s, vs in zip(samples, critic.compute_values(samples)) for v, m in zip(vs, s.loss_mask) if m]
+    assert max(values) > 1.0  # not capped at 0.5
+
+
+def test_a_failing_critic_fails_the_step_naming_it():
+    """Either critic call failing fails the step with the critic named (the actor never trains alone silently)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentrl.runtime.loop import TrainLoop
+    from agentrl.trainer.base import LogProbs
+    from agentrl.types import Sample
+
+    class Actor:  # the actor side works: only the critic is broken here
+        trained = 0
+
+        def compute_log_probs(self, batch, ref=False):
+            return LogProbs(old=[[-1.0] * b.response_length for b in batch])
+
+        def train_step(self, batch):
+            Actor.trained += 1
+            return {"loss": 0.0}
+
+    class BrokenCritic:
+        def __init__(self, where):
+            self.where = where
+
+        def compute_values(self, batch):
+            if self.where == "values":
+                raise MemoryError("out of memory")
+            return [[0.0] * b.response_length for b in batch]
+
+        def train_step(self, batch):
+            raise RuntimeError("nan in the value loss")
+
+    cfg = RunConfig(train=TrainConfig(advantage_estimator="ppo", global_batch_size=1))
+    sample = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=1.0)
+    sample.rollout_log_probs = [-1.0, -1.0]
+    for where, message in (("values", "the critic's values failed: MemoryError"), ("train", "the critic's train step")):
+        loop = TrainLoop(
+            cfg,
+            ctx=SimpleNamespace(),
+            env_factory=None,
+            source=None,
+            trainers=Actor(),
+            sync_weights=print,
+            metrics=None,
+            critic=BrokenCritic(where),
+        )
+        with pytest.raises(RuntimeError, match=message):
+            asyncio.run(loop.train([sample], step=0))
+
+
+def test_the_reward_kl_uses_the_kl_loss_type():
+    """--kl-coef's KL in the rewards is --kl-loss-type's estimator (slime's compute_approx_kl), not always k1."""
+    from types import SimpleNamespace
+
+    from agentrl.runtime.loop import TrainLoop
+    from agentrl.trainer.base import TrainSample
+    from agentrl.types import Sample
+
+    out = {}
+    for kind in ("k1", "k2"):
+        cfg = RunConfig(train=TrainConfig(advantage_estimator="ppo", kl_coef=1.0, kl_loss_type=kind, gamma=1.0))
+        loop = TrainLoop(
+            cfg,
+            ctx=SimpleNamespace(),
+            env_factory=None,
+            source=None,
+            trainers=None,
+            sync_weights=print,
+            metrics=None,
+            critic=object(),
+        )
+        sample = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=0.0)
+        batch = [
+            TrainSample(
+                tokens=[1, 2, 3],
+                response_length=2,
+                loss_mask=[1, 1],
+                old_log_probs=[-1.0, -1.0],
+                ref_log_probs=[-2.0, -2.0],
+                values=[0.0, 0.0],
+            )
+        ]
+        loop.advantages([sample], batch)
+        out[kind] = batch[0].advantages
+    assert out["k1"] == pytest.approx([-2.0, -1.0])  # k1 = 1 per token, returns -2, -1
+    assert out["k2"] == pytest.approx([-1.0, -0.5])  # k2 = 0.5 * 1^2 per token
+
+
+def test_critic_only_steps_are_checked_against_the_epoch_count(tmp_path, capsys):
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": str(i)}) + "\n" for i in range(8)))
+    argv = ["train", "--env", "agentrl.envs.digits:Digits", "--prompt-data", str(rows), "--rollout-batch-size", "4"]
+    argv += ["--n-samples-per-prompt", "2", "--global-batch-size", "8", "--advantage-estimator", "ppo"]
+    assert main([*argv, "--num-epoch", "1", "--num-critic-only-steps", "5"]) == 2  # 8 / 4 = 2 steps
+    assert "--num-critic-only-steps (5) must be below --num-rollout (2, from --num-epoch 1)" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", str(rows), "--normalize-advantages"]) == 2
+    assert "RL flags" in capsys.readouterr().err

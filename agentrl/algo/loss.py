@@ -187,7 +187,7 @@ def value_loss(
     num_tokens: float,
     num_seqs: float,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The critic's clipped value loss (PPO, as slime's ``value_loss``) over one micro-batch.
+    """The critic's clipped value loss (PPO's; slime's ``value_loss`` without the 0.5) over one micro-batch.
 
         v_clip_t = old_v_t + clip(v_t - old_v_t, -value_clip, value_clip)
         loss     = agg( 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2) )
@@ -196,7 +196,8 @@ def value_loss(
     the GAE targets R_t = A_t + old_v_t (:func:`agentrl.algo.advantages.gae`); the clip keeps one
     update from moving a value further than ``value_clip`` from where it was. ``agg`` is
     :func:`aggregate` (``per_token``: ``--calculate-per-token-loss``). Metrics: ``value_loss``,
-    ``value_clipfrac`` (share of tokens where the clipped branch is the larger) and ``values_mean``,
+    ``value_clipfrac`` (share of tokens where the clipped branch is the larger, i.e. has no gradient; slime
+    counts |v - old_v| > value_clip) and ``values_mean``,
     normalized alike so micro-batches sum. All inputs [T].
     """
     v = values.float()

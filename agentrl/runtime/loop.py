@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from agentrl.algo.advantages import compute_advantages, masked_whiten, ppo_advantages
+from agentrl.algo.loss import kl_penalty
 from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
@@ -277,7 +278,10 @@ class TrainLoop:
         t = self.cfg.train
         kl = None
         if batch and batch[0].ref_log_probs is not None and batch[0].old_log_probs is not None:
-            kl = [torch.tensor(b.old_log_probs) - torch.tensor(b.ref_log_probs) for b in batch]
+            # the reward's KL uses --kl-loss-type's estimator, as slime's compute_approx_kl does
+            kl = [
+                kl_penalty(torch.tensor(b.old_log_probs), torch.tensor(b.ref_log_probs), t.kl_loss_type) for b in batch
+            ]
         per_turn = t.per_turn_credit
         masks = [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch]
         if t.advantage_estimator == "ppo":
@@ -343,12 +347,16 @@ class TrainLoop:
                 if lp.ref is not None:
                     for b, ref in zip(batch, lp.ref):
                         b.ref_log_probs = ref
-            if values is not None:
-                for b, v in zip(batch, await values):
-                    b.values = v
         finally:
-            if values is not None and not values.done():
+            if values is not None:
                 await asyncio.wait({values})  # never leave the critic's call behind a failed actor call
+                critic_error = values.exception()  # (retrieved here, so a double failure logs no stray warning)
+        if values is not None:
+            exc = critic_error
+            if exc is not None:
+                raise RuntimeError(f"ppo step {step}: the critic's values failed: {type(exc).__name__}: {exc}") from exc
+            for b, v in zip(batch, values.result()):
+                b.values = v
         checked = self.check_on_policy(batch) if self.cfg.true_on_policy_mode else {}
         self.advantages(samples, batch)
         if self.critic is None:
@@ -432,7 +440,7 @@ class TrainLoop:
         train_seconds = time.monotonic() - t0
         if self.engine_memory is not None:
             await self.engine_memory.resume()
-        actor_trained = not train_metrics.get("critic_only_step")
+        actor_trained = self.critic is None or step >= cfg.train.num_critic_only_steps
         self.version += int(actor_trained)  # a critic-only step leaves the policy (and the engines) as they were
         t1 = time.monotonic()
         if actor_trained and ((step + 1) % cfg.update_weights_interval == 0 or step + 1 == cfg.num_rollout):

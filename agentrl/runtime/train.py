@@ -108,6 +108,12 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             sample_filter = load_function(cfg.rollout_sample_filter_path)
     if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
         cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
+        t = cfg.train
+        if t.advantage_estimator == "ppo" and t.num_critic_only_steps >= cfg.num_rollout:
+            raise ValueError(
+                f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({cfg.num_rollout}, "
+                f"from --num-epoch {cfg.num_epoch}): the actor would never train"
+            )
     args = args if args is not None else argparse_namespace(cfg)
     source = _data_source(cfg, rows, args) if not cfg.is_sft else None
     resume_from = _resume_point(cfg)
@@ -120,6 +126,11 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             critic_ckpt = resolve_hf_checkpoint(cfg.critic_hf_checkpoint)
             _refuse_critic_checkpoint("--critic-hf-checkpoint", critic_ckpt, "an HF causal LM to start a critic from")
             _check_critic_vocab(ckpt, critic_ckpt)
+            if (critic_ckpt / checkpoints.CRITIC_DIR).is_dir():
+                raise ValueError(
+                    f"{critic_ckpt} is a ppo run's checkpoint: its actor would start the new critic, not its critic. "
+                    "Resume that run (actor and critic) with --load; a saved critic cannot start another run's"
+                )
         cfg.critic_hf_checkpoint = str(critic_ckpt)
     if cfg.train_backend == "megatron":  # an architecture megatron cannot express is refused before Ray starts
         from transformers import AutoConfig
@@ -614,13 +625,15 @@ class _EngineMemory:
 
 def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:
     """torch threads for trainer ranks and engines on CPU: a synchronous loop runs one phase at a
-    time, so each phase gets every core; in async mode they run together and split the cores."""
+    time, so each phase gets every core (actor and critic ranks, which train together, split them);
+    in async mode they all run together and split the cores."""
     import os
 
     if placement.trainer_gpus or placement.engine_gpus:
         return None, None
     cores = os.cpu_count() or 1
-    world, engines = cfg.trainer_world_size, max(len(placement.engines), 1)
+    # ppo: the critic's ranks train at the same time as the actor's, and share its thread budget
+    world, engines = cfg.trainer_world_size * (2 if placement.critic else 1), max(len(placement.engines), 1)
     if cfg.async_mode:
         share = max(1, cores // (world + engines))
         return share, share

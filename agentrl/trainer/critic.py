@@ -20,7 +20,7 @@ from agentrl.config import TrainConfig
 
 
 def value_head(hidden_size: int, seed: int) -> nn.Linear:
-    """A ``Linear(hidden_size, 1)`` with weights ~ N(0, 1/(hidden_size + 1)) and a zero bias.
+    """A ``Linear(hidden_size, 1)`` with weights drawn from a normal of std 1/(hidden_size + 1) (OpenRLHF's) and a zero bias.
 
     Seeded by the run's seed alone (not the rank): every data-parallel or sharded rank must start
     from the same head, since its weights do not come from the checkpoint.

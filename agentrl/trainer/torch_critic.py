@@ -22,6 +22,10 @@ from agentrl.trainer.critic import CRITIC_METRICS, critic_config, value_head
 from agentrl.trainer.torch_trainer import TorchTrainer
 
 
+def config_vocab(model: torch.nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
 class TorchCritic(TorchTrainer, Critic):
     """HF causal LM trunk + scalar value head, trained on the clipped value loss; one instance per rank."""
 
@@ -38,10 +42,37 @@ class TorchCritic(TorchTrainer, Critic):
         super().__init__(checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device)
 
     def _adapt_model(self) -> None:
-        """Swap the LM head for the value head (the packing check above ran on the real logits)."""
-        self.model.set_output_embeddings(value_head(self.model.config.hidden_size, self.cfg.seed).to(self.device))
-        self.model.config.tie_word_embeddings = False  # the embeddings stay; the head is its own weight now
-        self.model.config.agentrl_value_head = True
+        """Swap the LM head for the value head (the packing check above ran on the real logits).
+
+        Some architectures transform the head's output in their forward (Gemma2's logit soft-capping,
+        Granite's ``logits_scaling``, Cohere's ``logit_scale``): those knobs are set to identity, and a
+        check refuses a model whose forward still changes the head's output, so a value is always
+        ``head(final hidden state)`` as on the megatron backend.
+        """
+        config = self.model.config
+        for attr, identity in (("final_logit_softcapping", None), ("logits_scaling", 1.0), ("logit_scale", 1.0)):
+            if getattr(config, attr, identity) != identity:
+                setattr(config, attr, identity)
+        if isinstance(getattr(self.model, "logit_scale", None), float):  # Cohere copies it at init
+            self.model.logit_scale = 1.0
+        self.model.set_output_embeddings(value_head(config.hidden_size, self.cfg.seed).to(self.device))
+        config.tie_word_embeddings = False  # the embeddings stay; the head is its own weight now
+        config.agentrl_value_head = True
+        self._check_plain_head()
+
+    @torch.no_grad()
+    def _check_plain_head(self) -> None:
+        ids = torch.randint(0, config_vocab(self.model), (1, 6), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(self.device)
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        head = self.model.get_output_embeddings()
+        if out.hidden_states is None or not torch.allclose(
+            head(out.hidden_states[-1]).float(), out.logits.float(), atol=1e-4, rtol=1e-4
+        ):
+            raise ValueError(
+                f"{type(self.model).__name__} transforms its head's output in its forward: a value head on it would "
+                "not give head(hidden state); start the critic from another architecture (--critic-hf-checkpoint)"
+            )
 
     def _values(self, b: PackedBatch) -> torch.Tensor:
         """The value head's output at the positions that score the batch's response tokens: [N] fp32."""
