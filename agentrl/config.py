@@ -310,6 +310,12 @@ class TrainConfig:
     tensor_model_parallel_size: int = option(1, help="megatron: tensor-parallel ranks per model copy")
     pipeline_model_parallel_size: int = option(1, help="megatron: pipeline stages")
     context_parallel_size: int = option(1, help="megatron: context-parallel ranks (only 1 for now)")
+    initial_megatron_checkpoint: str | None = option(
+        None,
+        help="megatron: start the policy (and the reference model) from this megatron-core distributed checkpoint "
+        "(torch_dist, e.g. Megatron-LM's --save folder) instead of --hf-checkpoint's weights; the HF checkpoint still "
+        "gives the config and tokenizer, and the engines get the loaded weights before the first rollout",
+    )
     megatron_args: dict[str, Any] = option(
         factory=dict, flag=False, help="pass-through Megatron flags (TransformerConfig fields)"
     )

@@ -61,3 +61,26 @@ def test_megatron_colocated_gpu_run_learns(tiny_ckpt, tmp_path, ray_local):
     first = sum(x["reward_mean"] for x in lines[:5]) / 5
     last = sum(x["reward_mean"] for x in lines[-5:]) / 5
     assert len(lines) == 24 and last > first + 0.05, (first, last)
+
+
+def test_initial_megatron_checkpoint_saved_and_loaded_on_cuda(tiny_ckpt, tmp_path):
+    """megatron-core's own writer, unpatched (it synchronizes CUDA), and the trainer starting from what it wrote."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import dist_checkpointing
+
+    from agentrl.trainer.megatron_trainer import MegatronTrainer
+
+    from .test_trainer import cfg, make_samples
+
+    samples = make_samples(6, seed=11)
+    trained = MegatronTrainer(tiny_ckpt, cfg(lr=1e-2), device="cuda")
+    try:
+        trained.train_step(samples)
+        (tmp_path / "ckpt").mkdir()
+        dist_checkpointing.save({"model": trained.model.sharded_state_dict()}, str(tmp_path / "ckpt"))
+        want = trained.compute_log_probs(samples, ref=False).old
+        started = MegatronTrainer(tiny_ckpt, cfg(initial_megatron_checkpoint=str(tmp_path / "ckpt")), device="cuda")
+        got = started.compute_log_probs(samples, ref=False).old
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
+    finally:
+        trained.close()

@@ -394,3 +394,57 @@ def test_custom_loss_matches_the_torch_trainer(tiny_ckpt, tmp_path):
     assert got["w_seen"] == want["w_seen"] == sum(i % 3 for i in range(8))
     assert got["weighted_nll"] == pytest.approx(want["weighted_nll"], rel=1e-4)
     assert_weights_close(mt, tt)
+
+
+# ---------------------------------------------------------------- --initial-megatron-checkpoint
+
+
+def _save_dist_checkpoint(model, folder) -> None:
+    """Write ``model`` with megatron-core's own dist_checkpointing.save (Megatron-LM's layout: ``{"model": ...}``
+    under ``iter_0000003`` plus the tracker). Its writer calls torch.cuda.synchronize(), a GPU barrier that cannot
+    run on this CPU-only torch: no-op'd while the fixture is written (the GPU test writes one unpatched)."""
+    from unittest import mock
+
+    from megatron.core import dist_checkpointing
+
+    it = folder / "iter_0000003"
+    it.mkdir(parents=True)
+    with mock.patch("torch.cuda.synchronize", lambda *a, **k: None):
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(it))
+    (folder / "latest_checkpointed_iteration.txt").write_text("3")
+
+
+def test_initial_megatron_checkpoint_starts_policy_and_reference_from_it(tiny_ckpt, tmp_path):
+    from agentrl.trainer.megatron_model import resolve_megatron_checkpoint
+
+    samples = make_samples(6, seed=11)
+    trained = MegatronTrainer(tiny_ckpt, cfg(lr=1e-2))
+    trained.train_step(samples)
+    _save_dist_checkpoint(trained.model, tmp_path / "mlm")
+    assert resolve_megatron_checkpoint(tmp_path / "mlm") == tmp_path / "mlm" / "iter_0000003"
+
+    c = cfg(initial_megatron_checkpoint=str(tmp_path / "mlm"), use_kl_loss=True, kl_loss_coef=0.1)
+    started = MegatronTrainer(tiny_ckpt, c)
+    lp = started.compute_log_probs(samples, ref=True)
+    want = trained.compute_log_probs(samples, ref=False).old
+    torch.testing.assert_close(flat(lp.old), flat(want), rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat(lp.ref), flat(want), rtol=0, atol=1e-6)  # the reference is the start, too
+    fresh = MegatronTrainer(tiny_ckpt, cfg()).compute_log_probs(samples, ref=False).old
+    assert (flat(fresh) - flat(want)).abs().max() > 1e-3  # it did not just start from the HF weights
+    # the weights the engines get are the loaded ones, in HF names
+    for (name, a), (_, b) in zip(started.named_weights(), trained.named_weights()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    with pytest.raises(ValueError, match="not a megatron-core distributed checkpoint"):
+        resolve_megatron_checkpoint(tmp_path)
+    other = tmp_path / "other.json"
+    other.mkdir()
+    (other / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(ValueError, match="a 'zarr' checkpoint"):
+        resolve_megatron_checkpoint(other)
+
+
+def test_initial_megatron_checkpoint_of_another_architecture_is_refused(tiny_ckpt, tied_ckpt, tmp_path):
+    _save_dist_checkpoint(MegatronTrainer(tied_ckpt, cfg()).model, tmp_path / "tied")  # vocab 400 vs 300
+    with pytest.raises(ValueError, match="does not load into the model built from --hf-checkpoint's config"):
+        MegatronTrainer(tiny_ckpt, cfg(initial_megatron_checkpoint=str(tmp_path / "tied")))

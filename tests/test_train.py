@@ -507,3 +507,36 @@ def test_placement_reserves_bundles_only_for_actors_it_starts(ray_local):
             assert len(placement.group.bundle_specs) == 1 + engines
         finally:
             placement.release()
+
+
+def test_initial_megatron_checkpoint_reaches_the_engines_before_the_first_rollout(tiny_ckpt, tmp_path, ray_local):
+    """--initial-megatron-checkpoint: the trainer starts from the megatron checkpoint and the engines get those
+    weights (version 0) before step 0 samples anything; refused before Ray starts without the megatron backend."""
+    from agentrl.runtime.train import train
+    from agentrl.trainer.megatron_compat import megatron_available
+
+    if megatron_available():
+        pytest.skip(megatron_available())
+    from agentrl.trainer.megatron_trainer import MegatronTrainer
+
+    from .test_megatron_trainer import _save_dist_checkpoint
+    from .test_trainer import cfg, make_samples
+
+    trained = MegatronTrainer(tiny_ckpt, cfg(lr=1e-2))
+    trained.train_step(make_samples(6, seed=11))
+    _save_dist_checkpoint(trained.model, tmp_path / "mlm")
+    trained.close()
+    run = tmp_path / "run"
+    train(
+        _cfg(
+            tiny_ckpt,
+            run,
+            num_rollout=1,
+            train_backend="megatron",
+            train={"initial_megatron_checkpoint": str(tmp_path / "mlm")},
+        )
+    )
+    versions = {v for s in _dump(run, 0) for v in s["weight_versions"]}
+    assert versions == {"0"}, versions  # pushed before the first rollout (an unsynced engine says "default")
+    with pytest.raises(ValueError, match="needs --train-backend megatron"):
+        train(_cfg(tiny_ckpt, tmp_path / "x", train={"initial_megatron_checkpoint": str(tmp_path / "mlm")}))

@@ -74,6 +74,10 @@ def sglang_installed() -> bool:
 def backend_problems(cfg: RunConfig) -> list[str]:
     """What the chosen backends need that this machine or these flags lack (imports only when chosen)."""
     problems: list[str] = []
+    if cfg.train.initial_megatron_checkpoint and cfg.train_backend != "megatron":
+        problems.append(
+            "--initial-megatron-checkpoint is a megatron-core checkpoint: it needs --train-backend megatron"
+        )
     if cfg.train_backend == "megatron":
         from agentrl.trainer.megatron_compat import megatron_available
 
@@ -100,6 +104,13 @@ def backend_problems(cfg: RunConfig) -> list[str]:
                         or " (Megatron pass-through flags are TransformerConfig fields)"
                     )
                 )
+        if cfg.train.initial_megatron_checkpoint:
+            from agentrl.trainer.megatron_model import resolve_megatron_checkpoint
+
+            try:
+                resolve_megatron_checkpoint(cfg.train.initial_megatron_checkpoint)
+            except (ValueError, OSError) as exc:
+                problems.append(f"--initial-megatron-checkpoint: {exc}")
         if cfg.train.context_parallel_size > 1:  # megatron's CP needs Transformer Engine's attention
             problems.append(
                 "--context-parallel-size > 1 is not implemented by the megatron backend yet (it "

@@ -198,6 +198,8 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             )
         if resume_from is not None:
             loop.resume(resume_from)
+        elif cfg.train.initial_megatron_checkpoint:  # the engines loaded --hf-checkpoint's weights: replace them
+            runtime.sync_weights(0)
         t0 = time.monotonic()
         lines = asyncio.run(_run(loop))
         summary = dict(lines[-1]) if lines else {}

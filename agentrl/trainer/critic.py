@@ -50,6 +50,7 @@ def critic_config(cfg: TrainConfig) -> TrainConfig:
         entropy_coef=0.0,
         use_tis=False,
         logit_temperature=1.0,
+        initial_megatron_checkpoint=None,  # an LM's checkpoint: the critic's trunk starts from --critic-hf-checkpoint
     )
 
 

@@ -750,3 +750,55 @@ def load_hf_checkpoint(
     with torch.no_grad():
         for k, v in expected.items():
             v.copy_(shard[k])
+
+
+def resolve_megatron_checkpoint(path: str | Path) -> Path:
+    """The megatron-core distributed checkpoint folder ``path`` names (``--initial-megatron-checkpoint``).
+
+    Either the folder itself (``metadata.json`` written by ``megatron.core.dist_checkpointing.save``) or a
+    Megatron-LM save folder: its ``latest_checkpointed_iteration.txt`` names ``iter_NNNNNNN`` (or ``release``).
+    Only the ``torch_dist`` format is read (megatron-core deprecated zarr); anything else is refused, saying why.
+    """
+    root = Path(path)
+    found = root
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if not (root / "metadata.json").is_file() and tracker.is_file():
+        text = tracker.read_text().strip()
+        found = (
+            root / ("release" if text == "release" else f"iter_{int(text):07d}")
+            if text.isdigit() or text == "release"
+            else root
+        )
+    meta = found / "metadata.json"
+    if not meta.is_file():
+        raise ValueError(
+            f"{path} is not a megatron-core distributed checkpoint (no metadata.json, nor a "
+            "latest_checkpointed_iteration.txt naming one): pass the folder megatron saved with --ckpt-format torch_dist"
+        )
+    backend = json.loads(meta.read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise ValueError(f"{found}: a {backend!r} checkpoint; the installed megatron-core reads torch_dist here")
+    return found
+
+
+def load_megatron_checkpoint(model: Any, path: str | Path) -> None:
+    """Load this rank's shard of ``model`` from a megatron-core distributed checkpoint (Megatron-LM's layout:
+    the model's sharded state dict under ``"model"``). A collective over the model's ranks.
+
+    The sharded keys are megatron's (layers stacked, Transformer Engine names such as
+    ``self_attention.linear_qkv.layer_norm_weight``: the local spec maps its norms onto them), so a
+    checkpoint written by Megatron-LM or slime's converter for the same architecture loads into the local-spec
+    model built from the HF config. A mismatch (another architecture, parallel layout megatron cannot reshard)
+    is refused with megatron's reason.
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder = resolve_megatron_checkpoint(path)
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
+        model.load_state_dict(loaded["model"], strict=True)
+    except (Exception, CheckpointException) as exc:  # megatron's and torch's (a BaseException): which, and why
+        raise ValueError(
+            f"{folder} does not load into the model built from --hf-checkpoint's config: {type(exc).__name__}: {exc}"
+        ) from exc

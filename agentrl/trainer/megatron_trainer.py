@@ -150,6 +150,11 @@ class MegatronTrainer(Trainer):
         if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
+        if cfg.initial_megatron_checkpoint:  # the starting policy is the checkpoint's: the reference too
+            from agentrl.trainer.megatron_model import load_megatron_checkpoint
+
+            for model in filter(None, (self.model, self.ref_model)):
+                load_megatron_checkpoint(model, cfg.initial_megatron_checkpoint)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
