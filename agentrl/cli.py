@@ -375,6 +375,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
     if not tasks:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
+    from agentrl.rollout.generate import check_apply_chat_template
+
+    custom = bool(args.custom_generate_function_path or args.rollout_function_path)
+    check_apply_chat_template(cfg, custom=custom, rows=tasks)
     custom_generate = load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
     if args.rollout_function_path:
         from agentrl.rollout.generate import BatchGenerate
@@ -435,6 +439,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.registry import load_env, load_function
 
     cfg = _config_from_args(args)
+    if cfg.apply_chat_template:  # eval plays the env's episodes, which always render their messages
+        raise ValueError(
+            "--apply-chat-template renders prompts for custom generate functions; agentrl eval runs env episodes"
+        )
     if args.n_samples_per_eval_prompt < 1:
         raise ValueError("--n-samples-per-eval-prompt must be >= 1")
     if not args.env:

@@ -350,6 +350,7 @@ class TrainConfig:
             (0.0 <= self.lambd <= 1.0, "--lambd must be in [0, 1]"),
             (self.value_clip > 0, "--value-clip must be > 0"),
             (self.critic_lr is None or self.critic_lr > 0, "--critic-lr must be > 0"),
+            (self.initial_megatron_checkpoint != "", "--initial-megatron-checkpoint needs a folder"),
             (self.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0"),
             (
                 self.advantage_estimator == "ppo"
@@ -615,6 +616,14 @@ class RunConfig:
             ),
             (self.num_rollout >= 1, "--num-rollout must be >= 1"),
             (
+                not (
+                    t.advantage_estimator == "ppo" and t.initial_megatron_checkpoint and not self.critic_hf_checkpoint
+                ),
+                "ppo with --initial-megatron-checkpoint: the critic starts from an HF model, not the megatron checkpoint; "
+                "pass --critic-hf-checkpoint (e.g. the HF export of the same model) so it does not silently start from "
+                "--hf-checkpoint's weights",
+            ),
+            (
                 self.critic_hf_checkpoint is None or t.advantage_estimator == "ppo",
                 "--critic-hf-checkpoint is the critic's start: it needs --advantage-estimator ppo",
             ),
@@ -658,12 +667,8 @@ class RunConfig:
                 "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
             ),
             (
-                not self.rollout.apply_chat_template
-                or bool(self.custom_generate_function_path or self.rollout_function_path)
-                or self.env is None,
-                "--apply-chat-template renders the prompt a custom generate function receives (slime's sample.prompt); "
-                "an env's episodes always go through the chat template: pass --custom-generate-function-path or "
-                "--rollout-function-path, or drop --apply-chat-template",
+                not (sft and self.rollout.apply_chat_template),
+                "--apply-chat-template renders prompts for custom generate functions: not for --loss-type sft_loss",
             ),
             (
                 not (self.rollout_function_path and self.custom_generate_function_path),
@@ -790,7 +795,7 @@ class RunConfig:
                 "--rollout-backend sglang): the embedded engine serves dense models, it has no experts to report",
             ),
             (
-                not {"use_rollout_routing_replay", "use_routing_replay"} & set(t.megatron_args),
+                not any(t.megatron_args.get(k) for k in ("use_rollout_routing_replay", "use_routing_replay")),
                 "routing replay in training (slime's --use-rollout-routing-replay / --use-routing-replay) is not "
                 "implemented: agentrl's megatron backend trains dense models; --rollout-return-routed-experts records "
                 "the rollout's routing",

@@ -181,8 +181,9 @@ class Sample:
     rollout_routed_experts: Any = None
     """MoE routing of the rollout (slime's field): an int32 numpy array ``[tokens covered, layers * top-k]``,
     the expert ids SGLang's router picked for every token it forwarded (``--rollout-return-routed-experts``;
-    the last turn's reply covers the whole episode up to its last sampled token). ``.reshape(n, layers,
-    top_k)`` gives slime's 3-d view. Dumps hold it as ``{"dtype", "shape", "base64"}``."""
+    the last turn's reply covers the episode up to its last sampled token, not a later observation).
+    ``.reshape(n, layers, top_k)`` gives slime's 3-d view, which a custom generate function may store too.
+    Dumps hold it as ``{"dtype", "shape", "base64"}``."""
 
     @dataclass
     class SpecInfo:
@@ -304,8 +305,16 @@ class Sample:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict or None, not {type(getattr(self, name)).__name__}")
         r = self.rollout_routed_experts
-        if r is not None and not (getattr(r, "dtype", None) == "int32" and getattr(r, "ndim", 0) == 2):
-            raise ValueError(f"rollout_routed_experts must be a 2-d int32 numpy array or None, not {type(r).__name__}")
+        if r is not None and not (getattr(r, "dtype", None) == "int32" and getattr(r, "ndim", 0) in (2, 3)):
+            what = (
+                f"dtype {getattr(r, 'dtype', None)}, shape {getattr(r, 'shape', None)}"
+                if hasattr(r, "shape")
+                else type(r).__name__
+            )
+            raise ValueError(
+                "rollout_routed_experts must be an int32 numpy array [tokens, layers * top_k] or slime's "
+                f"[tokens, layers, top_k], or None; got {what}"
+            )
         if not isinstance(self.remove_sample, bool):
             raise ValueError(f"remove_sample must be True or False, not {self.remove_sample!r}")
         t = self.non_generation_time
@@ -372,7 +381,11 @@ def decode_int32_array(d: dict[str, Any]) -> Any:
     try:
         if d.get("dtype") != "int32":
             raise ValueError(f"dtype {d.get('dtype')!r} (only int32)")
-        shape = [int(x) for x in d["shape"]]
+        shape = d["shape"]
+        if not isinstance(shape, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
+        ):
+            raise ValueError(f"shape {shape!r} is not a list of sizes >= 0")
         raw = base64.b64decode(str(d["base64"]).encode("ascii"), validate=True)
         return np.frombuffer(raw, dtype=np.int32).reshape(shape).copy()
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:

@@ -446,5 +446,5 @@ def test_initial_megatron_checkpoint_starts_policy_and_reference_from_it(tiny_ck
 
 def test_initial_megatron_checkpoint_of_another_architecture_is_refused(tiny_ckpt, tied_ckpt, tmp_path):
     _save_dist_checkpoint(MegatronTrainer(tied_ckpt, cfg()).model, tmp_path / "tied")  # vocab 400 vs 300
-    with pytest.raises(ValueError, match="does not load into the model built from --hf-checkpoint's config"):
+    with pytest.raises(ValueError, match="could not be loaded into the model built from --hf-checkpoint's config"):
         MegatronTrainer(tiny_ckpt, cfg(initial_megatron_checkpoint=str(tmp_path / "tied")))

@@ -116,6 +116,8 @@ def test_value_clip_stops_the_gradient_past_the_clip(tiny_ckpt):
         (["--advantage-estimator", "ppo", "--lambd", "1.5"], "--lambd must be in [0, 1]"),
         (["--advantage-estimator", "ppo", "--value-clip", "0"], "--value-clip must be > 0"),
         (["--kl-coef", "0.1"], "--kl-coef folds the KL into the rewards"),
+        (["--advantage-estimator", "ppo", "--initial-megatron-checkpoint", "/x"], "pass --critic-hf-checkpoint"),
+        (["--initial-megatron-checkpoint", ""], "--initial-megatron-checkpoint needs a folder"),
     ],
 )
 def test_bad_ppo_flags_are_refused_before_ray_starts(tmp_path, capsys, argv, message):

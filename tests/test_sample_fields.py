@@ -483,8 +483,20 @@ async def test_an_episode_keeps_the_last_turns_routing_and_dumps_round_trip_it(t
     assert back.rollout_routed_experts.tolist() == routed.tolist()
     with pytest.raises(ValueError, match="rollout_routed_experts is not an encoded int32 array"):
         Sample.from_dict({"rollout_routed_experts": {"dtype": "int64", "shape": [1], "base64": ""}})
-    with pytest.raises(ValueError, match="rollout_routed_experts must be a 2-d int32 numpy array"):
+    with pytest.raises(ValueError, match="rollout_routed_experts must be an int32 numpy array"):
         Sample(rollout_routed_experts=[[1]]).validate()
+    import numpy as np
+
+    slime_shape = np.zeros((len(s.tokens) - 1, 3, 2), dtype=np.int32)  # what slime's generate functions store
+    Sample(rollout_routed_experts=slime_shape).validate()
+    assert (
+        Sample.from_dict(json.loads(Sample(rollout_routed_experts=slime_shape).to_json())).rollout_routed_experts.shape
+        == slime_shape.shape
+    )
+    with pytest.raises(ValueError, match="dtype int64"):
+        Sample(rollout_routed_experts=slime_shape.astype(np.int64)).validate()
+    with pytest.raises(ValueError, match="is not a list of sizes"):
+        Sample.from_dict({"rollout_routed_experts": {"dtype": "int32", "shape": [-1], "base64": ""}})
 
 
 def test_routed_experts_flags_are_refused_where_they_cannot_work(capsys):
@@ -493,8 +505,27 @@ def test_routed_experts_flags_are_refused_where_they_cannot_work(capsys):
     base = ["train", "--env", "agentrl.envs.digits:Digits"]
     assert main([*base, "--rollout-return-routed-experts"]) == 2
     assert "the embedded engine serves dense models" in capsys.readouterr().err
+    sglang = [*base, "--rollout-backend", "sglang", "--rollout-return-routed-experts"]
+    assert main([*sglang, "--sglang-launcher", "agentrl"]) == 2  # checked before Ray, not after the servers start
+    assert "the servers would be agentrl serve" in capsys.readouterr().err
     assert main([*base, "--train-backend", "megatron", "--use-rollout-routing-replay"]) == 2
     assert "routing replay in training" in capsys.readouterr().err
+
+
+def test_a_reply_without_the_routed_experts_asked_for_is_malformed():
+    from agentrl.engines.http import SGLangEngine
+
+    body = {
+        "output_ids": [4],
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.1, 4, None]],
+            "prompt_tokens": 2,
+        },
+    }
+    assert SGLangEngine("http://127.0.0.1:9")._parse_generate(body).routed_experts is None  # not asked for
+    with pytest.raises(EngineError, match="asked for return_routed_experts"):
+        SGLangEngine("http://127.0.0.1:9", return_routed_experts=True)._parse_generate(body)
 
 
 @pytest.mark.e2e
@@ -562,8 +593,33 @@ async def test_apply_chat_template_renders_the_prompt_custom_functions_receive(t
         assert "string or a list of messages" in samples[0].metadata["error"]
 
 
-def test_apply_chat_template_without_a_custom_function_is_refused(capsys):
+def test_apply_chat_template_without_a_custom_function_is_refused(capsys, tmp_path):
     from agentrl.cli import main
+    from agentrl.rollout.generate import check_apply_chat_template
 
-    assert main(["train", "--env", "agentrl.envs.digits:Digits", "--apply-chat-template"]) == 2
-    assert "--apply-chat-template renders the prompt a custom generate function receives" in capsys.readouterr().err
+    for cmd in ("train", "rollout"):
+        assert main([cmd, "--env", "agentrl.envs.digits:Digits", "--apply-chat-template"]) == 2
+        assert "--apply-chat-template renders the prompt a custom generate function receives" in capsys.readouterr().err
+    rows = tmp_path / "r.jsonl"
+    rows.write_text('{"prompt": "x"}\n')
+    assert (
+        main(
+            [
+                "eval",
+                "--env",
+                "agentrl.envs.digits:Digits",
+                "--eval-prompt-data",
+                "d",
+                str(rows),
+                "--apply-chat-template",
+            ]
+        )
+        == 2
+    )
+    assert "agentrl eval runs env episodes" in capsys.readouterr().err
+    assert main(["sft", "--sft-data", str(rows), "--apply-chat-template"]) == 2
+    assert "not for --loss-type sft_loss" in capsys.readouterr().err
+    on = RolloutConfig(apply_chat_template=True)
+    check_apply_chat_template(on, custom=False, rows=[{"prompt": "x", "generate_function_path": "m:f"}])  # rows' own
+    check_apply_chat_template(on, custom=True, rows=[{"prompt": "x"}])
+    check_apply_chat_template(RolloutConfig(), custom=False, rows=[{"prompt": "x"}])

@@ -164,13 +164,15 @@ class SGLangEngine(Engine):
         }
         if self.return_routed_experts:
             payload["return_routed_experts"] = True
-        status, out = await self._post(
-            "/generate",
-            payload,
-            parse=lambda b: GenerateOutput.from_sglang(b[0] if isinstance(b, list) else b, self.url),
-        )
+        status, out = await self._post("/generate", payload, parse=self._parse_generate)
         if status >= 400:
             raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(out)[:300]}")
+        return out
+
+    def _parse_generate(self, body: Any) -> GenerateOutput:
+        out = GenerateOutput.from_sglang(body[0] if isinstance(body, list) else body, self.url)
+        if self.return_routed_experts and out.routed_experts is None:  # asked for: a reply without them is malformed
+            raise EngineError(f"{self.url}: asked for return_routed_experts, the reply has no meta_info.routed_experts")
         return out
 
     async def health(self) -> bool:

@@ -8,7 +8,9 @@ The loop (token in, token out):
    (mask 1, with log-probs). The turn's text is parsed into an :class:`~agentrl.Action`.
 3. ``env.step(action)`` answers; its messages are appended as a template *delta* (mask 0).
 4. The episode ends when the env terminates or truncates, at ``max_turns``, when a turn hits its
-   length limit, or when the next observation would overflow the context.
+   length limit (``--rollout-max-turn-len``), when the response reaches its whole budget
+   (``--rollout-max-response-len``, turns and observations together), or when the next observation
+   would overflow the context or the response budget (it is then not appended).
 
 Faults never escape: an env that raises, times out or breaks its contract ends the sample as
 ``failed``; an engine that cannot serve the turn ends it as ``aborted``. The reason is in
@@ -256,6 +258,8 @@ async def run_episode(
                 delta_ids = ctx.template.encode(delta)
             if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
                 raise _EndEpisode(Status.TRUNCATED, "context_length")
+            if whole is not None and len(ledger) + len(delta_ids) - prompt_len >= whole:
+                raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
             ledger.append_env(delta_ids)
     except _EndEpisode as end:
         status, reason = end.status, end.reason

@@ -170,6 +170,17 @@ def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sampl
     )
 
 
+def check_apply_chat_template(config: Any, *, custom: bool, rows: Iterable[dict[str, Any]]) -> None:
+    """Refuse ``--apply-chat-template`` where nothing would use it: it renders the prompt custom generate
+    functions receive (the run's, or rows' own ``generate_function_path``); env episodes always render."""
+    if config.apply_chat_template and not custom and not any(r.get("generate_function_path") for r in rows):
+        raise ValueError(
+            "--apply-chat-template renders the prompt a custom generate function receives (slime's sample.prompt); "
+            "env episodes always go through the chat template: pass --custom-generate-function-path or "
+            "--rollout-function-path (or rows with their own generate_function_path), or drop --apply-chat-template"
+        )
+
+
 def _apply_chat_template(sample: Sample, task: dict[str, Any], ctx: EpisodeContext) -> None:
     """``--apply-chat-template``: the prompt as the model sees it, rendered text (slime's Dataset does the same).
 

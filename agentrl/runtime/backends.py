@@ -140,6 +140,18 @@ def backend_problems(cfg: RunConfig) -> list[str]:
                 "--sglang-launcher sglang needs GPUs for its servers: set --rollout-num-gpus "
                 "(and --rollout-num-gpus-per-engine), or use --sglang-launcher agentrl on CPU"
             ]
+        if cfg.rollout_return_routed_experts:
+            launch = sglang_launch(cfg, "<checkpoint>", engine_gpus=cfg.rollout_num_gpus)
+            if launch.binary != "sglang":
+                problems.append(
+                    "--rollout-return-routed-experts: the servers would be agentrl serve (dense models, no experts); "
+                    "it needs --sglang-launcher sglang with GPUs (--rollout-num-gpus)"
+                )
+            elif not cfg.sglang_args.get("enable_return_routed_experts"):
+                problems.append(
+                    "--rollout-return-routed-experts: the launched SGLang servers must report them: add "
+                    "--sglang-enable-return-routed-experts"
+                )
         from agentrl.engines.sglang import build_launch_command
 
         try:  # the server command line, built once here so a bad --sglang-* flag stops the run now

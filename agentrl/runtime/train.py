@@ -79,6 +79,12 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data)
             else []
         )
+    if not cfg.is_sft:
+        from agentrl.rollout.generate import check_apply_chat_template
+
+        check_apply_chat_template(
+            cfg.rollout, custom=bool(cfg.custom_generate_function_path or cfg.rollout_function_path), rows=rows
+        )
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
@@ -549,7 +555,14 @@ def _check_routed_experts(router: Any) -> None:
             for e in router.engines:
                 await e.close()  # this loop ends here: the run's loop opens its own sessions
 
-    for e, info in zip(router.engines, asyncio.run(infos())):
+    try:
+        answers = asyncio.run(infos())
+    except Exception as exc:  # an engine or router without /get_server_info: say which flag needs it
+        raise ValueError(
+            f"--rollout-return-routed-experts: could not read the engines' /get_server_info ({type(exc).__name__}: "
+            f"{exc}); the check needs SGLang servers reached directly"
+        ) from exc
+    for e, info in zip(router.engines, answers):
         if not info.get("enable_return_routed_experts"):
             raise ValueError(
                 f"--rollout-return-routed-experts: {e.url} does not report routed experts (its /get_server_info has "

@@ -800,5 +800,6 @@ def load_megatron_checkpoint(model: Any, path: str | Path) -> None:
         model.load_state_dict(loaded["model"], strict=True)
     except (Exception, CheckpointException) as exc:  # megatron's and torch's (a BaseException): which, and why
         raise ValueError(
-            f"{folder} does not load into the model built from --hf-checkpoint's config: {type(exc).__name__}: {exc}"
+            f"{folder} could not be loaded into the model built from --hf-checkpoint's config (another architecture "
+            f"or layout, or an unreadable file): {type(exc).__name__}: {exc}"
         ) from exc
