@@ -29,7 +29,6 @@ from agentrl.trainer.base import Critic, TrainSample
 from agentrl.trainer.batching import PackedBatch
 from agentrl.trainer.critic import CRITIC_METRICS, critic_config, value_head
 from agentrl.trainer.megatron_trainer import MegatronTrainer
-from agentrl.trainer.torch_trainer import _rng_state, _set_rng_state
 
 
 class ValueHead(nn.Module):
@@ -112,53 +111,22 @@ class MegatronCritic(MegatronTrainer, Critic):
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Per-rank shards (see the module docstring). A collective: every rank must call it."""
-        from megatron.core import tensor_parallel
-
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            torch.save(
-                {
-                    "step": self.step,
-                    "world_size": self.world_size,
-                    "layout": self._layout(),
-                    "extra_state": extra_state or {},
-                },
-                path / "trainer_state.pt",
-            )
+            torch.save(self._trainer_state(extra_state), path / "trainer_state.pt")
         self._barrier()
-        torch.save(
-            {
-                "model": {
-                    k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                    for k, v in self.model.state_dict().items()
-                },
-                "optimizer": self.optimizer.state_dict(),
-                "rng": _rng_state(),
-                "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
-            },
-            path / f"critic_rank{self.rank}.pt",
-        )
+        model = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.model.state_dict().items()}
+        torch.save({"model": model, **self._rank_state()}, path / f"critic_rank{self.rank}.pt")
         self._barrier()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore this rank's shard, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
-        from megatron.core import tensor_parallel
-
         path = Path(path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
-        if state.get("layout") != self._layout():
-            raise ValueError(
-                f"{path} was saved with layout {state.get('layout')}; resuming the megatron critic needs the "
-                f"same world size and tp/pp/cp ({self._layout()})"
-            )
+        state = self._read_trainer_state(path, "critic")
         ranked = torch.load(path / f"critic_rank{self.rank}.pt", weights_only=False)
         self.model.load_state_dict(ranked["model"], strict=True)
-        self.optimizer.load_state_dict(ranked["optimizer"])
-        _set_rng_state(ranked["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
-        self.step = state["step"]
-        return state["extra_state"]
+        return self._restore_rank_state(ranked, state)
 
 
 __all__ = ["MegatronCritic", "ValueHead"]

@@ -534,9 +534,48 @@ class MegatronTrainer(Trainer):
             "cp": p.context_parallel_size,
         }
 
+    def _trainer_state(self, extra_state: dict[str, Any] | None) -> dict[str, Any]:
+        """What rank 0 writes as ``trainer_state.pt``."""
+        return {
+            "step": self.step,
+            "world_size": self.world_size,
+            "layout": self._layout(),
+            "extra_state": extra_state or {},
+        }
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What every rank writes of its own: optimizer shard, RNG states (torch, python, numpy, megatron's)."""
+        from megatron.core import tensor_parallel
+
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "rng": _rng_state(),
+            "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        }
+
+    def _read_trainer_state(self, path: Path, what: str) -> dict[str, Any]:
+        """``trainer_state.pt``, refused when its layout is not this run's (optimizer shards are per rank)."""
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if state.get("layout") != self._layout():
+            raise ValueError(
+                f"{path} was saved with layout {state.get('layout') or 'of the torch backend'}; resuming "
+                f"the megatron {what} needs the same world size and tp/pp/cp ({self._layout()}). "
+                "Start a new run from its HF weights with --hf-checkpoint instead"
+            )
+        return state
+
+    def _restore_rank_state(self, ranked: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """Put back what :meth:`_rank_state` wrote and the step; return the checkpoint's ``extra_state``."""
+        from megatron.core import tensor_parallel
+
+        self.optimizer.load_state_dict(ranked["optimizer"])
+        _set_rng_state(ranked["rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
+        self.step = state["step"]
+        return state["extra_state"]
+
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write the checkpoint layout of the module docstring. A collective: every rank must call it."""
-        from megatron.core import tensor_parallel
         from safetensors.torch import save_file
         from transformers import GenerationConfig
 
@@ -547,7 +586,6 @@ class MegatronTrainer(Trainer):
             if self.rank == 0:
                 weights[name] = t.detach().cpu().contiguous()
         if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
             gen = (
                 GenerationConfig.from_pretrained(str(self.checkpoint_path))
@@ -557,41 +595,18 @@ class MegatronTrainer(Trainer):
             _save_hf_metadata(
                 SimpleNamespace(config=self.hf_config, generation_config=gen), self.checkpoint_path, path, torch.float32
             )
-            torch.save(
-                {
-                    "step": self.step,
-                    "world_size": self.world_size,
-                    "layout": self._layout(),
-                    "extra_state": extra_state or {},
-                },
-                path / "trainer_state.pt",
-            )
+            torch.save(self._trainer_state(extra_state), path / "trainer_state.pt")
         del weights
         self._barrier()
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "rng": _rng_state(),
-                "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
-            },
-            path / f"optim_rank{self.rank}.pt",
-        )
+        torch.save(self._rank_state(), path / f"optim_rank{self.rank}.pt")
         self._barrier()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
-        from megatron.core import tensor_parallel
-
         from agentrl.trainer.megatron_model import load_hf_checkpoint
 
         path = Path(path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
-        if state.get("layout") != self._layout():
-            raise ValueError(
-                f"{path} was saved with layout {state.get('layout') or 'of the torch backend'}; resuming "
-                f"the megatron backend needs the same world size and tp/pp/cp ({self._layout()}). "
-                "Start a new run from its HF weights with --hf-checkpoint instead"
-            )
+        state = self._read_trainer_state(path, "backend")
         load_hf_checkpoint(
             self.model,
             path,
@@ -601,12 +616,7 @@ class MegatronTrainer(Trainer):
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
         )
-        ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
-        self.optimizer.load_state_dict(ranked["optimizer"])
-        _set_rng_state(ranked["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
-        self.step = state["step"]
-        return state["extra_state"]
+        return self._restore_rank_state(torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False), state)
 
     def close(self) -> None:
         """Forget megatron's parallel state (and the process group, if this trainer started it)."""
