@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -377,14 +378,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
     from agentrl.rollout.generate import check_apply_chat_template
 
-    custom = bool(args.custom_generate_function_path or args.rollout_function_path)
-    check_apply_chat_template(cfg, custom=custom, rows=tasks)
-    custom_generate = load_function(args.custom_generate_function_path) if args.custom_generate_function_path else None
-    if args.rollout_function_path:
-        from agentrl.rollout.generate import BatchGenerate
-
-        with naming_flag("--rollout-function-path", args.rollout_function_path):
-            custom_generate = BatchGenerate.load(args.rollout_function_path)
+    custom_generate = _custom_generate(args, evaluation=False)
+    check_apply_chat_template(cfg, custom=custom_generate is not None, rows=tasks)
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
@@ -433,32 +428,52 @@ def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitSta
 # -- eval -------------------------------------------------------------------------------------------
 
 
+def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
+    """``--custom-generate-function-path`` (one sample) or ``--rollout-function-path`` (the batch, told whether
+    it evaluates, as slime's), loaded and checked; None when neither is given."""
+    from agentrl.registry import load_function
+    from agentrl.rollout.generate import BatchGenerate
+
+    if args.custom_generate_function_path and args.rollout_function_path:
+        raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
+    if args.custom_generate_function_path:
+        with naming_flag("--custom-generate-function-path", args.custom_generate_function_path):
+            return load_function(args.custom_generate_function_path)
+    if args.rollout_function_path:
+        with naming_flag("--rollout-function-path", args.rollout_function_path):
+            return dataclasses.replace(BatchGenerate.load(args.rollout_function_path), evaluation=evaluation)
+    return None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.data import load_tasks
     from agentrl.registry import load_env, load_function
+    from agentrl.rollout.generate import check_apply_chat_template
 
     cfg = _config_from_args(args)
-    if cfg.apply_chat_template:  # eval plays the env's episodes, which always render their messages
-        raise ValueError(
-            "--apply-chat-template renders prompts for custom generate functions; agentrl eval runs env episodes"
-        )
     if args.n_samples_per_eval_prompt < 1:
         raise ValueError("--n-samples-per-eval-prompt must be >= 1")
-    if not args.env:
-        raise ValueError("pass --env MODULE:CLASS")
+    custom_generate = _custom_generate(args, evaluation=True)  # the run's episodes, as agentrl train evaluates
+    if not args.env and custom_generate is None:
+        raise ValueError("pass --env MODULE:CLASS (or --custom-generate-function-path / --rollout-function-path)")
     with naming_flag("--env", args.env):
-        factory = load_env(args.env)
+        factory = load_env(args.env) if args.env else None
     datasets = {}
     for name, path in args.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
             datasets[name] = load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
+    check_apply_chat_template(
+        cfg, custom=custom_generate is not None, rows=[r for rows in datasets.values() for r in rows]
+    )
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
         urls = _engine_urls(args, ckpt, stack)
-        results = asyncio.run(_eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm))
+        results = asyncio.run(
+            _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate)
+        )
     from agentrl.rollout.eval import format_eval
 
     print(format_eval(results))
@@ -467,7 +482,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm) -> dict[str, Any]:
+async def _eval(
+    args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate=None
+) -> dict[str, Any]:
     from agentrl.rollout.eval import evaluate
 
     ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
@@ -480,6 +497,7 @@ async def _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, cus
             success_threshold=args.success_threshold,
             custom_reward=custom_rm,
             args=args,
+            custom_generate=custom_generate,
         )
     finally:
         for close in closers:

@@ -616,7 +616,7 @@ def test_apply_chat_template_without_a_custom_function_is_refused(capsys, tmp_pa
         )
         == 2
     )
-    assert "agentrl eval runs env episodes" in capsys.readouterr().err
+    assert "--apply-chat-template renders the prompt a custom generate function receives" in capsys.readouterr().err
     assert main(["sft", "--sft-data", str(rows), "--apply-chat-template"]) == 2
     assert "not for --loss-type sft_loss" in capsys.readouterr().err
     on = RolloutConfig(apply_chat_template=True)

@@ -540,3 +540,34 @@ def test_initial_megatron_checkpoint_reaches_the_engines_before_the_first_rollou
     assert versions == {"0"}, versions  # pushed before the first rollout (an unsynced engine says "default")
     with pytest.raises(ValueError, match="needs --train-backend megatron"):
         train(_cfg(tiny_ckpt, tmp_path / "x", train={"initial_megatron_checkpoint": str(tmp_path / "mlm")}))
+
+
+def test_eval_command_runs_the_custom_generate_functions(tiny_ckpt, tiny_server, tmp_path, capsys, monkeypatch):
+    """agentrl eval runs --custom-generate-function-path / --rollout-function-path (the batch one told
+    evaluation=True), as train's evaluator does; they were accepted and ignored. No env needed then."""
+    (tmp_path / "eval_gen.py").write_text(
+        "SEEN = []\n"
+        "def _fill(sample, reward):\n"
+        "    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]\n"
+        "    sample.reward = reward\n"
+        "    return sample\n"
+        "async def one(args, sample, sampling_params):\n"
+        "    return _fill(sample, 1.0 if 'yes' in sample.prompt else 0.0)\n"
+        "async def batch(args, samples, evaluation=False):\n"
+        "    SEEN.append(evaluation)\n"
+        "    return [_fill(s, 1.0 if 'yes' in s.prompt else 0.0) for s in samples]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    evalset = tmp_path / "eval.jsonl"
+    evalset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("yes", "no", "yes please", "nope")))
+    base = ["eval", "--hf-checkpoint", str(tiny_ckpt), "--engine-url", tiny_server, "--eval-prompt-data", "d"]
+    base += [str(evalset), "--n-samples-per-eval-prompt", "2"]
+    for flag in ("--custom-generate-function-path", "--rollout-function-path"):
+        out = tmp_path / f"{flag}.json"
+        fn = "eval_gen:one" if flag.startswith("--custom") else "eval_gen:batch"
+        assert main([*base, flag, fn, "--output", str(out)]) == 0, capsys.readouterr().err
+        res = json.loads(out.read_text())["d"]
+        assert res["num_samples"] == 8 and res["pass@1"] == pytest.approx(0.5)
+    import eval_gen
+
+    assert eval_gen.SEEN == [True]
