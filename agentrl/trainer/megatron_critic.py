@@ -61,7 +61,6 @@ class MegatronCritic(MegatronTrainer, Critic):
         device: str | torch.device | None = None,
         parallel: Any = None,
     ):
-        self.value_clip = cfg.value_clip
         super().__init__(
             checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device, parallel=parallel
         )
@@ -98,7 +97,7 @@ class MegatronCritic(MegatronTrainer, Critic):
             b.returns,
             b.mask,
             b.seq_ids,
-            value_clip=self.value_clip,
+            value_clip=self.cfg.value_clip,
             per_token=self.cfg.calculate_per_token_loss,
             num_tokens=num_tokens,
             num_seqs=num_seqs,

@@ -38,7 +38,6 @@ class TorchCritic(TorchTrainer, Critic):
         world_size: int = 1,
         device: str | torch.device | None = None,
     ):
-        self.value_clip = cfg.value_clip
         super().__init__(checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device)
 
     def _adapt_model(self) -> None:
@@ -110,7 +109,7 @@ class TorchCritic(TorchTrainer, Critic):
             b.returns,
             b.mask,
             b.seq_ids,
-            value_clip=self.value_clip,
+            value_clip=self.cfg.value_clip,
             per_token=self.cfg.calculate_per_token_loss,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
