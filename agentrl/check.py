@@ -6,7 +6,8 @@ argument types, empty and huge text) against fresh env instances, and checks wha
 the shapes of ``reset``/``step`` results, exceptions, timeouts, and *blocking calls*: an async
 ``reset``/``step`` that holds the event loop (e.g. ``time.sleep`` or a synchronous HTTP call)
 stalls every other episode of a rollout, so a loop stall above ``block_threshold`` seconds is a
-violation. Synchronous methods run in worker threads and cannot block the loop.
+violation (the scenario is replayed once first: a busy machine stalls a loop now and then, a
+blocking env every time). Synchronous methods run in worker threads and cannot block the loop.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def scenarios(env: Env, task: dict[str, Any], rng: random.Random) -> list[tuple[
     return out
 
 
+class _BlockedLoop(EnvContractError):
+    """An async method stalled the event loop past the threshold (replayed once before it is reported)."""
+
+
 class _LoopWatch:
     """Measures the longest event-loop stall while it runs (a 5 ms heartbeat)."""
 
@@ -164,9 +169,7 @@ async def _guarded(
         except Exception as exc:
             raise EnvContractError(f"{what} raised {type(exc).__name__}: {exc}") from None
     if inspect.iscoroutinefunction(fn) and watch.max_lag > block_threshold:
-        raise EnvContractError(
-            f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)"
-        )
+        raise _BlockedLoop(f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)")
     return result
 
 
@@ -263,18 +266,30 @@ async def check_env(
             report.results.append(CheckResult("close() of an unused env", False, str(exc)))
     for ti, task, name, text in plays:
         label = f"task {ti}: {name}"
-        try:
-            detail = await _play(
-                env_factory,
-                task,
-                text,
-                seed=seed + ti,
-                max_steps=max_steps,
-                timeout=step_timeout,
-                block_threshold=block_threshold,
-                rng=rng,
-            )
-            report.results.append(CheckResult(label, True, detail))
-        except EnvContractError as exc:
-            report.results.append(CheckResult(label, False, str(exc)))
+        state = rng.getstate()
+        for attempt in range(2):
+            try:
+                detail = await _play(
+                    env_factory,
+                    task,
+                    text,
+                    seed=seed + ti,
+                    max_steps=max_steps,
+                    timeout=step_timeout,
+                    block_threshold=block_threshold,
+                    rng=rng,
+                )
+                if attempt:
+                    detail += " (a loop stall on the first play did not recur)"
+                report.results.append(CheckResult(label, True, detail))
+            except _BlockedLoop as exc:
+                # a busy machine (another process, a GC pass) can stall the loop once; an env that blocks
+                # it does so every time, so a stall is replayed once, with the same follow-up texts
+                if attempt == 0:
+                    rng.setstate(state)
+                    continue
+                report.results.append(CheckResult(label, False, str(exc)))
+            except EnvContractError as exc:
+                report.results.append(CheckResult(label, False, str(exc)))
+            break
     return report

@@ -39,18 +39,24 @@ CORPUS_PATH = DATA / "search_corpus.jsonl"
 QA_PATH = DATA / "search_qa.jsonl"
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
+_DROP_PUNCT = str.maketrans("", "", string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalization: lowercase, drop punctuation and articles, collapse whitespace."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+    """SQuAD normalization: lowercase, drop punctuation and articles, collapse whitespace.
+
+    ``str.translate`` rather than a per-character loop: a 240 kB answer normalizes in milliseconds, so
+    scoring never stalls the event loop the other episodes share.
+    """
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_DROP_PUNCT)).split())
 
 
 def token_f1(prediction: str, label: str) -> float:
     """SQuAD token F1: harmonic mean of token precision and recall after :func:`normalize_answer`."""
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(label).split()
+    return _f1(normalize_answer(prediction).split(), normalize_answer(label).split())
+
+
+def _f1(pred: list[str], gold: list[str]) -> float:
     if not pred or not gold:
         return float(pred == gold)
     common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
@@ -92,8 +98,10 @@ class SearchQA(agentrl.ToolEnv):
         answer, tagged = extract_answer(action.text)
         labels = self.task.get("label")
         labels = labels if isinstance(labels, list) else [str(labels if labels is not None else "")]
-        f1 = max(token_f1(answer, str(label)) for label in labels)
-        exact = any(normalize_answer(answer) == normalize_answer(str(label)) for label in labels)
+        said = normalize_answer(answer)  # once: a huge answer is not normalized per label
+        golds = [normalize_answer(str(label)) for label in labels]
+        f1 = max(_f1(said.split(), gold.split()) for gold in golds)
+        exact = any(said == gold for gold in golds)
         reward = float(exact) if self.reward_metric == "exact_match" else f1
         return [], reward, True, False, {"f1": f1, "exact_match": exact, "answer_tag": tagged}
 

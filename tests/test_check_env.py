@@ -63,6 +63,22 @@ async def test_violations_are_reported():
     assert any("answered no tool message" in v.detail for v in r.violations)
 
 
+class StallsOnce(agentrl.ToolEnv):
+    stalled = False
+
+    async def step(self, action):
+        if not StallsOnce.stalled:  # one stall in the whole check, as a busy machine causes
+            StallsOnce.stalled = True
+            time.sleep(0.4)
+        return [], 0.0, True, False, {}
+
+
+async def test_a_stall_that_does_not_recur_is_not_a_violation():
+    r = await check_env(StallsOnce, [])
+    assert r.ok, r.format()
+    assert sum("did not recur" in x.detail for x in r.results) == 1
+
+
 async def test_sync_env_that_sleeps_does_not_count_as_blocking():
     assert (await check_env(SyncSleeper, [])).ok
 
