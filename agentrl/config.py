@@ -16,6 +16,7 @@ of each generate call); ``--rollout-max-response-len`` is slime's: the whole res
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -461,6 +462,20 @@ class RunConfig:
         help="module:fn, the reference's batch rollout: async fn(args, samples, evaluation=False) -> samples, "
         "called once per rollout with every sample (instead of --env or --custom-generate-function-path)",
     )
+    mask_truncated_samples: bool = option(
+        False,
+        help="samples a length limit cut off (a turn at --rollout-max-turn-len, the response at "
+        "--rollout-max-response-len, the context full) train no token but still count in their group's "
+        "advantages (TRL's mask_truncated_completions; counted as masked_truncated)",
+    )
+    overlong_buffer_len: int | None = option(
+        None,
+        help="DAPO's over-long reward shaping: a response longer than --rollout-max-response-len minus this many "
+        "tokens loses reward linearly, up to --overlong-penalty-factor at the limit (needs --rollout-max-response-len)",
+    )
+    overlong_penalty_factor: float = option(
+        1.0, help="with --overlong-buffer-len: the reward a response at --rollout-max-response-len loses"
+    )
     allow_non_token_exact: bool = option(
         False,
         help="train on samples that are not token-exact (chat-API rollouts, demonstrations the template cannot lay down turn by turn) instead of refusing them",
@@ -694,6 +709,27 @@ class RunConfig:
                 "--demo-min-reward filters played or sampled episodes: it needs --demo-policy or --demo-engine-url",
             ),
             (not (self.demo_best_of_n and not self.demo_engine_url), "--demo-best-of-n needs --demo-engine-url"),
+            (
+                self.overlong_buffer_len is None
+                or (
+                    self.rollout.rollout_max_response_len is not None
+                    and 1 <= self.overlong_buffer_len < self.rollout.rollout_max_response_len
+                ),
+                "--overlong-buffer-len needs --rollout-max-response-len (the limit its ramp ends at) and must be "
+                f"between 1 and it (got {self.overlong_buffer_len} and {self.rollout.rollout_max_response_len})",
+            ),
+            (
+                math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0,
+                f"--overlong-penalty-factor must be a finite number >= 0, got {self.overlong_penalty_factor}",
+            ),
+            (
+                self.overlong_penalty_factor == 1.0 or self.overlong_buffer_len is not None,
+                "--overlong-penalty-factor scales the over-long penalty: it needs --overlong-buffer-len",
+            ),
+            (
+                not (sft and (self.mask_truncated_samples or self.overlong_buffer_len is not None)),
+                "--mask-truncated-samples and --overlong-buffer-len shape RL rollouts, not --loss-type sft_loss",
+            ),
             (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
             (
                 sft or n % t.global_batch_size == 0,

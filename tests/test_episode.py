@@ -639,6 +639,8 @@ async def test_whole_response_budget_spans_every_turn(tiny_server, tiny_tokenize
         if s.status == Status.TRUNCATED:
             assert s.status_reason in ("response_budget", "response_length"), s.metadata
         assert s.response_length <= 90  # an observation that would pass the budget is not appended
+        # a turn the budget cut off ends the episode there: the env is not stepped for it (or after it)
+        assert len(s.metadata["env_infos"]) == sum(r != "length" for r in s.metadata["finish_reasons"])
         if s.status_reason == "response_budget":  # the budget ran out: at a turn's end, or no room for the next
             assert s.turn_spans[-1][1] == 90 or s.response_length < 90
     assert next(asked, None) is None

@@ -262,6 +262,36 @@ def test_rollout_sample_filter_keeps_removed_samples_out_of_the_loss(tiny_ckpt, 
     assert all(s["non_generation_time"] > 0 for s in dump)  # Digits' reset and steps were timed
 
 
+def test_over_long_samples_are_masked_and_penalized(tiny_ckpt, tmp_path, ray_local):
+    """--mask-truncated-samples keeps length-cut samples out of the loss (in their group's baseline) and
+    counts them; --overlong-buffer-len shapes every reward with DAPO's ramp before the advantages."""
+    from agentrl.rollout.reward import LENGTH_LIMITS, overlong_penalty
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "run"
+    cfg = _cfg(
+        tiny_ckpt,
+        save,
+        num_rollout=1,
+        mask_truncated_samples=True,
+        overlong_buffer_len=6,
+        overlong_penalty_factor=0.5,
+        rollout={"rollout_max_response_len": 10},
+    )
+    train(cfg)
+    (line,) = _lines(save)
+    dump = _dump(save, 0)
+    for s in dump:
+        assert s["metadata"]["overlong_penalty"] == overlong_penalty(s["response_length"], 10, 6, 0.5)
+        assert s["reward"] == pytest.approx(sum(s["metadata"]["turn_rewards"]) + s["metadata"]["overlong_penalty"])
+    assert any(s["metadata"]["overlong_penalty"] < 0 for s in dump)
+    trained = [s for s in dump if "advantages" in s]
+    cut = [s for s in trained if s["status"] == "truncated" and s["metadata"]["status_reason"] in LENGTH_LIMITS]
+    assert cut and line["masked_truncated"] == len(cut)
+    # the trainer trained exactly the tokens of the samples no length limit cut
+    assert line["train_tokens"] == sum(sum(s["loss_mask"]) for s in trained if s not in cut)
+
+
 def test_custom_loss_trains_with_train_metadata_set_by_a_filter(tiny_ckpt, tmp_path, ray_local, monkeypatch):
     """slime's custom loss path end to end: a sample filter sets train_metadata, the trainer actor loads
     --custom-loss-function-path and hands it every sample's metadata; its metrics reach metrics.jsonl."""

@@ -73,3 +73,41 @@ async def apply_group_reward(fn: Callable[[Any, list[Sample]], Any], args: Any, 
         s.metadata["rm_reward"] = float(score)
         s.reward = float(s.reward or 0.0) + float(score)
     return samples
+
+
+LENGTH_LIMITS = ("response_length", "response_budget", "context_length")
+"""``status_reason`` values of an episode a length limit cut off (a turn at ``--rollout-max-turn-len``,
+the response at ``--rollout-max-response-len``, the context full): ``--mask-truncated-samples`` masks
+those. ``max_turns`` and ``env_truncated`` are not among them: every turn of those ended normally."""
+
+
+def cut_by_length(sample: Sample) -> bool:
+    """Whether a length limit ended ``sample`` (see :data:`LENGTH_LIMITS`)."""
+    return sample.status == Status.TRUNCATED and sample.status_reason in LENGTH_LIMITS
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft over-long punishment: 0 up to ``max_len - buffer_len`` tokens, then falling
+    linearly to ``-factor`` at ``max_len`` (and ``-factor`` beyond it).
+
+    Why: a hard cut gives a truncated answer the same reward as a wrong one, a noisy signal; the
+    ramp tells the policy that length itself costs, before the cut. ``length`` is the response's
+    tokens (the policy's and, in multi-turn episodes, the env's), the same count
+    ``--rollout-max-response-len`` limits.
+    """
+    if buffer_len < 1 or max_len <= buffer_len:
+        raise ValueError(
+            f"overlong_penalty: need 1 <= buffer_len < max_len, got buffer_len={buffer_len}, max_len={max_len}"
+        )
+    exceed = length - (max_len - buffer_len)
+    return -min(max(exceed, 0) / buffer_len, 1.0) * factor
+
+
+def apply_overlong_penalty(samples: list[Sample], max_len: int, buffer_len: int, factor: float) -> None:
+    """Add :func:`overlong_penalty` to each completed or truncated sample's reward, in place; the
+    penalty is kept in ``metadata["overlong_penalty"]`` (0.0 for samples under the ramp)."""
+    for s in samples:
+        if s.status in (Status.COMPLETED, Status.TRUNCATED):
+            p = overlong_penalty(s.response_length, max_len, buffer_len, factor)
+            s.metadata["overlong_penalty"] = p
+            s.reward = float(s.reward or 0.0) + p

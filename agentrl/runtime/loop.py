@@ -41,7 +41,7 @@ from agentrl.algo.loss import kl_penalty
 from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
-from agentrl.rollout.reward import apply_group_reward
+from agentrl.rollout.reward import apply_group_reward, apply_overlong_penalty, cut_by_length
 from agentrl.runtime import checkpoints
 from agentrl.runtime.data import BufferedSource, Group, staleness
 from agentrl.trainer.base import TrainSample
@@ -215,6 +215,10 @@ class TrainLoop:
                 s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
             if group_rm:
                 await apply_group_reward(self.custom_reward, self.args, members)
+            if self.cfg.overlong_buffer_len is not None:  # before any group filter, which sees the shaped reward
+                max_len = rc.rollout_max_response_len
+                assert max_len is not None  # RunConfig.validate
+                apply_overlong_penalty(members, max_len, self.cfg.overlong_buffer_len, self.cfg.overlong_penalty_factor)
             groups.append(members)
         return groups
 
@@ -322,13 +326,17 @@ class TrainLoop:
         for b, a in zip(batch, advs):
             b.advantages = [float(x) for x in a]
 
+    def masked(self, s: Sample) -> bool:
+        """Whether ``s`` keeps its place in its group (its reward is in the baseline) but trains no token:
+        removed by a filter, or cut by a length limit under ``--mask-truncated-samples``."""
+        return s.remove_sample or (self.cfg.mask_truncated_samples and cut_by_length(s))
+
     async def train(self, samples: list[Sample], step: int = 0) -> tuple[dict[str, float], list[list[float]]]:
         batch = [
             TrainSample(
                 tokens=list(s.tokens),
                 response_length=s.response_length,
-                # a removed sample keeps its place (its reward is in its group's baseline) but trains no token
-                loss_mask=[0] * s.response_length if s.remove_sample else list(s.loss_mask),
+                loss_mask=[0] * s.response_length if self.masked(s) else list(s.loss_mask),
                 rollout_log_probs=list(s.rollout_log_probs),
                 train_metadata=s.train_metadata,
             )
@@ -433,6 +441,8 @@ class TrainLoop:
         samples = batch.samples
         self.filter_samples(batch.groups)
         keep = self.trainable(samples, counts)
+        if cfg.mask_truncated_samples:
+            counts["masked_truncated"] = sum(cut_by_length(s) for s in keep)
         t0 = time.monotonic()
         if self.engine_memory is not None:
             await self.engine_memory.release()
