@@ -10,8 +10,12 @@ present (taken from ``--input-key`` / ``--label-key``).
 Users may write ``reset``/``step`` as plain (synchronous) functions: the SDK runs those in a worker
 thread so a slow environment never blocks the other episodes sharing the event loop.
 
-:class:`ToolEnv` is the common case: offer tools, run the model's tool calls, end the episode when
-the model answers without one, and score that answer with ``reward(action)``.
+Any env may offer ``tools`` and run the model's calls with the SDK's dispatch, ``await
+self.call_tools(action)`` (unknown tools, bad arguments, exceptions and timeouts become error
+messages the model reads; a per-turn budget; a sandbox for sandboxed tools), and still decide for
+itself when the episode ends: a game with a lookup tool is a plain :class:`Env`. :class:`ToolEnv` is
+the special case that ends the episode at the first turn without a tool call and scores that answer
+with ``reward(action)``.
 """
 
 from __future__ import annotations
@@ -88,12 +92,37 @@ class Env:
     template; ``max_turns`` caps assistant turns (the run's ``--max-turns`` may lower it);
     ``step_timeout`` fails a sample whose ``reset``/``step`` takes longer (None: the run's
     ``--env-step-timeout``); ``tool_parser`` names the wire format tool calls are parsed from.
+
+    Tools: ``step`` runs a turn's calls with ``await self.call_tools(action)``, which returns one
+    ``tool`` message per call (and per call the parser could not read), and decides itself what the
+    turn means for the episode, so a game can mix tool turns with moves::
+
+        async def step(self, action):
+            if action.tool_calls or action.errors:
+                return await self.call_tools(action), 0.0, False, False, {}
+            ...  # a move: score it, answer it, end the game or not
+
+    Every call gets ``tool_timeout`` seconds (a tool's own ``timeout`` wins) and all calls of one turn
+    together ``turn_budget`` seconds: calls past it get an error. Keep the budget below
+    ``--env-step-timeout``: a turn that runs out the *step* timeout fails its sample, which is dropped
+    from training, so a model that could run tools past it would learn to hide its bad samples; a
+    tool timeout is instead an error the model reads and is scored for. Tools with ``sandboxed =
+    True`` share the episode's sandbox, taken from ``sandbox_pool`` (None: the process's
+    :func:`agentrl.sandbox.default_pool`) on first use and returned, reset, by
+    :meth:`release_sandbox` (called by :meth:`close`, and by the episode loop after ``close`` even
+    when a subclass forgets ``super().close()``). ``await self.sandbox()`` gives it to the subclass
+    too (e.g. to run hidden tests). None of this needs ``Env.__init__`` to have run.
     """
 
     tools: Sequence[Tool] = ()
     max_turns: int | None = None
     step_timeout: float | None = None
     tool_parser: str = "hermes"
+    tool_timeout: float = 30.0
+    turn_budget: float = 50.0
+    sandbox_pool: SandboxPool | None = None
+    _sandbox: Sandbox | None = None  # the episode's, once taken (instance attributes shadow these)
+    _sandbox_pool: SandboxPool | None = None
 
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
         """Start an episode for one task and return what the model sees first.
@@ -146,48 +175,13 @@ class Env:
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     async def close(self) -> None:
-        """Release what the episode held (sandboxes, connections). Called once per episode."""
+        """Release what the episode held (the sandbox, connections). Called once per episode;
+        subclasses that override this call ``super().close()``."""
+        await self.release_sandbox()
 
     def tool_schemas(self) -> list[dict]:
         """The OpenAI tool specs of ``tools``, as the chat template receives them."""
         return [t.schema() for t in self.tools]
-
-
-class ToolEnv(Env):
-    """An Env that answers tool calls with its tools and scores the final answer.
-
-    ``reset`` turns the task's ``prompt`` (a string or a list of messages) into the first
-    observation, after ``system_prompt`` when set, and keeps the task row in ``self.task``.
-    ``step`` runs every tool call of the turn concurrently (each with its ``timeout`` or
-    ``tool_timeout``) and returns one ``tool`` message per call; malformed calls, unknown tools,
-    bad arguments, exceptions and timeouts become error messages the model reads. A turn with no
-    tool call ends the episode (``terminated``) with reward ``reward(action)``, which subclasses
-    write (sync or async).
-
-    Tools with ``sandboxed = True`` share the episode's sandbox, taken from ``sandbox_pool`` (None:
-    the process's :func:`agentrl.sandbox.default_pool`) on first use and returned, reset, by
-    :meth:`release_sandbox` (called by :meth:`close`, and by the episode loop after ``close`` even
-    when a subclass forgets ``super().close()``). ``await self.sandbox()`` gives it to the subclass
-    too (e.g. to run hidden tests).
-
-    ``turn_budget`` (seconds) bounds all tool calls of one turn together: each call's limit is cut
-    to what is left, and calls past it get an error. Keep it below ``--env-step-timeout``: a turn
-    that runs out the *step* timeout fails its sample, which is dropped from training, so a model
-    that could run tools past it would learn to hide its bad samples; a tool timeout is instead an
-    error the model reads and is scored for.
-    """
-
-    system_prompt: str | None = None
-    tool_timeout: float = 30.0
-    turn_budget: float = 50.0
-    sandbox_pool: SandboxPool | None = None
-
-    def __init__(self) -> None:
-        self.task: dict[str, Any] = {}
-        self.seed: int | None = None
-        self._sandbox: Sandbox | None = None
-        self._sandbox_pool: SandboxPool | None = None
-        self._sandbox_lock = asyncio.Lock()
 
     async def sandbox(self) -> Sandbox:
         """The episode's sandbox (acquired from the pool on first call; the same one afterwards)."""
@@ -204,40 +198,6 @@ class ToolEnv(Env):
         pool = getattr(self, "_sandbox_pool", None)
         if sandbox is not None and pool is not None:
             await pool.release(sandbox)
-
-    async def close(self) -> None:
-        """Release the episode's sandbox; subclasses that override this call ``super().close()``."""
-        await self.release_sandbox()
-
-    async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
-        self.task = dict(options or {})
-        self.seed = seed
-        prompt = self.task.get("prompt", "")
-        messages: list[Message] = []
-        if self.system_prompt:
-            messages.append({"role": "system", "content": self.system_prompt})
-        if isinstance(prompt, list):
-            messages.extend(cast(Message, dict(m)) for m in prompt)  # copies: the task row stays as read
-        else:
-            messages.append({"role": "user", "content": str(prompt)})
-        return messages, {}
-
-    async def step(self, action: Action) -> StepResult:
-        if action.tool_calls or action.errors:
-            messages = await self.call_tools(action)
-            return (
-                messages,
-                0.0,
-                False,
-                False,
-                {"tool_calls": len(action.tool_calls), "tool_errors": len(action.errors)},
-            )
-        reward = await maybe_await(self.reward(action))
-        return [], float(reward), True, False, {}
-
-    async def reward(self, action: Action) -> float:
-        """Score the final answer (a turn without tool calls). Override this."""
-        return 0.0
 
     async def call_tools(self, action: Action) -> list[Message]:
         """Run the turn's tool calls concurrently; one ``tool`` message per call or parse error."""
@@ -272,6 +232,57 @@ class ToolEnv(Env):
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+class ToolEnv(Env):
+    """An Env that answers tool calls with its tools and scores the final answer.
+
+    ``reset`` turns the task's ``prompt`` (a string or a list of messages) into the first
+    observation, after ``system_prompt`` when set, and keeps the task row in ``self.task``.
+    ``step`` runs every tool call of the turn with :meth:`Env.call_tools`; a turn with no tool call
+    ends the episode (``terminated``) with reward ``reward(action)``, which subclasses write (sync or
+    async). An env whose episode goes on after a turn without a tool call (a game, a dialogue) is a
+    plain :class:`Env` that calls :meth:`~Env.call_tools` itself.
+    """
+
+    system_prompt: str | None = None
+
+    def __init__(self) -> None:
+        self.task: dict[str, Any] = {}
+        self.seed: int | None = None
+        self._sandbox: Sandbox | None = None
+        self._sandbox_pool: SandboxPool | None = None
+        self._sandbox_lock = asyncio.Lock()
+
+    async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
+        self.task = dict(options or {})
+        self.seed = seed
+        prompt = self.task.get("prompt", "")
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        if isinstance(prompt, list):
+            messages.extend(cast(Message, dict(m)) for m in prompt)  # copies: the task row stays as read
+        else:
+            messages.append({"role": "user", "content": str(prompt)})
+        return messages, {}
+
+    async def step(self, action: Action) -> StepResult:
+        if action.tool_calls or action.errors:
+            messages = await self.call_tools(action)
+            return (
+                messages,
+                0.0,
+                False,
+                False,
+                {"tool_calls": len(action.tool_calls), "tool_errors": len(action.errors)},
+            )
+        reward = await maybe_await(self.reward(action))
+        return [], float(reward), True, False, {}
+
+    async def reward(self, action: Action) -> float:
+        """Score the final answer (a turn without tool calls). Override this."""
+        return 0.0
 
 
 async def maybe_await(value: Any) -> Any:
