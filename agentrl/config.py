@@ -91,6 +91,14 @@ class RolloutConfig:
     rollout_max_context_len: int | None = option(
         None, help="max tokens of a whole episode (prompt + all turns + observations)"
     )
+    history_mode: str = option(
+        "exact",
+        help="when the chat template would render the conversation differently from the tokens the episode holds "
+        "(it strips earlier <think> blocks, re-tokenizes a turn): exact keeps the rollout's tokens (counted as "
+        "template_breaks); template follows the template and starts a new segment (its own sample, same "
+        "episode_id) at every break",
+        choices=("exact", "template"),
+    )
     rollout_temperature: float = option(
         1.0, help="sampling temperature of rollouts (the trainer scales its logits by it too)"
     )

@@ -174,6 +174,26 @@ class Env:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
+    async def rewrite_history(self, messages: list[Message]) -> list[Message] | None:
+        """Rewrite the conversation before the next turn, or return None to keep it (the default).
+
+        Called after every ``step`` that continues the episode, with the whole conversation so far
+        (the step's observation included); an env that does not override it costs nothing. Return a
+        new list of messages to compact the context: summarise old turns, drop old tool outputs
+        (:func:`agentrl.rollout.history.drop_tool_outputs`), strip earlier reasoning
+        (:func:`~agentrl.rollout.history.strip_thinking`). The next turn is then prompted with the
+        new conversation as the chat template renders it. When that rendering still starts with every
+        token the episode holds (the rewrite only appended), the sample simply goes on; otherwise the
+        episode starts a new **segment**: its own token-exact sample whose prompt is the new
+        conversation, linked to the others by ``metadata["episode_id"]`` and ``metadata["segment"]``.
+        Every segment carries the episode's status and reward (the sum of all turns'); each keeps its
+        own turns' ``turn_rewards``; group advantages count the episode once.
+
+        Anything but a list of chat messages fails the sample (``env_contract``), as a bad ``step``
+        return does.
+        """
+        return None
+
     async def close(self) -> None:
         """Release what the episode held (the sandbox, connections). Called once per episode;
         subclasses that override this call ``super().close()``."""

@@ -77,12 +77,15 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
-    Per-episode statistics (``reward_*``, ``response_length_mean``, ``turns_mean``,
+    Per-episode statistics (an episode in several segments counts once; ``reward_*``,
+    ``response_length_mean`` (per sample), ``turns_mean``,
     ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are
     taken over **trainable** samples only (completed or truncated): a
     failed or aborted sample has no real reward (the env raised, the engine died), and counting it
     as 0 would make an infrastructure fault look like a worse policy. How many there were is in
-    ``count_failed`` / ``count_aborted``. With no trainable sample these means are NaN (``null`` in
+    ``count_failed`` / ``count_aborted``; ``count_extra_segments`` (samples beyond one per episode),
+    ``count_history_rewrites`` and ``count_template_breaks`` say how often histories were rewritten
+    and re-rendered differently. With no trainable sample these means are NaN (``null`` in
     the JSONL). Costs (``sampled_tokens``, ``rollout_tokens_per_s``, ``non_generation_time_mean``: seconds
     in env/tool calls) and counts (``count_remove_sample``: samples a filter kept out of the loss) are
     over all samples; ``spec_accept_rate``/``spec_accept_length`` appear when speculative decoding ran
@@ -93,8 +96,15 @@ def step_metrics(
     ``train_seconds``, ``tokens_per_s`` ...) and ``extra`` are merged in unchanged, so they keep
     whatever prefix the caller gave them.
     """
-    trainable = [s for s in samples if s.status in TRAINABLE]
-    rewards = [r for r in (scalar_reward(s) for s in trainable) if r is not None]
+    # an episode in several segments (a history rewrite) counts once: its reward is on every segment,
+    # its turns and tool calls are the sum of its segments'
+    episodes: dict[Any, list[Sample]] = {}
+    for k, s in enumerate(samples):
+        episodes.setdefault(s.metadata.get("episode_id") or ("sample", k), []).append(s)
+    trainable = [e for e in episodes.values() if e[-1].status in TRAINABLE]
+    rewards = [r for r in (scalar_reward(e[-1]) for e in trainable) if r is not None]
+    turns = [sum(int(s.metadata.get("num_turns", 0)) for s in e) for e in trainable]
+    calls = [sum(int(s.metadata.get("tool_calls", 0)) for s in e) for e in trainable]
     sampled = sum(sum(s.loss_mask or ()) for s in samples)
     out: dict[str, Any] = {
         "samples": len(samples),
@@ -102,14 +112,17 @@ def step_metrics(
         "reward_std": _std(rewards),
         "reward_max": max(rewards) if rewards else math.nan,
         "reward_min": min(rewards) if rewards else math.nan,
-        "response_length_mean": _mean([s.response_length for s in trainable]),
-        "turns_mean": _mean([int(s.metadata.get("num_turns", 0)) for s in trainable]),
-        "tool_calls_mean": _mean([int(s.metadata.get("tool_calls", 0)) for s in trainable]),
-        "tool_call_rate": _mean([float(int(s.metadata.get("tool_calls", 0)) > 0) for s in trainable]),
+        "response_length_mean": _mean([s.response_length for e in trainable for s in e]),
+        "turns_mean": _mean(turns),
+        "tool_calls_mean": _mean(calls),
+        "tool_call_rate": _mean([float(c > 0) for c in calls]),
         "sampled_tokens": sampled,
         "non_generation_time_mean": _mean([s.non_generation_time for s in samples]),
         "count_not_token_exact": sum(not s.token_exact for s in samples),
         "count_remove_sample": sum(s.remove_sample for s in samples),
+        "count_extra_segments": len(samples) - len(episodes),
+        "count_history_rewrites": sum(int(s.metadata.get("history_rewrites", 0)) for s in samples),
+        "count_template_breaks": sum(int(s.metadata.get("template_breaks", 0)) for s in samples),
         "rollout_seconds": float(rollout_seconds),
         "rollout_tokens_per_s": sampled / rollout_seconds if rollout_seconds > 0 else math.nan,
     }

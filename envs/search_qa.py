@@ -32,6 +32,7 @@ from pathlib import Path
 import agentrl
 from agentrl.data import load_tasks
 from agentrl.parsing import last_tag
+from agentrl.rollout.history import drop_tool_outputs
 from agentrl.tools.search import Corpus, SearchTool
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -104,6 +105,25 @@ class SearchQA(agentrl.ToolEnv):
         exact = any(said == gold for gold in golds)
         reward = float(exact) if self.reward_metric == "exact_match" else f1
         return [], reward, True, False, {"f1": f1, "exact_match": exact, "answer_tag": tagged}
+
+
+class CompactSearchQA(SearchQA):
+    """SearchQA with context compaction: once more than ``keep_tool_outputs`` searches have been
+    answered, the older results are dropped from the history (the calls stay; a placeholder replaces
+    their output), as long-horizon search agents do to stay within their context.
+
+    Each compaction changes text the model already saw, so the episode continues in a new segment
+    (:meth:`agentrl.Env.rewrite_history`): its own token-exact sample, prompted with the compacted
+    conversation, sharing the episode's ``episode_id`` and reward. ``max_turns`` is higher than
+    SearchQA's: compaction is for episodes that search many times.
+    """
+
+    keep_tool_outputs = 1
+    max_turns = 8
+
+    async def rewrite_history(self, messages: list[agentrl.Message]) -> list[agentrl.Message] | None:
+        compacted = drop_tool_outputs(messages, keep_last=self.keep_tool_outputs)
+        return compacted if compacted != messages else None
 
 
 # -- the fictional world ---------------------------------------------------------------------------

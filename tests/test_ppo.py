@@ -355,3 +355,31 @@ def test_critic_only_steps_are_checked_against_the_epoch_count(tmp_path, capsys)
     assert "--num-critic-only-steps (5) must be below --num-rollout (2, from --num-epoch 1)" in capsys.readouterr().err
     assert main(["sft", "--sft-data", str(rows), "--normalize-advantages"]) == 2
     assert "RL flags" in capsys.readouterr().err
+
+
+def test_ppo_refuses_episodes_split_into_segments():
+    """GAE bootstraps along one token sequence: segments of a rewritten history are refused, naming the way out."""
+    from types import SimpleNamespace
+
+    from agentrl.runtime.loop import TrainLoop
+    from agentrl.trainer.base import TrainSample
+    from agentrl.types import Sample
+
+    loop = TrainLoop(
+        RunConfig(train=TrainConfig(advantage_estimator="ppo")),
+        ctx=SimpleNamespace(),
+        env_factory=None,
+        source=None,
+        trainers=None,
+        sync_weights=print,
+        metrics=None,
+        critic=object(),
+    )
+    samples = []
+    for k in range(2):
+        s = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=1.0)
+        s.metadata.update(episode_id="e0", segment=k, num_segments=2)
+        samples.append(s)
+    batch = [TrainSample(tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], values=[0.0, 0.0]) for _ in samples]
+    with pytest.raises(ValueError, match="ppo bootstraps values along one token sequence"):
+        loop.advantages(samples, batch)

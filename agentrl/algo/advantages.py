@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -42,23 +42,55 @@ Rewards = Tensor | Sequence[float]
 # ---------------------------------------------------------------------------------------------
 
 
-def _group_stats(values: Tensor, group_ids: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+def episode_weights(values: Tensor, episode_ids: Sequence[Hashable] | None) -> Tensor:
+    """[N] weights 1/k for a sample of an episode split into k samples (segments), 1 without ids.
+
+    Why: an episode whose history was rewritten is several samples (its segments) with one reward;
+    group statistics must count the episode once however many segments it has, or an episode that
+    compacted its context often would pull its group's baseline toward itself. Refuses segments of
+    one episode with different rewards (the reward is the episode's).
+    """
+    if episode_ids is None:
+        return torch.ones_like(values)
+    if len(episode_ids) != values.numel():
+        raise ValueError(f"{len(episode_ids)} episode ids for {values.numel()} rewards")
+    seen: dict[Hashable, list[int]] = {}
+    for i, e in enumerate(episode_ids):
+        seen.setdefault(e, []).append(i)
+    w = torch.ones_like(values)
+    for e, idx in seen.items():
+        if len(idx) > 1:
+            if len({float(values[i]) for i in idx}) > 1:
+                raise ValueError(
+                    f"the segments of episode {e!r} have different rewards {[float(values[i]) for i in idx]}: "
+                    "every segment carries its episode's reward"
+                )
+            w[idx] = 1.0 / len(idx)
+    return w
+
+
+def _group_stats(
+    values: Tensor, group_ids: Sequence[int], episode_ids: Sequence[Hashable] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample group mean, unbiased group std and group size, grouped by id.
 
     values: [N]. Returns three [N] tensors (each sample gets its own group's statistics).
     std_g = sqrt(sum_{j in g} (r_j - mean_g)^2 / (n_g - 1)), i.e. ``torch.std``'s default
     (Bessel-corrected), the same as slime; it is NaN for n_g = 1, which callers map to 0.
+    With ``episode_ids`` the statistics are over episodes: a sample of an episode in k segments
+    weighs 1/k (:func:`episode_weights`), so n_g counts episodes.
     """
     if len(group_ids) != values.numel():
         raise ValueError(f"{len(group_ids)} group ids for {values.numel()} rewards")
     if any(g is None for g in group_ids):
         raise ValueError("every sample needs a group id (Sample.group_index is None)")
+    w = episode_weights(values, episode_ids)
     ids = torch.as_tensor(list(group_ids), dtype=torch.long, device=values.device)
     _, inv = torch.unique(ids, return_inverse=True)  # [N] in 0..G-1
     num_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = values.new_zeros(num_groups).index_add_(0, inv, torch.ones_like(values))  # [G]
-    mean = values.new_zeros(num_groups).index_add_(0, inv, values) / count  # [G]
-    sq_dev = (values - mean[inv]) ** 2  # [N]
+    count = values.new_zeros(num_groups).index_add_(0, inv, w)  # [G]
+    mean = values.new_zeros(num_groups).index_add_(0, inv, w * values) / count  # [G]
+    sq_dev = w * (values - mean[inv]) ** 2  # [N]
     var = values.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)  # [G]
     return mean[inv], var.sqrt()[inv], count[inv]
 
@@ -76,7 +108,14 @@ def _as_masks(loss_masks: Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
-def grpo(rewards: Rewards, group_ids: Sequence[int], *, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
+def grpo(
+    rewards: Rewards,
+    group_ids: Sequence[int],
+    *,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+    episode_ids: Sequence[Hashable] | None = None,
+) -> Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps).
 
     ``std_g`` is the unbiased (n-1) group std, as ``torch.std`` and slime compute it. With
@@ -87,21 +126,21 @@ def grpo(rewards: Rewards, group_ids: Sequence[int], *, std_normalize: bool = Tr
     rewards: [N] -> [N]
     """
     r = _as_rewards(rewards)
-    mean, std, count = _group_stats(r, group_ids)
+    mean, std, count = _group_stats(r, group_ids, episode_ids)
     adv = r - mean
     if std_normalize:
         adv = adv / (std.nan_to_num(0.0) + eps)
     return torch.where(count > 1, adv, torch.zeros_like(adv))
 
 
-def rloo(rewards: Rewards, group_ids: Sequence[int]) -> Tensor:
+def rloo(rewards: Rewards, group_ids: Sequence[int], *, episode_ids: Sequence[Hashable] | None = None) -> Tensor:
     """RLOO (Ahmadian et al. 2024): A_i = r_i - (1/(n-1)) sum_{j != i} r_j = n/(n-1) (r_i - mean_g).
 
     The leave-one-out baseline makes the estimator unbiased. Singleton groups get 0.
     rewards: [N] -> [N]
     """
     r = _as_rewards(rewards)
-    mean, _, count = _group_stats(r, group_ids)
+    mean, _, count = _group_stats(r, group_ids, episode_ids)
     adv = count / (count - 1).clamp_min(1) * (r - mean)
     return torch.where(count > 1, adv, torch.zeros_like(adv))
 
@@ -188,6 +227,7 @@ def reinforce_plus_plus_baseline(
     *,
     kl: Sequence[Tensor] | None = None,
     kl_coef: float = 0.0,
+    episode_ids: Sequence[Hashable] | None = None,
 ) -> list[Tensor]:
     """REINFORCE++-baseline: A_t = whiten(r_i - mean_g - kl_coef * kl_t) over the batch's masked tokens.
 
@@ -197,7 +237,7 @@ def reinforce_plus_plus_baseline(
     rewards: [N]; loss_masks[i], kl[i]: [L_i].
     """
     r = _as_rewards(rewards)
-    mean, _, _ = _group_stats(r, group_ids)
+    mean, _, _ = _group_stats(r, group_ids, episode_ids)
     masks = _as_masks(loss_masks)
     raw = []
     for i, m in enumerate(masks):
@@ -461,8 +501,14 @@ def compute_advantages(
     kl_coef: float = 0.0,
     std_normalize: bool = True,
     per_turn: bool = False,
+    episode_ids: Sequence[Hashable] | None = None,
 ) -> list[Tensor]:
     """Per-token advantages of every sample for ``--advantage-estimator``: a list of [L_i] tensors.
+
+    ``episode_ids`` (``metadata["episode_id"]``) say which samples are segments of one episode: group
+    statistics count each episode once (:func:`episode_weights`) and every segment gets its episode's
+    advantage. Per-turn credit needs whole episodes (turn returns run across segments): refused for
+    an episode in several segments.
 
     Sequence-level estimators (grpo, gspo, rloo) are broadcast over the response; every result is
     multiplied by the loss mask, so tokens the policy did not sample have advantage 0.
@@ -481,6 +527,11 @@ def compute_advantages(
     if kl_coef and kl is None and estimator.startswith("reinforce_plus_plus"):
         raise ValueError("--kl-coef > 0 needs per-token KL (reference log-probs) for REINFORCE++")
     if per_turn:
+        if episode_ids is not None and len(set(episode_ids)) < len(episode_ids):
+            raise ValueError(
+                "--per-turn-credit needs each episode as one sample: a history rewrite (or --history-mode template) "
+                "split some into segments; drop one of them"
+            )
         if estimator not in ("grpo", "gspo"):
             raise ValueError(f"--per-turn-credit works only with --advantage-estimator grpo or gspo, not {estimator!r}")
         if turn_rewards is None or turn_spans is None:
@@ -488,11 +539,11 @@ def compute_advantages(
         return per_turn_grpo(turn_rewards, turn_spans, group_ids, masks, gamma=gamma, std_normalize=std_normalize)
 
     if estimator in ("grpo", "gspo"):
-        seq = grpo(rewards, group_ids, std_normalize=std_normalize)  # [N]
+        seq = grpo(rewards, group_ids, std_normalize=std_normalize, episode_ids=episode_ids)  # [N]
     elif estimator == "rloo":
-        seq = rloo(rewards, group_ids)  # [N]
+        seq = rloo(rewards, group_ids, episode_ids=episode_ids)  # [N]
     elif estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(rewards, masks, kl=kl, kl_coef=kl_coef, gamma=gamma)
     else:  # reinforce_plus_plus_baseline
-        return reinforce_plus_plus_baseline(rewards, group_ids, masks, kl=kl, kl_coef=kl_coef)
+        return reinforce_plus_plus_baseline(rewards, group_ids, masks, kl=kl, kl_coef=kl_coef, episode_ids=episode_ids)
     return [seq[i] * m for i, m in enumerate(masks)]

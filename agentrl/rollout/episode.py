@@ -34,9 +34,9 @@ from typing import Any
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
-from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
+from agentrl.env import Env, EnvContractError, call_env, check_messages, check_reset, check_step
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
-from agentrl.types import Action, Sample, Status
+from agentrl.types import Action, Message, Sample, Status
 
 _PARSER_ID = re.compile(r"call_\d+")
 _BIG_OBSERVATION = 32_768
@@ -129,23 +129,22 @@ async def run_episode(
     group_index: int | None = None,
     index: int | None = None,
     seed: int | None = None,
-) -> Sample:
-    """Run one episode of a fresh env on ``task``; always returns a :class:`Sample`, never raises."""
+) -> list[Sample]:
+    """Run one episode of a fresh env on ``task``; never raises.
+
+    Returns the episode's samples: one, or one per *segment* when the history was rewritten
+    (:meth:`Env.rewrite_history`, or ``--history-mode template`` at a template break). Segments share
+    ``metadata["episode_id"]``, the episode's status and reward; ``metadata["segment"]`` orders them.
+    """
     cfg = ctx.config
     t0 = time.monotonic()
-    key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode
+    key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode; the episode id
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
-    meta: dict[str, Any] = {
-        "turn_rewards": [],
-        "finish_reasons": [],
-        "env_infos": [],
-        "tool_calls": 0,
-        "parse_errors": 0,
-    }
-    sample.metadata = meta
+    sample.metadata = _segment_metadata()
     extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
     if extra:
-        meta["task"] = extra
+        sample.metadata["task"] = extra
+    done: list[tuple[Sample, TokenLedger]] = []  # finished segments, before the live one
     ledger: TokenLedger | None = None
     env: Env | None = None
     status, reason = Status.TRUNCATED, "max_turns"
@@ -155,11 +154,12 @@ async def run_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
+        rewrites = type(env).rewrite_history is not Env.rewrite_history
         with _env_clock(sample):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
             obs, info = check_reset(await _timed(reset, step_timeout, "reset()"))
         sample.prompt = obs
-        meta["reset_info"] = info
+        sample.metadata["reset_info"] = info
         tools = env.tool_schemas()
         try:
             _, prompt_ids = ctx.template.prompt(obs, tools)
@@ -175,6 +175,7 @@ async def run_episode(
             raise _EndEpisode(Status.TRUNCATED, "context_length")
         prompt_len, whole = len(ledger), cfg.rollout_max_response_len
         for turn in range(max_turns):
+            meta = sample.metadata
             budget = cfg.rollout_max_turn_len
             if whole is not None:  # slime's budget over the whole response: this turn gets what is left
                 left = whole - (len(ledger) - prompt_len)
@@ -243,44 +244,128 @@ async def run_episode(
                 break
             if turn == max_turns - 1:
                 break
+            convo.extend(obs)
+            rewritten = None
+            if rewrites:
+                with _env_clock(sample):
+                    rewrite = call_env(env.rewrite_history, list(convo), _executor=ctx.executor)
+                    rewritten = await _timed(rewrite, step_timeout, "rewrite_history()")
+                if rewritten is not None:
+                    rewritten = check_messages(rewritten, "rewrite_history()")
+                    if not rewritten:
+                        raise _EndEpisode(Status.FAILED, "env_contract", "rewrite_history() returned no messages")
+                    if rewritten == convo:
+                        rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
+                    else:
+                        convo = rewritten
+                        meta["history_rewrites"] = meta.get("history_rewrites", 0) + 1
+            if rewritten is None:
+                try:
+                    delta = ctx.template.observation_delta(
+                        obs, tools, last_token_text=last_token_text, context=delta_context
+                    )
+                except TemplateError as exc:
+                    raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+                if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
+                    raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
+                delta_ids = await _encode(ctx, delta)
+                if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
+                    raise _EndEpisode(Status.TRUNCATED, "context_length")
+                if whole is not None and len(ledger) + len(delta_ids) - prompt_len >= whole:
+                    raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
+                ledger.append_env(delta_ids)
+            # what the chat template makes of the conversation now: the rewritten history's prompt, or (to
+            # detect a template break) the whole conversation re-rendered
+            rendered = await _render_prompt(ctx, convo, tools)
+            if rendered[: len(ledger)] == ledger.tokens:  # an extension of what the ledger holds: one sample
+                if rewritten is not None:
+                    extra_ids = rendered[len(ledger) :]
+                    if context_len is not None and len(rendered) >= context_len:
+                        raise _EndEpisode(Status.TRUNCATED, "context_length")
+                    if whole is not None and len(rendered) - prompt_len >= whole:
+                        raise _EndEpisode(Status.TRUNCATED, "response_budget")
+                    ledger.append_env(extra_ids)
+                continue
+            if rewritten is None:
+                meta["template_breaks"] = meta.get("template_breaks", 0) + 1
+                if cfg.history_mode != "template":
+                    continue  # keep the rollout's exact tokens (the default)
+            # a new segment: its prompt is the conversation as the template renders it now
+            if context_len is not None and len(rendered) >= context_len:
+                raise _EndEpisode(Status.TRUNCATED, "context_length")
+            done.append((sample, ledger))
+            sample = _next_segment(sample, convo)
+            ledger = TokenLedger(rendered)
+            prompt_len = len(ledger)
             try:
-                delta = ctx.template.observation_delta(
-                    obs, tools, last_token_text=last_token_text, context=delta_context
-                )
+                delta_context = ctx.template.delta_context(tools, convo)
             except TemplateError as exc:
                 raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
-            convo.extend(obs)
-            if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
-                raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
-            if len(delta) > _BIG_OBSERVATION:  # seconds of tokenizing must not stall every other episode
-                delta_ids = await asyncio.to_thread(ctx.template.encode, delta)
-            else:
-                delta_ids = ctx.template.encode(delta)
-            if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
-                raise _EndEpisode(Status.TRUNCATED, "context_length")
-            if whole is not None and len(ledger) + len(delta_ids) - prompt_len >= whole:
-                raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
-            ledger.append_env(delta_ids)
     except _EndEpisode as end:
         status, reason = end.status, end.reason
         if end.error:
-            meta["error"] = end.error
-    except EnvContractError as exc:  # reset()/step() returned the wrong shapes
+            sample.metadata["error"] = end.error
+    except EnvContractError as exc:  # reset()/step()/rewrite_history() returned the wrong shapes
         status, reason = Status.FAILED, "env_contract"
-        meta["error"] = str(exc)
+        sample.metadata["error"] = str(exc)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # an SDK bug, a parser/template surprise, a stray SystemExit: fail the sample only
         status, reason = Status.FAILED, "internal_error"
-        meta["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         if env is not None:
             with _env_clock(sample):
-                await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
+                await _close_env(env, sample.metadata, cfg.env_step_timeout, ctx.executor)
         release = getattr(ctx.engine, "release", None)
         if release is not None:
             release(key)
-    return _finish(sample, ledger, ctx, status, reason, time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    segments = [_finish(s, led, ctx, status, reason, seconds) for s, led in done]
+    segments.append(_finish(sample, ledger, ctx, status, reason, seconds))
+    if len(segments) > 1:  # the episode's reward and outcome are every segment's
+        total = float(sum(sum(s.turn_rewards) for s in segments))
+        error = segments[-1].metadata.get("error")
+        for k, s in enumerate(segments):
+            s.reward = total
+            s.metadata.update(episode_id=key, segment=k, num_segments=len(segments))
+            if error is not None:
+                s.metadata.setdefault("error", error)
+    return segments
+
+
+def _segment_metadata() -> dict[str, Any]:
+    """A segment's own per-turn records (the sample's ``metadata`` starts with these)."""
+    return {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
+
+
+def _next_segment(prev: Sample, convo: list[Message]) -> Sample:
+    """The sample that continues an episode after a history rewrite: same group, index and task, the
+    rewritten conversation as its prompt, fresh per-turn records."""
+    meta = _segment_metadata()
+    for k in ("task", "reset_info"):
+        if k in prev.metadata:
+            meta[k] = prev.metadata[k]
+    nxt = Sample(group_index=prev.group_index, index=prev.index, prompt=list(convo), label=prev.label)
+    nxt.metadata = meta
+    nxt.token_exact = prev.token_exact
+    return nxt
+
+
+async def _encode(ctx: EpisodeContext, text: str) -> list[int]:
+    if len(text) > _BIG_OBSERVATION:  # seconds of tokenizing must not stall every other episode
+        return await asyncio.to_thread(ctx.template.encode, text)
+    return ctx.template.encode(text)
+
+
+async def _render_prompt(ctx: EpisodeContext, convo: list[Message], tools: list[dict]) -> list[int]:
+    """The chat template's prompt ids for the whole conversation (a worker thread when it is long)."""
+    try:
+        if sum(len(str(m.get("content") or "")) for m in convo) > _BIG_OBSERVATION:
+            return (await asyncio.to_thread(ctx.template.prompt, convo, tools))[1]
+        return ctx.template.prompt(convo, tools)[1]
+    except TemplateError as exc:
+        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
 
 
 @contextlib.contextmanager

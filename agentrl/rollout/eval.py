@@ -68,12 +68,13 @@ def passed(sample: Sample, success_threshold: float) -> bool:
 def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: float = 1.0) -> dict[str, Any]:
     """Mean reward, pass@k (averaged over prompts), turns, tool use and status counts of one dataset's samples."""
     groups: dict[Any, list[Sample]] = defaultdict(list)
-    for s in samples:
-        groups[s.group_index].append(s)
+    for s in samples:  # an episode in several segments is one attempt: its last segment has the outcome
+        if s.metadata.get("segment", 0) == s.metadata.get("num_segments", 1) - 1:
+            groups[s.group_index].append(s)
     m = step_metrics(samples, rollout_seconds=0.0)
     out: dict[str, Any] = {
         "num_prompts": len(groups),
-        "num_samples": len(samples),
+        "num_samples": sum(len(g) for g in groups.values()),
         "reward_mean": m["reward_mean"],
         "reward_std": m["reward_std"],
         "response_length_mean": m["response_length_mean"],

@@ -277,19 +277,34 @@ async def generate_rollout(
     summary = RolloutSummary()
     t0 = time.monotonic()
 
-    async def one(task: dict[str, Any], group_index: int, index: int) -> Sample:
+    async def one(task: dict[str, Any], group_index: int, index: int) -> list[Sample]:
         async with sem:
             if custom_generate is not None or task.get("generate_function_path"):
-                sample = await _custom_episode(custom_generate, args, ctx, task, group_index, index)
-            else:
-                assert env_factory is not None
-                sample = await run_episode(
-                    ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
-                )
-        return await finish(sample)
+                return [await finish(await _custom_episode(custom_generate, args, ctx, task, group_index, index))]
+            assert env_factory is not None
+            segments = await run_episode(
+                ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
+            )
+        if len(segments) == 1:
+            return [await finish(segments[0])]
+        return await finish_segments(segments)
 
-    async def finish(sample: Sample) -> Sample:
+    async def finish_segments(segments: list[Sample]) -> list[Sample]:
+        """An episode in several segments: the reward function scores the last one (the episode's
+        outcome) once, and its score goes to every segment, which all carry the episode's reward."""
         if custom_reward is not None:
+            last = segments[-1]
+            async with sem:
+                await apply_custom_reward(custom_reward, args, last)
+            for s in segments[:-1]:
+                s.reward, s.status, s.status_reason = last.reward, last.status, last.status_reason
+                for k in ("rm_reward", "error"):
+                    if k in last.metadata:
+                        s.metadata[k] = last.metadata[k]
+        return [await finish(s, rewarded=True) for s in segments]
+
+    async def finish(sample: Sample, *, rewarded: bool = False) -> Sample:
+        if custom_reward is not None and not rewarded:
             async with sem:
                 sample = await apply_custom_reward(custom_reward, args, sample)
         summary.add(sample)
@@ -333,9 +348,9 @@ async def generate_rollout(
     try:
         if isinstance(custom_generate, BatchGenerate):  # the batch and rows with their own function, together
             batched, mine = await asyncio.gather(batch_then_finish(), asyncio.gather(*own))
-            samples = batched + list(mine)
+            samples = batched + [s for episode in mine for s in episode]
         else:
-            samples = list(await asyncio.gather(*jobs))
+            samples = [s for episode in await asyncio.gather(*jobs) for s in episode]
     finally:
         if own_pool is not None:
             own_pool.shutdown(wait=False)  # a timed-out sync step may still hold its (daemon) thread

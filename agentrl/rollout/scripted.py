@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, call_env, check_reset, check_step, maybe_await
+from agentrl.env import Env, call_env, check_messages, check_reset, check_step, maybe_await
 from agentrl.parsing import get_parser
 from agentrl.rollout.episode import release_sandbox
 from agentrl.sandbox import close_default_pool
@@ -37,6 +37,9 @@ class PlayResult:
     """The policy's text of each turn, verbatim (what a model would have sampled, tool-call markup included)."""
     tools: list[dict] = field(default_factory=list)
     """The env's tool schemas (what the chat template renders), for turning the episode into a demonstration."""
+    rewrites: int = 0
+    """How often the env rewrote the history (:meth:`agentrl.Env.rewrite_history`); ``messages`` keeps
+    the whole episode as played, the policy saw the rewritten history."""
     terminated: bool = False
     truncated: bool = False
     error: str | None = None
@@ -62,20 +65,29 @@ async def _episode(
         result.messages.extend(obs)
         result.tools = env.tool_schemas()
         env_limit = getattr(env, "max_turns", None)
+        rewrites = type(env).rewrite_history is not Env.rewrite_history
+        view = list(obs)  # what the policy sees: the history, as the env's rewrites left it
         for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
-            text = await maybe_await(policy(list(result.messages), task))
+            text = await maybe_await(policy(list(view), task))
             if not isinstance(text, str):
                 raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
             _, calls, errors = parser.parse(text)
             action = Action(text=text, tool_calls=calls, errors=errors)
             result.texts.append(text)
             result.messages.append(action.as_message())
+            view.append(action.as_message())
             obs, reward, terminated, truncated, _ = check_step(await call_env(env.step, action))
             result.rewards.append(float(reward))
             result.messages.extend(obs)
             if terminated or truncated:
                 result.terminated, result.truncated = bool(terminated), bool(truncated)
                 break
+            view.extend(obs)
+            if rewrites:
+                rewritten = await call_env(env.rewrite_history, list(view))
+                if rewritten is not None:
+                    view = check_messages(rewritten, "rewrite_history()")
+                    result.rewrites += 1
         else:
             result.truncated = True
     except asyncio.CancelledError:

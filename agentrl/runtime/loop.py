@@ -288,7 +288,15 @@ class TrainLoop:
             ]
         per_turn = t.per_turn_credit
         masks = [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch]
+        # segments of one episode (a history rewrite) share its id; a sample without one is its own episode
+        episode_ids = [s.metadata.get("episode_id") or f"sample-{k}" for k, s in enumerate(samples)]
         if t.advantage_estimator == "ppo":
+            if len(set(episode_ids)) < len(episode_ids):
+                raise ValueError(
+                    "--advantage-estimator ppo bootstraps values along one token sequence: episodes split into "
+                    "segments (a history rewrite, --history-mode template) need a sequence-level estimator (grpo, rloo, "
+                    "reinforce_plus_plus_baseline)"
+                )
             advs, returns = ppo_advantages(
                 torch.tensor([float(s.reward or 0.0) for s in samples]),
                 masks,
@@ -317,6 +325,7 @@ class TrainLoop:
             kl_coef=t.kl_coef,
             std_normalize=not t.disable_grpo_std_normalization,
             per_turn=per_turn,
+            episode_ids=episode_ids,
         )
         self._set_advantages(batch, advs, masks)
 

@@ -1,0 +1,304 @@
+"""Episodes whose history is rewritten (compaction, summaries, a template that re-renders earlier turns):
+linked segments, each its own token-exact sample, against the real embedded engine over HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import agentrl
+from agentrl.algo.advantages import compute_advantages, grpo
+from agentrl.chat import ChatTemplate
+from agentrl.config import RolloutConfig
+from agentrl.engines.http import SGLangEngine
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.eval import score_samples
+from agentrl.rollout.generate import generate_rollout
+from agentrl.rollout.history import drop_tool_outputs, strip_thinking
+from agentrl.types import Sample, Status
+from tests.test_episode import TalkEnv, _rescore
+
+SUMMARY = "Summary of the conversation so far: the user asked twice."
+
+
+class SummarizingTalk(TalkEnv):
+    """TalkEnv (3 steps, 0.5 each) that replaces the history by a summary once it is 5 messages long."""
+
+    async def rewrite_history(self, messages):
+        if len(messages) < 5:
+            return None
+        return [{"role": "user", "content": SUMMARY}, messages[-1]]
+
+
+class SameHistory(TalkEnv):
+    async def rewrite_history(self, messages):
+        return list(messages)  # a "rewrite" that changes nothing: the sample goes on
+
+
+class BadRewrite(TalkEnv):
+    async def rewrite_history(self, messages):
+        kind = self.prompt
+        if kind == "text":
+            return "not a list"
+        if kind == "role":
+            return [{"role": "wizard", "content": "x"}]
+        if kind == "empty":
+            return []
+        if kind == "raise":
+            raise SystemExit(3)
+        return None
+
+    async def reset(self, *, seed=None, options=None):
+        self.prompt = options["prompt"]
+        return await super().reset(seed=seed, options=options)
+
+
+EARLIER = "[earlier answer]"
+FORGETFUL_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + ('" + EARLIER + "' if message['role'] == 'assistant' and "
+    "loop.index0 < ns.last else (message['content'] or '')) + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML that renders every assistant turn but the last as a placeholder (as Qwen3's drops earlier reasoning)."""
+
+
+def _ctx(url, tokenizer, template=None, **cfg) -> EpisodeContext:
+    config = RolloutConfig(**{"rollout_max_turn_len": 200, "max_turns": 5, **cfg})
+    return EpisodeContext(engine=SGLangEngine(url), template=ChatTemplate(tokenizer, template=template), config=config)
+
+
+def _episodes(samples: list[Sample]) -> dict[str, list[Sample]]:
+    out: dict[str, list[Sample]] = {}
+    for s in samples:
+        out.setdefault(s.metadata.get("episode_id", f"single-{id(s)}"), []).append(s)
+    return out
+
+
+def _assert_token_exact(model, template: ChatTemplate, s: Sample, temperature: float = 1.0) -> None:
+    s.validate()
+    assert s.tokens[: s.prompt_length] == template.prompt(s.prompt, [])[1]  # the prompt is its conversation
+    full = _rescore(model, s.tokens, temperature)[s.prompt_length - 1 :]
+    mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+    assert mask.sum() > 0
+    diff = (full[mask] - torch.tensor(s.rollout_log_probs)[mask]).abs().max().item()
+    assert diff < 1e-4, f"segment {s.metadata.get('segment')}: max |rescored - rollout| = {diff}"
+    assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m == 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+
+
+async def test_a_rewrite_starts_a_linked_token_exact_segment(tiny_server, tiny_tokenizer, tiny_model):
+    ctx = _ctx(tiny_server, tiny_tokenizer, n_samples_per_prompt=2)
+    samples, _ = await generate_rollout(ctx, SummarizingTalk, [{"prompt": "hello"}, {"prompt": "tell me more"}])
+    await ctx.engine.close()
+    episodes = _episodes(samples)
+    assert len(episodes) == 4 and len(samples) == 8
+    for segs in episodes.values():
+        first, second = segs
+        assert [s.metadata["segment"] for s in segs] == [0, 1] and {s.metadata["num_segments"] for s in segs} == {2}
+        assert first.group_index == second.group_index and first.index == second.index
+        assert {s.status for s in segs} == {Status.COMPLETED} and {s.reward for s in segs} == {1.5}
+        assert first.turn_rewards == [0.5, 0.5] and second.turn_rewards == [0.5]  # each keeps its own turns
+        assert first.metadata["history_rewrites"] == 1
+        assert second.prompt[0] == {"role": "user", "content": SUMMARY}
+        assert second.prompt[1]["content"].startswith("Turn 2: say more")
+        for s in segs:
+            _assert_token_exact(tiny_model, ctx.template, s)
+        # the first segment's mask-0 span is exactly the observation it answered, as the template renders it
+        (a, b) = first.env_spans[0]
+        env_text = ctx.template.decode(first.tokens[first.prompt_length + a : first.prompt_length + b])
+        assert "<|im_start|>user\nTurn 1: say more" in env_text and env_text.endswith("<|im_start|>assistant\n")
+    # group advantages count each episode once: here every episode earned the same, so all are 0
+    rewards = torch.tensor([s.reward for s in samples])
+    ids = [s.metadata["episode_id"] for s in samples]
+    adv = grpo(rewards, [s.group_index for s in samples], episode_ids=ids)
+    assert torch.equal(adv, torch.zeros(8))
+
+
+async def test_a_rewrite_that_changes_nothing_keeps_one_sample(tiny_server, tiny_tokenizer, tiny_model):
+    ctx = _ctx(tiny_server, tiny_tokenizer, n_samples_per_prompt=2)
+    samples, _ = await generate_rollout(ctx, SameHistory, [{"prompt": "hello"}])
+    await ctx.engine.close()
+    assert len(samples) == 2
+    for s in samples:
+        assert "episode_id" not in s.metadata and "history_rewrites" not in s.metadata
+        assert len(s.turn_spans) == 3 and s.reward == 1.5
+        _assert_token_exact(tiny_model, ctx.template, s)
+
+
+async def test_a_bad_rewrite_fails_only_its_sample(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    kinds = ["text", "role", "empty", "raise", "fine"]
+    samples, _ = await generate_rollout(ctx, BadRewrite, [{"prompt": k} for k in kinds])
+    await ctx.engine.close()
+    by_kind = {s.metadata["reset_info"] and s.prompt[0]["content"]: s for s in samples}
+    for kind, reason, text in (
+        ("text", "env_contract", "rewrite_history() must return a list of messages"),
+        ("role", "env_contract", "rewrite_history(): message 0 has role 'wizard'"),
+        ("empty", "env_contract", "rewrite_history() returned no messages"),
+        ("raise", "env_error", "rewrite_history() raised SystemExit"),
+    ):
+        s = by_kind[kind]
+        assert (s.status, s.status_reason) == (Status.FAILED, reason), s.metadata
+        assert text in s.metadata["error"]
+    assert by_kind["fine"].status == Status.COMPLETED
+
+
+async def test_a_template_that_rerenders_history_is_counted_or_followed(tiny_server, tiny_tokenizer, tiny_model):
+    tasks = [{"prompt": "hello"}, {"prompt": "what now"}]
+    ctx = _ctx(tiny_server, tiny_tokenizer, template=FORGETFUL_TEMPLATE, n_samples_per_prompt=2)
+    exact, _ = await generate_rollout(ctx, TalkEnv, tasks)
+    assert len(exact) == 4  # default: the rollout's exact tokens, one sample per episode
+    for s in exact:
+        assert s.metadata["template_breaks"] >= 1  # the third turn's prompt re-renders turn 1 differently
+        assert "episode_id" not in s.metadata and len(s.turn_spans) == 3
+
+    ctx = _ctx(
+        tiny_server, tiny_tokenizer, template=FORGETFUL_TEMPLATE, n_samples_per_prompt=2, history_mode="template"
+    )
+    followed, _ = await generate_rollout(ctx, TalkEnv, tasks)
+    await ctx.engine.close()
+    episodes = _episodes(followed)
+    assert len(episodes) == 4 and len(followed) > 4
+    for segs in episodes.values():
+        assert sum(len(s.turn_spans) for s in segs) == 3 and {s.reward for s in segs} == {1.5}
+        for s in segs:
+            _assert_token_exact(tiny_model, ctx.template, s)
+        last = segs[-1]  # its prompt is the template's rendering: turn 1 as the placeholder
+        assert any(m["role"] == "assistant" for m in last.prompt)
+        assert EARLIER in ctx.template.decode(last.tokens[: last.prompt_length])
+
+
+def test_group_advantages_count_each_episode_once():
+    # group 0: episode A (3 segments, reward 1) and episode B (1 sample, reward 0); group 1: C=1, D=1
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    groups = [0, 0, 0, 0, 1, 1]
+    episodes = ["A", "A", "A", "B", "C", "D"]
+    adv = grpo(rewards, groups, episode_ids=episodes)
+    # over episodes: mean 0.5, unbiased std sqrt(0.5) -> A: +0.7071 on each segment, B: -0.7071
+    assert adv[:4].tolist() == pytest.approx([0.5**0.5] * 3 + [-(0.5**0.5)], abs=1e-5)
+    assert adv[4:].tolist() == [0.0, 0.0]
+    per_sample = grpo(rewards, groups)  # without ids the 3 segments would count 3 times
+    assert per_sample[3] != pytest.approx(adv[3])
+    masks = [torch.ones(2)] * 6
+    rloo = compute_advantages("rloo", rewards=rewards, group_ids=groups, loss_masks=masks, episode_ids=episodes)
+    assert rloo[0].tolist() == pytest.approx([1.0, 1.0]) and rloo[3].tolist() == pytest.approx([-1.0, -1.0])
+    with pytest.raises(ValueError, match="segments of episode 'A' have different rewards"):
+        grpo(torch.tensor([1.0, 0.0]), [0, 0], episode_ids=["A", "A"])
+    with pytest.raises(ValueError, match="--per-turn-credit needs each episode as one sample"):
+        compute_advantages(
+            "grpo",
+            rewards=rewards,
+            group_ids=groups,
+            loss_masks=masks,
+            turn_rewards=[[1.0]] * 6,
+            turn_spans=[[(0, 2)]] * 6,
+            per_turn=True,
+            episode_ids=episodes,
+        )
+
+
+def test_eval_counts_an_episode_in_segments_once():
+    def seg(k: int, n: int, reward: float, group: int) -> Sample:
+        s = Sample(group_index=group, index=group, status=Status.COMPLETED, reward=reward)
+        s.metadata.update(episode_id=f"e{group}", segment=k, num_segments=n)
+        return s
+
+    samples = [seg(0, 3, 1.0, 0), seg(1, 3, 1.0, 0), seg(2, 3, 1.0, 0), Sample(group_index=1, index=1, reward=0.0)]
+    samples[-1].status = Status.COMPLETED
+    out = score_samples(samples, n_samples=1)
+    assert out["num_samples"] == 2 and out["pass@1"] == 0.5 and out["reward_mean"] == 0.5
+
+
+def test_history_helpers_copy_and_compact():
+    convo = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>long\nreasoning</think>\nA1"},
+        {"role": "tool", "tool_call_id": "c0", "content": "out 0"},
+        {"role": "tool", "tool_call_id": "c1", "content": "out 1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>now</think>A2"},
+    ]
+    stripped = strip_thinking(convo)
+    assert stripped[1]["content"] == "A1" and stripped[5]["content"] == "<think>now</think>A2"  # after the last user
+    assert convo[1]["content"].startswith("<think>")  # the input is not changed
+    dropped = drop_tool_outputs(convo, keep_last=1)
+    assert [m["content"] for m in dropped if m["role"] == "tool"] == ["[tool output removed to save context]", "out 1"]
+    assert dropped[2]["tool_call_id"] == "c0" and convo[2]["content"] == "out 0"
+    assert drop_tool_outputs(dropped, keep_last=1) == dropped  # idempotent: compaction every turn is stable
+    with pytest.raises(ValueError, match="keep_last"):
+        drop_tool_outputs(convo, keep_last=-1)
+
+
+async def test_compact_search_qa_plays_with_rewrites():
+    from agentrl.envs.search_qa import CompactSearchQA
+    from agentrl.rollout.scripted import play
+
+    def policy(messages, task):
+        if sum(m["role"] == "tool" for m in messages) < 3:
+            call = {"name": "search", "arguments": {"query": task["prompt"][:40]}}
+            return f"<tool_call>{json.dumps(call)}</tool_call>"
+        return "<answer>x</answer>"
+
+    (r,) = await play(CompactSearchQA, policy, CompactSearchQA.tasks(1))
+    assert r.error is None and r.turns == 4 and r.rewrites == 2
+    report = await agentrl.check_env(CompactSearchQA, CompactSearchQA.tasks(1))
+    assert report.ok, report.format()
+
+
+@pytest.mark.e2e
+def test_training_on_segmented_episodes(tiny_ckpt, tmp_path, ray_local):
+    """A run whose env summarises its history: every segment is trained, each with its episode's advantage,
+    and the metrics count the episode once."""
+    from pathlib import Path
+
+    from agentrl.config import RunConfig, TrainConfig
+    from agentrl.runtime.train import train
+
+    save = tmp_path / "run"
+    cfg = RunConfig(
+        env=f"{Path(__file__).resolve()}:ScoredSummarizingTalk",
+        hf_checkpoint=str(tiny_ckpt),
+        num_rollout=1,
+        rollout_batch_size=2,
+        save=str(save),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=5, rollout_max_turn_len=8),
+        train=TrainConfig(lr=1e-3, global_batch_size=8),
+    )
+    train(cfg)
+    (line,) = [json.loads(x) for x in open(save / "metrics.jsonl")]
+    dump = [json.loads(x) for x in open(save / "rollouts" / "rollout_000000.jsonl")]
+    by_episode: dict[str, list[dict]] = {}
+    for s in dump:
+        by_episode.setdefault(s["metadata"].get("episode_id", str(id(s))), []).append(s)
+    split = [e for e in by_episode.values() if len(e) > 1]
+    assert split and line["count_extra_segments"] == sum(len(e) - 1 for e in split)
+    assert line["samples"] == len(dump) and line["train_samples"] == len(dump)
+    for segs in split:
+        firsts = {next(a for a, m in zip(s["advantages"], s["loss_mask"]) if m) for s in segs}
+        assert len(firsts) == 1  # one advantage per episode, on every segment
+    rewards = {e[0]["reward"] for e in by_episode.values()}
+    assert len(rewards) > 1  # the episodes differ, so the advantages are not all 0
+
+
+class ScoredSummarizingTalk(SummarizingTalk):
+    """SummarizingTalk whose last step is scored by the length of the answer (so episodes differ)."""
+
+    @staticmethod
+    def tasks():
+        return [{"prompt": f"question {i}", "label": ""} for i in range(4)]
+
+    async def step(self, action):
+        obs, reward, done, truncated, info = await super().step(action)
+        return obs, (len(action.text) % 7) / 7 if done else reward, done, truncated, info
