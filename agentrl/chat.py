@@ -277,15 +277,24 @@ class TokenLedger:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
-    def append_model(self, ids: Sequence[int], log_probs: Sequence[float]) -> None:
-        """Append ids the policy sampled, verbatim, with their log-probs (mask 1)."""
+    def append_model(self, ids: Sequence[int], log_probs: Sequence[float], *, continues_turn: bool = False) -> None:
+        """Append ids the policy sampled, verbatim, with their log-probs (mask 1).
+
+        ``continues_turn``: the ids continue the last assistant turn (a turn resumed after an engine
+        abort, ``--partial-rollout``): its span grows instead of a new turn starting.
+        """
         if len(ids) != len(log_probs):
             raise ValueError(f"{len(ids)} sampled ids but {len(log_probs)} log-probs")
         start = len(self.response_ids)
+        if continues_turn and not (self.model_spans and self.model_spans[-1][1] == start):
+            raise ValueError("continues_turn: the ledger does not end with an assistant turn")
         self.response_ids.extend(int(i) for i in ids)
         self.log_probs.extend(float(x) for x in log_probs)
         self.loss_mask.extend([1] * len(ids))
-        self.model_spans.append((start, len(self.response_ids)))
+        if continues_turn:
+            self.model_spans[-1] = (self.model_spans[-1][0], len(self.response_ids))
+        else:
+            self.model_spans.append((start, len(self.response_ids)))
 
     def append_env(self, ids: Sequence[int]) -> None:
         """Append ids the environment/template wrote (mask 0, log-prob 0.0)."""

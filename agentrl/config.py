@@ -91,6 +91,13 @@ class RolloutConfig:
     rollout_max_context_len: int | None = option(
         None, help="max tokens of a whole episode (prompt + all turns + observations)"
     )
+    partial_rollout: bool = option(
+        False,
+        help="a turn the engine aborts (a weight push pausing generation, --async with SGLang) keeps the tokens "
+        "sampled so far and continues with the new weights instead of ending the sample aborted (slime's partial "
+        "rollout; token-exact engines only); weight_versions then has one entry per span, mapped by "
+        "metadata version_spans, and staleness counts the oldest",
+    )
     history_mode: str = option(
         "exact",
         help="when the chat template would render the conversation differently from the tokens the episode holds "

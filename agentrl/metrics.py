@@ -85,7 +85,8 @@ def step_metrics(
     as 0 would make an infrastructure fault look like a worse policy. How many there were is in
     ``count_failed`` / ``count_aborted``; ``count_extra_segments`` (samples beyond one per episode),
     ``count_history_rewrites`` and ``count_template_breaks`` say how often histories were rewritten
-    and re-rendered differently. With no trainable sample these means are NaN (``null`` in
+    and re-rendered differently; ``partial_resumes`` / ``partial_tokens_saved`` (``--partial-rollout``):
+    turns continued after an engine abort, and the sampled tokens a restart would have sampled again. With no trainable sample these means are NaN (``null`` in
     the JSONL). Costs (``sampled_tokens``, ``rollout_tokens_per_s``, ``non_generation_time_mean``: seconds
     in env/tool calls) and counts (``count_remove_sample``: samples a filter kept out of the loss) are
     over all samples; ``spec_accept_rate``/``spec_accept_length`` appear when speculative decoding ran
@@ -123,6 +124,8 @@ def step_metrics(
         "count_extra_segments": len(samples) - len(episodes),
         "count_history_rewrites": sum(int(s.metadata.get("history_rewrites", 0)) for s in samples),
         "count_template_breaks": sum(int(s.metadata.get("template_breaks", 0)) for s in samples),
+        "partial_resumes": sum(int(s.metadata.get("partial_resumes", 0)) for s in samples),
+        "partial_tokens_saved": sum(int(s.metadata.get("partial_tokens_saved", 0)) for s in samples),
         "rollout_seconds": float(rollout_seconds),
         "rollout_tokens_per_s": sampled / rollout_seconds if rollout_seconds > 0 else math.nan,
     }

@@ -273,7 +273,7 @@ def test_training_on_segmented_episodes(tiny_ckpt, tmp_path, ray_local):
         num_rollout=1,
         rollout_batch_size=2,
         save=str(save),
-        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=5, rollout_max_turn_len=8),
+        rollout=RolloutConfig(n_samples_per_prompt=4, max_turns=5, rollout_max_turn_len=48),
         train=TrainConfig(lr=1e-3, global_batch_size=8),
     )
     train(cfg)

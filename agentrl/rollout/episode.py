@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import re
 import time
@@ -187,20 +188,7 @@ async def run_episode(
                 budget = min(budget, context_len - 1 - len(ledger))
                 if budget < 1:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
-            try:
-                out = await ctx.engine.generate_turn(
-                    ledger.tokens, cfg.sampling(budget), key=key, messages=convo, tools=tools
-                )
-            except EngineError as exc:
-                raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
-            if out.finish_reason == "abort":
-                raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
-            ledger.append_model(out.output_ids, out.output_logprobs)
-            if out.routed_experts is not None:  # the reply covers every token forwarded so far: keep the latest
-                sample.rollout_routed_experts = out.routed_experts.reshape(max(len(ledger) - 1, 0), -1)
-            sample.weight_versions.append(out.weight_version)
-            if out.spec is not None:
-                sample.spec_info.add(out.spec)
+            out = await _generate_turn(ctx, sample, ledger, budget, key, convo, tools)
             meta["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
@@ -332,6 +320,65 @@ async def run_episode(
             if error is not None:
                 s.metadata.setdefault("error", error)
     return segments
+
+
+MAX_RESUMES = 16
+"""``--partial-rollout``: how many aborts one turn may survive (a push per resume) before it ends aborted."""
+
+
+async def _generate_turn(
+    ctx: EpisodeContext,
+    sample: Sample,
+    ledger: TokenLedger,
+    budget: int,
+    key: str,
+    convo: list[Message],
+    tools: list[dict],
+) -> GenerateOutput:
+    """One assistant turn into ``ledger``: the engine's ids verbatim (mask 1, log-probs) and its
+    weight version in ``sample.weight_versions``.
+
+    ``--partial-rollout`` on a token-exact engine: an aborted request (a weight push pausing the
+    engine) keeps what it sampled and the turn continues from there with the same budget minus those
+    tokens, on whatever weights the engine then serves; ``metadata["version_spans"]`` maps each
+    ``weight_versions`` entry to its tokens. The returned output is the whole turn.
+    """
+    cfg = ctx.config
+    resume = cfg.partial_rollout and ctx.engine.token_exact
+    turn_ids: list[int] = []
+    turn_lps: list[float] = []
+    for attempt in range(MAX_RESUMES + 1):
+        try:
+            out = await ctx.engine.generate_turn(
+                ledger.tokens, cfg.sampling(budget - len(turn_ids)), key=key, messages=convo, tools=tools
+            )
+        except EngineError as exc:
+            raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
+        if out.finish_reason == "abort" and not resume:
+            raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
+        start = len(ledger.response_ids)
+        ledger.append_model(out.output_ids, out.output_logprobs, continues_turn=attempt > 0)
+        turn_ids += out.output_ids
+        turn_lps += out.output_logprobs
+        if out.routed_experts is not None:  # the reply covers every token forwarded so far: keep the latest
+            sample.rollout_routed_experts = out.routed_experts.reshape(max(len(ledger) - 1, 0), -1)
+        if out.output_ids or out.finish_reason != "abort":
+            sample.weight_versions.append(out.weight_version)
+            if resume:  # which tokens each version sampled (without resumes: one entry per turn_spans entry)
+                sample.metadata.setdefault("version_spans", []).append([start, len(ledger.response_ids)])
+        if out.spec is not None:
+            sample.spec_info.add(out.spec)
+        if out.finish_reason != "abort":
+            return dataclasses.replace(out, output_ids=turn_ids, output_logprobs=turn_lps)
+        # what a restart would have sampled again: every token of the episode so far (earlier turns included)
+        meta = sample.metadata
+        meta["partial_resumes"] = meta.get("partial_resumes", 0) + 1
+        meta["partial_tokens_saved"] = meta.get("partial_tokens_saved", 0) + sum(ledger.loss_mask)
+        if len(turn_ids) >= budget:  # the abort came at the budget: the turn is as long as it may be
+            return dataclasses.replace(out, output_ids=turn_ids, output_logprobs=turn_lps, finish_reason="length")
+    raise _EndEpisode(
+        Status.ABORTED, "engine_abort", f"the turn was aborted {MAX_RESUMES + 1} times (--partial-rollout)"
+    )
 
 
 def _segment_metadata() -> dict[str, Any]:

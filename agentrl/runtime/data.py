@@ -11,8 +11,10 @@ slime's Data Buffer, with the same two user hooks:
   (over-sampling surplus, groups generated ahead in async mode) for off-policy reuse; the next step
   takes from the buffer first, in the order ``--buffer-filter-path`` (slime's
   ``buffer_filter(args, buffer, num_samples)``) chooses. Groups whose episodes were aborted mid-way
-  (partial rollouts) come back as their task rows and are generated again from the start: an env's
-  in-flight state cannot be saved in general, so a partial episode is never resumed half-way.
+  come back as their task rows and are generated again from the start (an env's state lives in the
+  episode's coroutine, which has ended). With ``--partial-rollout`` a turn aborted by a weight push
+  does not end its episode: the episode keeps its tokens and continues the turn on the new weights
+  (:func:`agentrl.rollout.episode.run_episode`), so only engine failures send tasks back here.
 - **dynamic sampling** (``--dynamic-sampling-filter-path``, slime's filter signature
   ``fn(args, samples) -> bool``): a group the filter rejects is dropped and more prompts are
   generated to refill the batch. :func:`check_reward_nonzero_std` is DAPO's filter: a group whose

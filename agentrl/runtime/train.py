@@ -519,7 +519,8 @@ class _Runtime:
         Mode ``abort``, as slime: a synchronous run has nothing in flight at a push; in an ``--async``
         run the episodes caught mid-turn end ``aborted`` (counted, never trained on) rather than finish
         half on old and half on new weights under a version that hides it. The embedded engine
-        (``--sglang-launcher agentrl``) in an async run needs no pause: it swaps weights between two
+        (``--sglang-launcher agentrl``) in an async run needs no pause (unless ``--partial-rollout``: then
+        every push aborts, and the episodes continue their turns on the new weights): it swaps weights between two
         decode steps (dead servers are still restarted first and the monitor held during the push). A
         server restarted since the last push (by the monitor or the guard itself) has left the NCCL
         group and may have a new URL: the router and the trainer's transport follow.
@@ -530,7 +531,9 @@ class _Runtime:
         group = self.engines
         if not isinstance(group, SGLangEngineGroup):
             return None
-        mode = None if self.cfg.async_mode and group.launch.binary != "sglang" else "abort"
+        # --partial-rollout: abort mode for every launched server, so a turn split by a push records both versions
+        swaps_in_place = group.launch.binary != "sglang" and not self.cfg.rollout.partial_rollout
+        mode = None if self.cfg.async_mode and swaps_in_place else "abort"
         seen = {"restarts": list(group.restarts)}
 
         @contextlib.asynccontextmanager
