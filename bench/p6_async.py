@@ -77,12 +77,18 @@ def write_tasks(path: Path, turns: int, n: int = 256) -> Path:
     return path
 
 
-def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_mode: bool) -> dict:
+def run_once(
+    a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_mode: bool, partial: bool = False
+) -> dict:
     from agentrl.config import RolloutConfig, RunConfig
     from agentrl.runtime.train import train
 
     n = a.rollout_batch_size * a.n_samples_per_prompt
+    # --partial-rollout: the engine is a launched `agentrl serve` paused in abort mode at every push (SGLang's
+    # way), and the aborted turns continue on the new weights
+    backend = {"rollout_backend": "sglang", "sglang_launcher": "agentrl"} if partial else {}
     cfg = RunConfig(
+        **backend,
         env=f"{Path(__file__).resolve()}:SleepEnv",
         prompt_data=str(tasks),
         hf_checkpoint=str(ckpt),
@@ -96,6 +102,7 @@ def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_m
             max_turns=a.turns,
             rollout_max_turn_len=a.max_response_len,
             rollout_seed=7,
+            partial_rollout=partial,
         ),
         train=TrainConfig(lr=1e-5, global_batch_size=n, seed=7, max_tokens_per_gpu=a.max_tokens_per_gpu),
     )
@@ -112,7 +119,24 @@ def run_once(a: argparse.Namespace, ckpt: Path, tasks: Path, save: Path, async_m
         "sync": med("weight_sync_seconds"),
         "stale": sum(int(x.get("dropped_stale") or 0) for x in lines),
         "steps": len(lines),
+        "sampled": sum(int(x.get("sampled_tokens") or 0) for x in lines),
+        "resumes": sum(int(x.get("partial_resumes") or 0) for x in lines),
+        "saved": sum(int(x.get("partial_tokens_saved") or 0) for x in lines),
+        "aborted": sum(int(x.get("count_aborted") or 0) for x in lines),
     }
+
+
+def partial_report(a: argparse.Namespace, ckpt: Path, tasks: Path, tmp: Path) -> None:
+    """``--partial-rollout``: the async run with every push aborting in-flight turns, which continue."""
+    for r in range(a.reps):
+        x = run_once(a, ckpt, tasks, tmp / f"partial{r}", True, partial=True)
+        share = x["saved"] / x["sampled"] if x["sampled"] else 0.0
+        print(
+            f"rep {r} async, pushes abort in-flight turns: {x['resumes']} turns resumed, {x['saved']} of "
+            f"{x['sampled']} sampled tokens ({share:.1%}) kept that a restart would have sampled again "
+            f"(their episodes' env steps too); aborted samples {x['aborted']}; wall {x['wall']:.1f}s",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -126,6 +150,12 @@ def main() -> None:
     p.add_argument("--max-tokens-per-gpu", type=int, default=TrainConfig.max_tokens_per_gpu)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="instead: the async run on a launched agentrl serve paused in abort mode at every push, with "
+        "--partial-rollout; reports the sampled tokens kept",
+    )
     a = p.parse_args()
     logging.getLogger("agentrl").setLevel(logging.ERROR)
 
@@ -138,6 +168,10 @@ def main() -> None:
         f"tiny Llama hidden {a.hidden} x {a.layers} layers; {a.num_rollout} steps of "
         f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s"
     )
+    if a.partial_rollout:
+        partial_report(a, ckpt, tasks, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     ratios = []
     for r in range(a.reps):
         res = {}
