@@ -24,6 +24,7 @@ from typing import Any
 
 from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
 from agentrl.parsing import Llama3JsonParser, get_parser
+from agentrl.rollout.roles import check_roles_reset, check_roles_step
 from agentrl.types import Action
 
 
@@ -195,25 +196,32 @@ async def _play(
     except ValueError as exc:
         raise EnvContractError(f"tool_parser {env.tool_parser!r}: {exc}") from None
     steps = 0
+    roles = tuple(env.roles)
     try:
-        check_reset(
-            await _guarded(
-                "reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold
-            )
+        reset = await _guarded(
+            "reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold
         )
+        check_roles_reset(reset, roles) if roles else check_reset(reset)
         while True:
+            role = ""
+            if roles:  # a multi-role env: the scenario's text is played by whoever's turn it is
+                role = env.current_role()
+                if role not in roles:
+                    raise EnvContractError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
             _, calls, errors = parser.parse(text)
-            result = check_step(
-                await _guarded(
-                    "step()",
-                    env.step,
-                    Action(text=text, tool_calls=calls, errors=errors),
-                    timeout=timeout,
-                    block_threshold=block_threshold,
-                )
+            raw = await _guarded(
+                "step()",
+                env.step,
+                Action(text=text, tool_calls=calls, errors=errors),
+                timeout=timeout,
+                block_threshold=block_threshold,
             )
             steps += 1
-            obs, _, terminated, truncated, _ = result
+            if roles:
+                by_role, _, terminated, truncated, _ = check_roles_step(raw, roles, role)
+                obs = by_role.get(role, [])
+            else:
+                obs, _, terminated, truncated, _ = check_step(raw)
             if calls or errors:
                 answered = {m.get("tool_call_id") for m in obs if m.get("role") == "tool"}
                 missing = [c.id for c in calls if c.id not in answered]

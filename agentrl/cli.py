@@ -522,9 +522,10 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     else:
         engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
         await wait_healthy(engine, timeout=60)
-    ctx = EpisodeContext(engine=engine, template=template, config=cfg)
+    roles = {r: SGLangEngine(u) for r, u in cfg.role_engine_urls().items()}
+    ctx = EpisodeContext(engine=engine, template=template, config=cfg, role_engines=dict(roles))
     bind_engine_args(args, engine, tokenizer, template, urls)
-    return ctx, [engine.close, close_default_pool]
+    return ctx, [engine.close, *(e.close for e in roles.values()), close_default_pool]
 
 
 async def _rollout(

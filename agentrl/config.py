@@ -67,6 +67,14 @@ def choice_problems(obj: Any) -> list[str]:
     ]
 
 
+def _role_url(spec: str) -> tuple[str, str] | None:
+    """``NAME=URL`` of ``--role-engine-url``, or None when malformed."""
+    name, eq, url = spec.partition("=")
+    if not eq or not name.strip() or not url.startswith(("http://", "https://")):
+        return None
+    return name.strip(), url
+
+
 @dataclass
 class RolloutConfig:
     """Everything that shapes how episodes are generated."""
@@ -97,6 +105,12 @@ class RolloutConfig:
         "sampled so far and continues with the new weights instead of ending the sample aborted (slime's partial "
         "rollout; token-exact engines only); weight_versions then has one entry per span, mapped by "
         "metadata version_spans, and staleness counts the oldest",
+    )
+    role_engine_url: list[str] = option(
+        factory=list,
+        help="NAME=URL: role NAME of an env with roles is played by a fixed policy on this engine (SGLang-compatible, "
+        "the same tokenizer); its samples are recorded but never trained (repeatable; default: every role is the "
+        "policy, self-play)",
     )
     history_mode: str = option(
         "exact",
@@ -148,6 +162,10 @@ class RolloutConfig:
         help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for a free one and the wait counts against --env-step-timeout",
     )
 
+    def role_engine_urls(self) -> dict[str, str]:
+        """``--role-engine-url`` as ``{role: url}`` (validated)."""
+        return dict(r for r in map(_role_url, self.role_engine_url) if r is not None)
+
     def turn_limit(self, env_max_turns: int | None) -> int:
         """Assistant turns allowed in an episode of an env whose own limit is ``env_max_turns``.
 
@@ -170,6 +188,14 @@ class RolloutConfig:
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
         checks = [
+            (
+                all(_role_url(x) is not None for x in self.role_engine_url),
+                f"--role-engine-url takes NAME=URL (http:// or https://), got {self.role_engine_url}",
+            ),
+            (
+                len(self.role_engine_urls()) == len([x for x in self.role_engine_url if _role_url(x)]),
+                "--role-engine-url names a role twice",
+            ),
             (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
             (

@@ -118,6 +118,11 @@ class Env:
     max_turns: int | None = None
     step_timeout: float | None = None
     tool_parser: str = "hermes"
+    roles: Sequence[str] = ()
+    """Several agents in one episode (``("x", "o")``): then ``reset`` returns ``({role: messages}, info)``,
+    :meth:`current_role` says whose turn it is, and ``step`` returns ``{role: messages}`` and a reward
+    for the acting role or a ``{role: reward}`` dict; each role's turns become its own sample. See
+    :mod:`agentrl.rollout.roles`. Empty (the default): one agent, the contract below."""
     tool_timeout: float = 30.0
     turn_budget: float = 50.0
     sandbox_pool: SandboxPool | None = None
@@ -173,6 +178,10 @@ class Env:
         handled as for :meth:`reset`.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    def current_role(self) -> str:
+        """With ``roles``: the role that takes the next turn (asked before every turn). Override it."""
+        raise NotImplementedError(f"{type(self).__name__} declares roles: it must implement current_role()")
 
     async def rewrite_history(self, messages: list[Message]) -> list[Message] | None:
         """Rewrite the conversation before the next turn, or return None to keep it (the default).

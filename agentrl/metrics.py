@@ -101,7 +101,7 @@ def step_metrics(
     # its turns and tool calls are the sum of its segments'
     episodes: dict[Any, list[Sample]] = {}
     for k, s in enumerate(samples):
-        episodes.setdefault(s.metadata.get("episode_id") or ("sample", k), []).append(s)
+        episodes.setdefault((s.metadata.get("episode_id") or ("sample", k), s.metadata.get("role")), []).append(s)
     trainable = [e for e in episodes.values() if e[-1].status in TRAINABLE]
     rewards = [r for r in (scalar_reward(e[-1]) for e in trainable) if r is not None]
     turns = [sum(int(s.metadata.get("num_turns", 0)) for s in e) for e in trainable]

@@ -29,7 +29,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
@@ -88,6 +88,8 @@ class EpisodeContext:
     config: RolloutConfig
     executor: Executor | None = None
     """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
+    role_engines: dict[str, Engine] = field(default_factory=dict)
+    """Roles of multi-role envs played by a fixed policy on their own engine (``--role-engine-url``)."""
 
 
 def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
@@ -152,6 +154,9 @@ async def run_episode(
     try:
         with _env_clock(sample):
             env = _construct(env_factory)
+        if env.roles:
+            roles_env, env = env, None  # that loop closes it itself
+            return await _roles_episode(ctx, roles_env, task, key, group_index, index, seed, t0)
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
@@ -379,6 +384,54 @@ async def _generate_turn(
     raise _EndEpisode(
         Status.ABORTED, "engine_abort", f"the turn was aborted {MAX_RESUMES + 1} times (--partial-rollout)"
     )
+
+
+async def _roles_episode(
+    ctx: EpisodeContext,
+    env: Env,
+    task: dict[str, Any],
+    key: str,
+    group_index: int | None,
+    index: int | None,
+    seed: int | None,
+    t0: float,
+) -> list[Sample]:
+    """An env with ``roles``: one sample per role that acted (:mod:`agentrl.rollout.roles`)."""
+    from agentrl.rollout.roles import run_roles_episode
+
+    cfg = ctx.config
+    acted: list[tuple[Sample, TokenLedger | None]] = []
+    meta: dict[str, Any] = {}
+    try:
+        acted, status, reason, error = await run_roles_episode(
+            ctx,
+            env,
+            task,
+            key=key,
+            group_index=group_index,
+            index=index,
+            seed=seed,
+            timed=_timed,
+            end_episode=_EndEpisode,
+            turn_text=_turn_text,
+            unique_call_ids=unique_call_ids,
+        )
+    finally:
+        await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
+        for role in env.roles:  # each role's requests had their own routing key
+            for engine in (ctx.engine, *ctx.role_engines.values()):
+                release = getattr(engine, "release", None)
+                if release is not None:
+                    release(f"{key}-{role}")
+    seconds = time.monotonic() - t0
+    out = []
+    for s, led in acted:
+        s.metadata.update(meta)
+        if error is not None:
+            s.metadata["error"] = error
+        s.metadata["num_roles"] = len(acted)
+        out.append(_finish(s, led, ctx, status, reason, seconds))
+    return out
 
 
 def _segment_metadata() -> dict[str, Any]:

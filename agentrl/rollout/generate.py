@@ -264,6 +264,13 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
+    declared = getattr(env_factory, "roles", None)
+    if ctx.role_engines and declared is not None and not isinstance(declared, property):
+        unknown = sorted(set(ctx.role_engines) - set(declared))
+        if unknown:
+            raise ValueError(
+                f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(declared)}"
+            )
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
     limit = await ctx.engine.context_length()
     if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):

@@ -255,8 +255,11 @@ class TrainLoop:
         keep = []
         counts.setdefault("dropped_stale", 0)
         counts.setdefault("dropped_untrainable", 0)
+        counts.setdefault("dropped_fixed_role", 0)
         for s in samples:
-            if not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
+            if s.metadata.get("trained") is False:  # a role played by a fixed policy (--role-engine-url)
+                counts["dropped_fixed_role"] += 1
+            elif not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
                 counts["dropped_untrainable"] += 1
             elif staleness([s], self.version) > (0 if self.cfg.true_on_policy_mode else self.cfg.max_staleness):
                 counts["dropped_stale"] += 1
@@ -288,8 +291,14 @@ class TrainLoop:
             ]
         per_turn = t.per_turn_credit
         masks = [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch]
-        # segments of one episode (a history rewrite) share its id; a sample without one is its own episode
-        episode_ids = [s.metadata.get("episode_id") or f"sample-{k}" for k, s in enumerate(samples)]
+        # segments of one episode (a history rewrite) share its id; a sample without one is its own episode;
+        # the roles of a multi-role episode are separate sequences, grouped and normalised per role
+        episode_ids = [
+            (s.metadata.get("episode_id") or f"sample-{k}", s.metadata.get("role")) for k, s in enumerate(samples)
+        ]
+        group_keys = [(int(s.group_index or 0), s.metadata.get("role") or "") for s in samples]
+        numbered = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
+        group_ids = [numbered[key] for key in group_keys]
         if t.advantage_estimator == "ppo":
             if len(set(episode_ids)) < len(episode_ids):
                 raise ValueError(
@@ -315,7 +324,7 @@ class TrainLoop:
         advs = compute_advantages(
             t.advantage_estimator,
             rewards=torch.tensor([float(s.reward or 0.0) for s in samples]),
-            group_ids=[int(s.group_index or 0) for s in samples],
+            group_ids=group_ids,
             # the masks the trainer uses: a removed sample's tokens stay out of batch-wide whitening too (as slime)
             loss_masks=[torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch],
             turn_rewards=[list(s.turn_rewards) for s in samples] if per_turn else None,

@@ -276,6 +276,8 @@ async def _run(loop: Any) -> list[dict[str, Any]]:
         return await loop.run()
     finally:
         await loop.ctx.engine.close()
+        for engine in loop.ctx.role_engines.values():
+            await engine.close()
         await close_default_pool()
 
 
@@ -446,7 +448,13 @@ class _Runtime:
         # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
         pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
         self.env_pool = pool
-        ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout, executor=pool)
+        ctx = EpisodeContext(
+            engine=engine,
+            template=template,
+            config=cfg.rollout,
+            executor=pool,
+            role_engines={r: SGLangEngine(u) for r, u in cfg.rollout.role_engine_urls().items()},
+        )
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(
             cfg.save,

@@ -1,0 +1,252 @@
+"""Several agents in one episode: each role its own token-exact sample, per-role rewards and groups,
+a role on a fixed engine, and envs that break the roles contract failing only their episode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import agentrl
+from agentrl.chat import ChatTemplate
+from agentrl.config import RolloutConfig, RunConfig
+from agentrl.engines.base import Engine, GenerateOutput
+from agentrl.engines.http import SGLangEngine
+from agentrl.envs.tictactoe import TicTacToe, TicTacToeVsBot, render
+from agentrl.rollout.episode import EpisodeContext
+from agentrl.rollout.generate import generate_rollout
+from agentrl.types import Action, Sample, Status
+from tests.test_episode import _rescore
+
+
+class Debate(agentrl.Env):
+    """Roles a and b take 4 turns in turn; each sees the other's reply; b earns 0.25 per turn, a 1.0 at the end."""
+
+    roles = ("a", "b")
+
+    async def reset(self, *, seed=None, options=None):
+        self.turn, self.who = 0, "a"
+        return {
+            "a": [{"role": "user", "content": f"Argue for: {options['prompt']}"}],
+            "b": [{"role": "system", "content": "You argue against."}, {"role": "user", "content": "Wait."}],
+        }, {}
+
+    def current_role(self):
+        return self.who
+
+    async def step(self, action):
+        self.turn += 1
+        me, other = self.who, "b" if self.who == "a" else "a"
+        reward = 0.25 if me == "b" else 0.0
+        if self.turn >= 4:
+            return {}, {"a": 1.0, me: reward} if me == "b" else {"a": 1.0}, True, False, {}
+        self.who = other
+        return (
+            {other: [{"role": "user", "content": f"The other side said {len(action.text)} chars. Reply."}]},
+            (reward),
+            False,
+            False,
+            {},
+        )
+
+
+def _ctx(url, tokenizer, role_engines=None, **cfg) -> EpisodeContext:
+    config = RolloutConfig(**{"rollout_max_turn_len": 200, "max_turns": 10, **cfg})
+    return EpisodeContext(
+        engine=SGLangEngine(url), template=ChatTemplate(tokenizer), config=config, role_engines=role_engines or {}
+    )
+
+
+async def test_each_role_is_its_own_token_exact_sample(tiny_server, tiny_ckpt, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    ctx = _ctx(tiny_server, tiny_tokenizer, n_samples_per_prompt=2)
+    samples, _ = await generate_rollout(ctx, Debate, [{"prompt": "tea"}, {"prompt": "coffee"}])
+    await ctx.engine.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    assert len(samples) == 8  # 4 episodes x 2 roles
+    episodes: dict[str, list[Sample]] = {}
+    for s in samples:
+        episodes.setdefault(s.metadata["episode_id"], []).append(s)
+    for pair in episodes.values():
+        a, b = sorted(pair, key=lambda s: s.metadata["role"])
+        assert (a.metadata["role"], b.metadata["role"]) == ("a", "b") and a.group_index == b.group_index
+        assert {s.status for s in pair} == {Status.COMPLETED}
+        assert len(a.turn_spans) == len(b.turn_spans) == 2
+        assert a.turn_rewards == [0.0, 1.0] and a.reward == 1.0  # a's end reward lands on its last turn
+        assert b.turn_rewards == [0.25, 0.25] and b.reward == 0.5
+        for s in pair:
+            s.validate()
+            assert s.tokens[: s.prompt_length] == ctx.template.prompt(s.prompt, [])[1]
+            lp = _rescore(model, s.tokens, 1.0)[s.prompt_length - 1 :]
+            mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+            assert (lp[mask] - torch.tensor(s.rollout_log_probs)[mask]).abs().max().item() < 1e-4
+            # mask-0 spans are exactly what the env showed this role, as the template renders it
+            for x, y in s.env_spans:
+                text = ctx.template.decode(s.tokens[s.prompt_length + x : s.prompt_length + y])
+                assert "<|im_start|>user\nThe other side said " in text and text.endswith("<|im_start|>assistant\n")
+        assert b.prompt[0]["content"] == "You argue against."
+
+
+async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tiny_tokenizer):
+    from agentrl.runtime.loop import TrainLoop
+
+    fixed = SGLangEngine(tiny_server)  # another engine object: the opponent's policy
+    ctx = _ctx(tiny_server, tiny_tokenizer, role_engines={"b": fixed}, n_samples_per_prompt=2)
+    samples, _ = await generate_rollout(ctx, Debate, [{"prompt": "tea"}])
+    await ctx.engine.close()
+    await fixed.close()
+    assert {s.metadata["role"]: s.metadata.get("trained", True) for s in samples} == {"a": True, "b": False}
+    loop = TrainLoop(
+        RunConfig(), ctx=ctx, env_factory=None, source=None, trainers=None, sync_weights=print, metrics=None
+    )
+    counts: dict[str, int] = {}
+    keep = loop.trainable(samples, counts)
+    assert [s.metadata["role"] for s in keep] == ["a", "a"] and counts["dropped_fixed_role"] == 2
+    with pytest.raises(ValueError, match=r"--role-engine-url names role\(s\) \['c'\] the env does not have"):
+        await generate_rollout(_ctx(tiny_server, tiny_tokenizer, role_engines={"c": fixed}), Debate, [{"prompt": "x"}])
+
+
+def test_role_engine_urls_are_validated():
+    assert RolloutConfig(role_engine_url=["o=http://127.0.0.1:9"]).role_engine_urls() == {"o": "http://127.0.0.1:9"}
+    for bad, message in ((["o"], "NAME=URL"), (["o=ftp://x"], "NAME=URL"), (["o=http://a", "o=http://b"], "twice")):
+        with pytest.raises(ValueError, match=message):
+            RolloutConfig(role_engine_url=bad).validate()
+
+
+def test_advantages_are_normalised_per_role():
+    from types import SimpleNamespace
+
+    from agentrl.runtime.loop import TrainLoop
+    from agentrl.trainer.base import TrainSample
+
+    loop = TrainLoop(
+        RunConfig(),
+        ctx=SimpleNamespace(),
+        env_factory=None,
+        source=None,
+        trainers=None,
+        sync_weights=print,
+        metrics=None,
+    )
+    samples = []
+    for episode, (ra, rb) in enumerate(((1.0, 0.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.5))):
+        for role, r in (("a", ra), ("b", rb)):
+            s = Sample(group_index=0, index=episode, tokens=[1, 2], response_length=1, loss_mask=[1], reward=r)
+            s.metadata.update(episode_id=f"e{episode}", role=role)
+            samples.append(s)
+    batch = [TrainSample(tokens=[1, 2], response_length=1, loss_mask=[1]) for _ in samples]
+    loop.advantages(samples, batch)
+    got = {(s.index, s.metadata["role"]): b.advantages[0] for s, b in zip(samples, batch)}
+    # role a: rewards 1, 0, 1, 1 (mean 0.75); role b: 0, 1, .5, .5 (mean 0.5): each against its own role
+    assert got[(0, "a")] > 0 and got[(1, "a")] < 0 and got[(2, "b")] == pytest.approx(0.0, abs=1e-6)
+    assert got[(0, "a")] == pytest.approx(got[(2, "a")])
+
+
+class WrongRole(Debate):
+    async def reset(self, *, seed=None, options=None):
+        self.kind = options["prompt"]
+        obs, info = await super().reset(seed=seed, options=options)
+        if self.kind == "reset-missing":
+            del obs["b"]
+        return obs, info
+
+    def current_role(self):
+        return "referee" if self.kind == "unknown" else super().current_role()
+
+    async def step(self, action):
+        obs, reward, done, trunc, info = await super().step(action)
+        if self.kind == "step-unknown":
+            return {"c": [{"role": "user", "content": "?"}]}, reward, done, trunc, info
+        if self.kind == "silent":
+            self.who = "a"  # a acts again, shown nothing new
+            return {}, reward, done, trunc, info
+        return obs, reward, done, trunc, info
+
+
+async def test_an_env_that_breaks_the_roles_contract_fails_only_its_episode(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    kinds = ["unknown", "reset-missing", "step-unknown", "silent", "fine"]
+    samples, _ = await generate_rollout(ctx, WrongRole, [{"prompt": k} for k in kinds])
+    await ctx.engine.close()
+    by_kind: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_kind.setdefault(kinds[s.group_index], []).append(s)
+    for kind, text in (
+        ("unknown", "current_role() returned 'referee'"),
+        ("reset-missing", "reset() for role 'b' must return a list of messages"),
+        ("step-unknown", "step() named unknown role(s) ['c']"),
+        ("silent", "role 'a' was asked to act again with nothing new to read"),
+    ):
+        for s in by_kind[kind]:
+            assert (s.status, s.status_reason) == (Status.FAILED, "env_contract"), (kind, s.metadata)
+            assert text in s.metadata["error"]
+    assert {s.status for s in by_kind["fine"]} == {Status.COMPLETED} and len(by_kind["fine"]) == 2
+
+
+class ToolCallingEngine(Engine):
+    """A fake of a model that writes a tool call on demand (the tiny random model cannot): every turn is
+    one hermes call of ``look``, ending with the end-of-turn token."""
+
+    def __init__(self, template: ChatTemplate):
+        self.ids = template.encode('<tool_call>{"name": "look", "arguments": {}}</tool_call>')
+        self.eos = template.eos_token_ids[0]
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        ids = [*self.ids, self.eos]
+        return GenerateOutput(ids, [-0.1] * len(ids), "stop", self.eos)
+
+    async def health(self):
+        return True
+
+
+async def test_unanswered_tool_calls_when_the_turn_passes_fail_the_episode(tiny_tokenizer):
+    from agentrl.env import EnvContractError
+    from agentrl.rollout import roles
+
+    template = ChatTemplate(tiny_tokenizer)
+    ctx = EpisodeContext(engine=ToolCallingEngine(template), template=template, config=RolloutConfig(max_turns=4))
+    (s, *_), _ = await generate_rollout(ctx, Debate, [{"prompt": "x"}])  # Debate answers no call, passes the turn
+    assert (s.status, s.status_reason) == (Status.FAILED, "env_contract")
+    assert "role 'a' made tool call(s) ['call_0_0'] that step() left unanswered" in s.metadata["error"]
+    with pytest.raises(EnvContractError, match="unknown role"):
+        roles.check_roles_step(({"z": []}, 0.0, False, False, {}), ("a",), "a")
+    with pytest.raises(EnvContractError, match="reward for role 'a' must be a finite number"):
+        roles.check_roles_step(({}, {"a": float("nan")}, False, False, {}), ("a",), "a")
+
+
+async def test_tictactoe_rules_and_rewards():
+    env = TicTacToe()
+    obs, _ = await env.reset(options={"prompt": "x"})
+    assert set(obs) == {"x", "o"} and env.current_role() == "x"
+    moves = ["I take 5", "1", "9", "3", "2"]  # x: 5, 9, 2 -> 2-5-8? no: x has 5, 9, 2; o has 1, 3
+    results = []
+    for text in moves:
+        results.append(await env.step(Action(text=text)))
+    obs, reward, done, _, info = results[-1]
+    assert not done and set(obs) == {"o"} and "X played 2." in obs["o"][0]["content"]
+    obs, reward, done, _, info = await env.step(Action(text="7"))  # o
+    obs, reward, done, _, info = await env.step(Action(text="8"))  # x: 2-5-8 wins
+    assert done and reward == {"x": 1.0, "o": 0.0} and info["result"] == "x wins"
+    env = TicTacToe()
+    await env.reset(options={"prompt": "x"})
+    await env.step(Action(text="5"))
+    _, reward, done, _, info = await env.step(Action(text="5"))  # o plays a taken cell: forfeit
+    assert done and reward == {"o": 0.0, "x": 1.0} and info["forfeit"]
+    assert render([" "] * 9).startswith(" 1 | 2 | 3")
+
+
+async def test_tictactoe_check_env_and_scripted_play():
+    import statistics
+
+    from agentrl.envs.tictactoe import random_policy, solver_policy
+    from agentrl.rollout.scripted import play
+
+    for env in (TicTacToe, TicTacToeVsBot):
+        report = await agentrl.check_env(env, env.tasks(2))
+        assert report.ok, report.format()
+    solved = await play(TicTacToeVsBot, solver_policy, TicTacToeVsBot.tasks(32, "greedy"))
+    rand = await play(TicTacToeVsBot, random_policy(), TicTacToeVsBot.tasks(32, "greedy"))
+    assert min(r.reward for r in solved) >= 0.5  # perfect play never loses
+    assert statistics.mean(r.reward for r in rand) < 0.5 < statistics.mean(r.reward for r in solved)
+    with pytest.raises(ValueError, match="'opponent' must be one of"):
+        await TicTacToeVsBot().reset(options={"opponent": "god"})
