@@ -248,5 +248,7 @@ async def test_tictactoe_check_env_and_scripted_play():
     rand = await play(TicTacToeVsBot, random_policy(), TicTacToeVsBot.tasks(32, "greedy"))
     assert min(r.reward for r in solved) >= 0.5  # perfect play never loses
     assert statistics.mean(r.reward for r in rand) < 0.5 < statistics.mean(r.reward for r in solved)
+    (selfplay,) = await play(TicTacToe, solver_policy, TicTacToe.tasks(1))  # perfect play on both sides: a draw
+    assert selfplay.error is None and selfplay.role_rewards == {"x": 0.5, "o": 0.5} and selfplay.turns == 9
     with pytest.raises(ValueError, match="'opponent' must be one of"):
         await TicTacToeVsBot().reset(options={"opponent": "god"})

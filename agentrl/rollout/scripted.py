@@ -37,6 +37,8 @@ class PlayResult:
     """The policy's text of each turn, verbatim (what a model would have sampled, tool-call markup included)."""
     tools: list[dict] = field(default_factory=list)
     """The env's tool schemas (what the chat template renders), for turning the episode into a demonstration."""
+    role_rewards: dict[str, float] = field(default_factory=dict)
+    """An env with roles (the policy plays them all): each role's total reward."""
     rewrites: int = 0
     """How often the env rewrote the history (:meth:`agentrl.Env.rewrite_history`); ``messages`` keeps
     the whole episode as played, the policy saw the rewritten history."""
@@ -61,6 +63,9 @@ async def _episode(
     try:
         env = make_env()
         parser = get_parser(getattr(env, "tool_parser", "hermes"))
+        if env.roles:
+            await _roles_episode(env, policy, task, seed, max_turns, parser, result)
+            return result
         obs, _ = check_reset(await call_env(env.reset, seed=seed, options=dict(task)))
         result.messages.extend(obs)
         result.tools = env.tool_schemas()
@@ -106,6 +111,45 @@ async def _episode(
             await release_sandbox(env, meta)
             result.error = result.error or meta.get("close_error")
     return result
+
+
+async def _roles_episode(
+    env: Env, policy: Policy, task: dict[str, Any], seed: int, max_turns: int, parser: Any, result: PlayResult
+) -> None:
+    """An env with roles: the policy plays every role (self-play), seeing that role's conversation.
+
+    ``result.rewards`` holds the acting role's reward of each step, ``result.role_rewards`` each role's
+    total; ``result.messages`` is the first role's conversation."""
+    from agentrl.rollout.roles import check_roles_reset, check_roles_step
+
+    roles = tuple(env.roles)
+    views, _ = check_roles_reset(await call_env(env.reset, seed=seed, options=dict(task)), roles)
+    result.role_rewards = dict.fromkeys(roles, 0.0)
+    result.tools = env.tool_schemas()
+    env_limit = getattr(env, "max_turns", None)
+    for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
+        role = env.current_role()
+        if role not in views:
+            raise ValueError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
+        text = await maybe_await(policy(list(views[role]), task))
+        if not isinstance(text, str):
+            raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
+        _, calls, errors = parser.parse(text)
+        action = Action(text=text, tool_calls=calls, errors=errors)
+        result.texts.append(text)
+        views[role].append(action.as_message())
+        obs, rewards, terminated, truncated, _ = check_roles_step(await call_env(env.step, action), roles, role)
+        result.rewards.append(rewards.get(role, 0.0))
+        for r, value in rewards.items():
+            result.role_rewards[r] += value
+        for r, msgs in obs.items():
+            views[r].extend(msgs)
+        if terminated or truncated:
+            result.terminated, result.truncated = bool(terminated), bool(truncated)
+            break
+    else:
+        result.truncated = True
+    result.messages = views[roles[0]]
 
 
 async def play(
