@@ -205,8 +205,11 @@ async def _play(
         while True:
             role = ""
             if roles:  # a multi-role env: the scenario's text is played by whoever's turn it is
-                role = env.current_role()
-                if role not in roles:
+                try:
+                    role = env.current_role()
+                except Exception as exc:
+                    raise EnvContractError(f"current_role() raised {type(exc).__name__}: {exc}") from None
+                if not isinstance(role, str) or role not in roles:
                     raise EnvContractError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
             _, calls, errors = parser.parse(text)
             raw = await _guarded(

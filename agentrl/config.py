@@ -67,10 +67,13 @@ def choice_problems(obj: Any) -> list[str]:
     ]
 
 
-def _role_url(spec: str) -> tuple[str, str] | None:
+def _role_url(spec: Any) -> tuple[str, str] | None:
     """``NAME=URL`` of ``--role-engine-url``, or None when malformed."""
+    if not isinstance(spec, str):
+        return None
     name, eq, url = spec.partition("=")
-    if not eq or not name.strip() or not url.startswith(("http://", "https://")):
+    host = url.split("://", 1)[-1]
+    if not eq or not name.strip() or not url.startswith(("http://", "https://")) or not host.strip("/"):
         return None
     return name.strip(), url
 
@@ -187,15 +190,14 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
+        names = [r[0] for r in map(_role_url, self.role_engine_url) if r is not None]
+        dups = sorted({n for n in names if names.count(n) > 1})
         checks = [
             (
                 all(_role_url(x) is not None for x in self.role_engine_url),
                 f"--role-engine-url takes NAME=URL (http:// or https://), got {self.role_engine_url}",
             ),
-            (
-                len(self.role_engine_urls()) == len([x for x in self.role_engine_url if _role_url(x)]),
-                "--role-engine-url names a role twice",
-            ),
+            (not dups, f"--role-engine-url names role(s) {dups} more than once"),
             (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
             (
@@ -514,8 +516,8 @@ class RunConfig:
         help="DAPO's over-long reward shaping: a response longer than --rollout-max-response-len minus this many "
         "tokens loses reward linearly, up to --overlong-penalty-factor at the limit (needs --rollout-max-response-len)",
     )
-    overlong_penalty_factor: float = option(
-        1.0, help="with --overlong-buffer-len: the reward a response at --rollout-max-response-len loses"
+    overlong_penalty_factor: float | None = option(
+        None, help="with --overlong-buffer-len: the reward a response at --rollout-max-response-len loses (default 1.0)"
     )
     allow_non_token_exact: bool = option(
         False,
@@ -622,6 +624,11 @@ class RunConfig:
     demo_best_of_n: bool = option(
         False, help="keep only the best sampled episode of each task (with --demo-engine-url)"
     )
+
+    @property
+    def penalty_factor(self) -> float:
+        """``--overlong-penalty-factor`` (1.0 unless given)."""
+        return 1.0 if self.overlong_penalty_factor is None else float(self.overlong_penalty_factor)
 
     @property
     def is_sft(self) -> bool:
@@ -760,12 +767,35 @@ class RunConfig:
                 f"between 1 and it (got {self.overlong_buffer_len} and {self.rollout.rollout_max_response_len})",
             ),
             (
-                math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0,
-                f"--overlong-penalty-factor must be a finite number >= 0, got {self.overlong_penalty_factor}",
+                self.overlong_penalty_factor is None
+                or (
+                    isinstance(self.overlong_penalty_factor, (int, float))
+                    and math.isfinite(self.overlong_penalty_factor)
+                    and self.overlong_penalty_factor >= 0
+                ),
+                f"--overlong-penalty-factor must be a finite number >= 0, got {self.overlong_penalty_factor!r}",
             ),
             (
-                self.overlong_penalty_factor == 1.0 or self.overlong_buffer_len is not None,
+                self.overlong_penalty_factor is None or self.overlong_buffer_len is not None,
                 "--overlong-penalty-factor scales the over-long penalty: it needs --overlong-buffer-len",
+            ),
+            (
+                not (
+                    self.rollout.partial_rollout
+                    and not sft
+                    and not (self.async_mode and self.rollout_backend == "sglang")
+                ),
+                "--partial-rollout continues turns a weight push aborts; in training that happens only with --async and "
+                "launched servers (--rollout-backend sglang): add both, or drop --partial-rollout",
+            ),
+            (
+                not (self.rollout.history_mode == "template" and (t.advantage_estimator == "ppo" or t.per_turn_credit)),
+                "--history-mode template splits episodes into segments at template breaks; ppo and --per-turn-credit "
+                "need each episode as one sample: use the default --history-mode exact",
+            ),
+            (
+                not (sft and self.rollout.role_engine_url),
+                "--role-engine-url plays a role of an RL rollout; demonstrations (sft) do not use it",
             ),
             (
                 not (sft and (self.mask_truncated_samples or self.overlong_buffer_len is not None)),

@@ -77,7 +77,8 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
-    Per-episode statistics (an episode in several segments counts once; ``reward_*``,
+    Per-episode statistics (an episode in several segments counts once, each role of a multi-role
+    episode once, roles on a fixed engine not at all; ``reward_mean/<role>`` per role; ``reward_*``,
     ``response_length_mean`` (per sample), ``turns_mean``,
     ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are
     taken over **trainable** samples only (completed or truncated): a
@@ -99,10 +100,13 @@ def step_metrics(
     """
     # an episode in several segments (a history rewrite) counts once: its reward is on every segment,
     # its turns and tool calls are the sum of its segments'
+    # roles played by a fixed policy (--role-engine-url) are not the policy's results: left out of these
     episodes: dict[Any, list[Sample]] = {}
     for k, s in enumerate(samples):
         episodes.setdefault((s.metadata.get("episode_id") or ("sample", k), s.metadata.get("role")), []).append(s)
-    trainable = [e for e in episodes.values() if e[-1].status in TRAINABLE]
+    trainable = [
+        e for e in episodes.values() if e[-1].status in TRAINABLE and e[-1].metadata.get("trained") is not False
+    ]
     rewards = [r for r in (scalar_reward(e[-1]) for e in trainable) if r is not None]
     turns = [sum(int(s.metadata.get("num_turns", 0)) for s in e) for e in trainable]
     calls = [sum(int(s.metadata.get("tool_calls", 0)) for s in e) for e in trainable]
@@ -136,6 +140,10 @@ def step_metrics(
         out["spec_accept_length"] = (
             sum(s.spec_info.completion_token_num for s in samples) / verified if verified else 0.0
         )
+    roles = sorted({str(e[-1].metadata["role"]) for e in trainable if e[-1].metadata.get("role") is not None})
+    for role in roles:  # an env with roles: each trained role's own mean (self-play averages to the game's value)
+        mine = [scalar_reward(e[-1]) for e in trainable if e[-1].metadata.get("role") == role]
+        out[f"reward_mean/{role}"] = _mean([r for r in mine if r is not None])
     for status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED, Status.ABORTED):
         out[f"count_{status.value}"] = sum(s.status == status for s in samples)
     out.update(train_metrics or {})

@@ -54,6 +54,8 @@ def test_only_a_length_limit_counts_as_cut(status, reason, cut):
         ({"overlong_buffer_len": 16, "max_len": 16}, "must be between 1 and it"),
         ({"overlong_buffer_len": 0, "max_len": 16}, "must be between 1 and it"),
         ({"overlong_penalty_factor": 0.5}, "--overlong-penalty-factor scales the over-long penalty"),
+        ({"overlong_penalty_factor": 1.0}, "--overlong-penalty-factor scales the over-long penalty"),
+        ({"overlong_buffer_len": 4, "max_len": 16, "overlong_penalty_factor": "0.5"}, "finite number >= 0"),
         ({"overlong_buffer_len": 4, "max_len": 16, "overlong_penalty_factor": -1.0}, "finite number >= 0"),
         ({"overlong_buffer_len": 4, "max_len": 16, "overlong_penalty_factor": float("nan")}, "finite number >= 0"),
     ],

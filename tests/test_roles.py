@@ -102,13 +102,37 @@ async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tin
     counts: dict[str, int] = {}
     keep = loop.trainable(samples, counts)
     assert [s.metadata["role"] for s in keep] == ["a", "a"] and counts["dropped_fixed_role"] == 2
-    with pytest.raises(ValueError, match=r"--role-engine-url names role\(s\) \['c'\] the env does not have"):
-        await generate_rollout(_ctx(tiny_server, tiny_tokenizer, role_engines={"c": fixed}), Debate, [{"prompt": "x"}])
+    for engines, message in (
+        ({"c": fixed}, r"--role-engine-url names role\(s\) \['c'\] the env does not have"),
+        (
+            {"b": SGLangEngine("http://127.0.0.1:9")},
+            r"--role-engine-url b=http://127.0.0.1:9: the engine does not answer",
+        ),
+    ):
+        bad = _ctx(tiny_server, tiny_tokenizer, role_engines=engines)
+        with pytest.raises(ValueError, match=message):
+            await generate_rollout(bad, Debate, [{"prompt": "x"}])
+        await bad.engine.close()
+        for e in engines.values():
+            await e.close()
+    for flags, message in (
+        ({"partial_rollout": True}, "--partial-rollout"),
+        ({"history_mode": "template"}, "--history-mode template"),
+    ):
+        bad = _ctx(tiny_server, tiny_tokenizer, **flags)
+        with pytest.raises(ValueError, match=f"an env with roles \\['a', 'b'\\] does not support {message}"):
+            await generate_rollout(bad, Debate, [{"prompt": "x"}])
+        await bad.engine.close()
 
 
 def test_role_engine_urls_are_validated():
     assert RolloutConfig(role_engine_url=["o=http://127.0.0.1:9"]).role_engine_urls() == {"o": "http://127.0.0.1:9"}
-    for bad, message in ((["o"], "NAME=URL"), (["o=ftp://x"], "NAME=URL"), (["o=http://a", "o=http://b"], "twice")):
+    for bad, message in (
+        (["o"], "NAME=URL"),
+        (["o=ftp://x"], "NAME=URL"),
+        (["o=http://a", "o=http://b"], r"role\(s\) \['o'\] more than once"),
+        (["o=http://"], "NAME=URL"),
+    ):
         with pytest.raises(ValueError, match=message):
             RolloutConfig(role_engine_url=bad).validate()
 
@@ -174,7 +198,7 @@ async def test_an_env_that_breaks_the_roles_contract_fails_only_its_episode(tiny
     for kind, text in (
         ("unknown", "current_role() returned 'referee'"),
         ("reset-missing", "reset() for role 'b' must return a list of messages"),
-        ("step-unknown", "step() named unknown role(s) ['c']"),
+        ("step-unknown", "step() named unknown role(s) 'c'"),
         ("silent", "role 'a' was asked to act again with nothing new to read"),
     ):
         for s in by_kind[kind]:
@@ -210,6 +234,8 @@ async def test_unanswered_tool_calls_when_the_turn_passes_fail_the_episode(tiny_
     assert "role 'a' made tool call(s) ['call_0_0'] that step() left unanswered" in s.metadata["error"]
     with pytest.raises(EnvContractError, match="unknown role"):
         roles.check_roles_step(({"z": []}, 0.0, False, False, {}), ("a",), "a")
+    with pytest.raises(EnvContractError, match="unknown role"):  # not a string: refused, not a sorting crash
+        roles.check_roles_step(({}, {1: 0.0, "a": 1.0}, False, False, {}), ("a",), "a")
     with pytest.raises(EnvContractError, match="reward for role 'a' must be a finite number"):
         roles.check_roles_step(({}, {"a": float("nan")}, False, False, {}), ("a",), "a")
 

@@ -66,14 +66,20 @@ def passed(sample: Sample, success_threshold: float) -> bool:
 
 
 def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: float = 1.0) -> dict[str, Any]:
-    """Mean reward, pass@k (averaged over prompts), turns, tool use and status counts of one dataset's samples."""
+    """Mean reward, pass@k (averaged over prompts), turns, tool use and status counts of one dataset's samples.
+
+    An episode in several segments is one attempt; each trained role of a multi-role env attempts on its
+    own (pass@k over (prompt, role)), with ``reward_mean/<role>`` per role; a fixed opponent's samples
+    (``--role-engine-url``) are not the policy's attempts and are left out."""
     groups: dict[Any, list[Sample]] = defaultdict(list)
     for s in samples:  # an episode in several segments is one attempt: its last segment has the outcome
+        if s.metadata.get("trained") is False:  # a role played by a fixed opponent is not the policy's attempt
+            continue
         if s.metadata.get("segment", 0) == s.metadata.get("num_segments", 1) - 1:
-            groups[s.group_index].append(s)
+            groups[(s.group_index, s.metadata.get("role"))].append(s)
     m = step_metrics(samples, rollout_seconds=0.0)
     out: dict[str, Any] = {
-        "num_prompts": len(groups),
+        "num_prompts": len({prompt for prompt, _ in groups}),
         "num_samples": sum(len(g) for g in groups.values()),
         "reward_mean": m["reward_mean"],
         "reward_std": m["reward_std"],
@@ -86,7 +92,7 @@ def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: f
     for k in ks_for(n_samples):
         per_prompt = [pass_at_k(len(g), sum(passed(s, success_threshold) for s in g), k) for g in groups.values()]
         out[f"pass@{k}"] = sum(per_prompt) / len(per_prompt) if per_prompt else float("nan")
-    out.update({key: v for key, v in m.items() if key.startswith("count_")})
+    out.update({key: v for key, v in m.items() if key.startswith(("count_", "reward_mean/"))})
     return out
 
 

@@ -15,6 +15,7 @@ run's flags plus ``engine`` (an :class:`~agentrl.engines.base.Engine`), ``tokeni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.engines.base import Engine
-from agentrl.env import Env
+from agentrl.env import Env, call_env
 from agentrl.registry import load_function
 from agentrl.rollout.episode import EpisodeContext, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward
@@ -159,6 +160,48 @@ class BatchGenerate:
         return cls(fn)
 
 
+async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
+    """Refuse, before any episode, what an env's roles make impossible: a ``--role-engine-url`` for a role
+    it does not have, and the features the multi-role loop does not support yet. An env built by a
+    function (or a partial) is constructed once to read its roles."""
+    env_cls: type = env_factory if isinstance(env_factory, type) else Env
+    roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
+    if roles is None and (ctx.role_engines or ctx.config.partial_rollout or ctx.config.history_mode != "exact"):
+        try:
+            probe = env_factory()
+        except Exception:  # noqa: BLE001 - the episodes report a factory that fails
+            return
+        roles, env_cls = getattr(probe, "roles", ()), type(probe)
+        with contextlib.suppress(Exception):
+            await call_env(probe.close)
+    roles = tuple(roles or ())
+    for role, engine in ctx.role_engines.items():  # a wrong URL is one clear error, not every episode aborted
+        if not await engine.health():
+            raise ValueError(
+                f"--role-engine-url {role}={getattr(engine, 'url', engine)}: the engine does not answer /health"
+            )
+    unknown = sorted(set(ctx.role_engines) - set(roles))
+    if unknown:
+        raise ValueError(
+            f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(roles)}"
+        )
+    if roles:
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--partial-rollout", ctx.config.partial_rollout),
+                ("--history-mode template", ctx.config.history_mode == "template"),
+                ("rewrite_history()", getattr(env_cls, "rewrite_history", None) is not Env.rewrite_history),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(
+                f"an env with roles {list(roles)} does not support {', '.join(unsupported)} yet: drop "
+                f"{'it' if len(unsupported) == 1 else 'them'}"
+            )
+
+
 def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sample:
     return Sample(
         group_index=group_index,
@@ -264,13 +307,8 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
-    declared = getattr(env_factory, "roles", None)
-    if ctx.role_engines and declared is not None and not isinstance(declared, property):
-        unknown = sorted(set(ctx.role_engines) - set(declared))
-        if unknown:
-            raise ValueError(
-                f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(declared)}"
-            )
+    if env_factory is not None:
+        await check_roles_config(ctx, env_factory)
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
     limit = await ctx.engine.context_length()
     if limit and (cfg.rollout_max_context_len is None or cfg.rollout_max_context_len > limit):

@@ -18,6 +18,11 @@ leaves them out. A role's reward is the sum of what it earned; each of its turns
 ``turn_rewards`` entry (a reward given to a role between its turns is added to its last one).
 Group advantages are normalised per role (``(group_index, role)`` groups).
 
+``--rollout-max-turn-len`` and ``--rollout-max-response-len`` apply to each role's own turns and response.
+Not (yet) with roles, refused before the rollout starts: ``--partial-rollout``, ``--history-mode template``
+and ``rewrite_history``. The episode's status is every role's: a turn one role runs to a length limit
+ends the episode ``truncated`` for all (``--mask-truncated-samples`` masks them all).
+
 Faults fail every role's sample of the episode, as a single-agent episode fails its one: an unknown
 role, a role asked to act with nothing new to read, a turn that leaves tool calls unanswered while
 another role takes over, or the env's own errors and timeouts.
@@ -50,6 +55,7 @@ class _Seat:
     tools: list[dict]
     engine: Engine
     delta_context: Any
+    prompt_len: int = 0
     pending: list[Message] = field(default_factory=list)  # shown to the role since its last turn
     last_token_text: str | None = None
     seen_ids: set[str] = field(default_factory=set)
@@ -65,9 +71,9 @@ def check_roles_reset(result: Any, roles: tuple[str, ...]) -> tuple[dict[str, li
         raise EnvContractError(f"reset() info must be a dict, got {type(info).__name__}")
     if not isinstance(obs, Mapping):
         raise EnvContractError(f"an env with roles {list(roles)} must return {{role: messages}} from reset()")
-    unknown = sorted(set(obs) - set(roles))
+    unknown = sorted({repr(r) for r in obs if not isinstance(r, str) or r not in roles})
     if unknown:
-        raise EnvContractError(f"reset() named unknown role(s) {unknown}; the env's roles are {list(roles)}")
+        raise EnvContractError(f"reset() named unknown role(s) {', '.join(unknown)}; the env's roles are {list(roles)}")
     out = {}
     for role in roles:
         msgs = check_messages(obs.get(role), f"reset() for role {role!r}")
@@ -90,10 +96,10 @@ def check_roles_step(
         raise EnvContractError(
             f"an env with roles must return {{role: messages}} from step(), got {type(obs).__name__}"
         )
-    unknown = sorted(set(obs) | (set(reward) if isinstance(reward, Mapping) else set()))
-    unknown = [r for r in unknown if r not in roles]
+    named = list(obs) + (list(reward) if isinstance(reward, Mapping) else [])
+    unknown = sorted({repr(r) for r in named if not isinstance(r, str) or r not in roles})
     if unknown:
-        raise EnvContractError(f"step() named unknown role(s) {unknown}; the env's roles are {list(roles)}")
+        raise EnvContractError(f"step() named unknown role(s) {', '.join(unknown)}; the env's roles are {list(roles)}")
     rewards = dict(reward) if isinstance(reward, Mapping) else {acting: reward}
     for role, r in rewards.items():
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(float(r)):
@@ -136,6 +142,8 @@ async def run_roles_episode(
     status, reason, error = Status.TRUNCATED, "max_turns", None
     first = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
     try:
+        if type(env).rewrite_history is not Env.rewrite_history:
+            raise EnvContractError("an env with roles cannot rewrite_history() yet (each role would need its segments)")
         reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
         obs, info = check_roles_reset(await timed(reset, step_timeout, "reset()"), roles)
         tools = env.tool_schemas()
@@ -155,12 +163,12 @@ async def run_roles_episode(
                 dctx = ctx.template.delta_context(tools, obs[role])
             except TemplateError as exc:
                 raise end_episode(Status.FAILED, "template", str(exc)) from None
-            seats[role] = _Seat(role, s, list(obs[role]), TokenLedger(prompt_ids), tools, engine, dctx)
+            seats[role] = _Seat(role, s, list(obs[role]), TokenLedger(prompt_ids), tools, engine, dctx, len(prompt_ids))
         max_turns = cfg.turn_limit(env.max_turns)
-        context_len = cfg.rollout_max_context_len
+        context_len, whole = cfg.rollout_max_context_len, cfg.rollout_max_response_len
         for turn in range(max_turns):
             role = env.current_role()
-            if role not in seats:
+            if not isinstance(role, str) or role not in seats:
                 raise EnvContractError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
             seat = seats[role]
             led, s = seat.ledger, seat.sample
@@ -181,10 +189,16 @@ async def run_roles_episode(
                 ids = ctx.template.encode(delta)
                 if context_len is not None and len(led) + len(ids) >= context_len:
                     raise end_episode(Status.TRUNCATED, "context_length")
+                if whole is not None and len(led) + len(ids) - seat.prompt_len >= whole:
+                    raise end_episode(Status.TRUNCATED, "response_budget")  # no room left for this role's answer
                 led.append_env(ids)
                 seat.convo += seat.pending
                 seat.pending = []
             budget = cfg.rollout_max_turn_len
+            if whole is not None:  # --rollout-max-response-len: each role's response has its own budget
+                budget = min(budget, whole - (len(led) - seat.prompt_len))
+                if budget < 1:
+                    raise end_episode(Status.TRUNCATED, "response_budget")
             if context_len is not None:
                 budget = min(budget, context_len - 1 - len(led))
                 if budget < 1:
@@ -202,7 +216,10 @@ async def run_roles_episode(
             s.metadata["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
                 hit = context_len is not None and len(led) >= context_len - 1
-                raise end_episode(Status.TRUNCATED, "context_length" if hit else "response_length")
+                spent = whole is not None and len(led) - seat.prompt_len >= whole
+                raise end_episode(
+                    Status.TRUNCATED, "context_length" if hit else "response_budget" if spent else "response_length"
+                )
             text, seat.last_token_text = turn_text(ctx, out)
             if out.message is not None and out.message.get("tool_calls"):
                 _, calls, errors = OpenAIToolCallsParser().parse_message(out.message)

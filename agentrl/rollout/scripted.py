@@ -56,7 +56,7 @@ class PlayResult:
 
 
 async def _episode(
-    make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int, max_turns: int
+    make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int, max_turns: int | None
 ) -> PlayResult:
     result = PlayResult(task=task)
     env: Env | None = None
@@ -69,10 +69,9 @@ async def _episode(
         obs, _ = check_reset(await call_env(env.reset, seed=seed, options=dict(task)))
         result.messages.extend(obs)
         result.tools = env.tool_schemas()
-        env_limit = getattr(env, "max_turns", None)
         rewrites = type(env).rewrite_history is not Env.rewrite_history
         view = list(obs)  # what the policy sees: the history, as the env's rewrites left it
-        for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
+        for _ in range(_turn_limit(max_turns, env)):
             text = await maybe_await(policy(list(view), task))
             if not isinstance(text, str):
                 raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
@@ -113,8 +112,14 @@ async def _episode(
     return result
 
 
+def _turn_limit(max_turns: int | None, env: Env) -> int:
+    """The smaller of ``max_turns`` and the env's own ``max_turns``; 10 when neither is set."""
+    limits = [n for n in (max_turns, getattr(env, "max_turns", None)) if n]
+    return min(limits) if limits else 10
+
+
 async def _roles_episode(
-    env: Env, policy: Policy, task: dict[str, Any], seed: int, max_turns: int, parser: Any, result: PlayResult
+    env: Env, policy: Policy, task: dict[str, Any], seed: int, max_turns: int | None, parser: Any, result: PlayResult
 ) -> None:
     """An env with roles: the policy plays every role (self-play), seeing that role's conversation.
 
@@ -126,8 +131,7 @@ async def _roles_episode(
     views, _ = check_roles_reset(await call_env(env.reset, seed=seed, options=dict(task)), roles)
     result.role_rewards = dict.fromkeys(roles, 0.0)
     result.tools = env.tool_schemas()
-    env_limit = getattr(env, "max_turns", None)
-    for _ in range(min(max_turns, env_limit) if env_limit else max_turns):
+    for _ in range(_turn_limit(max_turns, env)):
         role = env.current_role()
         if role not in views:
             raise ValueError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
@@ -158,12 +162,13 @@ async def play(
     tasks: Sequence[dict[str, Any]],
     *,
     seed: int = 0,
-    max_turns: int = 10,
+    max_turns: int | None = None,
     concurrency: int = 8,
 ) -> list[PlayResult]:
     """Run one episode per task with ``policy``; results in task order. Env errors are recorded, not raised.
 
-    ``max_turns`` caps every episode; an env's own ``max_turns`` lowers it (as in a rollout).
+    ``max_turns`` caps every episode; an env's own ``max_turns`` lowers it (as in a rollout); with
+    neither, 10 turns.
     """
     gate = asyncio.Semaphore(concurrency)
 

@@ -63,6 +63,24 @@ class Batch:
         return [s for g in self.groups for s in g]
 
 
+def episode_units(samples: list[Sample]) -> list[list[Sample]]:
+    """``samples`` by episode and role, in order: the segments of one episode's role together (a
+    sample that is not part of a split or multi-role episode is a unit of its own)."""
+    units: dict[Any, list[Sample]] = {}
+    for k, s in enumerate(samples):
+        units.setdefault((s.metadata.get("episode_id") or ("sample", k), s.metadata.get("role")), []).append(s)
+    return list(units.values())
+
+
+def by_role(group: list[Sample]) -> list[list[Sample]]:
+    """A group's trained samples split by role (one list for a single-agent env): what its advantages see."""
+    roles: dict[Any, list[Sample]] = {}
+    for s in group:
+        if s.metadata.get("trained") is not False:
+            roles.setdefault(s.metadata.get("role"), []).append(s)
+    return list(roles.values())
+
+
 def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
     """Completed or truncated, token-exact (unless allowed), with at least one sampled token."""
     return (
@@ -180,7 +198,8 @@ class TrainLoop:
             rows = self.source.get_samples(per_round)
             new = await self._generate(rows, step, rounds)
             for g in new:
-                if self.group_filter is None or self.group_filter(self.args, g):
+                # a multi-role group is kept when one of its trained roles passes (advantages are per role)
+                if self.group_filter is None or any(self.group_filter(self.args, part) for part in by_role(g)):
                     groups.append(g)
                 else:
                     counts["dropped_filter"] += 1
@@ -213,12 +232,28 @@ class TrainLoop:
                 s.metadata["task"] = rows[g]
                 s.metadata["rollout_id"] = step
                 s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
+            # an episode in several segments is scored once (its last segment) and every segment gets the result
+            last = [u[-1] for u in episode_units(members)]
             if group_rm:
-                await apply_group_reward(self.custom_reward, self.args, members)
+                await apply_group_reward(self.custom_reward, self.args, last)
             if self.cfg.overlong_buffer_len is not None:  # before any group filter, which sees the shaped reward
                 max_len = rc.rollout_max_response_len
-                assert max_len is not None  # RunConfig.validate
-                apply_overlong_penalty(members, max_len, self.cfg.overlong_buffer_len, self.cfg.overlong_penalty_factor)
+                if max_len is None:  # RunConfig.problems refuses this before the run
+                    raise ValueError("--overlong-buffer-len needs --rollout-max-response-len")
+                for unit in episode_units(members):  # the penalty of an episode's longest segment, on each
+                    longest = max(unit, key=lambda s: s.response_length)
+                    apply_overlong_penalty([longest], max_len, self.cfg.overlong_buffer_len, self.cfg.penalty_factor)
+                    for s in unit:
+                        if s is not longest and s.status in (Status.COMPLETED, Status.TRUNCATED):
+                            s.metadata["overlong_penalty"] = longest.metadata.get("overlong_penalty", 0.0)
+                            s.reward = float(s.reward or 0.0) + s.metadata["overlong_penalty"]
+            if group_rm:
+                for unit in episode_units(members):
+                    for s in unit[:-1]:
+                        s.reward, s.status, s.status_reason = unit[-1].reward, unit[-1].status, unit[-1].status_reason
+                        for k in ("rm_reward", "error"):
+                            if k in unit[-1].metadata:
+                                s.metadata[k] = unit[-1].metadata[k]
             groups.append(members)
         return groups
 
