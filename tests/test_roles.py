@@ -85,6 +85,8 @@ async def test_each_role_is_its_own_token_exact_sample(tiny_server, tiny_ckpt, t
                 text = ctx.template.decode(s.tokens[s.prompt_length + x : s.prompt_length + y])
                 assert "<|im_start|>user\nThe other side said " in text and text.endswith("<|im_start|>assistant\n")
         assert b.prompt[0]["content"] == "You argue against."
+        # what b was shown before its first turn is part of its prompt (rendered once), not an empty turn + delta
+        assert b.prompt[-1]["content"].startswith("The other side said") and len(b.env_spans) == 1
 
 
 async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tiny_tokenizer):
@@ -278,3 +280,17 @@ async def test_tictactoe_check_env_and_scripted_play():
     assert selfplay.error is None and selfplay.role_rewards == {"x": 0.5, "o": 0.5} and selfplay.turns == 9
     with pytest.raises(ValueError, match="'opponent' must be one of"):
         await TicTacToeVsBot().reset(options={"opponent": "god"})
+
+
+async def test_a_custom_reward_scores_each_role_once(tiny_server, tiny_tokenizer):
+    calls = []
+
+    def rm(args, sample):
+        calls.append(sample.metadata["role"])
+        return 100.0 if sample.metadata["role"] == "b" else 0.0
+
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, Debate, [{"prompt": "tea"}], custom_reward=rm)
+    await ctx.engine.close()
+    assert sorted(calls) == ["a", "b"]
+    assert {s.metadata["role"]: s.reward for s in samples} == {"a": 1.0, "b": 100.5}

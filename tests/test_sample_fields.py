@@ -623,3 +623,22 @@ def test_apply_chat_template_without_a_custom_function_is_refused(capsys, tmp_pa
     check_apply_chat_template(on, custom=False, rows=[{"prompt": "x", "generate_function_path": "m:f"}])  # rows' own
     check_apply_chat_template(on, custom=True, rows=[{"prompt": "x"}])
     check_apply_chat_template(RolloutConfig(), custom=False, rows=[{"prompt": "x"}])
+
+
+async def test_a_custom_generate_function_with_a_reward_function_at_concurrency_one(tiny_tokenizer):
+    """The reward function runs after the episode gives its concurrency slot back (no self-deadlock)."""
+
+    async def generate(args, sample, sampling_params):
+        sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+        return sample
+
+    ctx = EpisodeContext(
+        engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(rollout_concurrency=1)
+    )
+    samples, _ = await asyncio.wait_for(
+        generate_rollout(
+            ctx, None, [{"prompt": "a"}, {"prompt": "b"}], custom_generate=generate, custom_reward=lambda args, s: 2.0
+        ),
+        timeout=30,
+    )
+    assert [s.reward for s in samples] == [2.0, 2.0]

@@ -161,7 +161,7 @@ async def test_a_template_that_rerenders_history_is_counted_or_followed(tiny_ser
     exact, _ = await generate_rollout(ctx, TalkEnv, tasks)
     assert len(exact) == 4  # default: the rollout's exact tokens, one sample per episode
     for s in exact:
-        assert s.metadata["template_breaks"] >= 1  # the third turn's prompt re-renders turn 1 differently
+        assert s.metadata["template_breaks"] == 1  # counted once: the sample differs from then on anyway
         assert "episode_id" not in s.metadata and len(s.turn_spans) == 3
 
     ctx = _ctx(
@@ -285,11 +285,19 @@ def test_training_on_segmented_episodes(tiny_ckpt, tmp_path, ray_local):
     split = [e for e in by_episode.values() if len(e) > 1]
     assert split and line["count_extra_segments"] == sum(len(e) - 1 for e in split)
     assert line["samples"] == len(dump) and line["train_samples"] == len(dump)
-    for segs in split:
-        firsts = {next(a for a, m in zip(s["advantages"], s["loss_mask"]) if m) for s in segs}
-        assert len(firsts) == 1  # one advantage per episode, on every segment
     rewards = {e[0]["reward"] for e in by_episode.values()}
     assert len(rewards) > 1  # the episodes differ, so the advantages are not all 0
+    # GRPO over episodes, each counted once however many segments it has, on every one of its segments
+    groups: dict[int, list[list[dict]]] = {}
+    for episode in by_episode.values():
+        groups.setdefault(episode[0]["group_index"], []).append(episode)
+    for episodes in groups.values():
+        r = torch.tensor([e[0]["reward"] for e in episodes])
+        want = (r - r.mean()) / (r.std() + 1e-6) if len(episodes) > 1 else torch.zeros(len(episodes))
+        for episode, adv in zip(episodes, want.tolist()):
+            for s in episode:
+                got = next(a for a, m in zip(s["advantages"], s["loss_mask"]) if m)
+                assert got == pytest.approx(adv, abs=1e-4), (s["group_index"], s["metadata"].get("segment"))
 
 
 class ScoredSummarizingTalk(SummarizingTalk):
@@ -302,3 +310,39 @@ class ScoredSummarizingTalk(SummarizingTalk):
     async def step(self, action):
         obs, reward, done, truncated, info = await super().step(action)
         return obs, (len(action.text) % 7) / 7 if done else reward, done, truncated, info
+
+
+RAISING_TEMPLATE = (  # raises on any re-rendered history; the SDK's delta stand-in (first user message "x") passes
+    "{% if messages|length > 2 and messages[0]['content'] != 'x' %}"
+    "{{ raise_exception('this template renders no earlier assistant turns') }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+async def test_a_template_that_cannot_rerender_history_keeps_the_exact_tokens(tiny_server, tiny_tokenizer):
+    """jinja's raise_exception while re-rendering (Llama-3's single-tool-call check): exact mode keeps going."""
+    ctx = _ctx(tiny_server, tiny_tokenizer, template=RAISING_TEMPLATE)
+    (s,), _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}])
+    assert s.status == Status.COMPLETED and len(s.turn_spans) == 3, s.metadata
+    assert s.metadata.get("template_check_error") is True
+    ctx = _ctx(tiny_server, tiny_tokenizer, template=RAISING_TEMPLATE, history_mode="template")
+    (s,), _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}])
+    await ctx.engine.close()
+    assert (s.status, s.status_reason) == (Status.FAILED, "template") and "earlier assistant" in s.metadata["error"]
+
+
+class MutatingRewrite(TalkEnv):
+    async def rewrite_history(self, messages):
+        messages[0]["content"] = "MUTATED"  # in place, returning the same list
+        return messages
+
+
+async def test_an_in_place_rewrite_is_a_rewrite_and_leaves_earlier_prompts_alone(tiny_server, tiny_tokenizer):
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, MutatingRewrite, [{"prompt": "hello"}])
+    await ctx.engine.close()
+    assert len(samples) >= 2 and samples[0].prompt[0]["content"] == "hello"
+    assert samples[1].prompt[0]["content"] == "MUTATED" and samples[0].metadata["history_rewrites"] == 1

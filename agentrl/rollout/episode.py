@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import itertools
 import re
@@ -180,6 +181,7 @@ async def run_episode(
         if context_len is not None and len(ledger) >= context_len:
             raise _EndEpisode(Status.TRUNCATED, "context_length")
         prompt_len, whole = len(ledger), cfg.rollout_max_response_len
+        checking = True  # exact mode: is this sample still checked for template breaks
         for turn in range(max_turns):
             meta = sample.metadata
             budget = cfg.rollout_max_turn_len
@@ -240,8 +242,8 @@ async def run_episode(
             convo.extend(obs)
             rewritten = None
             if rewrites:
-                with _env_clock(sample):
-                    rewrite = call_env(env.rewrite_history, list(convo), _executor=ctx.executor)
+                with _env_clock(sample):  # a deep copy: an env that edits messages in place returns a new history
+                    rewrite = call_env(env.rewrite_history, copy.deepcopy(convo), _executor=ctx.executor)
                     rewritten = await _timed(rewrite, step_timeout, "rewrite_history()")
                 if rewritten is not None:
                     rewritten = check_messages(rewritten, "rewrite_history()")
@@ -268,8 +270,18 @@ async def run_episode(
                     raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
                 ledger.append_env(delta_ids)
             # what the chat template makes of the conversation now: the rewritten history's prompt, or (to
-            # detect a template break) the whole conversation re-rendered
-            rendered = await _render_prompt(ctx, convo, tools)
+            # detect a template break) the whole conversation re-rendered; in exact mode only until the first
+            # break of the sample (the ledger differs from then on anyway), and never when rendering fails
+            if rewritten is None and not (cfg.history_mode == "template" or checking):
+                continue
+            try:
+                rendered = await _render_prompt(ctx, convo, tools)
+            except _EndEpisode:
+                if rewritten is not None or cfg.history_mode == "template":
+                    raise
+                meta["template_check_error"] = True  # the template cannot re-render this history: keep the tokens
+                checking = False
+                continue
             if rendered[: len(ledger)] == ledger.tokens:  # an extension of what the ledger holds: one sample
                 if rewritten is not None:
                     extra_ids = rendered[len(ledger) :]
@@ -282,6 +294,7 @@ async def run_episode(
             if rewritten is None:
                 meta["template_breaks"] = meta.get("template_breaks", 0) + 1
                 if cfg.history_mode != "template":
+                    checking = False
                     continue  # keep the rollout's exact tokens (the default)
             # a new segment: its prompt is the conversation as the template renders it now
             if context_len is not None and len(rendered) >= context_len:
@@ -289,7 +302,7 @@ async def run_episode(
             done.append((sample, ledger))
             sample = _next_segment(sample, convo)
             ledger = TokenLedger(rendered)
-            prompt_len = len(ledger)
+            prompt_len, checking = len(ledger), True
             try:
                 delta_context = ctx.template.delta_context(tools, convo)
             except TemplateError as exc:
@@ -464,8 +477,8 @@ async def _render_prompt(ctx: EpisodeContext, convo: list[Message], tools: list[
         if sum(len(str(m.get("content") or "")) for m in convo) > _BIG_OBSERVATION:
             return (await asyncio.to_thread(ctx.template.prompt, convo, tools))[1]
         return ctx.template.prompt(convo, tools)[1]
-    except TemplateError as exc:
-        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+    except Exception as exc:  # agentrl's TemplateError, or jinja's own (a template's raise_exception)
+        raise _EndEpisode(Status.FAILED, "template", f"{type(exc).__name__}: {exc}") from None
 
 
 @contextlib.contextmanager

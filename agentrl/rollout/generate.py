@@ -160,6 +160,14 @@ class BatchGenerate:
         return cls(fn)
 
 
+def _units(samples: list[Sample]) -> list[list[Sample]]:
+    """An episode's samples by role (one list for a single-agent episode), segments in order."""
+    units: dict[Any, list[Sample]] = {}
+    for s in samples:
+        units.setdefault(s.metadata.get("role"), []).append(s)
+    return list(units.values())
+
+
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
     """Refuse, before any episode, what an env's roles make impossible: a ``--role-engine-url`` for a role
     it does not have, and the features the multi-role loop does not support yet. An env built by a
@@ -323,16 +331,18 @@ async def generate_rollout(
     t0 = time.monotonic()
 
     async def one(task: dict[str, Any], group_index: int, index: int) -> list[Sample]:
-        async with sem:
+        async with sem:  # released before finish(), which takes it again for the reward function
             if custom_generate is not None or task.get("generate_function_path"):
-                return [await finish(await _custom_episode(custom_generate, args, ctx, task, group_index, index))]
-            assert env_factory is not None
-            segments = await run_episode(
-                ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
-            )
-        if len(segments) == 1:
-            return [await finish(segments[0])]
-        return await finish_segments(segments)
+                samples = [await _custom_episode(custom_generate, args, ctx, task, group_index, index)]
+            else:
+                assert env_factory is not None
+                samples = await run_episode(
+                    ctx, env_factory, task, group_index=group_index, index=index, seed=cfg.rollout_seed + index
+                )
+        out: list[Sample] = []
+        for unit in _units(samples):  # each role of the episode, its segments together
+            out += [await finish(unit[0])] if len(unit) == 1 else await finish_segments(unit)
+        return out
 
     async def finish_segments(segments: list[Sample]) -> list[Sample]:
         """An episode in several segments: the reward function scores the last one (the episode's

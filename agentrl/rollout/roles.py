@@ -167,13 +167,27 @@ async def run_roles_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         context_len, whole = cfg.rollout_max_context_len, cfg.rollout_max_response_len
         for turn in range(max_turns):
-            role = env.current_role()
+            try:
+                role = env.current_role()
+            except Exception as exc:  # the user's code: fails the episode like a step that raises
+                raise end_episode(
+                    Status.FAILED, "env_error", f"current_role() raised {type(exc).__name__}: {exc}"
+                ) from None
             if not isinstance(role, str) or role not in seats:
                 raise EnvContractError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
             seat = seats[role]
             led, s = seat.ledger, seat.sample
             if role not in order:
                 order.append(role)
+                if seat.pending:  # shown something before its first turn: that is part of its prompt, rendered once
+                    seat.convo += seat.pending
+                    seat.pending = []
+                    try:
+                        seat.ledger = led = TokenLedger(ctx.template.prompt(seat.convo, seat.tools)[1])
+                    except TemplateError as exc:
+                        raise end_episode(Status.FAILED, "template", str(exc)) from None
+                    seat.prompt_len = len(led)
+                    s.prompt = list(seat.convo)
             elif not seat.pending:
                 raise EnvContractError(
                     f"role {role!r} was asked to act again with nothing new to read since its last turn: "
@@ -275,9 +289,12 @@ async def run_roles_episode(
         status, reason = Status.FAILED, "internal_error"
         error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     acted = [(seats[r].sample, seats[r].ledger) for r in order]
-    for r in order:
-        if seats[r].early_reward and seats[r].sample.turn_rewards:
-            seats[r].sample.turn_rewards[0] += seats[r].early_reward
+    for r in order:  # a reward given before a role's first turn goes to that turn (even one cut before its step)
+        seat = seats[r]
+        if seat.early_reward:
+            rewards = seat.sample.turn_rewards
+            rewards.extend([0.0] * (max(len(seat.ledger.model_spans), 1) - len(rewards)))
+            rewards[0] += seat.early_reward
     if not acted:  # nobody acted (a failed reset): one sample reports the episode
         first.metadata = {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "episode_id": key}
         return [(first, None)], status, reason, error
