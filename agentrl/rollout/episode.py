@@ -103,6 +103,34 @@ def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | Non
     return ctx.template.decode(ids), None
 
 
+def parse_turn(
+    ctx: EpisodeContext, out: GenerateOutput, parser: Any, turn: int, seen_ids: set[str]
+) -> tuple[Action, Message, str | None]:
+    """The turn as the env receives it (an :class:`Action` with the tool calls read from it, their ids
+    unique in the episode), the assistant message for the conversation, and the stop token's text."""
+    text, last_token_text = _turn_text(ctx, out)
+    chat = out.message is not None and bool(out.message.get("tool_calls"))
+    if chat:
+        assert out.message is not None
+        _, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
+    else:
+        _, calls, errors = parser.parse(text)
+    new_ids = unique_call_ids((*calls, *errors), turn, seen_ids)
+    if chat:  # the chat message carries the same ids
+        assert out.message is not None
+        out.message = {
+            **out.message,
+            "tool_calls": [
+                {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
+                for tc in out.message["tool_calls"]
+            ],
+        }
+    action = Action(
+        text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason
+    )
+    return action, (out.message if out.message is not None else action.as_message()), last_token_text
+
+
 async def _within(coro: Any, timeout: float) -> Any:
     """``await coro`` with a deadline (``asyncio.timeout``: unlike ``wait_for`` it creates no extra task)."""
     async with asyncio.timeout(timeout):
@@ -202,28 +230,9 @@ async def run_episode(
                 spent = whole is not None and len(ledger) - prompt_len >= whole
                 reason = "context_length" if hit_context else "response_budget" if spent else "response_length"
                 raise _EndEpisode(Status.TRUNCATED, reason)
-            text, last_token_text = _turn_text(ctx, out)
-            if out.message is not None and out.message.get("tool_calls"):
-                content, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
-            else:
-                content, calls, errors = parser.parse(text)
-            new_ids = unique_call_ids((*calls, *errors), turn, seen_ids)
-            if out.message is not None and out.message.get("tool_calls"):  # the chat message carries the same ids
-                out.message = {
-                    **out.message,
-                    "tool_calls": [
-                        {**tc, "id": new_ids.get(tc.get("id"), tc.get("id"))} if isinstance(tc, dict) else tc
-                        for tc in out.message["tool_calls"]
-                    ],
-                }
-            action = Action(
-                text=text,
-                tool_calls=calls,
-                errors=errors,
-                token_ids=list(out.output_ids),
-                finish_reason=out.finish_reason,
-            )
-            convo.append(out.message if out.message is not None else action.as_message())
+            action, message, last_token_text = parse_turn(ctx, out, parser, turn, seen_ids)
+            calls, errors = action.tool_calls, action.errors
+            convo.append(message)
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
             with _env_clock(sample):
@@ -426,8 +435,7 @@ async def _roles_episode(
             seed=seed,
             timed=_timed,
             end_episode=_EndEpisode,
-            turn_text=_turn_text,
-            unique_call_ids=unique_call_ids,
+            parse_turn=parse_turn,
         )
     finally:
         await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)

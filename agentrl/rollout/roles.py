@@ -40,7 +40,7 @@ from typing import Any
 from agentrl.chat import TemplateError, TokenLedger
 from agentrl.engines.base import Engine, EngineError
 from agentrl.env import Env, EnvContractError, call_env, check_messages
-from agentrl.parsing import OpenAIToolCallsParser, get_parser
+from agentrl.parsing import get_parser
 from agentrl.types import Action, Message, Sample, Status
 
 
@@ -123,8 +123,7 @@ async def run_roles_episode(
     seed: int | None,
     timed: Callable[..., Any],
     end_episode: type[Exception],
-    turn_text: Callable[..., tuple[str, str | None]],
-    unique_call_ids: Callable[..., dict[str, str]],
+    parse_turn: Callable[..., tuple[Action, Message, str | None]],
 ) -> tuple[list[tuple[Sample, TokenLedger | None]], Status, str, str | None]:
     """Play one multi-role episode of ``env`` (already constructed); return each role's (sample, ledger)
     in the order the roles first acted, and the episode's status, reason and error.
@@ -234,20 +233,9 @@ async def run_roles_episode(
                 raise end_episode(
                     Status.TRUNCATED, "context_length" if hit else "response_budget" if spent else "response_length"
                 )
-            text, seat.last_token_text = turn_text(ctx, out)
-            if out.message is not None and out.message.get("tool_calls"):
-                _, calls, errors = OpenAIToolCallsParser().parse_message(out.message)
-            else:
-                _, calls, errors = parser.parse(text)
-            unique_call_ids((*calls, *errors), turn, seat.seen_ids)
-            action = Action(
-                text=text,
-                tool_calls=calls,
-                errors=errors,
-                token_ids=list(out.output_ids),
-                finish_reason=out.finish_reason,
-            )
-            seat.convo.append(action.as_message())
+            action, message, seat.last_token_text = parse_turn(ctx, out, parser, turn, seat.seen_ids)
+            calls, errors = action.tool_calls, action.errors
+            seat.convo.append(message)
             s.metadata["tool_calls"] += len(calls)
             s.metadata["parse_errors"] += len(errors)
             t0 = time.monotonic()
