@@ -29,7 +29,7 @@ from agentrl.engines.base import Engine
 from agentrl.env import Env, call_env
 from agentrl.registry import load_function
 from agentrl.rollout.episode import EpisodeContext, run_episode
-from agentrl.rollout.reward import RewardFn, apply_custom_reward
+from agentrl.rollout.reward import RewardFn, apply_custom_reward, share_outcome
 from agentrl.rollout.threads import SyncPool
 from agentrl.types import Sample, Status
 
@@ -351,11 +351,7 @@ async def generate_rollout(
             last = segments[-1]
             async with sem:
                 await apply_custom_reward(custom_reward, args, last)
-            for s in segments[:-1]:
-                s.reward, s.status, s.status_reason = last.reward, last.status, last.status_reason
-                for k in ("rm_reward", "error"):
-                    if k in last.metadata:
-                        s.metadata[k] = last.metadata[k]
+            share_outcome(segments)
         return [await finish(s, rewarded=True) for s in segments]
 
     async def finish(sample: Sample, *, rewarded: bool = False) -> Sample:

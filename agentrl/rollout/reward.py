@@ -111,3 +111,14 @@ def apply_overlong_penalty(samples: list[Sample], max_len: int, buffer_len: int,
             p = overlong_penalty(s.response_length, max_len, buffer_len, factor)
             s.metadata["overlong_penalty"] = p
             s.reward = float(s.reward or 0.0) + p
+
+
+def share_outcome(segments: list[Sample]) -> None:
+    """Give every segment of an episode the outcome of its last one, which the reward function scored:
+    ``reward``, ``status``, ``status_reason`` and the ``rm_reward`` / ``error`` it recorded."""
+    last = segments[-1]
+    for s in segments[:-1]:
+        s.reward, s.status, s.status_reason = last.reward, last.status, last.status_reason
+        for k in ("rm_reward", "error"):
+            if k in last.metadata:
+                s.metadata[k] = last.metadata[k]

@@ -41,7 +41,7 @@ from agentrl.algo.loss import kl_penalty
 from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
-from agentrl.rollout.reward import apply_group_reward, apply_overlong_penalty, cut_by_length
+from agentrl.rollout.reward import apply_group_reward, apply_overlong_penalty, cut_by_length, share_outcome
 from agentrl.runtime import checkpoints
 from agentrl.runtime.data import BufferedSource, Group, staleness
 from agentrl.trainer.base import TrainSample
@@ -233,14 +233,14 @@ class TrainLoop:
                 s.metadata["rollout_id"] = step
                 s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
             # an episode in several segments is scored once (its last segment) and every segment gets the result
-            last = [u[-1] for u in episode_units(members)]
+            units = episode_units(members)
             if group_rm:
-                await apply_group_reward(self.custom_reward, self.args, last)
+                await apply_group_reward(self.custom_reward, self.args, [u[-1] for u in units])
             if self.cfg.overlong_buffer_len is not None:  # before any group filter, which sees the shaped reward
                 max_len = rc.rollout_max_response_len
                 if max_len is None:  # RunConfig.problems refuses this before the run
                     raise ValueError("--overlong-buffer-len needs --rollout-max-response-len")
-                for unit in episode_units(members):  # the penalty of an episode's longest segment, on each
+                for unit in units:  # the penalty of an episode's longest segment, on each
                     longest = max(unit, key=lambda s: s.response_length)
                     apply_overlong_penalty([longest], max_len, self.cfg.overlong_buffer_len, self.cfg.penalty_factor)
                     for s in unit:
@@ -248,12 +248,8 @@ class TrainLoop:
                             s.metadata["overlong_penalty"] = longest.metadata.get("overlong_penalty", 0.0)
                             s.reward = float(s.reward or 0.0) + s.metadata["overlong_penalty"]
             if group_rm:
-                for unit in episode_units(members):
-                    for s in unit[:-1]:
-                        s.reward, s.status, s.status_reason = unit[-1].reward, unit[-1].status, unit[-1].status_reason
-                        for k in ("rm_reward", "error"):
-                            if k in unit[-1].metadata:
-                                s.metadata[k] = unit[-1].metadata[k]
+                for unit in units:
+                    share_outcome(unit)
             groups.append(members)
         return groups
 
