@@ -432,10 +432,17 @@ def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
     """``--custom-generate-function-path`` (one sample) or ``--rollout-function-path`` (the batch, told whether
     it evaluates, as slime's), loaded and checked; None when neither is given."""
     from agentrl.registry import load_function
+    from agentrl.rollout.episode import history_hook
     from agentrl.rollout.generate import BatchGenerate
 
     if args.custom_generate_function_path and args.rollout_function_path:
         raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
+    if args.history_rewrite_path and (args.custom_generate_function_path or args.rollout_function_path):
+        raise ValueError(
+            "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
+            "rollout function runs its own: drop one of them"
+        )
+    history_hook(args.history_rewrite_path)  # one that does not load stops here, before any engine starts
     if args.custom_generate_function_path:
         with naming_flag("--custom-generate-function-path", args.custom_generate_function_path):
             return load_function(args.custom_generate_function_path)

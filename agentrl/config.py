@@ -123,6 +123,12 @@ class RolloutConfig:
         "episode_id) at every break",
         choices=("exact", "template"),
     )
+    history_rewrite_path: str | None = option(
+        None,
+        help="module:fn, fn(messages, task) -> messages or None (sync or async): rewrites every single-agent "
+        "episode's conversation before each next turn, after the env's own rewrite_history(): compaction for envs "
+        "you do not own; a rewrite that changes the rendered history starts a new segment",
+    )
     rollout_temperature: float = option(
         1.0, help="sampling temperature of rollouts (the trainer scales its logits by it too)"
     )
@@ -728,6 +734,19 @@ class RunConfig:
             (
                 not (sft and self.custom_generate_function_path),
                 "--custom-generate-function-path is for RL rollouts, not --loss-type sft_loss",
+            ),
+            (
+                not (sft and self.rollout.history_rewrite_path and (self.demo_policy or self.sft_data)),
+                "--history-rewrite-path rewrites sampled episodes; --demo-policy / --sft-data demonstrations are not "
+                "sampled: drop it (an env's own rewrite_history() applies to played demonstrations)",
+            ),
+            (
+                not (
+                    self.rollout.history_rewrite_path
+                    and (self.custom_generate_function_path or self.rollout_function_path)
+                ),
+                "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
+                "rollout function runs its own: drop one of them",
             ),
             (
                 not (sft and self.rollout.apply_chat_template),

@@ -346,3 +346,105 @@ async def test_an_in_place_rewrite_is_a_rewrite_and_leaves_earlier_prompts_alone
     await ctx.engine.close()
     assert len(samples) >= 2 and samples[0].prompt[0]["content"] == "hello"
     assert samples[1].prompt[0]["content"] == "MUTATED" and samples[0].metadata["history_rewrites"] == 1
+
+
+HOOKS = """
+import asyncio
+SUMMARY = {summary!r}
+seen = []
+
+def summarize(messages, task):
+    seen.append((task["prompt"], [m["content"] for m in messages]))
+    if len(messages) < 5:
+        return None
+    return [{{"role": "user", "content": SUMMARY + " (" + task["prompt"] + ")"}}, messages[-1]]
+
+async def after_env(messages, task):
+    seen.append((task["prompt"], [m["content"] for m in messages]))
+    await asyncio.sleep(0)
+    return None
+
+def bad(messages, task):
+    if task["prompt"] == "text":
+        return "not a list"
+    if task["prompt"] == "raise":
+        raise SystemExit(4)
+    return None
+
+def one_arg(messages):
+    return None
+"""
+
+
+@pytest.fixture
+def hooks(tmp_path, monkeypatch):
+    import importlib
+
+    (tmp_path / "my_hooks.py").write_text(HOOKS.format(summary=SUMMARY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_hooks
+
+    return importlib.reload(my_hooks)
+
+
+async def test_a_history_rewrite_hook_compacts_an_env_it_does_not_own(tiny_server, tiny_tokenizer, tiny_model, hooks):
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize")
+    samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": "hello"}])
+    await ctx.engine.close()
+    first, second = samples  # TalkEnv has no rewrite_history(): the hook alone segments it
+    assert [s.metadata["segment"] for s in samples] == [0, 1] and first.metadata["history_rewrites"] == 1
+    assert second.prompt[0] == {"role": "user", "content": f"{SUMMARY} (hello)"}  # the hook saw the task row
+    assert {s.reward for s in samples} == {1.5} and {s.status for s in samples} == {Status.COMPLETED}
+    for s in samples:
+        _assert_token_exact(tiny_model, ctx.template, s)
+    assert [len(contents) for _, contents in hooks.seen] == [3, 5]  # after each step that went on
+
+
+async def test_the_hook_runs_after_the_envs_own_rewrite(tiny_server, tiny_tokenizer, hooks):
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:after_env")
+    samples, _ = await generate_rollout(ctx, SummarizingTalk, [{"prompt": "hi"}])
+    await ctx.engine.close()
+    assert len(samples) == 2  # the env's summary still segments the episode; the hook kept it
+    assert hooks.seen[1][1][0] == SUMMARY  # the hook was given the env's rewrite, not the original
+
+
+async def test_a_bad_history_hook_fails_only_its_sample(tiny_server, tiny_tokenizer, hooks):
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:bad")
+    samples, _ = await generate_rollout(ctx, TalkEnv, [{"prompt": k} for k in ("text", "raise", "fine")])
+    await ctx.engine.close()
+    by_prompt = {s.prompt[0]["content"]: s for s in samples}
+    assert len(by_prompt) == 3, list(by_prompt)
+    for kind, reason, text in (
+        ("text", "env_contract", "--history-rewrite-path my_hooks:bad must return a list of messages"),
+        ("raise", "env_error", "--history-rewrite-path my_hooks:bad raised SystemExit"),
+    ):
+        s = by_prompt[kind]
+        assert (s.status, s.status_reason) == (Status.FAILED, reason), s.metadata
+        assert text in s.metadata["error"]
+    assert by_prompt["fine"].status == Status.COMPLETED
+
+
+async def test_a_history_hook_that_cannot_run_is_refused_before_any_episode(tiny_server, tiny_tokenizer, hooks):
+    from agentrl.envs.tictactoe import TicTacToe
+
+    for path, text in (
+        ("my_hooks:missing", "--history-rewrite-path my_hooks:missing: expected module:fn"),
+        ("my_hooks:one_arg", "fn(messages, task)"),
+        ("no_such_module_here:fn", "--history-rewrite-path no_such_module_here:fn"),
+    ):
+        ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path=path)
+        with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
+            await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}])
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize")
+    with pytest.raises(ValueError, match="does not support --history-rewrite-path"):
+        await generate_rollout(ctx, TicTacToe, [{"prompt": "x"}])
+    await ctx.engine.close()
+    from agentrl.config import RunConfig
+
+    cfg = RunConfig(
+        env="agentrl/Digits-v0",
+        custom_generate_function_path="my_hooks:summarize",
+        rollout=RolloutConfig(history_rewrite_path="my_hooks:summarize"),
+    )
+    with pytest.raises(ValueError, match="--history-rewrite-path rewrites the env-driven episode loop"):
+        cfg.validate()

@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
+import inspect
 import itertools
 import re
 import time
@@ -91,6 +93,58 @@ class EpisodeContext:
     """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
     role_engines: dict[str, Engine] = field(default_factory=dict)
     """Roles of multi-role envs played by a fixed policy on their own engine (``--role-engine-url``)."""
+
+
+@functools.cache
+def history_hook(path: str | None) -> Callable[..., Any] | None:
+    """The ``--history-rewrite-path`` function, loaded once (None without the flag); a path that does not
+    load, or a function that cannot take ``(messages, task)``, is a ValueError naming the flag."""
+    if path is None:
+        return None
+    from agentrl.registry import load_function
+
+    try:
+        fn = load_function(path)
+        inspect.signature(fn).bind([], {})
+    except (TypeError, ValueError, ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"--history-rewrite-path {path}: expected module:fn, a function fn(messages, task) -> messages or None "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    return fn
+
+
+async def _rewrite_history(
+    ctx: EpisodeContext,
+    env: Env,
+    hook: Callable[..., Any] | None,
+    convo: list[Message],
+    task: dict[str, Any],
+    timeout: float,
+    sample: Sample,
+) -> list[Message] | None:
+    """The conversation after the env's ``rewrite_history()`` and then the ``--history-rewrite-path`` hook
+    (each given a deep copy, so one that edits messages in place returns a new history), or None when
+    neither rewrote it. What either returns is checked: a list of chat messages, not empty."""
+    current: list[Message] | None = None
+    steps: list[tuple[Callable[..., Any], tuple[Any, ...], str]] = []
+    if type(env).rewrite_history is not Env.rewrite_history:
+        steps.append((env.rewrite_history, (), "rewrite_history()"))
+    if hook is not None:
+        steps.append((hook, (dict(task),), f"--history-rewrite-path {ctx.config.history_rewrite_path}"))
+    for fn, extra, what in steps:
+        with _env_clock(sample):
+            call = call_env(
+                fn, copy.deepcopy(current if current is not None else convo), *extra, _executor=ctx.executor
+            )
+            out = await _timed(call, timeout, what)
+        if out is None:
+            continue
+        out = check_messages(out, what)
+        if not out:
+            raise _EndEpisode(Status.FAILED, "env_contract", f"{what} returned no messages")
+        current = out
+    return current
 
 
 def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | None]:
@@ -189,7 +243,8 @@ async def run_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        rewrites = type(env).rewrite_history is not Env.rewrite_history
+        hook = history_hook(cfg.history_rewrite_path)
+        rewrites = type(env).rewrite_history is not Env.rewrite_history or hook is not None
         with _env_clock(sample):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
             obs, info = check_reset(await _timed(reset, step_timeout, "reset()"))
@@ -251,13 +306,8 @@ async def run_episode(
             convo.extend(obs)
             rewritten = None
             if rewrites:
-                with _env_clock(sample):  # a deep copy: an env that edits messages in place returns a new history
-                    rewrite = call_env(env.rewrite_history, copy.deepcopy(convo), _executor=ctx.executor)
-                    rewritten = await _timed(rewrite, step_timeout, "rewrite_history()")
+                rewritten = await _rewrite_history(ctx, env, hook, convo, task, step_timeout, sample)
                 if rewritten is not None:
-                    rewritten = check_messages(rewritten, "rewrite_history()")
-                    if not rewritten:
-                        raise _EndEpisode(Status.FAILED, "env_contract", "rewrite_history() returned no messages")
                     if rewritten == convo:
                         rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
                     else:

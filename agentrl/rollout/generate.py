@@ -28,7 +28,7 @@ from typing import Any
 from agentrl.engines.base import Engine
 from agentrl.env import Env, call_env
 from agentrl.registry import load_function
-from agentrl.rollout.episode import EpisodeContext, run_episode
+from agentrl.rollout.episode import EpisodeContext, history_hook, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward, share_outcome
 from agentrl.rollout.threads import SyncPool
 from agentrl.types import Sample, Status
@@ -174,7 +174,8 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
     function (or a partial) is constructed once to read its roles."""
     env_cls: type = env_factory if isinstance(env_factory, type) else Env
     roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
-    if roles is None and (ctx.role_engines or ctx.config.partial_rollout or ctx.config.history_mode != "exact"):
+    probe_for = ctx.role_engines or ctx.config.partial_rollout or ctx.config.history_mode != "exact"
+    if roles is None and (probe_for or ctx.config.history_rewrite_path):
         try:
             probe = env_factory()
         except Exception:  # noqa: BLE001 - the episodes report a factory that fails
@@ -200,6 +201,7 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
                 ("--partial-rollout", ctx.config.partial_rollout),
                 ("--history-mode template", ctx.config.history_mode == "template"),
                 ("rewrite_history()", getattr(env_cls, "rewrite_history", None) is not Env.rewrite_history),
+                ("--history-rewrite-path", bool(ctx.config.history_rewrite_path)),
             )
             if on
         ]
@@ -315,6 +317,11 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
+    if cfg.history_rewrite_path and (custom_generate is not None or env_factory is None):
+        raise ValueError(
+            "--history-rewrite-path rewrites the env-driven episode loop's conversations, not a custom generate's"
+        )
+    history_hook(cfg.history_rewrite_path)
     if env_factory is not None:
         await check_roles_config(ctx, env_factory)
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).

@@ -85,6 +85,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         check_apply_chat_template(
             cfg.rollout, custom=bool(cfg.custom_generate_function_path or cfg.rollout_function_path), rows=rows
         )
+    from agentrl.rollout.episode import history_hook
+
+    history_hook(cfg.rollout.history_rewrite_path)  # a hook that does not load stops the run before it starts
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
