@@ -263,6 +263,23 @@ async def test_tictactoe_rules_and_rewards():
     assert render([" "] * 9).startswith(" 1 | 2 | 3")
 
 
+async def test_tictactoe_lists_free_cells_and_can_reward_legal_moves():
+    env = TicTacToe()
+    obs, _ = await env.reset(options={"prompt": "x", "legal_move_reward": 0.1})
+    assert obs["x"][-1]["content"].endswith("Free cells: 1 2 3 4 5 6 7 8 9. Your move.")
+    obs, reward, *_ = await env.step(Action(text="5"))
+    assert reward == {"x": 0.1, "o": 0.0} and "Free cells: 1 2 3 4 6 7 8 9." in obs["o"][0]["content"]
+    _, reward, done, _, _ = await env.step(Action(text="5"))  # o forfeits: no bonus for it
+    assert done and reward == {"o": 0.0, "x": 1.0}
+    bot = TicTacToeVsBot()
+    await bot.reset(seed=1, options={"opponent": "random", "legal_move_reward": 0.2})
+    obs, reward, done, _, _ = await bot.step(Action(text="1"))
+    assert not done and reward == 0.2 and "Free cells:" in obs[0]["content"] and "1 |" not in obs[0]["content"]
+    for bad in (-0.1, 0.5, "0.1", True):
+        with pytest.raises(ValueError, match="'legal_move_reward' must be a number from 0 to 0.2"):
+            await TicTacToeVsBot().reset(options={"legal_move_reward": bad})
+
+
 async def test_tictactoe_check_env_and_scripted_play():
     import statistics
 
