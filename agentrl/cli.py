@@ -376,10 +376,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
     if not tasks:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
-    from agentrl.rollout.generate import check_apply_chat_template
+    from agentrl.rollout.generate import check_apply_chat_template, check_rollout_features
 
     custom_generate = _custom_generate(args, evaluation=False)
     check_apply_chat_template(cfg, custom=custom_generate is not None, rows=tasks)
+    check_rollout_features(cfg, factory, tasks, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
@@ -432,17 +433,10 @@ def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
     """``--custom-generate-function-path`` (one sample) or ``--rollout-function-path`` (the batch, told whether
     it evaluates, as slime's), loaded and checked; None when neither is given."""
     from agentrl.registry import load_function
-    from agentrl.rollout.episode import history_hook
     from agentrl.rollout.generate import BatchGenerate
 
     if args.custom_generate_function_path and args.rollout_function_path:
         raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
-    if args.history_rewrite_path and (args.custom_generate_function_path or args.rollout_function_path):
-        raise ValueError(
-            "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
-            "rollout function runs its own: drop one of them"
-        )
-    history_hook(args.history_rewrite_path)  # one that does not load stops here, before any engine starts
     if args.custom_generate_function_path:
         with naming_flag("--custom-generate-function-path", args.custom_generate_function_path):
             return load_function(args.custom_generate_function_path)
@@ -456,7 +450,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.data import load_tasks
     from agentrl.registry import load_env, load_function
-    from agentrl.rollout.generate import check_apply_chat_template
+    from agentrl.rollout.generate import check_apply_chat_template, check_rollout_features
 
     cfg = _config_from_args(args)
     if args.n_samples_per_eval_prompt < 1:
@@ -470,9 +464,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for name, path in args.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
             datasets[name] = load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
-    check_apply_chat_template(
-        cfg, custom=custom_generate is not None, rows=[r for rows in datasets.values() for r in rows]
-    )
+    eval_rows = [r for rows in datasets.values() for r in rows]
+    check_apply_chat_template(cfg, custom=custom_generate is not None, rows=eval_rows)
+    check_rollout_features(cfg, factory, eval_rows, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)

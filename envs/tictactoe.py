@@ -14,11 +14,14 @@ Rewards, at the end of the game: win 1.0, draw 0.5 each, loss 0.0. A reply witho
 number forfeits: the mover gets 0.0 and the other player 1.0. X moves first. A task row may add
 ``legal_move_reward`` (0 to 0.2, default 0): a shaping reward the mover gets for each legal move, the
 "format reward" game-playing RL uses to get a model that cannot yet play off the ground (a model that
-only ever forfeits gives GRPO nothing to compare). The result rewards stay as they are.
+only ever forfeits gives GRPO nothing to compare). It is added to the result, so with it the reward is
+no longer the result (a long draw can reach a short win's 1.0): evaluate on rows without it, where
+``--success-threshold 1.0`` (the default) makes pass@1 the win rate.
 
 :class:`TicTacToeVsBot` is the same game for one agent: the model plays X against a scripted O
 (``"random"``: a random free cell; ``"greedy"``: win if it can, block if it must, else random;
-seeded by the episode's seed), the task row's ``opponent``. The model's reward is its result.
+seeded by the episode's seed), the task row's ``opponent``. The model's reward is its result (plus any
+``legal_move_reward``).
 
 Measured with :func:`agentrl.rollout.scripted.play` on ``TicTacToeVsBot.tasks(512, opponent)`` (mean
 reward / win rate): :func:`solver_policy` (perfect play by minimax) 1.00 / 0.99 against random, 0.94 /
@@ -213,7 +216,7 @@ def solver_policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
 
 
 def last_free_policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
-    """The highest free cell: legal, blind to the opponent, and still a win in 78% of games against the
+    """The highest free cell: legal, blind to the opponent, and still a win in 80% of games against the
     random opponent. Demonstrations for a warm start (``agentrl sft --demo-policy``) that RL then improves on."""
     board = _board_from(messages)
     return str(max(i for i, c in enumerate(board) if c == " ") + 1)

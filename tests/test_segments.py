@@ -424,23 +424,29 @@ async def test_a_bad_history_hook_fails_only_its_sample(tiny_server, tiny_tokeni
     assert by_prompt["fine"].status == Status.COMPLETED
 
 
-async def test_a_history_hook_that_cannot_run_is_refused_before_any_episode(tiny_server, tiny_tokenizer, hooks):
+def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks, tmp_path):
+    from agentrl.config import RunConfig
     from agentrl.envs.tictactoe import TicTacToe
+    from agentrl.rollout.generate import check_rollout_features
 
+    (tmp_path / "broken_hook.py").write_text("def fn(messages, task)\n")  # a syntax error
     for path, text in (
         ("my_hooks:missing", "--history-rewrite-path my_hooks:missing: expected module:fn"),
         ("my_hooks:one_arg", "fn(messages, task)"),
         ("no_such_module_here:fn", "--history-rewrite-path no_such_module_here:fn"),
+        (f"{tmp_path}/absent.py:fn", "--history-rewrite-path .*absent.py:fn"),
+        (f"{tmp_path}/broken_hook.py:fn", "SyntaxError"),
     ):
-        ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path=path)
         with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
-            await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}])
-    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize")
+            check_rollout_features(RolloutConfig(history_rewrite_path=path), TalkEnv, [{"prompt": "x"}])
+    hook = RolloutConfig(history_rewrite_path="my_hooks:summarize")
+    check_rollout_features(hook, TalkEnv, [{"prompt": "x"}])  # a hook that loads, on a single-agent env
     with pytest.raises(ValueError, match="does not support --history-rewrite-path"):
-        await generate_rollout(ctx, TicTacToe, [{"prompt": "x"}])
-    await ctx.engine.close()
-    from agentrl.config import RunConfig
-
+        check_rollout_features(hook, TicTacToe, [{"prompt": "x"}])  # read off the class: no engine needed
+    with pytest.raises(ValueError, match="a row's generate_function_path"):
+        check_rollout_features(hook, TalkEnv, [{"prompt": "x", "generate_function_path": "my_hooks:summarize"}])
+    with pytest.raises(ValueError, match="custom generate or rollout function"):
+        check_rollout_features(hook, TalkEnv, [], custom=True)
     cfg = RunConfig(
         env="agentrl/Digits-v0",
         custom_generate_function_path="my_hooks:summarize",
@@ -448,3 +454,22 @@ async def test_a_history_hook_that_cannot_run_is_refused_before_any_episode(tiny
     )
     with pytest.raises(ValueError, match="--history-rewrite-path rewrites the env-driven episode loop"):
         cfg.validate()
+
+
+async def test_an_env_built_by_a_function_is_probed_for_roles_at_the_first_rollout(tiny_server, tiny_tokenizer, hooks):
+    from agentrl.envs.tictactoe import TicTacToe
+
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize")
+    with pytest.raises(ValueError, match="does not support --history-rewrite-path"):
+        await generate_rollout(ctx, lambda: TicTacToe(), [{"prompt": "x"}])
+    await ctx.engine.close()
+
+
+def test_the_cli_refuses_a_hook_on_a_roles_env_before_starting_an_engine(tmp_path, capsys, hooks):
+    from agentrl.cli import main
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "x"}\n')
+    code = main(["rollout", "--env", "agentrl/TicTacToe-v0", "--prompt-data", str(rows),
+                 "--history-rewrite-path", "my_hooks:summarize"])  # fmt: skip
+    assert code != 0 and "does not support --history-rewrite-path" in capsys.readouterr().err

@@ -285,6 +285,32 @@ def test_rejection_sampling_keeps_only_episodes_at_or_above_the_threshold(tiny_s
     assert sorted(s.group_index for s in best) == sorted({s.group_index for s in best}) and 0 < len(best) <= 4
 
 
+def test_best_of_n_keeps_the_chosen_episode_whole(tiny_server, tiny_tokenizer):
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.rollout.episode import EpisodeContext
+    from tests.test_segments import SummarizingTalk
+
+    engine = SGLangEngine(tiny_server)
+    cfg = RolloutConfig(n_samples_per_prompt=3, max_turns=5, rollout_max_turn_len=200, rollout_seed=3)
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=cfg)
+
+    async def run():
+        try:
+            return await rejection_samples(
+                ctx, SummarizingTalk, [{"prompt": "a"}, {"prompt": "b"}], min_reward=0.0, best_of_n=True
+            )
+        finally:
+            await engine.close()
+
+    kept, _ = asyncio.run(run())
+    by_task: dict = {}
+    for s in kept:  # every episode of SummarizingTalk is two segments: the chosen one comes whole
+        by_task.setdefault(s.group_index, []).append(s)
+    assert sorted(by_task) == [0, 1]
+    for segs in by_task.values():
+        assert len({s.metadata["episode_id"] for s in segs}) == 1 and [s.metadata["segment"] for s in segs] == [0, 1]
+
+
 def test_sft_loss_is_the_masked_negative_log_likelihood():
     from agentrl.algo.loss import policy_loss
 

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import itertools
 import re
@@ -93,12 +92,14 @@ class EpisodeContext:
     """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
     role_engines: dict[str, Engine] = field(default_factory=dict)
     """Roles of multi-role envs played by a fixed policy on their own engine (``--role-engine-url``)."""
+    history_rewrite: Callable[..., Any] | None = None
+    """The ``--history-rewrite-path`` function, loaded once per rollout (:func:`history_hook`); when None and
+    the config names one, each episode loads it."""
 
 
-@functools.cache
 def history_hook(path: str | None) -> Callable[..., Any] | None:
-    """The ``--history-rewrite-path`` function, loaded once (None without the flag); a path that does not
-    load, or a function that cannot take ``(messages, task)``, is a ValueError naming the flag."""
+    """Load the ``--history-rewrite-path`` function (None without the flag). A path that does not load, or a
+    function that cannot take ``(messages, task)``, is a ValueError naming the flag."""
     if path is None:
         return None
     from agentrl.registry import load_function
@@ -106,7 +107,7 @@ def history_hook(path: str | None) -> Callable[..., Any] | None:
     try:
         fn = load_function(path)
         inspect.signature(fn).bind([], {})
-    except (TypeError, ValueError, ImportError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a missing file, a syntax error, a wrong signature: one clear error
         raise ValueError(
             f"--history-rewrite-path {path}: expected module:fn, a function fn(messages, task) -> messages or None "
             f"({type(exc).__name__}: {exc})"
@@ -243,7 +244,7 @@ async def run_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        hook = history_hook(cfg.history_rewrite_path)
+        hook = ctx.history_rewrite or history_hook(cfg.history_rewrite_path)
         rewrites = type(env).rewrite_history is not Env.rewrite_history or hook is not None
         with _env_clock(sample):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)

@@ -21,10 +21,11 @@ import logging
 import time
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine
 from agentrl.env import Env, call_env
 from agentrl.registry import load_function
@@ -168,14 +169,53 @@ def _units(samples: list[Sample]) -> list[list[Sample]]:
     return list(units.values())
 
 
+def _unsupported_with_roles(config: RolloutConfig, env_cls: type) -> list[str]:
+    """The features the multi-role loop does not support yet that this run asks for."""
+    return [
+        flag
+        for flag, on in (
+            ("--partial-rollout", config.partial_rollout),
+            ("--history-mode template", config.history_mode == "template"),
+            ("rewrite_history()", getattr(env_cls, "rewrite_history", None) is not Env.rewrite_history),
+            ("--history-rewrite-path", bool(config.history_rewrite_path)),
+        )
+        if on
+    ]
+
+
+def _refuse_with_roles(roles: Sequence[str], unsupported: list[str]) -> None:
+    if roles and unsupported:
+        raise ValueError(
+            f"an env with roles {list(roles)} does not support {', '.join(unsupported)} yet: drop "
+            f"{'it' if len(unsupported) == 1 else 'them'}"
+        )
+
+
+def check_rollout_features(
+    config: RolloutConfig, env_factory: Any, rows: Iterable[dict[str, Any]] = (), *, custom: bool = False
+) -> None:
+    """Refuse, before any engine starts, what the env-driven episode loop cannot honour: a
+    ``--history-rewrite-path`` that does not load, or that episodes it does not run (a custom generate or
+    rollout function, rows with their own ``generate_function_path``) would silently skip, and the features an
+    env class's ``roles`` rule out (an env built by a function is probed at the first rollout instead)."""
+    if config.history_rewrite_path:
+        history_hook(config.history_rewrite_path)
+        if custom or any(isinstance(r, dict) and r.get("generate_function_path") for r in rows):
+            raise ValueError(
+                "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
+                "rollout function (or a row's generate_function_path) runs its own: drop one of them"
+            )
+    if isinstance(env_factory, type):
+        _refuse_with_roles(tuple(getattr(env_factory, "roles", ()) or ()), _unsupported_with_roles(config, env_factory))
+
+
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
     """Refuse, before any episode, what an env's roles make impossible: a ``--role-engine-url`` for a role
     it does not have, and the features the multi-role loop does not support yet. An env built by a
     function (or a partial) is constructed once to read its roles."""
     env_cls: type = env_factory if isinstance(env_factory, type) else Env
     roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
-    probe_for = ctx.role_engines or ctx.config.partial_rollout or ctx.config.history_mode != "exact"
-    if roles is None and (probe_for or ctx.config.history_rewrite_path):
+    if roles is None and (ctx.role_engines or _unsupported_with_roles(ctx.config, Env)):
         try:
             probe = env_factory()
         except Exception:  # noqa: BLE001 - the episodes report a factory that fails
@@ -194,22 +234,7 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
         raise ValueError(
             f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(roles)}"
         )
-    if roles:
-        unsupported = [
-            flag
-            for flag, on in (
-                ("--partial-rollout", ctx.config.partial_rollout),
-                ("--history-mode template", ctx.config.history_mode == "template"),
-                ("rewrite_history()", getattr(env_cls, "rewrite_history", None) is not Env.rewrite_history),
-                ("--history-rewrite-path", bool(ctx.config.history_rewrite_path)),
-            )
-            if on
-        ]
-        if unsupported:
-            raise ValueError(
-                f"an env with roles {list(roles)} does not support {', '.join(unsupported)} yet: drop "
-                f"{'it' if len(unsupported) == 1 else 'them'}"
-            )
+    _refuse_with_roles(roles, _unsupported_with_roles(ctx.config, env_cls))
 
 
 def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sample:
@@ -317,11 +342,9 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
-    if cfg.history_rewrite_path and (custom_generate is not None or env_factory is None):
-        raise ValueError(
-            "--history-rewrite-path rewrites the env-driven episode loop's conversations, not a custom generate's"
-        )
-    history_hook(cfg.history_rewrite_path)
+    check_rollout_features(cfg, env_factory, tasks, custom=custom_generate is not None or env_factory is None)
+    if cfg.history_rewrite_path and ctx.history_rewrite is None:  # loaded once for the whole rollout
+        ctx = dataclasses.replace(ctx, history_rewrite=history_hook(cfg.history_rewrite_path))
     if env_factory is not None:
         await check_roles_config(ctx, env_factory)
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).

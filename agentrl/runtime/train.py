@@ -85,9 +85,11 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         check_apply_chat_template(
             cfg.rollout, custom=bool(cfg.custom_generate_function_path or cfg.rollout_function_path), rows=rows
         )
-    from agentrl.rollout.episode import history_hook
+    if not cfg.is_sft or cfg.demo_engine_url:  # before Ray or an engine starts
+        from agentrl.rollout.generate import check_rollout_features
 
-    history_hook(cfg.rollout.history_rewrite_path)  # a hook that does not load stops the run before it starts
+        custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
+        check_rollout_features(cfg.rollout, factory, rows, custom=custom)
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
