@@ -85,7 +85,7 @@ def test_grpo_raises_the_win_rate_a_warm_start_reached(warm_start, tmp_path):
         f"win rate against the random opponent on 256 held-out games: warm start {before:.3f}, after GRPO {after:.3f}"
     )
     assert before > 0.2, before  # the warm start plays legal moves (a random-init model wins none)
-    assert after > before + 0.1, (before, after)  # measured: 0.324 -> 0.578
+    assert after > before + 0.1, (before, after)  # measured: 0.324 -> 0.578, 0.352 -> 0.570
 
 
 def test_the_trained_role_beats_a_fixed_opponent_on_another_engine(warm_start, tmp_path):
@@ -113,4 +113,4 @@ def test_the_trained_role_beats_a_fixed_opponent_on_another_engine(warm_start, t
     lines = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl")]
     print(f"O's win rate against the fixed X on 256 held-out games: warm start {before:.3f}, after GRPO {after:.3f}")
     assert all(line["dropped_fixed_role"] > 0 and "reward_mean/x" not in line for line in lines)  # X never trained
-    assert after > before + 0.2, (before, after)
+    assert after > before + 0.2, (before, after)  # measured: 0.024 -> 0.518

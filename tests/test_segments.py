@@ -373,6 +373,9 @@ def bad(messages, task):
 
 def one_arg(messages):
     return None
+
+async def gen(args, sample, sampling_params):
+    return sample
 """
 
 
@@ -432,7 +435,7 @@ def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks,
     (tmp_path / "broken_hook.py").write_text("def fn(messages, task)\n")  # a syntax error
     for path, text in (
         ("my_hooks:missing", "--history-rewrite-path my_hooks:missing: expected module:fn"),
-        ("my_hooks:one_arg", "fn(messages, task)"),
+        ("my_hooks:one_arg", "TypeError: too many positional arguments"),
         ("no_such_module_here:fn", "--history-rewrite-path no_such_module_here:fn"),
         (f"{tmp_path}/absent.py:fn", "--history-rewrite-path .*absent.py:fn"),
         (f"{tmp_path}/broken_hook.py:fn", "SyntaxError"),
@@ -465,11 +468,42 @@ async def test_an_env_built_by_a_function_is_probed_for_roles_at_the_first_rollo
     await ctx.engine.close()
 
 
-def test_the_cli_refuses_a_hook_on_a_roles_env_before_starting_an_engine(tmp_path, capsys, hooks):
+def test_the_cli_refuses_a_hook_on_a_roles_env_before_starting_an_engine(tmp_path, capsys, hooks, monkeypatch):
+    import agentrl.checkpoint
     from agentrl.cli import main
+
+    def no_model(*a, **kw):
+        raise AssertionError("the checkpoint was resolved: the refusal came too late")
+
+    monkeypatch.setattr(agentrl.checkpoint, "resolve_hf_checkpoint", no_model)
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "x"}\n')
     code = main(["rollout", "--env", "agentrl/TicTacToe-v0", "--prompt-data", str(rows),
                  "--history-rewrite-path", "my_hooks:summarize"])  # fmt: skip
     assert code != 0 and "does not support --history-rewrite-path" in capsys.readouterr().err
+
+
+def test_train_refuses_a_hook_its_eval_rows_would_skip_before_anything_starts(tiny_ckpt, tmp_path, hooks, monkeypatch):
+    from agentrl.config import RunConfig
+    from agentrl.runtime import train as train_mod
+
+    def too_late(*a, **kw):
+        raise AssertionError("the runtime (Ray, engines) started before the refusal")
+
+    monkeypatch.setattr(train_mod._Runtime, "__init__", too_late)
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "x", "generate_function_path": "my_hooks:gen"}) + "\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "x"}) + "\n")  # the training rows are fine: only the eval set is not
+    cfg = RunConfig(
+        env="tests.test_episode:TalkEnv",
+        prompt_data=str(rows),
+        hf_checkpoint=str(tiny_ckpt),
+        save=str(tmp_path / "run"),
+        eval_prompt_data=[("held", str(held))],
+        eval_interval=1,
+        rollout=RolloutConfig(history_rewrite_path="my_hooks:summarize"),
+    )
+    with pytest.raises(ValueError, match="a row's generate_function_path"):
+        train_mod.train(cfg)

@@ -489,3 +489,37 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
         == 2
     )
     assert "pass it as --hf-checkpoint instead" in capsys.readouterr().err
+
+
+def test_best_of_n_chooses_each_role_of_a_multi_role_env_apart(tiny_server, tiny_tokenizer, monkeypatch):
+    import agentrl.rollout.generate as generate
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.envs.tictactoe import TicTacToe
+    from agentrl.rollout.episode import EpisodeContext
+
+    real, played = generate.generate_rollout, []
+
+    async def spy(*a, **kw):  # the real rollout, recorded: what best-of-n chose from
+        out = await real(*a, **kw)
+        played.extend(out[0])
+        return out
+
+    monkeypatch.setattr(generate, "generate_rollout", spy)
+    engine = SGLangEngine(tiny_server)
+    cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=9, rollout_max_turn_len=48, rollout_seed=5)
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=cfg)
+
+    async def run():
+        try:
+            return await rejection_samples(ctx, TicTacToe, TicTacToe.tasks(4), min_reward=0.0, best_of_n=True)
+        finally:
+            await engine.close()
+
+    kept, _ = asyncio.run(run())
+    keys = [(s.group_index, s.metadata["role"]) for s in kept]
+    assert kept and len(keys) == len(set(keys))  # one sample per task and role
+    for s in kept:  # each role's own best, not the sample of whichever role won the episode
+        rivals = [
+            p.reward for p in played if (p.group_index, p.metadata.get("role")) == (s.group_index, s.metadata["role"])
+        ]
+        assert s.reward == max(r for r in rivals if r is not None), (s.metadata["role"], s.reward, rivals)

@@ -469,14 +469,15 @@ async def rejection_samples(
     """``ctx.config.n_samples_per_prompt`` real episodes per task on ``ctx.engine``; keep the good ones.
 
     Kept: completed or truncated by the turn limit (not cut off mid-turn), token-exact, reward >= ``min_reward``; with ``best_of_n`` only the
-    highest-reward episode of each task, with all its segments (a rewritten history). The episodes' ids are the engine's own, so the engine must share
+    highest-reward episode of each task (of each role's, for an env with roles), with all its segments (a
+    rewritten history). The episodes' ids are the engine's own, so the engine must share
     the trained model's tokenizer (the policy itself, or a larger model of the same family).
     """
     from agentrl.rollout.generate import generate_rollout
 
     rollout, _ = await generate_rollout(ctx, make_env, tasks)
     stats = DemoStats(rows=len(rollout))
-    best: dict[int, tuple[float, Any]] = {}  # per task: the best episode's reward and id
+    best: dict[tuple[int, Any], tuple[float, Any]] = {}  # per (task, role): the best episode's reward and id
     passed: list[tuple[int, Any, Sample]] = []
     kept: list[Sample] = []
     for s in rollout:
@@ -490,15 +491,16 @@ async def rejection_samples(
             continue
         s.metadata["demo"] = True
         g = int(s.group_index or 0)
-        if best_of_n:  # an episode in segments (a rewritten history) is chosen, and kept, whole
-            episode = s.metadata.get("episode_id", id(s))
-            if g not in best or reward > best[g][0]:
-                best[g] = (reward, episode)
+        if best_of_n:  # an episode in segments (a rewritten history) is chosen, and kept, whole; roles apart
+            episode = (s.metadata.get("episode_id", id(s)), s.metadata.get("role"))
+            task = (g, episode[1])
+            if task not in best or reward > best[task][0]:
+                best[task] = (reward, episode)
             passed.append((g, episode, s))
         else:
             kept.append(s)
     if best_of_n:
-        chosen = {(g, episode) for g, (_, episode) in best.items()}
+        chosen = {(task[0], episode) for task, (_, episode) in best.items()}
         kept = [s for g, episode, s in sorted(passed, key=lambda p: p[0]) if (g, episode) in chosen]
     for s in kept:
         stats.add(s)

@@ -244,7 +244,7 @@ async def run_episode(
         max_turns = cfg.turn_limit(env.max_turns)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
-        hook = ctx.history_rewrite or history_hook(cfg.history_rewrite_path)
+        hook = ctx.history_rewrite if ctx.history_rewrite is not None else history_hook(cfg.history_rewrite_path)
         rewrites = type(env).rewrite_history is not Env.rewrite_history or hook is not None
         with _env_clock(sample):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)

@@ -85,15 +85,16 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         check_apply_chat_template(
             cfg.rollout, custom=bool(cfg.custom_generate_function_path or cfg.rollout_function_path), rows=rows
         )
-    if not cfg.is_sft or cfg.demo_engine_url:  # before Ray or an engine starts
-        from agentrl.rollout.generate import check_rollout_features
-
-        custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
-        check_rollout_features(cfg.rollout, factory, rows, custom=custom)
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
             eval_sets[name] = load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
+    if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour, before Ray starts
+        from agentrl.rollout.generate import check_rollout_features
+
+        custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
+        sampled = [*rows, *(r for rows_ in eval_sets.values() for r in rows_)]
+        check_rollout_features(cfg.rollout, factory, sampled, custom=custom)
     custom_generate: Any = (
         load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
     )
