@@ -193,13 +193,14 @@ def _refuse_with_roles(roles: Sequence[str], unsupported: list[str]) -> None:
 
 def check_rollout_features(
     config: RolloutConfig, env_factory: Any, rows: Iterable[dict[str, Any]] = (), *, custom: bool = False
-) -> None:
+) -> Callable[..., Any] | None:
     """Refuse, before any engine starts, what the env-driven episode loop cannot honour: a
     ``--history-rewrite-path`` that does not load, or that episodes it does not run (a custom generate or
     rollout function, rows with their own ``generate_function_path``) would silently skip, and the features an
-    env class's ``roles`` rule out (an env built by a function is probed at the first rollout instead)."""
-    if config.history_rewrite_path:
-        history_hook(config.history_rewrite_path)
+    env class's ``roles`` rule out (an env built by a function is probed at the first rollout instead).
+    Returns the loaded hook (None without the flag)."""
+    hook = history_hook(config.history_rewrite_path)
+    if hook is not None:
         if custom or any(isinstance(r, dict) and r.get("generate_function_path") for r in rows):
             raise ValueError(
                 "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
@@ -207,6 +208,7 @@ def check_rollout_features(
             )
     if isinstance(env_factory, type):
         _refuse_with_roles(tuple(getattr(env_factory, "roles", ()) or ()), _unsupported_with_roles(config, env_factory))
+    return hook
 
 
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
@@ -342,9 +344,9 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
-    check_rollout_features(cfg, env_factory, tasks, custom=custom_generate is not None or env_factory is None)
-    if cfg.history_rewrite_path and ctx.history_rewrite is None:  # loaded once for the whole rollout
-        ctx = dataclasses.replace(ctx, history_rewrite=history_hook(cfg.history_rewrite_path))
+    hook = check_rollout_features(cfg, env_factory, tasks, custom=custom_generate is not None or env_factory is None)
+    if hook is not None and ctx.history_rewrite is None:  # loaded once for the whole rollout
+        ctx = dataclasses.replace(ctx, history_rewrite=hook)
     if env_factory is not None:
         await check_roles_config(ctx, env_factory)
     # Episodes must stop (truncated) before the engine's own limit, not be refused by it (aborted).
