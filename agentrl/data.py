@@ -1,10 +1,15 @@
 """Rows from files: task rows and demonstration rows, read the same way whatever the format.
 
-Users already hold their data as JSON Lines, a JSON list, Parquet, or a Hugging Face ``datasets``
+Users already hold their data as JSON Lines, a JSON list, Parquet, CSV, or a Hugging Face ``datasets``
 folder written by ``save_to_disk``. :func:`read_rows` yields each row as a dict together with where
 it came from (``file:line`` for JSON Lines, ``file[row]`` otherwise), so every refusal further down
-can name the exact row to fix. Parquet and ``datasets`` folders need the ``datasets`` package
-(``pip install datasets``); it is imported only for them.
+can name the exact row to fix. Parquet, CSV and ``datasets`` folders are read through the ``datasets``
+library (``pip install datasets``), imported only for them; JSON is read here, so that a broken line
+is named by its line number.
+
+Keys may be nested, as verl's parquet files hold them: ``--input-key extra_info.question`` or
+``--label-key reward_model.ground_truth`` walk into dicts (and lists, by index) with dots; a key that
+exists as written (dots included) wins. See :func:`lookup`.
 """
 
 from __future__ import annotations
@@ -15,15 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_tasks", "read_rows", "task_from_row", "task_rows"]
+__all__ = ["load_tasks", "lookup", "read_rows", "task_from_row", "task_rows"]
+
+_MISSING = object()
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, row)`` for every row of ``path``; a row that is not a JSON object is refused.
 
-    ``.jsonl`` (and any other suffix): one object per line (blank lines skipped). ``.json``: a list of objects.
-    ``.parquet``: one row per record. A folder: a ``datasets`` dataset saved with ``save_to_disk``
-    (a ``DatasetDict`` is refused unless it has exactly one split: name the split's folder).
+    ``.jsonl`` (and any other suffix): one object per line (blank lines skipped). ``.json``: a list of
+    objects, or JSON Lines (what ``datasets``' ``to_json`` writes under that name). ``.parquet`` and
+    ``.csv``: one row per record (CSV column types as ``datasets`` infers them: ``42`` is a number). A folder: a
+    ``datasets`` dataset saved with ``save_to_disk`` (a ``DatasetDict`` is refused unless it has
+    exactly one split: name the split's folder). A file the library cannot read is refused with its path.
     """
     p = Path(path)
     if not p.exists():
@@ -31,20 +40,36 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if p.is_dir():
         yield from _datasets_rows(p)
     elif p.suffix == ".json":
+        yield from _json_rows(p)
+    elif p.suffix in (".parquet", ".csv"):
+        datasets = _datasets()
+        reader = datasets.Dataset.from_parquet if p.suffix == ".parquet" else datasets.Dataset.from_csv
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json file must hold a list of objects (use .jsonl for one per line)")
-        for i, row in enumerate(data):
-            yield _checked(f"{path}[{i}]", row)
-    elif p.suffix == ".parquet":
-        ds = _datasets().Dataset.from_parquet(str(p))
+            ds = reader(str(p))
+        except Exception as exc:  # pyarrow's errors name neither the file nor what to do
+            raise ValueError(f"{path}: not a readable {p.suffix[1:]} file ({type(exc).__name__}: {exc})") from None
         for i, row in enumerate(ds):
             yield _checked(f"{path}[{i}]", row)
     else:  # .jsonl, and any other name: JSON Lines, as task files always were read
         yield from _jsonl_rows(p)
+
+
+def _json_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        first = text.lstrip()[:1]
+        if first == "{":  # JSON Lines under a .json name (datasets' to_json default)
+            yield from _jsonl_rows(p)
+            return
+        raise ValueError(f"{p}: not valid JSON ({exc})") from None
+    if isinstance(data, dict) and len(text.strip().splitlines()) == 1:  # JSON Lines of one row
+        data = [data]
+    if not isinstance(data, list):
+        raise ValueError(f"{p}: a .json file must hold a list of objects, or one object per line")
+    for i, row in enumerate(data):
+        yield _checked(f"{p}[{i}]", row)
 
 
 def _jsonl_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -70,13 +95,16 @@ def _datasets() -> Any:
         import datasets
     except ImportError:
         raise ImportError(
-            "reading Parquet files and datasets folders needs the `datasets` package: pip install datasets"
+            "reading Parquet and CSV files and datasets folders needs the `datasets` package: pip install datasets"
         ) from None
     return datasets
 
 
 def _datasets_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    ds = _datasets().load_from_disk(str(p))
+    try:
+        ds = _datasets().load_from_disk(str(p))
+    except FileNotFoundError as exc:  # a folder that is not a saved dataset
+        raise ValueError(f"{p}: not a datasets folder written by save_to_disk ({exc})") from None
     if hasattr(ds, "keys") and not hasattr(ds, "features"):  # a DatasetDict
         splits = list(ds.keys())
         if len(splits) != 1:
@@ -104,9 +132,15 @@ def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = 
 def task_from_row(
     row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task"
 ) -> dict[str, Any]:
-    """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys."""
-    if input_key not in row:
-        raise ValueError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
+    """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys.
+
+    Both keys may be dotted paths into nested values (:func:`lookup`). A row without ``input_key`` is
+    refused naming the row, the key and the keys it has; a missing label is ``None`` (envs that need
+    one say so).
+    """
+    prompt = lookup(row, input_key, _MISSING)
+    if prompt is _MISSING:
+        raise ValueError(f"{where}: no {input_key!r} key (set --input-key); {_keys_hint(row, input_key)}")
     gen = row.get("generate_function_path")
     if gen is not None:  # this row's own generate function (slime's Sample.generate_function_path)
         from agentrl.registry import load_function
@@ -122,9 +156,44 @@ def task_from_row(
                 f"{where}: 'generate_function_path' {gen!r} must be an async def generate(args, sample, sampling_params)"
             )
     task = dict(row)
-    task["prompt"] = row[input_key]
-    task["label"] = row.get(label_key)
+    task["prompt"] = prompt
+    task["label"] = lookup(row, label_key)
     return task
+
+
+def lookup(row: dict[str, Any], key: str, default: Any = None) -> Any:
+    """``row[key]``, or the value at a dotted path (``extra_info.question``, ``prompt.0.content``).
+
+    Why: verl's and many Hugging Face datasets keep the question and the answer inside nested columns
+    (``extra_info``, ``reward_model``); a flag naming the path saves a conversion script. A key that
+    exists as written wins over the path reading; digits index lists. ``default`` when nothing is there.
+    """
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return default
+    return value
+
+
+def _keys_hint(row: dict[str, Any], key: str) -> str:
+    """Where the path stopped, and what keys were there (so the fix is one edit)."""
+    value: Any = row
+    walked: list[str] = []
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value, walked = value[part], walked + [part]
+            continue
+        at = ".".join(walked) or "the row"
+        if isinstance(value, dict):
+            return f"keys of {at} are {sorted(value)}"
+        return f"{at} is a {type(value).__name__}, not an object"
+    return f"keys are {sorted(row)}"
 
 
 def task_rows(
