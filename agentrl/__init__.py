@@ -6,7 +6,10 @@ out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewa
 :func:`train` (``agentrl train``) runs GRPO-family or PPO training on them with a :class:`RunConfig`.
 Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
 frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
-runs an env with a scripted policy. Warm starts (``agentrl sft``) train on demonstrations made
+runs an env with a scripted policy. Tools, agents and envs made elsewhere come in through
+:func:`mcp_tools` (a Model Context Protocol server's tools, :class:`MCPToolEnv`), :class:`ProxyEnv` (an
+unmodified agent program written against the OpenAI API, recorded token-exact) and go out through
+:class:`EnvServer` (``agentrl env-serve``: any env over OpenEnv's protocol). Warm starts (``agentrl sft``) train on demonstrations made
 token-exact by :func:`conversation_samples` (OpenAI-format conversations, read by :func:`read_rows`),
 :func:`scripted_samples` (a scripted policy) or :func:`rejection_samples` (an engine's best episodes).
 
@@ -74,12 +77,22 @@ _LAZY = {
     "MegatronCritic": "agentrl.trainer.megatron_critic",
     "SGLangLaunch": "agentrl.engines.sglang",
     "SGLangEngineGroup": "agentrl.runtime.engines",
+    "mcp_tools": "agentrl.mcp",
+    "MCPServerSpec": "agentrl.mcp",
+    "MCPServerError": "agentrl.mcp",
+    "MCPTool": "agentrl.mcp",
+    "MCPToolEnv": "agentrl.mcp",
+    "MCPToolset": "agentrl.mcp",
+    "close_mcp_sessions": "agentrl.mcp",
+    "ProxyEnv": "agentrl.proxy",
+    "EnvServer": "agentrl.adapters.openenv_server",
 }
 __all__ += sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    """Import the scale-path classes only when asked for (``agentrl.MegatronTrainer``)."""
+    """Import the scale path and the ecosystem bridges only when asked for (``agentrl.MegatronTrainer``,
+    ``agentrl.mcp_tools``): they pull in megatron-core, Ray, the ``mcp`` SDK or FastAPI."""
     if name in _LAZY:
         import importlib
 

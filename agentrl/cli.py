@@ -1,4 +1,5 @@
-"""The ``agentrl`` command: ``train``, ``sft``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``.
+"""The ``agentrl`` command: ``train``, ``sft``, ``rollout``, ``eval``, ``view``, ``serve``, ``check-env``,
+``env-serve`` (an env over OpenEnv's protocol), ``proxy`` (record agents written against the OpenAI API), ``sandbox``.
 
 Flag names follow slime where the concept is the same (``--hf-checkpoint``, ``--prompt-data``,
 ``--input-key``, ``--label-key``, ``--n-samples-per-prompt``, ``--rollout-max-turn-len``,
@@ -152,12 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    es = sub.add_parser(
+        "env-serve", help="serve an env over OpenEnv's protocol (/ws sessions, /schema, /health) to OpenEnv/TRL clients"
+    )
+    add_field_flags(es, ["env", "prompt_data", "input_key", "label_key", "sandbox"], env={"required": True})
+    es.add_argument("--host", default="127.0.0.1", help="address to listen on (the env runs what clients send)")
+    es.add_argument("--port", type=int, default=8000, help="port to listen on")
+    es.add_argument("--max-sessions", type=int, default=8, help="sessions at once; one more gets CAPACITY_REACHED")
+    es.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a reset/step may take (an env's own step_timeout wins)",
+    )
+
     v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
     v.add_argument("samples", help="JSONL of Samples (agentrl rollout output or a training rollout dump)")
     v.add_argument("-o", "--output", default=None, help="HTML file to write (default: SAMPLES with .html)")
     _add_model_args(v)
     v.add_argument("--limit", type=int, default=None, help="show only the first N samples")
     _add_sandbox_parser(sub)
+    from agentrl.proxy.command import add_proxy_parser
+
+    add_proxy_parser(sub)
     return parser
 
 
@@ -179,10 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "check-env":
             return cmd_check_env(args)
+        if args.command == "env-serve":
+            from agentrl.adapters.openenv_server import cmd_env_serve
+
+            return cmd_env_serve(args)
         if args.command == "view":
             from agentrl.view import cmd_view
 
             return cmd_view(args)
+        if args.command == "proxy":
+            from agentrl.proxy.command import cmd_proxy
+
+            return cmd_proxy(args)
         if args.command == "sandbox":
             return cmd_sandbox(args)
     except (ValueError, FileNotFoundError, ImportError, AttributeError, TypeError) as exc:

@@ -285,6 +285,7 @@ async def run_episode(
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
                 spent = whole is not None and len(ledger) - prompt_len >= whole
                 reason = "context_length" if hit_context else "response_budget" if spent else "response_length"
+                await _cut_off(ctx, env, out, parser, turn, seen_ids, sample, step_timeout)
                 raise _EndEpisode(Status.TRUNCATED, reason)
             action, message, last_token_text = parse_turn(ctx, out, parser, turn, seen_ids)
             calls, errors = action.tool_calls, action.errors
@@ -398,6 +399,26 @@ async def run_episode(
             if error is not None:
                 s.metadata.setdefault("error", error)
     return segments
+
+
+async def _cut_off(
+    ctx: EpisodeContext,
+    env: Env,
+    out: GenerateOutput,
+    parser: Any,
+    turn: int,
+    seen_ids: set[str],
+    sample: Sample,
+    timeout: float,
+) -> None:
+    """Hand a turn the length limit cut off to an env with a ``turn_cut_off(action)`` method (``step`` never
+    sees such a turn): :class:`~agentrl.proxy.ProxyEnv`'s agent is waiting for it, as an OpenAI reply with
+    ``finish_reason`` ``"length"``. The episode ends ``truncated`` either way."""
+    cut_off = getattr(env, "turn_cut_off", None)
+    if callable(cut_off):
+        action = parse_turn(ctx, out, parser, turn, seen_ids)[0]
+        with _env_clock(sample):
+            await _timed(call_env(cut_off, action, _executor=ctx.executor), timeout, "turn_cut_off()")
 
 
 MAX_RESUMES = 16
@@ -572,7 +593,27 @@ async def _close_env(env: Env, meta: dict[str, Any], timeout: float, executor: E
         raise
     except BaseException as exc:  # a failing close is reported, not fatal: the episode's data is kept
         meta["close_error"] = f"{type(exc).__name__}: {exc}"
+    await release_episode(env, meta)
+
+
+async def release_episode(env: Env, meta: dict[str, Any], timeout: float = 30.0) -> None:
+    """After ``close``: give back what the episode held even if the env's ``close`` did not.
+
+    First the sandbox (:func:`release_sandbox`), then what the env's ``tools`` keep open: a toolset
+    with an async ``aclose`` (MCP tools' per-episode sessions, i.e. server processes) is closed, so a
+    plain :class:`~agentrl.env.Env` holding ``mcp_tools(...)`` leaves no server behind. Closing twice
+    is harmless. A failure (or ``aclose`` past ``timeout`` seconds) is recorded in ``meta["close_error"]``
+    and never raised: the episode's data is kept and the run goes on.
+    """
     await release_sandbox(env, meta)
+    try:
+        aclose = getattr(getattr(env, "tools", None), "aclose", None)
+        if aclose is not None and inspect.iscoroutinefunction(aclose):
+            await asyncio.wait_for(aclose(), timeout)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # the sessions are dropped anyway (their finalizer ends the servers)
+        meta.setdefault("close_error", f"tools close: {type(exc).__name__}: {exc}")
 
 
 async def release_sandbox(env: Env, meta: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from agentrl.env import Env, call_env, check_messages, check_reset, check_step, maybe_await
 from agentrl.parsing import get_parser
-from agentrl.rollout.episode import release_sandbox
+from agentrl.rollout.episode import release_episode
 from agentrl.sandbox import close_default_pool
 from agentrl.types import Action, Message
 
@@ -107,7 +107,7 @@ async def _episode(
                 raise
             except BaseException as e:
                 meta["close_error"] = f"{type(e).__name__}: {e}"
-            await release_sandbox(env, meta)
+            await release_episode(env, meta)
             result.error = result.error or meta.get("close_error")
     return result
 

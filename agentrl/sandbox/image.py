@@ -57,6 +57,7 @@ PACKAGES = (
     "findutils",
     "procps",
     "libc6",
+    "libgcc-s1",  # libgcc_s.so.1: Rust- and C++-built wheels (pydantic-core, ...) added to derived images load
     "tzdata",
 )
 # Single files from packages we do not want whole (util-linux is 5 MB of mostly admin tools).

@@ -1,0 +1,78 @@
+"""A recording proxy: unmodified agent programs call it as their OpenAI model; every token is recorded.
+
+Agents written against the OpenAI API (a plain ``openai`` client tool loop, the Agents SDK,
+LangChain) own their loop: they send the whole conversation on every request and run their tools
+themselves. The proxy turns such a program into an agentrl episode without changing a line of it.
+
+Why an :class:`~agentrl.Env` (:class:`ProxyEnv`) and not a custom generate function: the episode
+loop (:func:`agentrl.rollout.episode.run_episode`) already does everything a recording needs and a
+custom generate function would have to redo: the token ledger (sampled ids verbatim with their
+log-probs, observations as template deltas), tool-call parsing with the run's parser, context and
+length limits, routing one episode to one engine, ``--partial-rollout``, and *segments* when the
+agent rewrites its history (a custom generate function returns one Sample; an episode of several
+segments comes only from the loop). So the proxy inverts control at the env boundary.
+
+A request's way through the package::
+
+    agent --POST /s/{session}/v1/chat/completions--> server.ProxyServer   (FastAPI on 127.0.0.1)
+        requests.parse_request        the body validated (pydantic); a bad field is a 422 naming it
+        server.Session / Call         queued on its session, held open until the turn is generated
+    env.ProxyEnv.reset / step         the Call's messages as observations (deltas) or a rewrite
+    episode loop                      generates the turn on the run's engines, records every token
+    env.ProxyEnv.step                 answers the Call: a ChatCompletion with tool_calls
+    agent                             runs its tools, sends the next request ... or finishes: reward()
+
+``command`` is ``agentrl proxy`` (:mod:`agentrl.proxy.external`: sessions of agents started elsewhere,
+their samples appended to a JSONL file). Everything is imported on first use: importing this package
+costs nothing until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.proxy.env import AgentError, ProxyEnv, run_command
+    from agentrl.proxy.external import ExternalSession
+    from agentrl.proxy.requests import ChatRequest, Refusal, validation_message
+    from agentrl.proxy.server import SESSION_HEADER, ProxyServer, Session
+
+__all__ = [
+    "SESSION_HEADER",
+    "AgentError",
+    "ChatRequest",
+    "ExternalSession",
+    "ProxyEnv",
+    "ProxyServer",
+    "Refusal",
+    "Session",
+    "run_command",
+    "validation_message",
+]
+
+_WHERE = {
+    "AgentError": "env",
+    "ProxyEnv": "env",
+    "run_command": "env",
+    "ExternalSession": "external",
+    "ChatRequest": "requests",
+    "Refusal": "requests",
+    "validation_message": "requests",
+    "SESSION_HEADER": "server",
+    "ProxyServer": "server",
+    "Session": "server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

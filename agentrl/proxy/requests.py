@@ -1,0 +1,186 @@
+"""What an agent sends: the ``/v1/chat/completions`` body, validated, and the refusals it can earn.
+
+Bodies are validated with pydantic: a bad field is a 422 naming it (``messages.0.role: ...``), and
+parameters the proxy cannot honour (``n > 1``, ``stream``, ``stop``, ``logprobs``, a forced
+``tool_choice``, ...) are refused, not silently ignored, because an agent that asked for them would
+otherwise act on a reply it did not ask for. ``temperature``, ``top_p``, ``max_tokens`` and ``seed``
+are accepted and recorded (:meth:`ChatRequest.sampling_record`) but the run's sampling flags apply:
+the rollout log-probs must be those of the policy the trainer optimises.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agentrl.types import Message
+
+__all__ = ["ChatMessageIn", "ChatRequest", "Refusal", "parse_request", "validation_message"]
+
+Text = Annotated[str, Field(strict=True)]
+
+
+@dataclass
+class Refusal:
+    """An HTTP error answer to a request (OpenAI's error shape, so clients raise their usual errors)."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ToolCallFunction(_Strict):
+    name: Annotated[str, Field(strict=True, min_length=1)]
+    arguments: Text
+
+
+class ToolCallIn(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+_ECHOED = ("refusal", "annotations", "audio", "function_call", "reasoning_content")
+"""Keys an ``openai`` client echoes on assistant messages it got back; dropped when empty."""
+
+
+class ChatMessageIn(BaseModel):
+    """One request message (OpenAI's shape). ``developer`` is rendered as ``system``."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return "".join(p.text for p in v) if isinstance(v, list) else v
+
+    def as_message(self) -> Message:
+        """The message as the chat template renders it; ValueError for what it cannot render."""
+        for key, value in (self.model_extra or {}).items():
+            if key not in _ECHOED or value:
+                raise ValueError(f"unsupported message field {key!r}")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        msg["content"] = self.content or ""
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg  # type: ignore[return-value]
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(strict=True, min_length=1)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+def _only(name: str, allowed: tuple[Any, ...], why: str) -> Any:
+    """A validator refusing every value of ``name`` but ``allowed`` (refused, never silently ignored)."""
+
+    def check(v: Any) -> Any:
+        if not any(v is a or (v == a and type(v) is type(a)) for a in allowed):
+            raise ValueError(f"{name}={v!r} is not supported: {why}")
+        return v
+
+    return field_validator(name)(check)
+
+
+class ChatRequest(_Strict):
+    """The ``/v1/chat/completions`` body the proxy serves. Unknown fields are refused (422 naming them)."""
+
+    model: Text | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stop: None = None
+    logprobs: bool | None = None
+    top_logprobs: None = None
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    response_format: dict[Literal["type"], Literal["text"]] | None = None
+    user: Text | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+
+    _n = _only("n", (None, 1), "the proxy records one sample per request")
+    _stream = _only("stream", (None, False), "the proxy answers with one ChatCompletion")
+    _lp = _only("logprobs", (None, False), "log-probs are recorded in the sample, not returned")
+
+    def sampling_record(self) -> dict[str, Any]:
+        """What the request asked of sampling (recorded; the run's sampling flags apply)."""
+        keys = ("model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+def validation_message(exc: ValidationError) -> str:
+    """``messages.0.role: Input should be ...; n: Value error, n=2 is not supported: ...``."""
+    return "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+
+
+def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any] | Refusal:
+    """The body as a JSON object (``{}`` for an empty one when ``empty_ok``), or the 400 saying why not."""
+    try:
+        body = json.loads(raw or b"{}") if empty_ok else json.loads(raw)
+    except ValueError as exc:
+        return Refusal(400, f"the body is not JSON: {exc}")
+    if not isinstance(body, dict):
+        return Refusal(400, "the body must be a JSON object")
+    return body
+
+
+def parse_request(raw: bytes) -> tuple[ChatRequest, list[Message], list[dict[str, Any]]] | Refusal:
+    """A request body as (the validated request, its messages as the template renders them, its tools),
+    or the refusal (400 not a JSON object, 422 naming the first bad field)."""
+    body = json_object(raw)
+    if isinstance(body, Refusal):
+        return body
+    try:
+        req = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"] if exc.errors() else ()
+        return Refusal(422, validation_message(exc), ".".join(str(x) for x in loc) or None)
+    messages = []
+    for i, m in enumerate(req.messages):
+        try:
+            messages.append(m.as_message())
+        except ValueError as exc:
+            return Refusal(422, f"messages.{i}: {exc}", f"messages.{i}")
+    return req, messages, [t.model_dump(exclude_none=True) for t in req.tools or []]

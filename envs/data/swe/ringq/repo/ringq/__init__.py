@@ -1,0 +1,5 @@
+"""ringq: a fixed-capacity FIFO queue."""
+
+from ringq.queue import RingQueue
+
+__all__ = ["RingQueue"]

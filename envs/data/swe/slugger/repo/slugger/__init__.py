@@ -1,0 +1,5 @@
+"""slugger: URL slugs from titles."""
+
+from slugger.text import slugify
+
+__all__ = ["slugify"]

@@ -1,0 +1,350 @@
+"""``agentrl env-serve``: agentrl envs served over OpenEnv's protocol, for real, on loopback.
+
+Each server is uvicorn in a thread on a socket bound before it starts (or the CLI in a
+subprocess). Clients: agentrl's own ``openenv:`` adapter, openenv-core's ``GenericEnvClient`` /
+``MCPToolClient`` and its ``validate_running_environment`` check, and raw WebSocket messages.
+openenv-core's client side needs ``pip install --no-deps openenv-core==0.3.0 && pip install websockets``
+(its tests skip without it unless ``AGENTRL_REQUIRE_OPENENV=1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+
+import agentrl
+from agentrl.adapters.openenv import text_field
+from agentrl.adapters.openenv_server import EnvServer, build_server
+from agentrl.envs import calculator, guess_number
+from agentrl.rollout.scripted import play
+
+# -- servers ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(server: EnvServer) -> Iterator[str]:
+    """``server``'s app under uvicorn in a thread; yields its ``http://127.0.0.1:PORT``."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def guess_url() -> Iterator[str]:
+    with serving(build_server("agentrl/GuessNumber-v0", max_sessions=16)) as url:
+        yield url
+
+
+CLOSED: list[str] = []
+
+
+class Fragile(agentrl.Env):
+    """Echoes the reply; ``explode`` raises in step, ``bad`` returns a broken 5-tuple; records closes."""
+
+    max_turns = 3
+
+    @staticmethod
+    def tasks() -> list[dict[str, Any]]:
+        return [{"prompt": "say something", "label": None}]
+
+    async def reset(self, *, seed=None, options=None):
+        self.name = (options or {}).get("prompt", "")
+        return [{"role": "user", "content": f"{self.name} (seed {seed})"}], {"seed": seed}
+
+    async def step(self, action):
+        if action.text == "explode":
+            raise RuntimeError("boom in step")
+        if action.text == "bad":
+            return [{"role": "user", "content": "x"}], float("nan"), False, False, {}
+        return [{"role": "user", "content": f"you said {action.text}"}], 0.5, action.text == "stop", False, {}
+
+    async def close(self):
+        CLOSED.append(self.name if hasattr(self, "name") else "")
+        await super().close()
+
+
+@pytest.fixture(scope="module")
+def fragile_url() -> Iterator[str]:
+    with serving(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=4)) as url:
+        yield url
+
+
+class Session:
+    """A raw ``/ws`` session: send a message (dict or text), read the reply as a dict."""
+
+    def __init__(self, http: aiohttp.ClientSession, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.http, self.ws = http, ws
+
+    async def ask(self, message: dict | str) -> dict[str, Any]:
+        await self.ws.send_str(message if isinstance(message, str) else json.dumps(message))
+        msg = await asyncio.wait_for(self.ws.receive(), 10)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        return json.loads(msg.data)
+
+
+@contextlib.asynccontextmanager
+async def session(url: str):
+    async with aiohttp.ClientSession() as http, http.ws_connect(url.replace("http", "ws") + "/ws") as ws:
+        yield Session(http, ws)
+
+
+def _need_openenv() -> None:
+    try:
+        import openenv.core  # noqa: F401
+    except ImportError:
+        reason = "openenv-core is not installed (pip install --no-deps openenv-core==0.3.0 && pip install websockets)"
+        if os.environ.get("AGENTRL_REQUIRE_OPENENV") == "1":
+            pytest.fail(reason + " and AGENTRL_REQUIRE_OPENENV=1")
+        pytest.skip(reason)
+
+
+# -- (a) agentrl's openenv: adapter plays a served env as it plays it in process --------------------
+
+
+def _served_view(messages: list[dict]) -> list[dict]:
+    """What the served env said, from the adapter's user turns (each the observation as JSON)."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "user":
+            out.extend(json.loads(m["content"])["messages"])
+        else:
+            out.append(m)
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec,module", [("agentrl/GuessNumber-v0", guess_number), ("agentrl/Calculator-v0", calculator)]
+)
+async def test_adapter_episodes_earn_the_in_process_rewards(spec, module):
+    local = agentrl.load_env(spec)
+    tasks = local.tasks()[:6]
+    limit = local.max_turns
+    here = await play(local, module.solver_policy, tasks, max_turns=limit)
+    with serving(build_server(spec, max_sessions=8)) as url:
+        remote = agentrl.load_env(f"openenv:{url}")
+        rows = remote.tasks()[: len(tasks)]  # {"seed": i}: the server plays its task i
+        there = await play(
+            remote, lambda m, row: module.solver_policy(_served_view(m), tasks[row["seed"]]), rows, max_turns=limit
+        )
+    assert [r.error for r in here + there] == [None] * 12
+    assert [r.reward for r in there] == [r.reward for r in here]
+    assert [r.turns for r in there] == [r.turns for r in here]
+    assert min(r.reward for r in here) > 0.5  # the solver earns it: the comparison is not of zeros
+    tool_turn = json.loads(there[0].messages[2]["content"])  # the calculator's answer, parsed server-side
+    assert tool_turn["messages"][0]["role"] == "tool" and tool_turn["messages"][0]["tool_call_id"] == "call_0_0"
+
+
+async def test_max_turns_truncates_and_the_env_is_closed(fragile_url):
+    CLOSED.clear()
+    async with session(fragile_url) as s:
+        first = await s.ask({"type": "reset", "data": {"seed": 7, "prompt": "hello", "label": "x"}})
+        assert first["data"]["observation"]["messages"] == [{"role": "user", "content": "hello (seed 7)"}]
+        assert first["data"]["observation"]["info"] == {"seed": 7} and first["data"]["done"] is False
+        for turn in range(3):
+            reply = await s.ask({"type": "step", "data": {"text": f"t{turn}"}})
+        assert reply["data"]["done"] is True and reply["data"]["observation"]["truncated"] is True
+        assert reply["data"]["reward"] == 0.5 and CLOSED == ["hello"]  # closed when the episode ended
+        state = await s.ask({"type": "state"})
+        assert state["data"]["step_count"] == 3 and state["data"]["done"] is True
+        late = await s.ask({"type": "step", "data": {"text": "more"}})
+        assert late["data"]["code"] == "EXECUTION_ERROR" and "send reset" in late["data"]["message"]
+        again = await s.ask({"type": "reset", "data": {}})  # the server's own task row
+        assert again["data"]["observation"]["messages"][0]["content"] == "say something (seed None)"
+    for _ in range(100):  # the disconnect closes the second episode's env
+        if len(CLOSED) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert CLOSED == ["hello", "say something"]
+
+
+# -- (b) openenv-core's own clients ---------------------------------------------------------------
+
+
+async def test_openenv_core_clients_play_and_list_tools(guess_url):
+    _need_openenv()
+    from openenv.cli._validation import validate_running_environment
+    from openenv.core import GenericEnvClient
+    from openenv.core.mcp_client import MCPToolClient
+
+    report = await asyncio.to_thread(validate_running_environment, guess_url)
+    assert report["passed"], [c for c in report["criteria"] if not c["passed"]]
+    schema = httpx.get(f"{guess_url}/schema").json()
+    assert set(schema) == {"action", "observation", "state"} and text_field(schema["action"]) == "text"
+    meta = httpx.get(f"{guess_url}/metadata").json()
+    assert meta["name"] == "GuessNumber" and meta["max_turns"] == 20
+    assert [t["function"]["name"] for t in meta["tools"]] == ["calculator"]
+
+    task = guess_number.GuessNumber.tasks()[1]
+    async with GenericEnvClient(base_url=guess_url) as env:
+        first = await env.reset(seed=1)
+        assert first.observation["messages"] == [{"role": "user", "content": task["prompt"]}] and not first.done
+        low = int(task["label"]) - 1
+        result = await env.step({"text": f"<guess>{low}</guess>"})
+        assert result.observation["messages"][0]["content"].startswith(f"Guess 1 of 10: {low} is too low.")
+        assert result.reward == 0.0 and not result.done
+        result = await env.step({"text": "<guess>" + task["label"] + "</guess>"})
+        assert result.done and result.reward == pytest.approx(0.95)
+        assert (await env.state())["step_count"] == 2
+
+    async with MCPToolClient(base_url=guess_url) as tools_env:
+        listed = await tools_env.list_tools()  # before any reset, as OpenEnv allows
+        assert [t.name for t in listed] == ["calculator"] and "expression" in str(listed[0].input_schema)
+        await tools_env.reset(seed=0)
+        assert await tools_env.call_tool("calculator", expression="6 * 7") == "42"
+
+
+async def test_structured_tool_calls_and_mcp_endpoint(guess_url):
+    async with session(guess_url) as s:
+        await s.ask({"type": "reset", "data": {"seed": 2}})
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+        }
+        reply = await s.ask({"type": "step", "data": {"text": "", "tool_calls": [call]}})
+        assert reply["data"]["observation"]["messages"][0] == {
+            "role": "tool",
+            "name": "calculator",
+            "tool_call_id": "c1",
+            "content": "5",
+        }
+        rpc = await s.ask({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}})
+        assert rpc["type"] == "mcp" and rpc["data"]["result"]["tools"][0]["name"] == "calculator"
+    body = httpx.post(f"{guess_url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call"}).json()
+    assert body["error"]["code"] == -32601 and "call_tool" in body["error"]["message"]
+
+
+# -- (c) the session limit ------------------------------------------------------------------------
+
+
+async def test_capacity_reached_then_a_slot_frees():
+    with serving(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=1)) as url:
+        async with session(url) as first:
+            await first.ask({"type": "reset", "data": {"seed": 0}})
+            async with session(url) as second:
+                full = await second.ask({"type": "reset", "data": {}})
+                assert full["data"]["code"] == "CAPACITY_REACHED"
+                assert (full["data"]["active_sessions"], full["data"]["max_sessions"]) == (1, 1)
+                assert (await second.ws.receive()).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+            waiting = agentrl.load_env(f"openenv:{url}")(capacity_wait=10)
+            pending = asyncio.ensure_future(waiting.reset(options={"seed": 0}))
+            await asyncio.sleep(0.3)
+            assert not pending.done()  # the adapter waits for the slot
+        obs, _ = await asyncio.wait_for(pending, 10)  # first closed: the slot is free
+        assert "say something" in obs[0]["content"]
+        await waiting.close()
+
+
+# -- (d) an env that raises fails its episode, not the server ------------------------------------
+
+
+async def test_env_errors_fail_the_episode_and_the_server_goes_on(fragile_url):
+    async with session(fragile_url) as s:
+        await s.ask({"type": "reset", "data": {"seed": 1}})
+        boom = await s.ask({"type": "step", "data": {"text": "explode"}})
+        assert boom["type"] == "error" and boom["data"]["code"] == "EXECUTION_ERROR"
+        assert "step() raised RuntimeError: boom in step" in boom["data"]["message"]
+        after = await s.ask({"type": "step", "data": {"text": "hi"}})
+        assert "send reset first" in after["data"]["message"]
+        await s.ask({"type": "reset", "data": {"seed": 2}})
+        broken = await s.ask({"type": "step", "data": {"text": "bad"}})
+        assert "reward must be a finite number" in broken["data"]["message"]
+    env = agentrl.load_env(f"openenv:{fragile_url}")()  # the next session is served as usual
+    await env.reset(options={"seed": 3})
+    _, reward, terminated, _, _ = await env.step(agentrl.Action(text="stop"))
+    assert (reward, terminated) == (0.5, True)
+    await env.close()
+
+
+# -- (e) bad messages get error replies naming the field -----------------------------------------
+
+
+async def test_bad_messages_are_answered_and_name_the_field(fragile_url):
+    async with session(fragile_url) as s:
+        assert (await s.ask("{not json"))["data"]["code"] == "INVALID_JSON"
+        assert (await s.ask("[1, 2]"))["data"]["code"] == "VALIDATION_ERROR"
+        unknown = await s.ask({"type": "jump"})
+        assert unknown["data"]["code"] == "UNKNOWN_TYPE" and "'jump'" in unknown["data"]["message"]
+        extra = await s.ask({"type": "reset", "data": {}, "seeed": 1})
+        assert extra["data"]["errors"][0]["loc"] == ["seeed"]
+        seed = await s.ask({"type": "reset", "data": {"seed": "one"}})
+        assert seed["data"]["code"] == "VALIDATION_ERROR" and seed["data"]["errors"][0]["loc"] == ["seed"]
+        row = await s.ask({"type": "reset", "data": {"label": "3"}})
+        assert row["data"]["errors"][0]["loc"] == ["prompt"] and "'prompt'" in row["data"]["message"]
+        early = await s.ask({"type": "step", "data": {"text": "hi"}})
+        assert early["data"]["code"] == "EXECUTION_ERROR" and "reset first" in early["data"]["message"]
+        await s.ask({"type": "reset", "data": {"seed": 0}})
+        typo = await s.ask({"type": "step", "data": {"txt": "hi"}})
+        locs = sorted(e["loc"][0] for e in typo["data"]["errors"])
+        assert typo["data"]["code"] == "VALIDATION_ERROR" and locs == ["text", "txt"]
+        assert "text: Field required" in typo["data"]["message"]
+        wrong = await s.ask({"type": "step", "data": {"text": 5}})
+        assert wrong["data"]["errors"][0]["loc"] == ["text"]
+        calls = await s.ask({"type": "step", "data": {"text": "", "tool_calls": [{"function": {}}]}})
+        assert calls["data"]["errors"][0]["loc"] == ["tool_calls", 0, "function", "name"]
+        fine = await s.ask({"type": "step", "data": {"text": "still here"}})  # bad messages cost no turn
+        assert fine["data"]["observation"]["messages"][0]["content"] == "you said still here"
+        assert (await s.ask({"type": "state"}))["data"]["step_count"] == 1
+
+
+# -- (f) the command ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cli_env_serve_starts_serves_and_refuses_bad_envs():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "agentrl", "env-serve", "--env", "agentrl/Calculator-v0", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, health = time.monotonic() + 60, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            time.sleep(0.1)
+        assert health == {"status": "healthy"}, proc.stderr.read() if proc.poll() is not None else "no answer"
+        meta = httpx.get(f"http://127.0.0.1:{port}/metadata").json()
+        assert meta["name"] == "Calculator" and meta["num_tasks"] == 64
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    roles = subprocess.run(
+        [sys.executable, "-m", "agentrl", "env-serve", "--env", "agentrl/TicTacToe-v0", "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert roles.returncode == 2 and "multi-role envs cannot be served" in roles.stderr
+    assert len(roles.stderr.strip().splitlines()) == 1
