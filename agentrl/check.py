@@ -1,8 +1,12 @@
 """``check_env``: exercise an environment without a model and report contract violations.
 
-It plays scripted actions (the label as a final answer, a valid call of every tool with arguments
-made from its schema), random text, and malformed ones (broken JSON, an unknown tool, wrong
-argument types, empty and huge text) against fresh env instances, and checks what comes back:
+First it looks at each task's first observation: the message the model answers must say something
+(not empty, not a bare ``{}``), and an env that says its actions are tool calls (an ``action_schema`` attribute with
+``tool_name`` and ``arguments``, as OpenEnv's MCP-style envs have) must offer the model tools, or
+the model could never act. Then it plays scripted actions (the label as a final answer, a valid
+call of every tool the env offers after reset, with arguments made from its schema), random text,
+and malformed ones (broken JSON, an unknown tool, wrong argument types, empty and huge text)
+against fresh env instances, and checks what comes back:
 the shapes of ``reset``/``step`` results, exceptions, timeouts, and *blocking calls*: an async
 ``reset``/``step`` that holds the event loop (e.g. ``time.sleep`` or a synchronous HTTP call)
 stalls every other episode of a rollout, so a loop stall above ``block_threshold`` seconds is a
@@ -239,6 +243,76 @@ async def _play(
         await _guarded("close()", env.close, timeout=timeout, block_threshold=block_threshold)
 
 
+_BLANK = ("", "{}", "[]", "null", '""')
+
+
+def _last_messages(reset: Any, roles: tuple[str, ...]) -> list[Any]:
+    """The message each agent answers first (the last of its first observation)."""
+    obs = reset[0]
+    if roles and isinstance(obs, dict):
+        return [msgs[-1] for msgs in obs.values() if msgs]
+    return [obs[-1]]
+
+
+async def _first_look(
+    factory: Callable[[], Env], task: dict, *, seed: int, timeout: float, block_threshold: float
+) -> tuple[Env, str]:
+    """Reset a fresh env for ``task``: what the model sees first must say something, and an action
+    schema that wants tool calls must come with tools. Returns the env (closed; its ``tools`` are
+    the ones offered after reset) and a summary."""
+    try:
+        env = factory()
+    except Exception as exc:
+        raise EnvContractError(f"constructing the env raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(env, Env):
+        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    roles = tuple(env.roles)
+    try:
+        reset = await _guarded(
+            "reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold
+        )
+        check_roles_reset(reset, roles) if roles else check_reset(reset)
+    finally:
+        await _guarded("close()", env.close, timeout=timeout, block_threshold=block_threshold)
+    last = _last_messages(reset, roles)
+    if any(m["content"].strip() in _BLANK for m in last):
+        shown = [m["content"][:40] for m in last]
+        raise EnvContractError(f"reset() shows the model nothing to act on: its last message reads {shown}")
+    schema = getattr(env, "action_schema", None)
+    if isinstance(schema, dict):
+        from agentrl.adapters.openenv_actions import is_tool_call_schema
+
+        if is_tool_call_schema(schema) and not env.tools:
+            raise EnvContractError(
+                f"the env's action schema ({schema.get('title', 'tool_name, arguments')}) takes tool calls, "
+                "but the env offers the model no tools: the model cannot write a valid action"
+            )
+    tools = f"; {len(env.tools)} tool(s) offered: {', '.join(t.name for t in env.tools)}" if env.tools else ""
+    return env, f"{sum(len(m['content']) for m in last)} characters{tools}"
+
+
+async def _replayed(label: str, run: Callable[[], Any], rng: random.Random, report: CheckReport) -> Any:
+    """Run one scenario, replaying it once after a loop stall (a busy machine can stall the loop
+    once; an env that blocks it does so every time, so the replay uses the same follow-up texts)."""
+    state = rng.getstate()
+    for attempt in range(2):
+        try:
+            detail, value = await run()
+            if attempt:
+                detail += " (a loop stall on the first play did not recur)"
+            report.results.append(CheckResult(label, True, detail))
+            return value
+        except _BlockedLoop as exc:
+            if attempt == 0:
+                rng.setstate(state)
+                continue
+            report.results.append(CheckResult(label, False, str(exc)))
+        except EnvContractError as exc:
+            report.results.append(CheckResult(label, False, str(exc)))
+        return None
+    return None
+
+
 async def check_env(
     env_factory: Callable[[], Env],
     tasks: list[dict[str, Any]],
@@ -248,7 +322,7 @@ async def check_env(
     max_steps: int = 4,
     seed: int = 0,
 ) -> CheckReport:
-    """Play the :func:`scenarios` of each task against fresh envs; return the report."""
+    """Look at each task's first observation, then play its :func:`scenarios` against fresh envs; return the report."""
     report = CheckReport()
     rng = random.Random(seed)
     if not tasks:
@@ -264,43 +338,29 @@ async def check_env(
         )
         return report
     try:
-        plays = [(ti, task, name, text) for ti, task in enumerate(tasks) for name, text in scenarios(probe, task, rng)]
-    except Exception as exc:  # e.g. a tool whose ``parameters`` is not a JSON-schema object
-        report.results.append(
-            CheckResult("build scenarios from the env's tools", False, f"{type(exc).__name__}: {exc}")
-        )
-        plays = []
-    finally:
-        try:
-            await _guarded("close()", probe.close, timeout=step_timeout, block_threshold=block_threshold)
-        except EnvContractError as exc:
-            report.results.append(CheckResult("close() of an unused env", False, str(exc)))
-    for ti, task, name, text in plays:
-        label = f"task {ti}: {name}"
-        state = rng.getstate()
-        for attempt in range(2):
-            try:
-                detail = await _play(
-                    env_factory,
-                    task,
-                    text,
-                    seed=seed + ti,
-                    max_steps=max_steps,
-                    timeout=step_timeout,
-                    block_threshold=block_threshold,
-                    rng=rng,
-                )
-                if attempt:
-                    detail += " (a loop stall on the first play did not recur)"
-                report.results.append(CheckResult(label, True, detail))
-            except _BlockedLoop as exc:
-                # a busy machine (another process, a GC pass) can stall the loop once; an env that blocks
-                # it does so every time, so a stall is replayed once, with the same follow-up texts
-                if attempt == 0:
-                    rng.setstate(state)
-                    continue
-                report.results.append(CheckResult(label, False, str(exc)))
-            except EnvContractError as exc:
-                report.results.append(CheckResult(label, False, str(exc)))
-            break
+        await _guarded("close()", probe.close, timeout=step_timeout, block_threshold=block_threshold)
+    except EnvContractError as exc:
+        report.results.append(CheckResult("close() of an unused env", False, str(exc)))
+    guard = {"timeout": step_timeout, "block_threshold": block_threshold}
+    for ti, task in enumerate(tasks):
+
+        async def look(task: dict = task, ti: int = ti) -> tuple[str, Env]:
+            env, detail = await _first_look(env_factory, task, seed=seed + ti, **guard)
+            return detail, env
+
+        looked = await _replayed(f"task {ti}: first observation", look, rng, report)
+        try:  # the tools the env offers once reset (an adapter learns them from its server)
+            plays = scenarios(looked if looked is not None else probe, task, rng)
+        except Exception as exc:  # e.g. a tool whose ``parameters`` is not a JSON-schema object
+            report.results.append(
+                CheckResult("build scenarios from the env's tools", False, f"{type(exc).__name__}: {exc}")
+            )
+            continue
+        for name, text in plays:
+
+            async def play(task: dict = task, ti: int = ti, text: str = text) -> tuple[str, None]:
+                detail = await _play(env_factory, task, text, seed=seed + ti, max_steps=max_steps, rng=rng, **guard)
+                return detail, None
+
+            await _replayed(f"task {ti}: {name}", play, rng, report)
     return report

@@ -7,7 +7,10 @@ turn a string into a factory. A spec is one of
 - ``MODULE:CLASS`` (imported; the current directory is on the path) or ``path/to/file.py:CLASS``;
   the bundled envs are ``agentrl.envs.NAME:CLASS`` (``envs.NAME:CLASS`` is kept as an alias);
 - a registered id (``agentrl/Calculator-v0``) or ``module:id`` (import ``module``, which registers it);
-- ``gym:<gymnasium id>`` or ``openenv:<url>``, through :mod:`agentrl.adapters`.
+- ``gym:<gymnasium id>``, ``openenv:<url>``, ``gem:<id>`` or ``verifiers:<id>``, through :mod:`agentrl.adapters`.
+
+A spec that cannot be loaded (no such module, file, class or id; something that is not an env)
+raises one exception whose one-line message names the spec and the fix; the CLI prints just that.
 
 Third-party packages register their ids without being imported first: an entry point in the
 ``agentrl.envs`` group names a module (imported on the first lookup of an unknown id) or a
@@ -19,6 +22,7 @@ callable (called then), which calls :func:`register`; the bundled envs are regis
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -41,6 +45,9 @@ ENTRY_POINT_GROUP = "agentrl.envs"
 
 BUNDLED = "agentrl.envs"
 """The bundled envs' module (its entry point is ``bundled = "agentrl.envs"``); loaded before any other."""
+
+ADAPTER_PREFIXES = ("gym:", "openenv:", "gem:", "verifiers:")
+"""Specs that name another framework's env (:mod:`agentrl.adapters`), never a module of that name."""
 
 _ALIASES = {"envs": "agentrl.envs", "tools": "agentrl.tools"}
 """Old top-level names of the bundled packages, kept working in specs (``--env envs.calculator:Calculator``)."""
@@ -143,6 +150,24 @@ def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> N
     registry[id] = EnvSpec(id, entry_point, kwargs)
 
 
+def _import_module(spec: str, module_name: str) -> Any:
+    """Import ``module_name`` (the current directory importable); a missing module is one line saying what to do."""
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    name = _bundled_alias(module_name)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise ImportError(
+                f"{spec!r}: no module named {exc.name!r}: install the package that provides it, or run from "
+                f"the folder that holds {name.replace('.', '/')}.py (or give path/to/file.py:NAME)"
+            ) from None
+        raise ImportError(
+            f"{spec!r}: importing {name!r} failed: no module named {exc.name!r} (a dependency of it: install it)"
+        ) from None
+
+
 def _import_object(spec: str) -> Any:
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
@@ -150,7 +175,7 @@ def _import_object(spec: str) -> Any:
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name).expanduser().resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"{spec!r}: no such file {path}")
+            raise FileNotFoundError(f"{spec!r}: no such file {path} (relative paths start at {Path.cwd()})")
         mod_name = f"agentrl_user_{path.stem}_{abs(hash(str(path)))}"
         module = sys.modules.get(mod_name)
         if module is None:
@@ -158,15 +183,21 @@ def _import_object(spec: str) -> Any:
             assert file_spec and file_spec.loader
             module = importlib.util.module_from_spec(file_spec)
             sys.modules[mod_name] = module
-            file_spec.loader.exec_module(module)
+            try:
+                file_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[mod_name]  # a half-run module must not be found by the next lookup
+                raise
     else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        module = importlib.import_module(_bundled_alias(module_name))
+        module = _import_module(spec, module_name)
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise AttributeError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+        from agentrl.env import Env
+
+        envs = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Env) and v is not Env)
+        there = f"; its Env classes: {', '.join(envs)}" if envs else ""
+        raise AttributeError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}{there}") from None
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -185,18 +216,39 @@ def _registered(spec: str) -> EnvSpec | None:
     """
     if spec in registry:
         return registry[spec]
-    if spec.startswith(("gym:", "openenv:")):  # adapter specs (load_env), never a module named gym/openenv
+    if spec.startswith(ADAPTER_PREFIXES):  # adapter specs (load_env), never a module named gym/openenv/...
         return None
     module_name, sep, env_id = spec.partition(":")
     if sep and "/" in env_id:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        importlib.import_module(_bundled_alias(module_name))
-        return registry.get(env_id)
+        _import_module(spec, module_name)
+        if env_id not in registry:
+            raise ValueError(f"{spec!r}: importing {module_name!r} registered no env id {env_id!r}{_suggest(env_id)}")
+        return registry[env_id]
     if not sep and "/" in spec:
         load_plugins()
         return registry.get(spec)
     return None
+
+
+def _suggest(env_id: str) -> str:
+    close = difflib.get_close_matches(env_id, list(registry), n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _check_env_class(spec: str, target: Any) -> None:
+    """A class that is not an agentrl Env is refused now, naming what would work instead."""
+    from agentrl.env import Env
+
+    if not isinstance(target, type) or issubclass(target, Env):
+        return
+    bases = {f"{c.__module__}.{c.__qualname__}" for c in target.__mro__}
+    if "gymnasium.core.Env" in bases:
+        fix = "register it with gymnasium.register(ID, ...) and pass --env gym:MODULE:ID"
+    elif "gem.core.Env" in bases:
+        fix = "register it with gem.register(ID, ...) and pass --env gem:ID"
+    else:
+        fix = "subclass agentrl.Env (reset/step/close), or pass a function that returns one"
+    raise TypeError(f"{spec!r} is the class {target.__qualname__}, not an agentrl.Env: {fix}")
 
 
 def load_env(spec: str | type[Env]) -> Callable[[], Env]:
@@ -205,30 +257,34 @@ def load_env(spec: str | type[Env]) -> Callable[[], Env]:
     The factory builds one fresh env per episode, so episodes never share state. Attributes of the
     class (``tasks()``, ``tools``) stay reachable on the returned factory for registered ids too.
     Environments of other frameworks run unchanged through :mod:`agentrl.adapters`:
-    ``gym:<gymnasium id>`` (optionally ``gym:module:<id>``) and ``openenv:<http://host:port>``.
+    ``gym:<gymnasium id>`` (optionally ``gym:module:<id>``), ``openenv:<http://host:port>``,
+    ``gem:<id>`` and ``verifiers:<id>``. A spec that cannot load raises one exception (ValueError,
+    ImportError, FileNotFoundError, AttributeError or TypeError) whose message names the fix.
     """
     if isinstance(spec, type):
         return spec
-    if spec.startswith(("gym:", "openenv:")):
+    if spec.startswith(ADAPTER_PREFIXES):
         from agentrl.adapters import adapter_factory
 
         return adapter_factory(spec)
     reg = _registered(spec)
     if reg is not None:
         target = _import_object(reg.entry_point) if isinstance(reg.entry_point, str) else reg.entry_point
+        _check_env_class(spec, target)
         if not reg.kwargs:
-            return target
+            return target  # type: ignore[no-any-return]
         return functools.partial(target, **reg.kwargs)
     if ":" not in spec:
         known = ", ".join(sorted(registry)) or "none"
         raise ValueError(
-            f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL "
-            f"nor a registered env id (known: {known})"
+            f"{spec!r} is neither MODULE:CLASS, path/to/file.py:CLASS, gym:ID, openenv:URL, gem:ID, verifiers:ID "
+            f"nor a registered env id{_suggest(spec)} (known: {known})"
         )
     target = _import_object(spec)
     if not callable(target):
-        raise TypeError(f"{spec!r} is not a class or factory")
-    return target
+        raise TypeError(f"{spec!r} is a {type(target).__name__}, not an env class or a function that returns an env")
+    _check_env_class(spec, target)
+    return target  # type: ignore[no-any-return]
 
 
 def make(id: str, **kwargs: Any) -> Env:

@@ -1,17 +1,23 @@
 """Adapters: run environments written for other frameworks as agentrl envs, unchanged.
 
-Two kinds are supported, each reachable from the command line through :func:`agentrl.load_env`:
+Four kinds are supported, each reachable from the command line through :func:`agentrl.load_env`:
 
 - ``gym:<gymnasium id>`` (:class:`GymnasiumEnv`): a synchronous Gymnasium env whose observations
   become user messages and whose action is parsed from the assistant's text. The id may name the
   module that registers it, Gymnasium style: ``gym:my_pkg.envs:Guess-v0``.
 - ``openenv:<http://host:port>`` (:class:`OpenEnvEnv`): an OpenEnv server (openenv-core's
   ``create_app``), spoken to over its per-session WebSocket protocol so each episode has its own
-  environment instance on the server.
+  environment instance on the server; MCP-style servers are played with tool calls.
+- ``gem:<id>`` (:class:`~agentrl.adapters.gem.GemEnv`): a GEM env (``gem.make(id)``, package
+  ``gem-llm``), text in and text out.
+- ``verifiers:<env id>`` (:class:`~agentrl.adapters.verifiers.VerifiersEnv`): a verifiers
+  environment (package ``verifiers``) loaded through its ``load_environment`` entry point.
 
-Both factories list seed tasks (``tasks()``): row ``i`` is ``{"prompt": ..., "seed": i}``, and a
+The factories list seed tasks (``tasks()``): row ``i`` is ``{"prompt": ..., "seed": i}``, and a
 task row's ``seed`` overrides the episode seed, so the ``n`` samples of a GRPO group play the same
 game. Rows from ``--prompt-data`` may carry ``seed`` and ``options`` (passed to the env's reset).
+A spec that cannot work (unknown id, missing module, server down) is refused when it is loaded,
+with one line that says what to fix.
 
 A reply that cannot be turned into an action is the model's mistake, not a crash: parsers raise
 :class:`InvalidAction` and the model reads its message. A server or environment that fails is an
@@ -23,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.env import Env
+from agentrl.registry import ADAPTER_PREFIXES
+
 
 class InvalidAction(ValueError):
     """The model's reply is not a valid action. The message is shown to the model, which may retry.
@@ -32,22 +41,41 @@ class InvalidAction(ValueError):
     """
 
 
+def seed_prompt(kind: str, target: str, seed: int | None) -> str:
+    """The placeholder prompt of seed task ``seed`` (the env's reset writes the real first message)."""
+    return f"{kind}:{target} seed {seed}"
+
+
 # Imported after InvalidAction, which both modules use.
 from agentrl.adapters.gymnasium import GymnasiumEnv, format_observation, json_safe  # noqa: E402
 from agentrl.adapters.openenv import OpenEnvEnv, OpenEnvError  # noqa: E402
 
-PREFIXES = ("gym:", "openenv:")
+PREFIXES = ADAPTER_PREFIXES
 """The ``load_env`` spec prefixes handled here."""
+
+
+def _adapter_class(kind: str) -> Any:
+    if kind == "gym":
+        return GymnasiumEnv
+    if kind == "openenv":
+        return OpenEnvEnv
+    if kind == "gem":
+        from agentrl.adapters.gem import GemEnv
+
+        return GemEnv
+    from agentrl.adapters.verifiers import VerifiersEnv
+
+    return VerifiersEnv
 
 
 @dataclass(frozen=True)
 class AdapterFactory:
-    """The env factory behind ``load_env("gym:...")`` and ``load_env("openenv:...")``.
+    """The env factory behind ``load_env("gym:...")``, ``"openenv:..."``, ``"gem:..."`` and ``"verifiers:..."``.
 
     Calling it builds a fresh adapter env (one per episode, so episodes never share state); keyword
     arguments go to the adapter's constructor. A frozen dataclass of strings, so it pickles to Ray
     workers. ``tasks()`` gives ``num_tasks`` seed tasks for runs without ``--prompt-data``
-    (``--num-tasks`` takes the first N).
+    (``--num-tasks`` takes the first N); a verifiers env gives its own dataset's rows instead.
     """
 
     kind: str
@@ -55,36 +83,48 @@ class AdapterFactory:
     num_tasks: int = 100
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(self, **kwargs: Any) -> GymnasiumEnv | OpenEnvEnv:
-        cls = GymnasiumEnv if self.kind == "gym" else OpenEnvEnv
-        return cls(self.target, **{**self.kwargs, **kwargs})
+    def __call__(self, **kwargs: Any) -> Env:
+        return _adapter_class(self.kind)(self.target, **{**self.kwargs, **kwargs})  # type: ignore[no-any-return]
 
     def tasks(self) -> list[dict[str, Any]]:
         """Seed tasks ``{"prompt", "label", "seed"}``; the prompt only names the game (reset writes the real one)."""
+        if self.kind == "verifiers":
+            from agentrl.adapters.verifiers import verifiers_tasks
+
+            return verifiers_tasks(self.target, **self.kwargs)
         return [
-            {"prompt": f"{self.kind}:{self.target} seed {i}", "label": None, "seed": i} for i in range(self.num_tasks)
+            {"prompt": seed_prompt(self.kind, self.target, i), "label": None, "seed": i} for i in range(self.num_tasks)
         ]
 
 
 def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
-    """The factory for a ``gym:ID`` or ``openenv:URL`` spec, checked now (unknown id, malformed URL).
+    """The factory for a ``gym:ID``, ``openenv:URL``, ``gem:ID`` or ``verifiers:ID`` spec, checked now.
 
-    Nothing is contacted: an OpenEnv server that is down fails each episode's reset with an
-    :class:`OpenEnvError` saying so.
+    An unknown id, a module that does not import, a malformed address or an OpenEnv server that
+    does not answer raise ValueError (or ImportError for a missing package) with one line naming
+    the fix, so a bad ``--env`` is refused before any engine or episode starts.
     """
     kind, sep, target = spec.partition(":")
     if not sep or f"{kind}:" not in PREFIXES:
-        raise ValueError(f"{spec!r}: expected gym:<gymnasium id> or openenv:<http://host:port>")
+        raise ValueError(f"{spec!r}: expected one of {', '.join(p + '...' for p in PREFIXES)}")
     if not target:
         raise ValueError(f"{spec!r}: nothing after {kind + ':'!r}")
     if kind == "gym":
         from agentrl.adapters.gymnasium import resolve_gym_id
 
         resolve_gym_id(target)
-    else:
-        from agentrl.adapters.openenv import session_urls
+    elif kind == "openenv":
+        from agentrl.adapters.openenv import probe_server
 
-        session_urls(target)
+        probe_server(target)
+    elif kind == "gem":
+        from agentrl.adapters.gem import resolve_gem_id
+
+        resolve_gem_id(target)
+    else:
+        from agentrl.adapters.verifiers import resolve_verifiers_env
+
+        resolve_verifiers_env(target)
     return AdapterFactory(kind, target, kwargs=kwargs)
 
 
@@ -98,4 +138,5 @@ __all__ = [
     "adapter_factory",
     "format_observation",
     "json_safe",
+    "seed_prompt",
 ]

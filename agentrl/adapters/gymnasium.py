@@ -54,18 +54,34 @@ def _gymnasium() -> Any:
 
 
 def resolve_gym_id(env_id: str) -> Any:
-    """The Gymnasium ``EnvSpec`` of ``env_id`` (``ID`` or ``module:ID``); raises Gymnasium's error if unknown.
+    """The Gymnasium ``EnvSpec`` of ``env_id`` (``ID`` or ``module:ID``).
 
     ``module:ID`` imports the module first (it registers the id), as ``gymnasium.make`` does, with
-    the working directory importable like agentrl's own ``module:Class`` specs.
+    the working directory importable like agentrl's own ``module:Class`` specs. An unknown id or a
+    module that is not there raises ValueError / ImportError with one line saying what to fix.
     """
     gym = _gymnasium()
     module, sep, name = env_id.rpartition(":")
     if sep:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
-        importlib.import_module(module)
-    return gym.spec(name)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            raise ImportError(
+                f"gym:{env_id}: no module named {exc.name!r}: install it, or run from the folder that holds "
+                f"{module.replace('.', '/')}.py (it should register {name!r} with gymnasium.register)"
+            ) from None
+    try:
+        return gym.spec(name)
+    except gym.error.Error as exc:
+        why = " ".join(str(exc).split())  # gymnasium's message, suggestions included, on one line
+        where = (
+            f"does {module!r} call gymnasium.register({name!r}, ...)?"
+            if sep
+            else ("pass gym:MODULE:ID to import the module that registers it")
+        )
+        raise ValueError(f"{why.rstrip('.')}; {where} (gymnasium.pprint_registry() lists the known ids)") from None
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:
@@ -211,7 +227,7 @@ class GymnasiumEnv(Env):
         try:
             gym_action = self.parse_action(action.text)
         except InvalidAction as exc:
-            message = {"role": "user", "content": f"Invalid action: {exc}"}
+            message: Message = {"role": "user", "content": f"Invalid action: {exc}"}
             return [message], self.invalid_action_reward, False, False, {"invalid_action": str(exc)}
         obs, reward, terminated, truncated, info = self.gym_env.step(gym_action)
         return [self._message(obs)], float(reward), bool(terminated), bool(truncated), json_safe(dict(info))

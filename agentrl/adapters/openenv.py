@@ -14,8 +14,21 @@ is a session with its own environment instance, which is how concurrent episodes
 
 The observation dict holds the Observation model's fields except ``reward``, ``done`` and
 ``metadata`` (which the server drops). ``done`` maps to ``terminated`` (OpenEnv has no separate
-truncation); a ``null`` reward is 0.0. ``GET /schema`` gives the action's JSON schema, from which
-the default ``action_from_text`` picks the one string field the model's reply goes into.
+truncation); a ``null`` reward is 0.0. ``GET /schema`` gives the action's JSON schema, which says
+how the model acts (:mod:`agentrl.adapters.openenv_actions`):
+
+- **tool calls** (MCP-style envs such as openenv-core's ``echo_env``, whose action is
+  ``CallToolAction``): after reset the episode lists the env's tools (a ``list_tools`` step) and
+  offers them to the model as ``tools``; each parsed tool call becomes a ``call_tool`` step and is
+  answered by a ``tool`` message (rewards of a turn's calls add up; ``done`` ends the episode). A
+  reply without a tool call is an invalid action the model reads (or, with
+  ``text_ends_episode=True``, ends the episode as in :class:`~agentrl.ToolEnv`).
+- **one field**: the reply fills the action's single field, a string as is, an enum (``$ref``\\ s
+  followed; the value named case-insensitively), an integer, number or boolean parsed from it.
+
+An observation with nothing in it (``{}``: MCP envs keep their reset message in the dropped
+``metadata``) is not shown as ``'{}'``: the first message is then the task row's prompt, or the
+env's description from ``GET /metadata`` and how to act.
 
 Failures: an unreachable server, a closed session, a timeout or a server-side exception raise
 :class:`OpenEnvError`, which fails the sample (the model never sees it). A step the server rejects
@@ -30,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -37,11 +52,20 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from agentrl.adapters import InvalidAction
+from agentrl.adapters.openenv_actions import (
+    ServerTool,
+    action_mapping,
+    is_tool_call_schema,
+    tool_result_text,
+)
 from agentrl.env import Env, StepResult
-from agentrl.types import Action, Message
+from agentrl.parsing import format_tool_error
+from agentrl.tool import ToolError, find_tool
+from agentrl.types import Action, Message, ToolCall
 
 _MAX_MESSAGE_BYTES = 100 * 1024 * 1024  # openenv's own client allows 100 MB (screenshots, DOM dumps)
-_action_fields: dict[str, str] = {}  # base URL -> the action field that takes the text (from /schema)
+_server_info: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}  # base URL -> (action schema, /metadata)
+_BLANK = ("", "{}", "[]", "null", '""')
 
 
 class OpenEnvError(RuntimeError):
@@ -63,23 +87,36 @@ def session_urls(base_url: str) -> tuple[str, str]:
     return urlunsplit((http, parts.netloc, path, "", "")), urlunsplit((ws, parts.netloc, path + "/ws", "", ""))
 
 
-def _is_string(prop: dict[str, Any]) -> bool:
-    return prop.get("type") == "string" or any(p.get("type") == "string" for p in prop.get("anyOf", ()))
+def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """``GET /schema`` of the server, synchronously; a ValueError (one line, saying what to fix) when
+    it is unreachable or not an OpenEnv server. ``load_env("openenv:URL")`` calls it, so a bad
+    address is refused before any episode starts."""
+    http_url, _ = session_urls(base_url)
+    try:
+        with urllib.request.urlopen(f"{http_url}/schema", timeout=timeout) as resp:  # noqa: S310 (http(s) only)
+            schema = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"{http_url} answered GET /schema with HTTP {exc.code}: it is not an OpenEnv server "
+            "(openenv-core's create_app serves /schema and /ws); check the address and port"
+        ) from None
+    except (OSError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ValueError(
+            f"cannot reach the OpenEnv server at {http_url} ({reason}): start it "
+            "(uvicorn server.app:app --host 127.0.0.1 --port N) or fix the address"
+        ) from None
+    except ValueError:
+        raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
+    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
+        raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
+    return schema
 
 
 def text_field(action_schema: dict[str, Any]) -> str:
-    """The field of an OpenEnv action schema that takes the model's text: the only required string
-    field, or (with nothing required) the only string field besides ``metadata``; else ValueError."""
-    props = action_schema.get("properties", {})
-    required = [k for k in action_schema.get("required", []) if k != "metadata"]
-    candidates = required if required else [k for k in props if k != "metadata"]
-    strings = [k for k in candidates if _is_string(props.get(k, {}))]
-    if len(candidates) == 1 and len(strings) == 1:
-        return strings[0]
-    raise ValueError(
-        f"cannot tell which action field takes the model's text (fields {sorted(props)}, required "
-        f"{required}): pass OpenEnvEnv(..., action_from_text=lambda text: {{'<field>': text, ...}})"
-    )
+    """The field of an OpenEnv action schema that takes the model's text (see
+    :func:`~agentrl.adapters.openenv_actions.action_mapping`); ValueError when there is no single one."""
+    return action_mapping(action_schema).field
 
 
 def default_observation_text(observation: dict[str, Any]) -> str:
@@ -90,17 +127,25 @@ def default_observation_text(observation: dict[str, Any]) -> str:
     return json.dumps(observation, ensure_ascii=False)
 
 
+def _invalid(why: str, reward: float = 0.0) -> StepResult:
+    return [{"role": "user", "content": f"Invalid action: {why}"}], reward, False, False, {"invalid_action": why}
+
+
 class OpenEnvEnv(Env):
     """One episode on an OpenEnv server: its own ``/ws`` session (so its own environment instance).
 
-    ``action_from_text(text) -> dict`` builds the step's action fields from the assistant's reply
-    (default: the reply in the schema's single string field, see :func:`text_field`);
+    How the model acts follows the server's action schema (see the module docstring): tool calls
+    for MCP-style envs (``tools`` is then the env's tools, listed after reset), else the reply in the
+    action's single field. ``action_from_text(text) -> dict`` overrides that with your own mapping
+    (raise :class:`~agentrl.adapters.InvalidAction` for a reply to redo);
     ``observation_to_text(observation) -> str`` writes the user message (default
     :func:`default_observation_text`). ``timeout`` bounds each answer from the server;
     ``connect_timeout`` the WebSocket handshake; ``capacity_wait`` how long a full server is retried.
     Both default below ``--env-step-timeout`` (60 s) so their errors, which name the cause, are the
     ones a failed sample reports. ``reset`` sends the task row's ``seed`` (else the episode seed) and the row's ``options`` dict
     as reset keyword arguments. The step's ``info`` carries the raw observation dict.
+    ``action_schema`` is the server's action schema once reset has read it (``check-env`` compares
+    it with ``tools``).
     """
 
     def __init__(
@@ -110,51 +155,69 @@ class OpenEnvEnv(Env):
         action_from_text: Callable[[str], dict[str, Any]] | None = None,
         observation_to_text: Callable[[dict[str, Any]], str] | None = None,
         system_prompt: str | None = None,
+        text_ends_episode: bool = False,
         timeout: float = 45.0,
         connect_timeout: float = 10.0,
         capacity_wait: float = 45.0,
     ) -> None:
+        self.base_url = base_url
         self.http_url, self.ws_url = session_urls(base_url)
         self.action_from_text = action_from_text
         self.observation_to_text = observation_to_text or default_observation_text
         self.system_prompt = system_prompt
+        self.text_ends_episode = text_ends_episode
         self.timeout, self.connect_timeout, self.capacity_wait = timeout, connect_timeout, capacity_wait
+        self.action_schema: dict[str, Any] | None = None
+        self.tools: list[ServerTool] = []
+        self._tool_calls = False  # the action is a tool call (MCP-style env)
+        self._hint: str | None = None
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._lock = asyncio.Lock()  # one exchange at a time on the session's socket
 
     # -- the Env verbs ---------------------------------------------------------------------------
 
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
         task = options or {}
+        schema, metadata = await self._server_info()
+        self.action_schema = schema
         if self.action_from_text is None:
-            field = await self._action_field()
-            self.action_from_text = lambda text: {field: text}
+            self._tool_calls = is_tool_call_schema(schema)
+            if not self._tool_calls:
+                try:
+                    mapping = action_mapping(schema)
+                except ValueError as exc:
+                    raise OpenEnvError(f"the OpenEnv server at {self.http_url}: {exc}") from None
+                self.action_from_text, self._hint = mapping, mapping.hint()
         data = dict(task.get("options") or {})
         seed = task["seed"] if task.get("seed") is not None else seed
         if seed is not None:
             data.setdefault("seed", int(seed))
         result = await self._reset_with_capacity_wait({"type": "reset", "data": data})
+        if self._tool_calls:
+            await self._list_tools()
         messages: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append(self._message(result))
+        first = self._message(result)
+        if first["content"].strip() in _BLANK:
+            first["content"] = self._blank_prompt(task, seed, metadata)
+        elif self._hint and self.system_prompt is None:
+            first["content"] += f"\n\n{self._hint}"
+        messages.append(first)
         return messages, {"observation": result.get("observation", {})}
 
     async def step(self, action: Action) -> StepResult:
-        if self._ws is None or self.action_from_text is None:
+        if self._ws is None or (self.action_from_text is None and not self._tool_calls):
             raise RuntimeError("OpenEnvEnv.step() before reset()")
+        if self._tool_calls and self.action_from_text is None:
+            return await self._tool_step(action)
+        assert self.action_from_text is not None
         try:
             payload = self.action_from_text(action.text)
         except InvalidAction as exc:
-            return (
-                [{"role": "user", "content": f"Invalid action: {exc}"}],
-                0.0,
-                False,
-                False,
-                {"invalid_action": str(exc)},
-            )
+            return _invalid(str(exc))
         reply = await self._exchange({"type": "step", "data": payload}, "step")
         if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
-            why = _validation_summary(reply["data"])
-            return [{"role": "user", "content": f"Invalid action: {why}"}], 0.0, False, False, {"invalid_action": why}
+            return _invalid(_validation_summary(reply["data"]))
         result = self._observation(reply, "step")
         reward = result.get("reward")
         info = {"observation": result.get("observation", {})}
@@ -175,6 +238,75 @@ class OpenEnvEnv(Env):
         if http is not None:
             await http.close()
 
+    # -- MCP-style envs: tools and tool calls ------------------------------------------------------
+
+    async def _list_tools(self) -> None:
+        result = self._observation(
+            await self._exchange({"type": "step", "data": {"type": "list_tools"}}, "list_tools"), "list_tools"
+        )
+        specs = result.get("observation", {}).get("tools")
+        if not isinstance(specs, list) or not specs:
+            raise OpenEnvError(
+                f"the OpenEnv server at {self.http_url} takes tool calls (its action is {self.action_schema_title}) "
+                f"but its list_tools step listed no tools: {str(result)[:200]}"
+            )
+        try:
+            self.tools = [ServerTool(spec, self.call_tool) for spec in specs]
+        except ValueError as exc:
+            raise OpenEnvError(f"the OpenEnv server at {self.http_url}: {exc}") from None
+
+    @property
+    def action_schema_title(self) -> str:
+        return str((self.action_schema or {}).get("title", "a tool call"))
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        """Run one ``call_tool`` step in this episode's session; ``(text for the model, is_error)``."""
+        text, failed, _, _, _ = await self._call_server_tool(name, arguments)
+        return text, failed
+
+    async def _call_server_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool, float, bool, dict]:
+        data = {"type": "call_tool", "tool_name": name, "arguments": arguments}
+        reply = await self._exchange({"type": "step", "data": data}, "step")
+        if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
+            return f"Error: {_validation_summary(reply['data'])}", True, 0.0, False, {}
+        result = self._observation(reply, "step")
+        observation = result.get("observation", {})
+        text, failed = tool_result_text(observation)
+        return text, failed, float(result.get("reward") or 0.0), bool(result.get("done", False)), observation
+
+    async def _tool_step(self, action: Action) -> StepResult:
+        """A turn of an MCP-style env: its calls run in order as call-tool steps, each answered."""
+        if not action.tool_calls and not action.errors:
+            if self.text_ends_episode:
+                return [], 0.0, True, False, {"final_text": True}
+            names = ", ".join(t.name for t in self.tools)
+            return _invalid(f"this environment is played with tool calls: call one of its tools ({names})")
+        messages: list[Message] = []
+        reward, done, observations = 0.0, False, []
+        for call in action.tool_calls:
+            if done:
+                text = "Error: not run: the episode ended at an earlier call of this turn"
+            else:
+                text, step_reward, done, observation = await self._checked_call(call)
+                reward += step_reward
+                observations.append(observation)
+            messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": text})
+        for err in action.errors:
+            messages.append({"role": "tool", "tool_call_id": err.id, "content": format_tool_error(err)})
+        return messages, reward, done, False, {"observations": observations, "tool_errors": len(action.errors)}
+
+    async def _checked_call(self, call: ToolCall) -> tuple[str, float, bool, dict]:
+        tool = find_tool(self.tools, call.name)
+        if tool is None:
+            known = ", ".join(t.name for t in self.tools)
+            return f"Error: unknown tool '{call.name}'. Available tools: {known}.", 0.0, False, {}
+        try:
+            arguments = tool.validate(call.arguments)
+        except ToolError as exc:
+            return f"Error: {exc}", 0.0, False, {}
+        text, _, reward, done, observation = await self._call_server_tool(call.name, arguments)
+        return text, reward, done, observation
+
     # -- the protocol ----------------------------------------------------------------------------
 
     def _message(self, result: dict[str, Any]) -> Message:
@@ -183,6 +315,21 @@ class OpenEnvEnv(Env):
             raise TypeError(f"observation_to_text returned {type(text).__name__}, expected str")
         return {"role": "user", "content": text}
 
+    def _blank_prompt(self, task: dict[str, Any], seed: int | None, metadata: dict[str, Any]) -> str:
+        """The first message when the env's observation is empty: the task's own prompt, or the env's
+        description (``/metadata``) and how to act."""
+        from agentrl.adapters import seed_prompt
+
+        prompt = task.get("prompt")
+        if isinstance(prompt, str) and prompt.strip() and prompt != seed_prompt("openenv", self.base_url, seed):
+            return prompt
+        about = str(metadata.get("description") or metadata.get("name") or f"The environment at {self.http_url}")
+        if self.tools:
+            how = "Act by calling its tools (" + ", ".join(t.name for t in self.tools) + ")."
+        else:
+            how = self._hint or "Reply with your action."
+        return f"{about.rstrip('.')}. {how}"
+
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:  # made here, inside the running loop that will use it
             self._http = aiohttp.ClientSession(
@@ -190,22 +337,29 @@ class OpenEnvEnv(Env):
             )
         return self._http
 
-    async def _action_field(self) -> str:
-        if self.http_url not in _action_fields:
-            try:
-                async with self._session().get(f"{self.http_url}/schema") as resp:
-                    if resp.status != 200:
-                        raise OpenEnvError(
-                            f"GET {self.http_url}/schema answered HTTP {resp.status}: is this an OpenEnv server?"
-                        )
-                    schema = await resp.json()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    async def _get_json(self, path: str) -> Any:
+        try:
+            async with self._session().get(f"{self.http_url}{path}") as resp:
+                if resp.status != 200:
+                    return resp.status
+                return await resp.json()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise OpenEnvError(
+                f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
+                "Is it running (uvicorn ... --port N), and is the address right?"
+            ) from None
+
+    async def _server_info(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The server's action schema and ``/metadata`` (read once per server address)."""
+        if self.http_url not in _server_info:
+            schema = await self._get_json("/schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
                 raise OpenEnvError(
-                    f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
-                    "Is it running (uvicorn ... --port N), and is the address right?"
-                ) from None
-            _action_fields[self.http_url] = text_field(schema.get("action", {}))
-        return _action_fields[self.http_url]
+                    f"GET {self.http_url}/schema answered {str(schema)[:100]}: is this an OpenEnv server?"
+                )
+            metadata = await self._get_json("/metadata")
+            _server_info[self.http_url] = (schema["action"], metadata if isinstance(metadata, dict) else {})
+        return _server_info[self.http_url]
 
     async def _connect(self) -> None:
         try:
@@ -241,6 +395,10 @@ class OpenEnvEnv(Env):
 
     async def _exchange(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         """Send one message and return the server's reply (an observation or an error) as a dict."""
+        async with self._lock:  # a reply belongs to the message just sent: one exchange at a time
+            return await self._exchange_unlocked(message, what)
+
+    async def _exchange_unlocked(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         assert self._ws is not None
         try:
             await self._ws.send_str(json.dumps(message))

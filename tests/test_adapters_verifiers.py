@@ -1,0 +1,183 @@
+"""verifiers environments (PyPI ``verifiers`` 0.4.0, its ``verifiers.v1`` stack) through ``verifiers:<taskset id>``.
+
+The taskset under test is a package written the way verifiers wants one (a ``Taskset`` subclass
+exported through ``__all__``, tasks with ``@vf.reward`` methods), put on the path as an installed
+package would be; ``verifiers:agentrl-test-reverse-words`` loads it through verifiers' own
+``load_environment``, in-process and from the CLI.
+
+Install (verifiers pins mcp==2.0.0 and openai<3, which would downgrade packages other parts of
+agentrl use, so its dependencies are installed one by one, each with --no-deps)::
+
+    pip install --no-deps verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 \
+        anthropic==2.16.0 prime-sandboxes==0.5.1 tenacity==9.2.1 connectrpc==0.11.1 pyqwest==0.12.0 \
+        protobuf-py==0.1.1 protobuf-py-ext==0.1.1 aiofiles==25.1.0 tomli-w==1.2.0 math-verify==0.9.0 \
+        latex2sympy2_extended==1.11.0
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+try:
+    import verifiers.v1  # noqa: F401
+except ImportError:
+    if os.environ.get("AGENTRL_REQUIRE_VERIFIERS") == "1":
+        raise
+    pytest.skip("verifiers 0.4 is not installed (see this module's docstring)", allow_module_level=True)
+
+import agentrl
+from agentrl.check import check_env
+from agentrl.types import Action
+from tests.test_adapters import read_samples
+from tests.test_cli import REPO
+
+TASKSET = '''"""A verifiers taskset package: reverse a few words; exact answers score 1, the right words 0.5 more."""
+import verifiers.v1 as vf
+
+
+class ReverseData(vf.TaskData):
+    answer: str
+
+
+class ReverseTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def exact(self, task: ReverseData, trace: vf.Trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+    @vf.reward(weight=0.5)
+    async def same_words(self, task: ReverseData, trace: vf.Trace) -> float:
+        return float(sorted(trace.last_reply.split()) == sorted(task.answer.split()))
+
+    @vf.metric
+    async def turns(self, task: ReverseData, trace: vf.Trace) -> float:
+        return float(trace.num_turns)
+
+
+class ReverseWords(vf.Taskset[ReverseTask, vf.TasksetConfig]):
+    def load(self):
+        for words in ["a b", "one two three", "x y z w"]:
+            answer = " ".join(reversed(words.split()))
+            data = ReverseData(prompt=f"Reverse the words: {words}", system_prompt="Answer with the words only.", answer=answer)
+            yield ReverseTask(data)
+
+
+__all__ = ["ReverseWords"]
+'''
+SPEC = "verifiers:agentrl-test-reverse-words"  # verifiers' loader imports it as agentrl_test_reverse_words
+
+
+@pytest.fixture(scope="module")
+def taskset_path(tmp_path_factory) -> Iterator[Path]:
+    """The taskset package on sys.path, as ``pip install`` would put it."""
+    root = tmp_path_factory.mktemp("tasksets")
+    (root / "agentrl_test_reverse_words").mkdir()
+    (root / "agentrl_test_reverse_words" / "__init__.py").write_text(TASKSET)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(root))
+        yield root
+
+
+async def test_taskset_rows_prompts_and_the_tasks_own_rubric(taskset_path):
+    factory = agentrl.load_env(SPEC)
+    rows = factory.tasks()
+    assert [r["vf_idx"] for r in rows] == [0, 1, 2]
+    assert rows[1]["prompt"] == [
+        {"role": "system", "content": "Answer with the words only."},
+        {"role": "user", "content": "Reverse the words: one two three"},
+    ]
+    for reply, reward, rewards in [
+        ("three two one", 1.5, {"exact": 1.0, "same_words": 1.0}),
+        ("one three two", 0.5, {"exact": 0.0, "same_words": 1.0}),
+        ("no idea", 0.0, {"exact": 0.0, "same_words": 0.0}),
+    ]:
+        env = factory()
+        obs, info = await env.reset(seed=0, options=rows[1])
+        assert obs == rows[1]["prompt"] and len(info["task_key"]) == 64
+        msgs, got, terminated, truncated, step_info = await env.step(Action(text=reply))
+        assert (msgs, got, terminated, truncated) == ([], reward, True, False)
+        assert step_info == {"rewards": rewards, "metrics": {"turns": 1.0}}
+        await env.close()
+    # a --prompt-data row of the taskset's own shape (no vf_idx) is validated as its task data
+    env = factory()
+    obs, _ = await env.reset(options={"prompt": "Reverse the words: p q", "answer": "q p", "label": None})
+    assert obs == [{"role": "user", "content": "Reverse the words: p q"}]
+    assert (await env.step(Action(text="q p")))[1] == 1.5
+    with pytest.raises(Exception, match="answer"):  # pydantic names the missing field; the sample fails
+        await factory().reset(options={"prompt": "Reverse the words: p q", "label": None})
+
+
+async def test_verifiers_env_passes_check_env(taskset_path):
+    factory = agentrl.load_env(SPEC)
+    report = await check_env(factory, factory.tasks()[:2])
+    assert report.ok, report.format()
+    assert len(report.results) == 2 * 5
+
+
+UNSUPPORTED = {
+    "vf_box_task": (
+        "NEEDS_CONTAINER = True",
+        "",
+        "its tasks need a container runtime",
+    ),
+    "vf_runtime_reward": (
+        "",
+        "    @vf.reward\n    async def ran(self, task, trace, runtime) -> float:\n        return 1.0\n",
+        "reward 'ran' scores inside a runtime box",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_tasksets_this_adapter_cannot_drive_are_refused_in_one_line(name, tmp_path, monkeypatch):
+    attr, method, why = UNSUPPORTED[name]
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(f"""
+        import verifiers.v1 as vf
+
+        class T(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+            {attr}
+        """)
+        + method
+        + textwrap.dedent("""
+        class S(vf.Taskset[T, vf.TasksetConfig]):
+            def load(self):
+                yield T(vf.TaskData(prompt="hi"))
+
+        __all__ = ["S"]
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=f"^verifiers:{name}: {why}") as err:
+        agentrl.load_env(f"verifiers:{name}")
+    assert "\n" not in str(err.value)
+    sys.modules.pop(name, None)
+
+
+def test_verifiers_rollout_end_to_end(taskset_path, tiny_server, tiny_ckpt, tmp_path):
+    out = tmp_path / "samples.jsonl"
+    flags = ["--num-tasks", "2", "--n-samples-per-prompt", "2", "--rollout-max-turn-len", "16"]
+    command = [sys.executable, "-m", "agentrl", "rollout", "--env", SPEC, *flags, "--engine-url", tiny_server]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(taskset_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [*command, "--hf-checkpoint", str(tiny_ckpt), "--output", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    samples = read_samples(out)
+    assert sorted(s["group_index"] for s in samples) == [0, 0, 1, 1]
+    for s in samples:
+        assert s["status"] in ("completed", "truncated"), s["metadata"].get("error")
+        words = ["a b", "one two three"][s["group_index"]]
+        assert s["prompt"][-1] == {"role": "user", "content": f"Reverse the words: {words}"}
+        assert s["reward"] in (0.0, 0.5, 1.5) and s["reward"] == sum(s["metadata"]["turn_rewards"])
