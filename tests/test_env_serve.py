@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +29,7 @@ import pytest
 
 import agentrl
 from agentrl.adapters.openenv import text_field
+from agentrl.adapters.openenv_actions import served_result
 from agentrl.adapters.openenv_server import EnvServer, build_server
 from agentrl.envs import calculator, guess_number
 from agentrl.rollout.scripted import play
@@ -128,37 +131,119 @@ def _need_openenv() -> None:
 # -- (a) agentrl's openenv: adapter plays a served env as it plays it in process --------------------
 
 
-def _served_view(messages: list[dict]) -> list[dict]:
-    """What the served env said, from the adapter's user turns (each the observation as JSON)."""
-    out: list[dict] = []
-    for m in messages:
-        if m["role"] == "user":
-            out.extend(json.loads(m["content"])["messages"])
-        else:
-            out.append(m)
-    return out
+def _recording(policy, views: dict[int, list]):
+    """``policy``, recording every conversation it is shown under its task row's id."""
+
+    def wrapped(messages, task):
+        views.setdefault(id(task), []).append(copy.deepcopy(messages))
+        return policy(messages, task)
+
+    return wrapped
 
 
 @pytest.mark.parametrize(
-    "spec,module", [("agentrl/GuessNumber-v0", guess_number), ("agentrl/Calculator-v0", calculator)]
+    "spec,module,seed_rows",
+    [("agentrl/GuessNumber-v0", guess_number, True), ("agentrl/Calculator-v0", calculator, False)],
 )
-async def test_adapter_episodes_earn_the_in_process_rewards(spec, module):
+async def test_adapter_shows_the_model_the_in_process_conversation(spec, module, seed_rows):
+    """Through ``openenv:`` the policy sees what it sees in process, turn by turn: the env's own messages
+    with their roles (tool results as ``tool`` messages answering its calls), the same tools, the same
+    limits. GuessNumber plays the adapter's seed rows (the server picks task i), Calculator sends its rows."""
     local = agentrl.load_env(spec)
-    tasks = local.tasks()[:6]
-    limit = local.max_turns
-    here = await play(local, module.solver_policy, tasks, max_turns=limit)
+    tasks = local.tasks()[:4]
+    here_views: dict[int, list] = {}
+    here = await play(local, _recording(module.solver_policy, here_views), tasks)
     with serving(build_server(spec, max_sessions=8)) as url:
         remote = agentrl.load_env(f"openenv:{url}")
-        rows = remote.tasks()[: len(tasks)]  # {"seed": i}: the server plays its task i
-        there = await play(
-            remote, lambda m, row: module.solver_policy(_served_view(m), tasks[row["seed"]]), rows, max_turns=limit
-        )
-    assert [r.error for r in here + there] == [None] * 12
-    assert [r.reward for r in there] == [r.reward for r in here]
-    assert [r.turns for r in there] == [r.turns for r in here]
-    assert min(r.reward for r in here) > 0.5  # the solver earns it: the comparison is not of zeros
-    tool_turn = json.loads(there[0].messages[2]["content"])  # the calculator's answer, parsed server-side
-    assert tool_turn["messages"][0]["role"] == "tool" and tool_turn["messages"][0]["tool_call_id"] == "call_0_0"
+        env = remote()
+        assert env.tool_schemas() == local().tool_schemas() and env.tools  # before any reset: what the rollout reads
+        assert (env.max_turns, env.tool_parser) == (local.max_turns, local.tool_parser)
+        await env.close()
+        rows = remote.tasks()[: len(tasks)] if seed_rows else tasks
+        there_views: dict[int, list] = {}
+        there = await play(remote, _recording(module.solver_policy, there_views), rows)
+    assert [r.error for r in here + there] == [None] * 8
+    for task, row, a, b in zip(tasks, rows, here, there):
+        assert here_views[id(task)] == there_views[id(row)]  # every turn's view, roles and call ids included
+        assert (b.messages, b.tools, b.rewards) == (a.messages, a.tools, a.rewards)
+        assert (b.terminated, b.truncated) == (a.terminated, a.truncated)
+    assert min(r.reward for r in here) > 0.5  # the solver earns it: the comparison is not of empty episodes
+    at = next(i for i, m in enumerate(there[0].messages) if m["role"] == "tool")  # the calculator's answer, run
+    assert there[0].messages[at]["tool_call_id"] == there[0].messages[at - 1]["tool_calls"][0]["id"]  # server-side
+
+
+async def test_adapter_maps_truncated_and_sends_rows(fragile_url):
+    env = agentrl.load_env(f"openenv:{fragile_url}")()
+    assert env.served is not None and env.max_turns == 3 and env.tools == []
+    obs, info = await env.reset(seed=4, options={"prompt": "my own row", "label": None})
+    assert (obs, info) == ([{"role": "user", "content": "my own row (seed 4)"}], {"seed": 4})
+    steps = [await env.step(agentrl.Action(text=f"t{i}")) for i in range(3)]
+    assert [s[1:4] for s in steps] == [(0.5, False, False), (0.5, False, False), (0.5, False, True)]
+    assert steps[0][0] == [{"role": "user", "content": "you said t0"}]
+    await env.close()
+
+
+def test_served_results_are_checked_field_by_field():
+    ok = {"observation": {"messages": [{"role": "tool", "tool_call_id": "call_0_0", "content": "5"}]}, "done": False}
+    assert served_result(ok, "step", {"call_0_0": "call_0"}) == (
+        [{"role": "tool", "tool_call_id": "call_0", "content": "5"}],
+        0.0,
+        False,
+        False,
+        {},
+    )
+    bad = [
+        ({"messages": "hi"}, "step observation.messages must return a list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "message 0 has role 'robot'"),
+        ({"messages": [{"role": "user", "content": 3}]}, "message 0 content must be a str"),
+        ({"messages": [], "info": [1]}, "observation.info=[1]"),
+        ({"messages": [], "truncated": "yes"}, "observation.truncated='yes'"),
+    ]
+    for observation, match in bad:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            served_result({"observation": observation}, "step", {})
+    with pytest.raises(ValueError, match="reward='1'"):
+        served_result({"observation": {"messages": []}, "reward": "1"}, "step", {})
+
+
+def test_a_broken_or_foreign_marker_is_refused_naming_the_field():
+    class Marked(EnvServer):
+        def __init__(self, marker: dict, tools: list | None = None) -> None:
+            super().__init__(Fragile, tasks=Fragile.tasks())
+            self.marker, self.extra = marker, tools
+
+        def metadata(self) -> dict[str, Any]:
+            meta = {**super().metadata(), "agentrl": {**super().metadata()["agentrl"], **self.marker}}
+            return meta if self.extra is None else {**meta, "tools": self.extra}
+
+    cases = [
+        (Marked({"protocol": 99}), "agentrl.protocol is 99; this agentrl speaks protocol 1"),
+        (Marked({"tool_parser": "yaml"}), "agentrl.tool_parser 'yaml': unknown tool-call parser"),
+        (Marked({"max_turns": 0}), "agentrl.max_turns must be a positive whole number"),
+        (
+            Marked({}, [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "tools[0].function.description",
+        ),
+    ]
+    for server, match in cases:
+        with serving(server) as url, pytest.raises(ValueError, match=re.escape(match)):
+            agentrl.load_env(f"openenv:{url}")
+
+
+def test_a_run_with_another_tool_parser():
+    from agentrl.adapters.openenv_actions import served_step
+    from agentrl.parsing import get_parser
+
+    text = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    _, calls, errors = get_parser("hermes").parse(text)
+    payload, ids = served_step(agentrl.Action(text, calls, errors), "hermes", 2, set())
+    assert payload == {"text": text} and ids == {"call_2_0": "call_0"}  # the server parses it as the run did
+    chat = [agentrl.ToolCall("calculator", {"expression": "2"}, "abc")]  # a chat engine's structured call
+    payload, ids = served_step(agentrl.Action("", chat), "hermes", 0, set())
+    assert payload["tool_calls"][0]["function"]["name"] == "calculator" and ids == {"abc": "abc"}
+    broken = get_parser("hermes").parse("<tool_call>{oops</tool_call>")[2]
+    with pytest.raises(ValueError, match="run with --tool-parser llama3_json"):
+        served_step(agentrl.Action("<tool_call>{oops</tool_call>", [], broken), "llama3_json", 0, set())
 
 
 async def test_max_turns_truncates_and_the_env_is_closed(fragile_url):
@@ -182,6 +267,28 @@ async def test_max_turns_truncates_and_the_env_is_closed(fragile_url):
             break
         await asyncio.sleep(0.02)
     assert CLOSED == ["hello", "say something"]
+
+
+def test_cli_rollout_through_openenv_renders_the_served_tools(
+    guess_url, tiny_server, tiny_ckpt, tiny_tokenizer, tmp_path
+):
+    """``agentrl rollout --env openenv:URL`` shows the model the prompt an in-process run shows: the
+    served env's first message and its tools, rendered by the chat template, token for token."""
+    from tests.test_cli import read_samples, run
+
+    common = ["--num-tasks", "1", "--max-turns", "2", "--rollout-max-turn-len", "16", "--engine-url", tiny_server]
+    common += ["--hf-checkpoint", str(tiny_ckpt)]
+    prompts = []
+    for env in (f"openenv:{guess_url}", "agentrl/GuessNumber-v0"):
+        out = tmp_path / f"{len(prompts)}.jsonl"
+        r = run("rollout", "--env", env, *common, "--output", str(out))
+        assert r.returncode == 0, r.stderr
+        (sample,) = read_samples(out)
+        assert sample["status"] in ("completed", "truncated"), sample["metadata"].get("error")
+        prompts.append(sample["tokens"][: len(sample["tokens"]) - sample["response_length"]])
+    text = tiny_tokenizer.decode(prompts[0])
+    assert "<tools>" in text and '"name": "calculator"' in text and "<guess>N</guess>" in text  # tools, the game
+    assert prompts[0] == prompts[1]
 
 
 # -- (b) openenv-core's own clients ---------------------------------------------------------------

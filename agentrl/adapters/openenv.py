@@ -30,6 +30,11 @@ An observation with nothing in it (``{}``: MCP envs keep their reset message in 
 ``metadata``) is not shown as ``'{}'``: the first message is then the task row's prompt, or the
 env's description from ``GET /metadata`` and how to act.
 
+**Served agentrl envs** (``agentrl env-serve``; the ``agentrl`` marker of ``/metadata``) are played as
+in process (:func:`~agentrl.adapters.openenv_actions.served_step`): the env's tools, ``tool_parser`` and
+``max_turns`` (known when the env is built), its chat messages with their roles, its ``truncated``. A
+task row of its own (``--prompt-data``) travels with the reset; ``tasks()``'s seed rows send the seed.
+
 Failures: an unreachable server, a closed session, a timeout or a server-side exception raise
 :class:`OpenEnvError`, which fails the sample (the model never sees it). A step the server rejects
 as invalid for the action schema (``VALIDATION_ERROR``), or a reply ``action_from_text`` rejects
@@ -41,31 +46,42 @@ defaults to 1) is retried until ``capacity_wait`` seconds have passed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from agentrl.adapters import InvalidAction
+from agentrl.adapters import InvalidAction, seed_prompt
 from agentrl.adapters.openenv_actions import (
+    ServedEnv,
+    ServedTool,
     ServerTool,
     action_mapping,
     is_tool_call_schema,
+    served_env,
+    served_reset_data,
+    served_result,
+    served_step,
     tool_result_text,
 )
 from agentrl.env import Env, StepResult
 from agentrl.parsing import format_tool_error
-from agentrl.tool import ToolError, find_tool
+from agentrl.tool import Tool, ToolError, find_tool
 from agentrl.types import Action, Message, ToolCall
+
+log = logging.getLogger(__name__)
 
 _MAX_MESSAGE_BYTES = 100 * 1024 * 1024  # openenv's own client allows 100 MB (screenshots, DOM dumps)
 _server_info: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}  # base URL -> (action schema, /metadata)
 _BLANK = ("", "{}", "[]", "null", '""')
+_warned_parser: set[str] = set()  # servers whose tool_parser differed from a run's (warned once)
 
 
 class OpenEnvError(RuntimeError):
@@ -89,8 +105,9 @@ def session_urls(base_url: str) -> tuple[str, str]:
 
 def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
     """``GET /schema`` of the server, synchronously; a ValueError (one line, saying what to fix) when
-    it is unreachable or not an OpenEnv server. ``load_env("openenv:URL")`` calls it, so a bad
-    address is refused before any episode starts."""
+    it is unreachable or not an OpenEnv server (or a served agentrl env whose ``/metadata`` is broken).
+    ``load_env("openenv:URL")`` calls it, so a bad address is refused before any episode starts;
+    it also keeps the schema and ``/metadata`` for the envs built next in this process."""
     http_url, _ = session_urls(base_url)
     try:
         with urllib.request.urlopen(f"{http_url}/schema", timeout=timeout) as resp:  # noqa: S310 (http(s) only)
@@ -110,6 +127,13 @@ def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
         raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
     if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
         raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
+    metadata: Any = {}
+    with contextlib.suppress(OSError, TimeoutError, ValueError):  # optional in OpenEnv
+        with urllib.request.urlopen(f"{http_url}/metadata", timeout=timeout) as resp:  # noqa: S310
+            metadata = json.loads(resp.read())
+    metadata = metadata if isinstance(metadata, dict) else {}
+    served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
+    _server_info[http_url] = (schema["action"], metadata)
     return schema
 
 
@@ -145,7 +169,8 @@ class OpenEnvEnv(Env):
     ones a failed sample reports. ``reset`` sends the task row's ``seed`` (else the episode seed) and the row's ``options`` dict
     as reset keyword arguments. The step's ``info`` carries the raw observation dict.
     ``action_schema`` is the server's action schema once reset has read it (``check-env`` compares
-    it with ``tools``).
+    it with ``tools``). ``served`` describes a served agentrl env (None for other servers); it is
+    played natively unless ``action_from_text`` or ``observation_to_text`` is given.
     """
 
     def __init__(
@@ -168,12 +193,21 @@ class OpenEnvEnv(Env):
         self.text_ends_episode = text_ends_episode
         self.timeout, self.connect_timeout, self.capacity_wait = timeout, connect_timeout, capacity_wait
         self.action_schema: dict[str, Any] | None = None
-        self.tools: list[ServerTool] = []
+        self.tools: list[Tool] = []
+        self.served: ServedEnv | None = None
+        self._custom = action_from_text is not None or observation_to_text is not None
+        self._turns = 0  # a served env's turns and call ids, counted as the server counts them
+        self._seen: set[str] = set()
         self._tool_calls = False  # the action is a tool call (MCP-style env)
         self._hint: str | None = None
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._lock = asyncio.Lock()  # one exchange at a time on the session's socket
+        if self.http_url not in _server_info:  # once per process: tools and max_turns are known before reset
+            with contextlib.suppress(ValueError):  # a down server is reported by reset, as a failed sample
+                probe_server(base_url, timeout=min(connect_timeout, 5.0))
+        if self.http_url in _server_info:
+            self._use_metadata(_server_info[self.http_url][1])
 
     # -- the Env verbs ---------------------------------------------------------------------------
 
@@ -181,6 +215,10 @@ class OpenEnvEnv(Env):
         task = options or {}
         schema, metadata = await self._server_info()
         self.action_schema = schema
+        if self.served is None:
+            self._use_metadata(metadata)
+        if self.served is not None:
+            return await self._served_reset(task, task["seed"] if task.get("seed") is not None else seed)
         if self.action_from_text is None:
             self._tool_calls = is_tool_call_schema(schema)
             if not self._tool_calls:
@@ -206,8 +244,10 @@ class OpenEnvEnv(Env):
         return messages, {"observation": result.get("observation", {})}
 
     async def step(self, action: Action) -> StepResult:
-        if self._ws is None or (self.action_from_text is None and not self._tool_calls):
+        if self._ws is None or (self.action_from_text is None and not self._tool_calls and self.served is None):
             raise RuntimeError("OpenEnvEnv.step() before reset()")
+        if self.served is not None:
+            return await self._served_step(self.served, action)
         if self._tool_calls and self.action_from_text is None:
             return await self._tool_step(action)
         assert self.action_from_text is not None
@@ -237,6 +277,50 @@ class OpenEnvEnv(Env):
             await ws.close()
         if http is not None:
             await http.close()
+
+    # -- served agentrl envs: the env's own conversation -------------------------------------------
+
+    def _use_metadata(self, metadata: dict[str, Any]) -> None:
+        """Play a served agentrl env natively: its tools, tool parser and turn limit (see the module docstring)."""
+        with self._faults():
+            served = served_env(metadata)
+        if served is None or self._custom:
+            return
+        self.served, self.tool_parser, self.max_turns = served, served.tool_parser, served.max_turns
+        self.tools = [ServedTool(spec, self.call_tool) for spec in served.tool_specs]
+
+    async def _served_reset(self, task: dict[str, Any], seed: int | None) -> tuple[list[Message], dict]:
+        data = served_reset_data(task, seed, seed_prompt("openenv", self.base_url, task.get("seed")))
+        result = await self._reset_with_capacity_wait({"type": "reset", "data": data})
+        self._turns, self._seen = 0, set()
+        with self._faults():
+            messages, *_, info = served_result(result, "reset", {})
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages, info
+
+    async def _served_step(self, served: ServedEnv, action: Action) -> StepResult:
+        with self._faults():
+            payload, ids = served_step(action, served.tool_parser, self._turns, self._seen)
+        if "tool_calls" in payload and self.http_url not in _warned_parser:
+            _warned_parser.add(self.http_url)
+            log.warning(
+                "%s parses tool calls as %r, unlike this run: its calls go as tool_calls",
+                self.http_url,
+                served.tool_parser,
+            )
+        result = self._observation(await self._exchange({"type": "step", "data": payload}, "step"), "step")
+        self._turns += 1
+        with self._faults():
+            return served_result(result, "step", ids)
+
+    @contextlib.contextmanager
+    def _faults(self) -> Iterator[None]:
+        """What the server sent is wrong (a ValueError naming the field): the OpenEnvError that fails the sample."""
+        try:
+            yield
+        except ValueError as exc:
+            raise OpenEnvError(f"the OpenEnv server at {self.http_url}: {exc}") from None
 
     # -- MCP-style envs: tools and tool calls ------------------------------------------------------
 
@@ -270,6 +354,11 @@ class OpenEnvEnv(Env):
         if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
             return f"Error: {_validation_summary(reply['data'])}", True, 0.0, False, {}
         result = self._observation(reply, "step")
+        if self.served is not None:  # a served env counts a call_tool step as a turn and numbers its call
+            from agentrl.rollout.episode import unique_call_ids
+
+            unique_call_ids([ToolCall(name, arguments, "call_0")], self._turns, self._seen)
+            self._turns += 1
         observation = result.get("observation", {})
         text, failed = tool_result_text(observation)
         return text, failed, float(result.get("reward") or 0.0), bool(result.get("done", False)), observation

@@ -14,10 +14,17 @@ OpenEnv actions are pydantic models; ``GET /schema`` gives their JSON schema. Tw
 
 A reply that does not fit (no such enum value, no number in it) raises
 :class:`~agentrl.adapters.InvalidAction`, whose message the model reads: it lists what is allowed.
+
+**Served agentrl envs** (``agentrl env-serve``; ``/metadata`` carries an ``agentrl`` marker, read by
+:func:`served_env`) need no mapping: the action is the assistant turn itself. Their tools are shown
+verbatim (:class:`ServedTool`), the reply travels as text for the server to parse with the env's
+``tool_parser`` (:func:`served_step`), and the observation's chat messages are passed on with their
+roles (:func:`served_messages`), so the model reads what it reads when the env runs in process.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -26,6 +33,7 @@ from typing import Any
 
 from agentrl.adapters import InvalidAction
 from agentrl.tool import Tool, ToolResult
+from agentrl.types import Action, Message, ParseError, ToolCall
 
 _SHOWN = 80  # characters of a bad reply quoted back to the model
 _INTEGER = re.compile(r"-?\d+")
@@ -229,3 +237,161 @@ class ServerTool(Tool):
     async def __call__(self, **arguments: Any) -> ToolResult:
         text, failed = await self._call(self.name, arguments)
         return ToolResult(text, is_error=failed)
+
+
+# -- agentrl envs served by ``agentrl env-serve`` ----------------------------------------------------
+
+AGENTRL_PROTOCOL = 1
+"""The version of what ``/metadata``'s ``agentrl`` marker promises a client: observations hold the env's
+own chat messages (``messages``), ``info`` and ``truncated``; a ``{"text"}`` action is parsed with the
+marker's ``tool_parser`` and its calls numbered as the rollout loop numbers them (``call_{turn}_{n}``);
+``tools`` lists the env's OpenAI tool specs verbatim. agentrl's ``openenv:`` adapter then shows the model
+the conversation an in-process run shows, and refuses a marker of another protocol."""
+
+
+@dataclass(frozen=True)
+class ServedEnv:
+    """What an ``agentrl env-serve`` server says about its env (``/metadata``, checked by :func:`served_env`)."""
+
+    tool_specs: tuple[dict[str, Any], ...]
+    tool_parser: str
+    max_turns: int | None
+    version: str
+
+
+def served_env(metadata: dict[str, Any]) -> ServedEnv | None:
+    """The served agentrl env a ``/metadata`` answer describes, or None when it has no ``agentrl`` marker
+    (any other OpenEnv server). A marker of another protocol or a malformed field raises ValueError
+    naming the field, so a broken server is refused before an episode is played against it."""
+    from agentrl.parsing import get_parser
+
+    marker = metadata.get("agentrl")
+    if marker is None:
+        return None
+    if not isinstance(marker, dict) or marker.get("protocol") != AGENTRL_PROTOCOL:
+        got = marker.get("protocol") if isinstance(marker, dict) else marker
+        raise ValueError(
+            f"/metadata agentrl.protocol is {got!r}; this agentrl speaks protocol {AGENTRL_PROTOCOL}: "
+            "run the same agentrl version on both hosts"
+        )
+    parser, max_turns, tools = marker.get("tool_parser"), marker.get("max_turns"), metadata.get("tools")
+    if not isinstance(parser, str):
+        raise ValueError(f"/metadata agentrl.tool_parser must be a parser name, got {parser!r}")
+    try:
+        get_parser(parser)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"/metadata agentrl.tool_parser {parser!r}: {exc}") from None
+    if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+        raise ValueError(f"/metadata agentrl.max_turns must be a positive whole number or null, got {max_turns!r}")
+    if not isinstance(tools, list):
+        raise ValueError(f"/metadata tools must be a list of OpenAI tool specs, got {type(tools).__name__}")
+    for i, spec in enumerate(tools):
+        fn = spec.get("function") if isinstance(spec, dict) else None
+        if not isinstance(fn, dict) or spec.get("type") != "function":
+            raise ValueError(
+                f"/metadata tools[{i}] must be {{'type': 'function', 'function': {{...}}}}, got {spec!r:.200}"
+            )
+        for key, kind in (("name", str), ("description", str), ("parameters", dict)):
+            if not isinstance(fn.get(key), kind) or (key == "name" and not fn[key]):
+                raise ValueError(
+                    f"/metadata tools[{i}].function.{key} must be a {kind.__name__}, got {fn.get(key)!r:.100}"
+                )
+    return ServedEnv(tuple(tools), parser, max_turns, str(marker.get("version", "")))
+
+
+class ServedTool(Tool):
+    """One tool of a served agentrl env: its OpenAI spec as the server lists it, rendered verbatim (so
+    the chat template shows what an in-process run shows). In an episode the model's calls travel in
+    the reply's text and the server runs them; calling the tool directly runs one ``call_tool`` turn
+    in the episode's session (``call``)."""
+
+    def __init__(self, spec: dict[str, Any], call: Callable[[str, dict[str, Any]], Awaitable[tuple[str, bool]]]):
+        fn = spec["function"]
+        self.name, self.description, self.parameters = fn["name"], fn["description"], fn["parameters"]
+        self._spec, self._call = copy.deepcopy(spec), call
+
+    def schema(self) -> dict[str, Any]:
+        return copy.deepcopy(self._spec)
+
+    async def __call__(self, **arguments: Any) -> ToolResult:
+        text, failed = await self._call(self.name, arguments)
+        return ToolResult(text, is_error=failed)
+
+
+def served_result(
+    result: dict[str, Any], where: str, ids: dict[str, str]
+) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    """A served env's answer (``{"observation", "reward", "done"}``) as the 5-tuple: the observation's chat
+    messages checked as an in-process env's are, each tool result's ``tool_call_id`` written back as the
+    action's own id (``ids``: the server's id -> the action's), ``truncated`` the observation's and
+    ``terminated`` done without it. Raises ValueError naming the field that is wrong."""
+    from agentrl.env import EnvContractError, check_messages
+
+    observation = result["observation"]
+    try:
+        messages = check_messages(observation.get("messages"), f"the served env's {where} observation.messages")
+    except EnvContractError as exc:
+        raise ValueError(str(exc)) from None
+    messages = [
+        {**m, "tool_call_id": ids[m["tool_call_id"]]} if m.get("tool_call_id") in ids else m  # type: ignore[typeddict-item]
+        for m in messages
+    ]
+    info, truncated = observation.get("info", {}), observation.get("truncated", False)
+    done, reward = result.get("done", False), result.get("reward")
+    for name, value, ok in (
+        ("observation.info", info, isinstance(info, dict)),
+        ("observation.truncated", truncated, isinstance(truncated, bool)),
+        ("done", done, isinstance(done, bool)),
+        ("reward", reward, reward is None or (isinstance(reward, (int, float)) and not isinstance(reward, bool))),
+    ):
+        if not ok:
+            raise ValueError(f"the served env's {where} answered {name}={value!r:.100}, which is not valid there")
+    return messages, float(reward or 0.0), done and not truncated, truncated, info
+
+
+def served_reset_data(task: dict[str, Any], seed: int | None, placeholder: str) -> dict[str, Any]:
+    """A served env's reset data: the task row itself (JSON-safe; the server plays it as an in-process
+    run would) unless its prompt is the ``placeholder`` of ``tasks()``'s seed rows (the server then
+    plays its own task ``seed``), the row's ``options`` and the seed."""
+    from agentrl.adapters.gymnasium import json_safe
+
+    data: dict[str, Any] = {}
+    if "prompt" in task and task["prompt"] != placeholder:
+        data = json_safe({k: v for k, v in task.items() if k not in ("seed", "options")})
+    data.update(task.get("options") or {})
+    if seed is not None:
+        data["seed"] = int(seed)
+    return data
+
+
+def served_step(action: Action, parser_name: str, turn: int, seen: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The step data for a served env's turn and the ids its tool results will carry (server id -> the action's).
+
+    The reply travels as ``{"text"}``, the server parsing it with its env's ``tool_parser``, when that
+    parse equals the action's (same calls, same number of unparseable ones): then the env gets what it
+    gets in process. Otherwise (a run with another ``--tool-parser``, a chat engine's structured calls)
+    the action's calls travel as ``tool_calls`` so the env runs the calls the conversation shows; an
+    action that also holds unparseable calls cannot travel (the protocol has no field for them) and
+    raises ValueError saying which ``--tool-parser`` to use. ``seen`` mirrors the server's ids of the
+    episode (the rollout loop's :func:`~agentrl.rollout.episode.unique_call_ids`), ``turn`` its turn count.
+    """
+    from agentrl.parsing import OpenAIToolCallsParser, get_parser
+    from agentrl.rollout.episode import unique_call_ids
+
+    _, calls, errors = get_parser(parser_name).parse(action.text)
+    theirs = [(c.name, c.arguments) for c in calls], len(errors)
+    if theirs == ([(c.name, c.arguments) for c in action.tool_calls], len(action.errors)):
+        payload: dict[str, Any] = {"text": action.text}
+    elif not action.errors:
+        payload = {"text": action.text, "tool_calls": [c.to_openai() for c in action.tool_calls]}
+        _, calls, errors = OpenAIToolCallsParser().parse_message({"content": "", "tool_calls": payload["tool_calls"]})
+    else:
+        raise ValueError(
+            f"the served env parses tool calls as {parser_name!r} but this run read the reply otherwise "
+            f"({len(action.tool_calls)} call(s), {len(action.errors)} unparseable) and unparseable calls cannot "
+            f"be sent: run with --tool-parser {parser_name} (or without --tool-parser)"
+        )
+    items: list[ToolCall | ParseError] = [*calls, *errors]
+    unique_call_ids(items, turn, seen)
+    mine: list[ToolCall | ParseError] = [*action.tool_calls, *action.errors]
+    return payload, {item.id: own.id for item, own in zip(items, mine)}

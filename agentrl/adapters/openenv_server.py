@@ -8,6 +8,8 @@ that of openenv-core 0.3.0's ``create_app`` (without importing openenv, which ag
 
 - ``GET /health`` ``{"status": "healthy"}``; ``GET /metadata`` OpenEnv's fields (name, description,
   ...) plus ``tools`` (the env's OpenAI tool specs), ``max_turns`` and ``tool_parser``;
+  ``agentrl`` (``{"protocol", "version", "tool_parser", "max_turns"}``: the marker by which agentrl's
+  ``openenv:`` adapter knows it plays an agentrl env, see :data:`AGENTRL_PROTOCOL`);
   ``GET /schema`` ``{"action", "observation", "state"}`` JSON schemas; ``POST /mcp`` JSON-RPC with
   ``tools/list``. This is OpenEnv's *production* mode: no stateless ``POST /reset``/``/step``,
   because an agentrl episode cannot be split over fresh env instances.
@@ -54,6 +56,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 
+from agentrl.adapters.openenv_actions import AGENTRL_PROTOCOL
 from agentrl.adapters.openenv_session import (
     DEFAULT_STEP_TIMEOUT,
     Episode,
@@ -157,6 +160,13 @@ class EnvServer:
             "max_turns": self.info.get("max_turns"),
             "tool_parser": self.info.get("tool_parser"),
             "num_tasks": len(self.tasks or ()),
+            # the marker agentrl's openenv: adapter recognises a served agentrl env by (see AGENTRL_PROTOCOL)
+            "agentrl": {
+                "protocol": AGENTRL_PROTOCOL,
+                "version": _version(),
+                "tool_parser": self.info.get("tool_parser"),
+                "max_turns": self.info.get("max_turns"),
+            },
         }
 
     def json_rpc(self, request: Any, episode: Episode | None = None) -> dict[str, Any]:
