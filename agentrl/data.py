@@ -2,10 +2,10 @@
 
 Users already hold their data as JSON Lines, a JSON list, Parquet, CSV, or a Hugging Face ``datasets``
 folder written by ``save_to_disk``. :func:`read_rows` yields each row as a dict together with where
-it came from (``file:line`` for JSON Lines, ``file[row]`` otherwise), so every refusal further down
-can name the exact row to fix. Parquet, CSV and ``datasets`` folders are read through the ``datasets``
-library (``pip install datasets``), imported only for them; JSON is read here, so that a broken line
-is named by its line number.
+it came from (``file:line`` for JSON Lines and CSV, ``file[row]`` otherwise), so every refusal further
+down can name the exact row to fix. Parquet files and ``datasets`` folders are read through the
+``datasets`` library (``pip install datasets``), imported only for them; JSON and CSV are read here, so
+that a broken line is named by its line number and CSV cells stay the text they hold.
 
 Keys may be nested, as verl's parquet files hold them: ``--input-key extra_info.question`` or
 ``--label-key reward_model.ground_truth`` walk into dicts (and lists, by index) with dots; a key that
@@ -14,6 +14,7 @@ exists as written (dots included) wins. See :func:`lookup`.
 
 from __future__ import annotations
 
+import csv
 import inspect
 import json
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
     ``.jsonl`` (and any other suffix): one object per line (blank lines skipped). ``.json``: a list of
     objects, or JSON Lines (what ``datasets``' ``to_json`` writes under that name). ``.parquet`` and
-    ``.csv``: one row per record (CSV column types as ``datasets`` infers them: ``42`` is a number). A folder: a
+    ``.csv``: one row per record (every CSV cell is the text it holds: ``007`` stays ``"007"``, an empty cell ``""``). A folder: a
     ``datasets`` dataset saved with ``save_to_disk`` (a ``DatasetDict`` is refused unless it has
     exactly one split: name the split's folder). A file the library cannot read is refused with its path.
     """
@@ -41,17 +42,37 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield from _datasets_rows(p)
     elif p.suffix == ".json":
         yield from _json_rows(p)
-    elif p.suffix in (".parquet", ".csv"):
-        datasets = _datasets()
-        reader = datasets.Dataset.from_parquet if p.suffix == ".parquet" else datasets.Dataset.from_csv
+    elif p.suffix == ".parquet":
         try:
-            ds = reader(str(p))
+            ds = _datasets().Dataset.from_parquet(str(p))
         except Exception as exc:  # pyarrow's errors name neither the file nor what to do
-            raise ValueError(f"{path}: not a readable {p.suffix[1:]} file ({type(exc).__name__}: {exc})") from None
+            raise ValueError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None
         for i, row in enumerate(ds):
             yield _checked(f"{path}[{i}]", row)
+    elif p.suffix == ".csv":
+        yield from _csv_rows(p)
     else:  # .jsonl, and any other name: JSON Lines, as task files always were read
         yield from _jsonl_rows(p)
+
+
+def _csv_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every cell as the text it holds, each row named by its line. Read here rather than through pandas
+    (which ``datasets`` uses): its type inference turns ``007`` into 7 and a column with a gap into floats,
+    and a label must stay what the file says."""
+    with open(p, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise ValueError(f"{p}: an empty CSV file (the first line must name the columns)")
+        if len(set(header)) != len(header):
+            raise ValueError(f"{p}:1: repeated column names in {header}")
+        for cells in reader:
+            where = f"{p}:{reader.line_num}"
+            if not cells:
+                continue
+            if len(cells) != len(header):
+                raise ValueError(f"{where}: {len(cells)} cells for {len(header)} columns {header}")
+            yield where, dict(zip(header, cells))
 
 
 def _json_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -95,7 +116,7 @@ def _datasets() -> Any:
         import datasets
     except ImportError:
         raise ImportError(
-            "reading Parquet and CSV files and datasets folders needs the `datasets` package: pip install datasets"
+            "reading Parquet files and datasets folders needs the `datasets` package: pip install datasets"
         ) from None
     return datasets
 
@@ -134,13 +155,20 @@ def task_from_row(
 ) -> dict[str, Any]:
     """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys.
 
-    Both keys may be dotted paths into nested values (:func:`lookup`). A row without ``input_key`` is
-    refused naming the row, the key and the keys it has; a missing label is ``None`` (envs that need
-    one say so).
+    Both keys may be dotted paths into nested values (:func:`lookup`). A row without ``input_key``, or
+    with a null there, is refused naming the row, the key and the keys it has. A missing label is
+    ``None`` under the default ``label`` key (envs that need one say so); a ``label_key`` the user
+    named must hold a value in every row (a typo would otherwise make every label ``None`` silently).
     """
     prompt = lookup(row, input_key, _MISSING)
     if prompt is _MISSING:
         raise ValueError(f"{where}: no {input_key!r} key (set --input-key); {_keys_hint(row, input_key)}")
+    if prompt is None:  # Parquet fills a nested key a row lacks with null: a prompt "None" is no task
+        raise ValueError(f"{where}: {input_key!r} is null (set --input-key, or drop the row)")
+    label = lookup(row, label_key, _MISSING)
+    if label_key != "label" and (label is _MISSING or label is None):  # a key the user named must be there
+        hint = _keys_hint(row, label_key) if label is _MISSING else "it is null"
+        raise ValueError(f"{where}: no value at --label-key {label_key!r}; {hint}")
     gen = row.get("generate_function_path")
     if gen is not None:  # this row's own generate function (slime's Sample.generate_function_path)
         from agentrl.registry import load_function
@@ -157,7 +185,7 @@ def task_from_row(
             )
     task = dict(row)
     task["prompt"] = prompt
-    task["label"] = lookup(row, label_key)
+    task["label"] = None if label is _MISSING else label
     return task
 
 

@@ -66,7 +66,7 @@ def test_every_format_reads_the_same_rows(tmp_path):
     for name, path in paths.items():
         tasks = load_tasks(path, input_key="question", label_key="answer")
         assert [t["prompt"] for t in tasks] == [r["question"] for r in ROWS], name
-        assert [str(t["label"]) for t in tasks] == ["5", "42"], name  # CSV columns are typed: 5, 42
+        assert [t["label"] for t in tasks] == ["5", "42"], name
         assert [t["source"] for t in tasks] == ["a", "b"], name  # every other key is kept
     wheres = [w for w, _ in read_rows(paths["jsonl"])] + [w for w, _ in read_rows(paths["parquet"])]
     assert wheres == [f"{paths['jsonl']}:1", f"{paths['jsonl']}:2", f"{paths['parquet']}[0]", f"{paths['parquet']}[1]"]
@@ -105,7 +105,7 @@ def test_bad_files_are_refused_with_the_path_and_row(tmp_path):
         list(read_rows(broken))
     ragged = tmp_path / "ragged.csv"
     ragged.write_text('question,answer\n"What is 1?",1\n"x",2,3,4\n')
-    with pytest.raises(ValueError, match=r"ragged\.csv: not a readable csv file"):
+    with pytest.raises(ValueError, match=r"ragged\.csv:3: 4 cells for 2 columns"):
         list(read_rows(ragged))
     (tmp_path / "empty_folder").mkdir()
     with pytest.raises(ValueError, match="empty_folder: not a datasets folder written by save_to_disk"):
@@ -140,3 +140,29 @@ def test_check_env_reads_a_verl_parquet_file_with_nested_keys(tmp_path):
     r = check_env("--input-key", "extra_info.query")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "t.parquet[0]: no 'extra_info.query' key" in r.stderr and "--prompt-data" in r.stderr, r.stderr
+
+
+def test_csv_cells_stay_as_written(tmp_path):
+    """pandas would read "007" as 7 and a column with a gap as floats; a label must stay what the file says."""
+    path = tmp_path / "labels.csv"
+    path.write_text("question,answer\nq1,007\nq2,0.50\nq3,\nq4,42\nq5,N/A\n")
+    tasks = load_tasks(path, input_key="question", label_key="answer")
+    assert [t["label"] for t in tasks] == ["007", "0.50", "", "42", "N/A"]
+
+
+def test_null_prompts_and_mistyped_label_keys_are_refused(tmp_path):
+    """Parquet fills a nested key a row lacks with null; a typo in --label-key would make every label None."""
+    rows = _verl_rows()
+    rows[1]["extra_info"] = {"split": "train", "index": 1, "question": None}
+    path = tmp_path / "gap.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    with pytest.raises(ValueError, match=r"gap\.parquet\[1\]: 'extra_info\.question' is null"):
+        load_tasks(path, input_key="extra_info.question")
+    good = _write_all_formats(tmp_path, _verl_rows())["parquet"]
+    with pytest.raises(
+        ValueError,
+        match=r"t\.parquet\[0\]: no value at --label-key 'reward_model\.groundtruth'; keys of reward_model are",
+    ):
+        load_tasks(good, input_key="extra_info.question", label_key="reward_model.groundtruth")
+    # the default label key may be absent: envs that need a label say so
+    assert load_tasks(good, input_key="extra_info.question")[0]["label"] is None
