@@ -523,3 +523,154 @@ def test_best_of_n_chooses_each_role_of_a_multi_role_env_apart(tiny_server, tiny
             p.reward for p in played if (p.group_index, p.metadata.get("role")) == (s.group_index, s.metadata["role"])
         ]
         assert s.reward == max(r for r in rivals if r is not None), (s.metadata["role"], s.reward, rivals)
+
+
+def _two_tools_rows(arguments_as_text: bool, tools_as_text: bool = True) -> list[dict]:
+    """Two rows calling different tools: what a column store merges into one argument struct."""
+    add = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+    search = {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "find",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    }
+
+    def row(user, tool, args, result, answer):
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {
+                "name": tool["function"]["name"],
+                "arguments": json.dumps(args) if arguments_as_text else args,
+            },
+        }
+        return {
+            "messages": [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": result},
+                {"role": "assistant", "content": answer},
+            ],
+            "tools": json.dumps([tool]) if tools_as_text else [tool],
+        }
+
+    return [row("add 1 and 2", add, {"a": 1, "b": 2}, "3", "3"), row("find x", search, {"query": "x"}, "ok", "done")]
+
+
+def test_parquet_rows_with_json_string_arguments_train_exactly_what_was_written(tmp_path, template):
+    import datasets
+
+    from agentrl.data import read_rows
+
+    rows = _two_tools_rows(arguments_as_text=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    samples, stats = conversation_samples(read_rows(tmp_path / "d.parquet"), template)
+    assert stats.kept == 2
+    assert '{"name": "add", "arguments": {"a": 1, "b": 2}}' in _spans(template, samples[0])[0]
+    assert '{"name": "search", "arguments": {"query": "x"}}' in _spans(template, samples[1])[0]
+    direct, _ = conversation_samples([(f"r{i}", r) for i, r in enumerate(rows)], template)  # the file changed nothing
+    assert [s.tokens for s in samples] == [s.tokens for s in direct]
+
+
+def test_parquet_object_arguments_get_other_rows_names_as_null_and_are_refused_with_the_fix(tmp_path, template):
+    import datasets
+
+    from agentrl.data import read_rows
+
+    datasets.Dataset.from_list(_two_tools_rows(arguments_as_text=False)).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(DemoError) as err:
+        conversation_samples(read_rows(tmp_path / "d.parquet"), template)
+    text = str(err.value)
+    assert text.startswith("2 demonstration(s) refused")
+    assert "d.parquet[0]: messages[1].tool_calls[0]: arguments" in text and "unknown argument 'query'" in text
+    assert "d.parquet[1]: messages[1].tool_calls[0]" in text and "unknown argument 'a'" in text
+    assert "store function.arguments as a JSON string" in text
+    # tool schemas stored as structs get the same union: each tool declares the other's parameters as null
+    datasets.Dataset.from_list(_two_tools_rows(True, tools_as_text=False)).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(DemoError, match=r"t.parquet\[0\]: tools\[0\] \(add\) declares 'query' with no schema"):
+        conversation_samples(read_rows(tmp_path / "t.parquet"), template)
+    env = [json.loads(r["tools"])[0] for r in _two_tools_rows(True)]  # with the env's tools the row's are not rendered
+    samples, _ = conversation_samples(list(read_rows(tmp_path / "t.parquet"))[:1], template, env_tools=env[:1])
+    assert '{"name": "add", "arguments": {"a": 1, "b": 2}}' in _spans(template, samples[0])[0]
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"expression": 3}, "argument 'expression' must be a string, got integer 3"),
+        ({"expression": "1", "precision": 2}, "unknown argument 'precision'"),
+        ({}, "missing required argument 'expression'"),
+    ],
+)
+def test_arguments_that_do_not_fit_the_env_schema_are_refused(template, arguments, message):
+    row = _row()
+    row["messages"][2]["tool_calls"][0]["function"]["arguments"] = arguments
+    with pytest.raises(DemoError) as err:
+        conversation_samples([("f.jsonl:7", row)], template, env_tools=TOOLS)
+    assert "f.jsonl:7: messages[2].tool_calls[0]: arguments" in str(err.value) and message in str(err.value)
+    assert "JSON string" not in str(err.value)  # no null: the columnar hint would mislead
+
+
+class _ToolsAtReset(__import__("agentrl").Env):
+    """Learns its tools at reset, as an MCP server behind an adapter lists them once connected."""
+
+    closed = 0
+
+    async def reset(self, *, seed=None, options=None):
+        self.tools = Calculator.tools
+        self.seen = (seed, dict(options or {}))
+        _ToolsAtReset.last = self
+        return [{"role": "user", "content": options["prompt"]}], {}
+
+    async def step(self, action):
+        return [], 0.0, True, False, {}
+
+    async def close(self):
+        _ToolsAtReset.closed += 1
+        await super().close()
+
+
+def test_env_tools_offered_only_after_reset_are_read_by_resetting_once(template):
+    from agentrl.runtime.sft import demo_task, env_tool_schemas
+
+    assert _ToolsAtReset().tool_schemas() == []
+    task = demo_task({**_row(), "label": "23", "difficulty": 2})
+    assert task == {"prompt": "What is 3 + 4 * 5?", "label": "23", "difficulty": 2}
+    tools = env_tool_schemas(_ToolsAtReset, task, seed=7, timeout=5.0)
+    assert tools == TOOLS and _ToolsAtReset.last.seen == (7, task) and _ToolsAtReset.closed == 1
+    (s,), _ = conversation_samples([("f.jsonl:1", _row())], template, env_tools=tools)  # refused before the fix
+    assert s.token_exact
+    assert env_tool_schemas(Calculator, task, seed=7, timeout=5.0) == TOOLS  # declared up front: no reset
+
+    class Broken(_ToolsAtReset):
+        async def reset(self, *, seed=None, options=None):
+            raise RuntimeError("server down")
+
+    with pytest.raises(
+        ValueError, match="offers none before reset, and reset.. with the first task raised RuntimeError: server down"
+    ):
+        env_tool_schemas(Broken, task, seed=0, timeout=5.0)
+    assert _ToolsAtReset.closed == 2  # closed even so
+
+
+def test_sft_data_with_an_env_whose_tools_arrive_at_reset_loads(tiny_ckpt, tmp_path):
+    from agentrl.config import RunConfig
+    from agentrl.runtime.sft import load_demonstrations
+
+    (tmp_path / "d.jsonl").write_text(json.dumps(_row()) + "\n")
+    cfg = RunConfig(sft_data=str(tmp_path / "d.jsonl"))
+    (s,) = load_demonstrations(cfg, _ToolsAtReset, [], tiny_ckpt)
+    assert s.token_exact and _ToolsAtReset.last.seen[1]["prompt"] == "What is 3 + 4 * 5?"

@@ -32,6 +32,7 @@ from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.metrics import scalar_reward
+from agentrl.tool import Tool, ToolError
 from agentrl.types import ROLES, Message, Sample, Status
 
 __all__ = [
@@ -229,11 +230,71 @@ def _check_tools(tools: Any, where: str) -> list[dict]:
     return tools
 
 
-def _check_call(call: Any, offered: set[str] | None, where: str) -> str | None:
+def _check_parameters(tools: list[dict], where: str) -> None:
+    """Refuse a row's tool that declares a parameter with a null schema (only when the row's tools are rendered)."""
+    for i, t in enumerate(tools):
+        f = t.get("function", t)
+        params = f.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        nulls = [k for k, v in props.items() if v is None] if isinstance(props, dict) else []
+        if nulls:
+            raise DemoError(
+                f"{where}: tools[{i}] ({f['name']}) declares {', '.join(map(repr, nulls))} with no schema (null): "
+                "a columnar file (Parquet, CSV, a datasets folder) keeps one type per column, so each tool gets "
+                "every other tool's parameter names as null; store 'tools' as a JSON string (json.dumps(tools))"
+            )
+
+
+_COLUMNAR = (
+    "a columnar file (Parquet, CSV, a datasets folder) keeps one type per column, so object arguments get "
+    "every other row's argument names as null; store function.arguments as a JSON string, as OpenAI's "
+    "format does (json.dumps(arguments) before writing the file)"
+)
+
+
+class _Schema(Tool):
+    """A tool that is only its schema: :meth:`Tool.validate` checks a demonstration's arguments as a rollout would."""
+
+    def __init__(self, name: str, parameters: dict[str, Any]):
+        self.name, self.parameters = name, parameters
+
+    async def __call__(self, **arguments: Any) -> str:
+        raise NotImplementedError("a schema is not called")
+
+
+def _argument_schemas(schemas: Sequence[dict] | None) -> dict[str, _Schema]:
+    """Tool name -> its argument schema, for the tools whose spec gives ``parameters``."""
+    out = {}
+    for t in schemas or []:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("parameters"), dict):
+            out[f["name"]] = _Schema(f["name"], f["parameters"])
+    return out
+
+
+def _has_null(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(v is None or _has_null(v) for v in value.values())
+    return isinstance(value, list) and any(_has_null(v) for v in value)
+
+
+def _check_call(
+    call: Any, offered: set[str] | None, where: str, schemas: dict[str, _Schema] | None = None
+) -> str | None:
     """Validate one OpenAI ``tool_calls`` entry in place; return its id (None when it has none).
 
     JSON-string arguments (the OpenAI shape) are replaced by the parsed object: templates that
-    write ``arguments | tojson`` would otherwise teach the model a doubly encoded string.
+    write ``arguments | tojson`` would otherwise teach the model a doubly encoded string. With
+    ``schemas``, the arguments must fit the called tool's schema as :meth:`Tool.validate` checks a
+    rollout's (no unknown argument, no wrong type, every required one): a demonstration teaches the
+    model to write exactly these arguments. They are checked, never rewritten (an ``int`` for a
+    ``number`` stays as written).
+
+    Null values are not dropped: a null the schema does not allow is refused, and the message says
+    the likely cause (object arguments stored in a columnar file: Parquet, CSV or a datasets folder
+    give every row the union of all rows' argument names, as null) and the fix (arguments as a JSON
+    string). Dropping them instead would also drop a null the author really wrote, and could not
+    tell an optional argument filled in by the file format from one the demonstration passed.
     """
     if not isinstance(call, dict):
         raise DemoError(f"{where}: expected a tool call object, got {type(call).__name__}")
@@ -252,18 +313,30 @@ def _check_call(call: Any, offered: set[str] | None, where: str) -> str | None:
     f["arguments"] = args
     if offered is not None and name not in offered:
         raise DemoError(f"{where}: calls tool {name!r}, which is not offered (offered: {sorted(offered) or 'none'})")
+    if schemas and name in schemas:
+        try:
+            schemas[name].validate(args)
+        except ToolError as exc:
+            hint = f"; it has null values: {_COLUMNAR}" if _has_null(args) else ""
+            raise DemoError(
+                f"{where}: arguments {json.dumps(args)} do not fit the tool's schema: {exc}{hint}"
+            ) from None
     cid = call.get("id")
     if cid is not None and not isinstance(cid, str):
         raise DemoError(f"{where}: tool call id must be a string")
     return cid
 
 
-def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None = None) -> list[Message]:
+def check_conversation(
+    row: dict[str, Any], where: str, offered: set[str] | None = None, *, schemas: Sequence[dict] | None = None
+) -> list[Message]:
     """The row's messages, validated; :class:`DemoError` naming ``where`` and the message otherwise.
 
     Checks: a non-empty ``messages`` list of dicts with a known role and string content (``None``
     allowed for an assistant message with tool calls); it starts with system or user; at least one
-    assistant turn; every tool call names an offered tool with JSON-object arguments; every ``tool``
+    assistant turn; every tool call names an offered tool with JSON-object arguments that fit that
+    tool's schema in ``schemas`` (the OpenAI specs rendered with the row; see :func:`_check_call`
+    for nulls); every ``tool``
     message answers a call of the assistant turn before it (by ``tool_call_id``, else in order).
     """
     msgs = row.get("messages")
@@ -273,6 +346,7 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
             f'"tools": [...]}}); keys are {sorted(row)}'
         )
     msgs = json.loads(json.dumps(msgs))  # a copy: validation normalizes tool-call arguments in place
+    by_name = _argument_schemas(schemas)
     pending: list[str | None] = []
     for i, m in enumerate(msgs):
         at = f"{where}: messages[{i}]"
@@ -290,7 +364,7 @@ def check_conversation(row: dict[str, Any], where: str, offered: set[str] | None
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise DemoError(f"{at}: tool_calls must be a list")
-            pending = [_check_call(c, offered, f"{at}.tool_calls[{k}]") for k, c in enumerate(calls)]
+            pending = [_check_call(c, offered, f"{at}.tool_calls[{k}]", by_name) for k, c in enumerate(calls)]
         elif role == "tool":
             cid = m.get("tool_call_id")
             if not pending:
@@ -356,7 +430,9 @@ def conversation_samples(
 
     With ``env_tools`` (the env's schemas) every row renders with the env's tools, exactly as its
     rollouts do; a row's own ``tools`` must then name the same tools. Without, each row renders with
-    its own ``tools``. Every row is checked first; any problem stops the load with up to
+    its own ``tools``; either way each tool call's arguments must fit the schema rendered (rows read
+    from Parquet, CSV or a datasets folder: store arguments and ``tools`` as JSON strings, since a
+    column holds one type and fills other rows' keys with null). Every row is checked first; any problem stops the load with up to
     ``max_problems`` of them listed, so nothing trains on half a file.
     """
     stats = DemoStats()
@@ -371,9 +447,11 @@ def conversation_samples(
                     f"{where}: its tools {sorted(_tool_names(tools))} differ from the env's "
                     f"{sorted(env_names or [])}; demonstrations render with the env's tools"
                 )
+            if env_tools is None:  # the row's own tools are rendered and check its arguments
+                _check_parameters(tools, where)
             schemas = list(env_tools) if env_tools is not None else tools
             offered = env_names if env_tools is not None else _tool_names(tools)
-            messages = check_conversation(row, where, offered)
+            messages = check_conversation(row, where, offered, schemas=schemas)
             sample, trailing = conversation_sample(
                 template, messages, schemas, where, allow_non_token_exact=allow_non_token_exact, label=row.get("label")
             )

@@ -31,7 +31,7 @@ from agentrl.runtime.data import PromptSource
 from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample
 
-__all__ = ["SFTLoop", "load_demonstrations"]
+__all__ = ["SFTLoop", "env_tool_schemas", "load_demonstrations"]
 
 
 def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], checkpoint: Path) -> list[Sample]:
@@ -49,9 +49,15 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
     if cfg.sft_data:
         from agentrl.data import read_rows
 
-        env_tools = factory().tool_schemas() if factory is not None else None
+        demo_rows = list(read_rows(cfg.sft_data))
+        env_tools = None
+        if factory is not None:
+            task = rows[0] if rows else demo_task(demo_rows[0][1] if demo_rows else {})
+            env_tools = env_tool_schemas(
+                factory, task, seed=cfg.rollout.rollout_seed, timeout=cfg.rollout.env_step_timeout
+            )
         samples, stats = demos.conversation_samples(
-            read_rows(cfg.sft_data), template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
+            demo_rows, template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
         )
     elif cfg.demo_policy:
         from agentrl.registry import load_function
@@ -70,6 +76,54 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
             + ("; lower --demo-min-reward" if stats.below_min_reward else "")
         )
     return samples
+
+
+def demo_task(row: dict[str, Any]) -> dict[str, Any]:
+    """A task row for ``reset`` made from a demonstration row: its first user message as ``prompt``,
+    its ``label``, and its other keys (not ``messages``/``tools``), as ``--prompt-data`` would give them."""
+    msgs = row.get("messages")
+    user = (
+        next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+        if isinstance(msgs, list)
+        else None
+    )
+    prompt = user.get("content") if user is not None else None
+    extra = {k: v for k, v in row.items() if k not in ("messages", "tools")}
+    return {**extra, "prompt": prompt if isinstance(prompt, str) else "", "label": row.get("label")}
+
+
+def env_tool_schemas(factory: Callable[[], Any], task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
+    """The OpenAI specs of the tools the env offers, which demonstrations render with, as its rollouts do.
+
+    Most envs declare ``tools`` up front. Some learn them at ``reset`` (an MCP server behind the
+    ``openenv:`` adapter lists its tools once connected): when a fresh env offers none, one is reset
+    with ``task`` and ``seed``, read and closed, as ``agentrl check`` first looks at an env. Without
+    this every tool-call demonstration would be refused as calling a tool that is not offered. A
+    reset that fails or outlasts ``timeout`` (``--env-step-timeout``) stops the load, naming the cause.
+    """
+    env = factory()
+    tools = list(env.tool_schemas())
+    if tools:
+        return tools
+    return asyncio.run(_tools_after_reset(env, task, seed=seed, timeout=timeout))
+
+
+async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
+    from agentrl.sandbox import close_default_pool
+
+    try:
+        await asyncio.wait_for(env.reset(seed=seed, options=dict(task)), timeout)
+        return list(env.tool_schemas())
+    except Exception as exc:
+        kind = "timed out" if isinstance(exc, TimeoutError) else f"raised {type(exc).__name__}: {exc}"
+        raise ValueError(
+            f"reading the env's tools: it offers none before reset, and reset() with the first task {kind}"
+        ) from None
+    finally:
+        try:
+            await asyncio.wait_for(env.close(), timeout)
+        finally:
+            await close_default_pool()
 
 
 async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], template: Any, cfg: RunConfig) -> Any:
