@@ -203,6 +203,13 @@ class Env:
         """
         return None
 
+    async def turn_cut_off(self, action: Action) -> None:
+        """A turn the run's length limit cut off, which ends the episode ``truncated``; ``step`` never sees
+        it. Does nothing by default (the loop then skips it): an env whose counterpart waits for every turn
+        overrides it (:class:`~agentrl.proxy.ProxyEnv` answers its agent's request, ``finish_reason``
+        ``"length"``). ``action`` is the turn as ``step`` would have had it."""
+        return None
+
     async def close(self) -> None:
         """Release what the episode held (the sandbox, connections). Called once per episode;
         subclasses that override this call ``super().close()``."""

@@ -166,6 +166,23 @@ def _import_module(spec: str, module_name: str) -> Any:
         raise ImportError(
             f"{spec!r}: importing {name!r} failed: no module named {exc.name!r} (a dependency of it: install it)"
         ) from None
+    except (Exception, SystemExit) as exc:
+        raise import_failed(spec, name, exc) from None
+
+
+def import_failed(spec: str, module_name: str, exc: BaseException, rerun: str | None = None) -> ImportError:
+    """A module that raised (``SystemExit`` included) while it was imported, as one line naming the spec
+    (when ``spec`` is not empty: callers whose message already names it pass ``""``).
+
+    User env modules run arbitrary code at import; the user needs the spec, the module and what it
+    raised (the traceback is theirs to get with ``python -c 'import MODULE'``), never a bare exit.
+    """
+    why = " ".join(str(exc).split()) or "(no message)"
+    rerun = rerun or f"python -c 'import {module_name}'"
+    where = f"{spec!r}: " if spec else ""
+    return ImportError(
+        f"{where}importing {module_name!r} failed: {type(exc).__name__}: {why} ({rerun} shows the traceback)"
+    )
 
 
 def _import_object(spec: str) -> Any:
@@ -185,8 +202,10 @@ def _import_object(spec: str) -> Any:
             sys.modules[mod_name] = module
             try:
                 file_spec.loader.exec_module(module)
-            except BaseException:
+            except BaseException as exc:
                 del sys.modules[mod_name]  # a half-run module must not be found by the next lookup
+                if isinstance(exc, (Exception, SystemExit)):
+                    raise import_failed(spec, str(path), exc, f"python {path}") from None
                 raise
     else:
         module = _import_module(spec, module_name)

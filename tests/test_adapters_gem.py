@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -120,3 +121,47 @@ def test_gem_rollout_end_to_end(tiny_server, tiny_ckpt, tmp_path):
         assert s["prompt"][0]["content"].startswith("You are playing Guess The Number.")
         # the tiny model writes no \boxed{}: GEM scores its first reply a format error and ends the game
         assert s["metadata"]["turn_rewards"] in ([-0.1], []), s["metadata"]["turn_rewards"]
+
+
+class _SlowGame(gem.Env):
+    """A GEM game that draws its number at reset and can take its time over a step (running code, say)."""
+
+    def reset(self, seed=None):
+        super().reset(seed)
+        self.number = random.randint(0, 10**9)
+        return f"number {self.number}", {}
+
+    def step(self, action):
+        if action == "slow":
+            time.sleep(1.5)
+        return "ok", 0.0, False, False, {}
+
+
+gem.register("agentrl-test/Slow-v0", _SlowGame)
+
+
+async def test_unseeded_games_differ_and_a_slow_step_holds_up_no_other_episode():
+    factory = agentrl.load_env("gem:agentrl-test/Slow-v0")
+    firsts = []
+    for _ in range(4):
+        env = factory()
+        obs, _ = await call_env(env.reset)
+        firsts.append(obs[0]["content"])
+    assert len(set(firsts)) == 4, firsts  # no seed: a fresh game each time, not one replayed state
+
+    slow, other = factory(), factory()
+    await call_env(slow.reset, seed=1)
+    done: dict[str, float] = {}
+
+    async def timed(name, fn, *args, **kwargs):
+        await call_env(fn, *args, **kwargs)
+        done[name] = time.monotonic()
+
+    start = time.monotonic()
+    await asyncio.gather(
+        timed("slow step", slow.step, Action(text="slow")),
+        timed("reset", other.reset, seed=2),
+    )
+    assert done["reset"] - start < 1.0 < done["slow step"] - start, done  # the reset did not wait for the step
+    again = factory()
+    assert (await call_env(again.reset, seed=2))[0] == (await call_env(other.reset, seed=2))[0]

@@ -207,6 +207,11 @@ async def test_mcp_env_offers_its_tools_and_plays_tool_calls(notes_url):
     assert await own.step(_turn("no idea")) == ([], 0.0, True, False, {"final_text": True})
     assert await own.tools[1]() is not None  # a listed tool is callable on its own, in the episode's session
     await own.close()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find the flower."}]
+    verl = OpenEnvEnv(notes_url)  # verl's layout: the task's prompt is a list of chat messages
+    obs, _ = await verl.reset(seed=1, options={"prompt": chat})
+    assert obs == chat and obs[0] is not chat[0]
+    await verl.close()
 
 
 async def test_check_env_passes_mcp_envs_and_catches_a_text_mapping(notes_url):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,9 +30,10 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "agentrl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 
 
@@ -50,6 +53,9 @@ def not_openenv() -> str:
 
 def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: str):
     (tmp_path / "plain.py").write_text("class NotAnEnv:\n    pass\n")
+    (tmp_path / "boom.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "depmod.py").write_text("import no_such_dependency\n")
     (tmp_path / "gymish.py").write_text(
         textwrap.dedent("""
         import gymnasium
@@ -71,7 +77,16 @@ def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: 
         (("check-env",), "openenv:ftp://127.0.0.1:1", ["expected http://HOST:PORT"]),
         (("check-env",), f"openenv:{down}", ["cannot reach the OpenEnv server", "start it"]),
         (("check-env",), f"openenv:{not_openenv}", ["answered GET /schema with HTTP", "not an OpenEnv server"]),
+        (("check-env",), "openenv:http://HOST:PORT", ["bad port", "'http://HOST:PORT'"]),
+        (("check-env",), "openenv:localhost:abc", ["bad port", "'localhost:abc'"]),
+        (("check-env",), "openenv:localhost:99999", ["bad port", "'localhost:99999'"]),
         (("check-env",), f"{tmp_path}/missing.py:Env", ["no such file", "missing.py"]),
+        (("check-env",), f"{tmp_path}/boom.py:Env", ["importing", "RuntimeError: boom at import"]),
+        (("check-env",), f"{tmp_path}/quits.py:Env", ["importing", "SystemExit: 3"]),
+        (("check-env",), "gym:depmod:Foo-v0", ["'no_such_dependency'", "a dependency of 'depmod'"]),
+        (("check-env",), "gym:boom:Foo-v0", ["importing 'boom'", "RuntimeError: boom at import"]),
+        (("check-env",), "boom:Env", ["importing 'boom'", "RuntimeError: boom at import"]),
+        (("check-env",), "quits:Env", ["importing 'quits'", "SystemExit: 3"]),
         (("check-env",), f"{tmp_path}/plain.py:NotAnEnv", ["not an agentrl.Env", "subclass agentrl.Env"]),
         (("check-env",), f"{tmp_path}/gymish.py:Walker", ["not an agentrl.Env", "--env gym:MODULE:ID"]),
         (("check-env",), "agentrl.types:ROLES", ["is a tuple, not an env class"]),
@@ -84,7 +99,7 @@ def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: 
     if importlib.util.find_spec("verifiers.v1") is not None:
         cases.append((("check-env",), "verifiers:no-such-taskset", ["taskset 'no-such-taskset' not found"]))
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda c: _cli(*c[0][:1], "--env", c[1], *c[0][1:]), cases))
+        results = list(pool.map(lambda c: _cli(*c[0][:1], "--env", c[1], *c[0][1:], cwd=tmp_path), cases))
     for (command, spec, wanted), r in zip(cases, results):
         lines = _error_lines(r.stderr)
         where = f"{command[0]} --env {spec}: rc {r.returncode}, stderr {r.stderr!r}"
@@ -92,3 +107,34 @@ def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: 
         assert lines[0].startswith(f"agentrl {command[0]}: error: --env {spec}: "), where
         for text in wanted:
             assert text in lines[0], f"{where}: missing {text!r}"
+        if spec.startswith(("gem:", "verifiers:", "gym:")):  # the spec is named once, by the flag
+            assert lines[0].count(spec) == 1, where
+
+
+def test_probe_goes_to_the_server_directly_whatever_http_proxy_says(monkeypatch):
+    """Episodes (aiohttp) never use HTTP_PROXY, so the probe must not either: a proxy that is down
+    (or one that cannot reach loopback) would refuse a live server the episodes could play."""
+    from agentrl.adapters.openenv import probe_server
+
+    class Schema(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"action": {"type": "object"}} if self.path == "/schema" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Schema)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        down = f"http://127.0.0.1:{_closed_port()}"
+        for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, down)
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        assert probe_server(f"http://127.0.0.1:{server.server_address[1]}")["action"] == {"type": "object"}
+    finally:
+        server.shutdown()

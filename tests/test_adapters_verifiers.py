@@ -131,12 +131,22 @@ UNSUPPORTED = {
         "    @vf.reward\n    async def ran(self, task, trace, runtime) -> float:\n        return 1.0\n",
         "reward 'ran' scores inside a runtime box",
     ),
+    "vf_own_harness": ("pass", "", "it ships its own harness OwnAgent"),
 }
+HARNESS = """
+from verifiers.v1.harnesses.null import NullHarness
+
+
+class OwnAgent(NullHarness):
+    # verifiers runs an exported harness as the taskset's agent (a multi-turn program, say)
+    pass
+"""
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
 def test_tasksets_this_adapter_cannot_drive_are_refused_in_one_line(name, tmp_path, monkeypatch):
     attr, method, why = UNSUPPORTED[name]
+    harness = name == "vf_own_harness"
     (tmp_path / f"{name}.py").write_text(
         textwrap.dedent(f"""
         import verifiers.v1 as vf
@@ -149,12 +159,12 @@ def test_tasksets_this_adapter_cannot_drive_are_refused_in_one_line(name, tmp_pa
         class S(vf.Taskset[T, vf.TasksetConfig]):
             def load(self):
                 yield T(vf.TaskData(prompt="hi"))
-
-        __all__ = ["S"]
         """)
+        + (HARNESS if harness else "")
+        + f"__all__ = {['S', 'OwnAgent'] if harness else ['S']}\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=f"^verifiers:{name}: {why}") as err:
+    with pytest.raises(ValueError, match=f"^taskset '{name}': {why}") as err:
         agentrl.load_env(f"verifiers:{name}")
     assert "\n" not in str(err.value)
     sys.modules.pop(name, None)

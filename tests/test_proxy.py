@@ -28,7 +28,7 @@ from agentrl.chat import ChatTemplate
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, GenerateOutput
 from agentrl.engines.http import SGLangEngine
-from agentrl.proxy import ProxyEnv
+from agentrl.proxy import AgentError, ProxyEnv
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
 from agentrl.types import Status
@@ -409,7 +409,9 @@ def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, 
             openai.OpenAI(base_url=f"{url}/s/gamma/v1", api_key="wrong", max_retries=0).chat.completions.create(
                 model="m", messages=msgs
             )
-        assert httpx.post(f"{url}/s/alpha/end", json={"reward": 0.5}).json() == {"ended": "alpha"}
+        assert httpx.post(f"{url}/s/alpha/end", json={"reward": 0.5}).status_code == 401  # the key, on every route
+        key = {"authorization": "Bearer k"}
+        assert httpx.post(f"{url}/s/alpha/end", json={"reward": 0.5}, headers=key).json() == {"ended": "alpha"}
         deadline = time.monotonic() + 30
         while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -450,3 +452,304 @@ def test_example_agent_program_runs_through_agentrl_train(tiny_ckpt, tmp_path, r
     assert len(dump) == 4 and all(s["status"] in ("completed", "truncated") for s in dump), dump[0]["metadata"]
     assert all(s["prompt"][1]["content"].startswith("What is") for s in dump)
     assert (save / "iter_0000001" / "model.safetensors").is_file()
+
+
+# -- the protocol's edges (issue 14 §2 review): each test below failed before its fix ---------------------------
+
+MUL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
+GOT: dict[str, list] = {}  # task id -> what the agent received / how it was called
+
+
+def _alive(pid: int) -> bool:
+    """A process that still runs (a zombie awaiting its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+async def test_an_agent_command_returns_when_it_exits_and_leaves_nothing_running():
+    """The agent starts two helpers (one keeps the agent's stdout open, one is detached from it) and exits:
+    run_command returns at once with its output, and both helpers are killed with its process group."""
+    from agentrl.proxy import run_command
+
+    code = (
+        "import subprocess, sys\n"
+        "a = subprocess.Popen(['sleep', '300'])\n"  # inherits stdout: a pipe reader would wait 300 s
+        "b = subprocess.Popen(['sleep', '300'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(a.pid, b.pid, 'done')\n"
+    )
+    t0 = time.monotonic()
+    async with asyncio.timeout(20):
+        out = await run_command([sys.executable, "-c", code], "http://127.0.0.1:9/v1", {"prompt": "x"})
+    assert time.monotonic() - t0 < 10 and out.endswith("done"), out
+    pids = [int(x) for x in out.split()[:2]]
+    for _ in range(50):
+        if not any(map(_alive, pids)):
+            break
+        await asyncio.sleep(0.1)
+    assert not any(map(_alive, pids)), [p for p in pids if _alive(p)]
+    with pytest.raises(AgentError, match="status 3: oops"):  # a failure quotes the end of stderr
+        await run_command(
+            [
+                sys.executable,
+                "-c",
+                "import sys; print('oops', file=sys.stderr); sys.exit(3)",
+            ],
+            "http://127.0.0.1:9/v1",
+            {},
+        )
+
+
+async def slow_tool_agent(base_url: str, task: dict) -> str:
+    """Its tool takes longer than --env-step-timeout between two requests."""
+    client = _client(base_url)
+    msgs: list = [{"role": "user", "content": "What is 6 * 7?"}]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=MUL)
+    msgs.append(r.choices[0].message)
+    await asyncio.sleep(2.5)  # a build, a test suite, a web fetch
+    msgs += [{"role": "tool", "tool_call_id": tc.id, "content": "42"} for tc in r.choices[0].message.tool_calls]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=MUL)
+    await client.close()
+    return r.choices[0].message.content
+
+
+def _threaded_reward(task: dict, messages: list, output: object) -> float:
+    import threading
+
+    GOT["reward_thread"] = [threading.current_thread() is threading.main_thread()]
+    return 1.0
+
+
+SlowTool = ProxyEnv.define("SlowTool", agent=slow_tool_agent, reward=_threaded_reward, agent_timeout=30.0)
+
+
+async def test_a_slow_tool_waits_as_long_as_agent_timeout_and_a_sync_reward_runs_off_the_loop(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer)
+    config = RolloutConfig(max_turns=4, env_step_timeout=1.0)
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=config)
+    samples, _ = await generate_rollout(ctx, SlowTool, [{"prompt": ""}])
+    (s,) = samples
+    assert s.status == Status.COMPLETED and s.reward == 1.0, s.metadata.get("error")
+    assert SlowTool().step_timeout == 30.0 + 60.0  # agent_timeout, plus time for reward()
+    assert GOT["reward_thread"] == [False]  # a sync reward() runs in a worker thread
+
+
+async def test_every_route_checks_the_key_and_end_bodies_are_validated():
+    from agentrl.proxy import ProxyServer
+
+    server = ProxyServer(api_key="secret")
+    await server.start()
+    own, external = server.open("own"), server.open("ext", external=True)
+    key = {"authorization": "Bearer secret"}
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            for method, path in (
+                ("POST", "/s/ext/end"),
+                ("GET", "/s/ext/v1/models"),
+                ("POST", "/s/ext/v1/chat/completions"),
+            ):
+                r = await http.request(method, path, json={"reward": 1.0})
+                assert r.status_code == 401, (path, r.text)
+            assert (await http.get("/s/ext/v1/models", headers=key)).json()["data"][0]["id"] == "agentrl-policy"
+            for body, field in (
+                (b'{"reward": NaN}', "reward"),
+                (b'{"reward": Infinity}', "reward"),
+                (b'{"reward": true}', "reward"),
+                (b'{"reward": "1"}', "reward"),
+                (b'{"rewardz": 1}', "rewardz"),
+            ):
+                r = await http.post("/s/ext/end", content=body, headers=key)
+                assert r.status_code == 422 and field in r.json()["error"]["message"], (body, r.text)
+            r = await http.post("/s/own/end", json={"reward": 1.0}, headers=key)  # scored by its env's reward()
+            assert r.status_code == 422 and "reward()" in r.json()["error"]["message"], r.text
+            assert not own.ended.done() and not external.ended.done()
+            r = await http.post("/s/own/end", json={"output": "done"}, headers=key)
+            assert r.status_code == 200 and own.ended.result().output == "done"
+            r = await http.post("/s/ext/end", json={"reward": 0.5, "output": [1, 2]}, headers=key)
+            assert r.json() == {"ended": "ext"} and external.ended.result().reward == 0.5
+    finally:
+        await server.stop()
+
+
+class TextEngine(Engine):
+    """Answers every turn with the same short text."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        ids = self.tok.encode("Fine.", add_special_tokens=False) + [self.tok.eos_token_id]
+        return GenerateOutput(ids, [-0.5] * len(ids), "stop", self.tok.eos_token_id)
+
+    async def health(self):
+        return True
+
+
+def _recorder(tokenizer, engine, **config):
+    import io
+
+    from agentrl.proxy.external import Recorder
+
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tokenizer), config=RolloutConfig(**config))
+    return Recorder(ctx, io.StringIO(), idle_timeout=30.0)
+
+
+async def test_agentrl_proxy_sessions_answer_like_openai_and_honour_max_turns(tiny_tokenizer):
+    """An `agentrl proxy` session: an invalid first body opens nothing; every reply carries usage (the
+    request's rendered prompt, the turn's sampled tokens), system_fingerprint and refusal as OpenAI's do;
+    --max-turns 40 allows 40 turns (ExternalSession caps nothing itself); /end writes the sample."""
+    rec = _recorder(tiny_tokenizer, TextEngine(tiny_tokenizer), max_turns=40)
+    await rec.server.start()
+    try:
+        async with httpx.AsyncClient(base_url=rec.server.url, timeout=30) as http:
+            r = await http.post("/s/a/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+            assert r.status_code == 422 and "a" not in rec.server.sessions and not rec.episodes
+            msgs: list = [{"role": "user", "content": "hello"}]
+            for turn in range(40):
+                r = await http.post("/s/a/v1/chat/completions", json={"model": "m", "messages": msgs, "user": "u1"})
+                assert r.status_code == 200, (turn, r.text)
+                body = r.json()
+                assert body["system_fingerprint"] is None and body["choices"][0]["message"]["refusal"] is None
+                n_prompt = len(rec.ctx.template.prompt(msgs, [])[1])
+                n_out = len(tiny_tokenizer.encode("Fine.", add_special_tokens=False)) + 1
+                assert body["usage"] == {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_out,
+                    "total_tokens": n_prompt + n_out,
+                }
+                msgs += [body["choices"][0]["message"], {"role": "user", "content": "more"}]
+            assert (await http.post("/s/a/end", json={"reward": 0.25})).json() == {"ended": "a"}
+            await asyncio.gather(*rec.episodes)
+    finally:
+        await rec.server.stop()
+    (row,) = map(json.loads, rec.out.getvalue().splitlines())
+    assert row["status"] == "completed" and row["reward"] == 0.25 and row["metadata"]["num_turns"] == 40
+    assert row["metadata"]["env_infos"][0]["request"] == {"model": "m", "user": "u1"}
+
+
+async def test_an_episode_that_fails_before_reset_answers_its_agent(tiny_tokenizer):
+    """(The command refuses such configs up front; a failure before reset() must still not leave the agent's
+    request hanging and its session busy.)"""
+    rec = _recorder(tiny_tokenizer, TextEngine(tiny_tokenizer), tool_parser="bogus")
+    await rec.server.start()
+    try:
+        async with httpx.AsyncClient(base_url=rec.server.url, timeout=30) as http, asyncio.timeout(20):
+            r = await http.post("/s/b/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 409 and "bogus" in r.json()["error"]["message"], r.text
+            assert "b" not in rec.server.sessions
+    finally:
+        await rec.server.stop()
+    assert json.loads(rec.out.getvalue())["status"] == "failed"
+
+
+def test_proxy_command_refuses_flags_it_would_ignore_and_bad_configs_before_serving(tiny_ckpt, capsys):
+    from agentrl.cli import build_parser, main
+    from agentrl.proxy.external import ExternalSession
+
+    parser = build_parser()
+    for flag in (
+        ["--n-samples-per-prompt", "2"],
+        ["--input-key", "q"],
+        ["--label-key", "a"],
+        ["--rollout-concurrency", "4"],
+        ["--sandbox", "docker"],
+        ["--sandbox-image", "x"],
+        ["--role-engine-url", "x=http://127.0.0.1:9"],
+        ["--apply-chat-template"],
+        ["--rollout-seed", "1"],
+        ["--env-step-timeout", "5"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["proxy", *flag])
+        assert exc.value.code == 2, flag
+    from agentrl.config import RolloutConfig as RC
+    from agentrl.proxy.command import PROXY_FIELDS
+
+    for argv, turns in ((["proxy", "--max-turns", "40"], 40), (["proxy"], 32)):
+        args = parser.parse_args(argv)
+        assert RC(**{k: getattr(args, k) for k in PROXY_FIELDS}).turn_limit(ExternalSession.max_turns) == turns
+    base = ["proxy", "--hf-checkpoint", str(tiny_ckpt), "--engine-url", "http://127.0.0.1:9", "--port", "0"]
+    t0 = time.monotonic()
+    assert main([*base, "--tool-parser", "bogus"]) == 2
+    assert main([*base, "--history-rewrite-path", "no_such_module:fn"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown tool-call parser 'bogus'" in err and "--history-rewrite-path no_such_module:fn" in err, err
+    assert time.monotonic() - t0 < 10  # refused before any engine or server
+
+
+class Llama3Engine(ScriptedEngine):
+    """Writes its call in Llama 3's JSON format (``--tool-parser llama3_json``) after some text."""
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        done = "<tool_response>" in self.tok.decode(input_ids)
+        text = (
+            "The answer is 42." if done else 'Let me.<|python_tag|>{"name": "multiply", "parameters": {"a": 6, "b": 7}}'
+        )
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        return GenerateOutput(ids, [-0.25] * len(ids), "stop", self.tok.eos_token_id)
+
+
+async def echo_agent(base_url: str, task: dict) -> str:
+    """Sends the reply back as a JavaScript agent would: arguments re-serialised compactly, an explicit
+    refusal: null."""
+    client = _client(base_url)
+    msgs: list = [{"role": "user", "content": "What is 6 * 7?"}]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=MUL)
+    GOT[task["id"]] = [r.choices[0].message.model_dump()]
+    echoed = r.choices[0].message.model_dump()
+    for tc in echoed["tool_calls"] or []:
+        tc["function"]["arguments"] = json.dumps(json.loads(tc["function"]["arguments"]), separators=(",", ":"))
+    msgs.append(echoed)
+    msgs += [{"role": "tool", "tool_call_id": tc["id"], "content": "42"} for tc in echoed["tool_calls"] or []]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=MUL)
+    await client.close()
+    return r.choices[0].message.content
+
+
+Echo = ProxyEnv.define("Echo", agent=echo_agent, reward=lambda t, m, o: float(o == "The answer is 42."))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+async def test_a_compact_echo_is_one_segment_and_content_is_stripped_by_the_loops_parser(tiny_tokenizer, parser):
+    engine = ScriptedEngine(tiny_tokenizer) if parser == "hermes" else Llama3Engine(tiny_tokenizer)
+    config = RolloutConfig(max_turns=4, tool_parser=parser)
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=config)
+    samples, _ = await generate_rollout(ctx, Echo, [{"prompt": "", "id": parser}])
+    (s,) = samples
+    assert s.status == Status.COMPLETED and s.reward == 1.0, s.metadata.get("error")
+    assert "segment" not in s.metadata and not any(i.get("rewritten") for i in s.metadata["env_infos"])
+    (reply,) = GOT[parser]
+    assert reply["content"] == ("Let me multiply." if parser == "hermes" else "Let me."), reply
+    assert [tc["function"]["name"] for tc in reply["tool_calls"]] == ["multiply"]
+    assert reply["refusal"] is None
+
+
+def test_echoed_fields_and_unhonoured_parameters():
+    from pydantic import ValidationError
+
+    from agentrl.proxy import ChatRequest
+    from agentrl.proxy.requests import parse_request
+
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "refusal": "I cannot help with that."},
+        {"role": "user", "content": "y"},
+    ]
+    req, messages, _ = parse_request(json.dumps({"messages": msgs, "metadata": {"k": 1}, "store": False}).encode())
+    assert messages[1] == {"role": "assistant", "content": "I cannot help with that."}
+    assert req.record() == {"metadata": {"k": 1}, "store": False}
+    refused = parse_request(json.dumps({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}).encode())
+    assert refused.status == 422 and "refusal" in refused.message
+    with pytest.raises(ValidationError, match="parallel_tool_calls=False is not supported"):
+        ChatRequest.model_validate({"messages": msgs[:1], "parallel_tool_calls": False})
+    assert ChatRequest.model_validate({"messages": msgs[:1], "parallel_tool_calls": True}).parallel_tool_calls

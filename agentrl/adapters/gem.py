@@ -10,9 +10,16 @@ observation is one message (``tool`` when ``info["use_tool"]`` says a tool answe
 the assistant's replies are already in the conversation. ``info`` is made JSON-safe.
 
 **Seeds.** GEM seeds Python's and NumPy's *global* random generators in ``reset(seed)`` and its
-games draw from them in ``reset`` and ``step``. Episodes of a rollout run concurrently in worker
-threads, so each :class:`GemEnv` keeps its own generator states and swaps them in, under one lock,
-around every call into GEM: an episode's game depends on its seed only, whatever runs beside it.
+games draw from them, in ``reset`` (the game) and in a few games' ``step`` too (GEM 0.1.0's 2048
+places a tile, Minesweeper lays its mines at the first click). Episodes of a rollout run
+concurrently in worker threads, so each :class:`GemEnv` keeps its own generator states and swaps
+them in, under one process-wide lock, around the calls that draw: ``gem.make``, ``reset``, and
+``step`` only for games whose step draws (``step_draws``; by default the two above). Other steps
+run without the lock, so a long step (running code, a container) never holds up other episodes;
+a game whose step draws but is not marked would take those draws from the process's generators
+(random, but not its seed's, and shuffling a concurrent reset's). A reset without a seed draws a
+fresh one (GEM would otherwise replay the same generator state every time): an episode's game
+depends on its seed only, whatever runs beside it.
 
 Its methods are synchronous on purpose (the SDK runs them in its worker threads, as for
 :class:`~agentrl.adapters.GymnasiumEnv`).
@@ -21,7 +28,9 @@ Its methods are synchronous on purpose (the SDK runs them in its worker threads,
 from __future__ import annotations
 
 import difflib
+import functools
 import random
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +41,11 @@ from agentrl.adapters.gymnasium import format_observation, json_safe
 from agentrl.env import Env, StepResult
 from agentrl.types import Action, Message
 
-_GLOBAL_RNG = threading.Lock()  # GEM's generators are process-wide: one call into GEM at a time
+_GLOBAL_RNG = threading.Lock()  # GEM's generators are process-wide: one drawing call at a time
+
+STEP_DRAWS = frozenset({"Game2048Env", "MinesweeperEnv"})
+"""GEM 0.1.0 env classes whose ``step`` draws from the global generators (measured: each game's
+random moves, the generators compared before and after); their steps run under the lock."""
 
 
 def _gem() -> Any:
@@ -52,7 +65,7 @@ def resolve_gem_id(env_id: str) -> None:
         close = difflib.get_close_matches(env_id, list(ENV_REGISTRY), n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise ValueError(
-            f"gem:{env_id}: GEM has no env {env_id!r}; {hint}(python -c 'import gem; gem.print_envs()' lists them; "
+            f"GEM has no env {env_id!r}; {hint}(python -c 'import gem; gem.print_envs()' lists them; "
             "register your own with gem.register(ID, 'module:Class'))"
         )
 
@@ -64,7 +77,9 @@ class GemEnv(Env):
     :func:`~agentrl.adapters.format_observation`); ``system_prompt`` starts the conversation;
     ``make_kwargs`` go to ``gem.make``. The env is made on the first ``reset`` and closed (when it
     has a ``close``) by :meth:`close`. ``reset`` seeds it with the task row's ``seed`` when present,
-    else the episode seed (GEM wants a non-negative int; None lets it draw one).
+    else the episode seed (GEM wants a non-negative int; None draws a fresh one). ``step_draws``
+    says whether the game's ``step`` draws random numbers (its steps then hold the lock, see the
+    module docstring); None: the games in :data:`STEP_DRAWS`.
     """
 
     def __init__(
@@ -73,6 +88,7 @@ class GemEnv(Env):
         *,
         render_observation: Callable[[Any], str] | None = None,
         system_prompt: str | None = None,
+        step_draws: bool | None = None,
         **make_kwargs: Any,
     ) -> None:
         if isinstance(env_id_or_env, str):
@@ -86,10 +102,11 @@ class GemEnv(Env):
         self.render_observation = render_observation or format_observation
         self.system_prompt = system_prompt
         self.make_kwargs = make_kwargs
+        self.step_draws = step_draws
         self._rng: tuple[Any, Any] | None = None  # this episode's (random, numpy) generator states
 
     def _in_own_rng(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call into GEM with this episode's generator states swapped in (see the module docstring)."""
+        """Call into GEM with this episode's generator states swapped in, under the lock (module docstring)."""
         with _GLOBAL_RNG:
             saved = random.getstate(), np.random.get_state()
             if self._rng is not None:
@@ -120,6 +137,8 @@ class GemEnv(Env):
             seed = int(task["seed"])
         if seed is not None and seed < 0:
             raise ValueError(f"GEM wants a seed >= 0, got {seed}")
+        if seed is None:  # a fresh game: the swapped-in state alone would replay the same one
+            seed = secrets.randbelow(2**31)
         if self.gem_env is None:
             self.gem_env = self._in_own_rng(_gem().make, self.env_id, **self.make_kwargs)
         obs, info = self._in_own_rng(self.gem_env.reset, seed=seed)
@@ -131,7 +150,11 @@ class GemEnv(Env):
     def step(self, action: Action) -> StepResult:  # type: ignore[override]
         if self.gem_env is None:
             raise RuntimeError("GemEnv.step() before reset()")
-        obs, reward, terminated, truncated, info = self._in_own_rng(self.gem_env.step, action.text)
+        draws = self.step_draws
+        if draws is None:
+            draws = type(getattr(self.gem_env, "unwrapped", self.gem_env)).__name__ in STEP_DRAWS
+        step = functools.partial(self._in_own_rng, self.gem_env.step) if draws else self.gem_env.step
+        obs, reward, terminated, truncated, info = step(action.text)
         info = dict(info or {})
         return [self._message(obs, info)], float(reward), bool(terminated), bool(truncated), json_safe(info)
 

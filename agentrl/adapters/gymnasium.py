@@ -68,10 +68,18 @@ def resolve_gym_id(env_id: str) -> Any:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
+            if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+                raise ImportError(
+                    f"no module named {exc.name!r}: install it, or run from the folder that holds "
+                    f"{module.replace('.', '/')}.py (it should register {name!r} with gymnasium.register)"
+                ) from None
             raise ImportError(
-                f"gym:{env_id}: no module named {exc.name!r}: install it, or run from the folder that holds "
-                f"{module.replace('.', '/')}.py (it should register {name!r} with gymnasium.register)"
+                f"importing {module!r} failed: no module named {exc.name!r} (a dependency of {module!r}: install it)"
             ) from None
+        except (Exception, SystemExit) as exc:
+            from agentrl.registry import import_failed
+
+            raise import_failed("", module, exc) from None
     try:
         return gym.spec(name)
     except gym.error.Error as exc:

@@ -50,11 +50,8 @@ import contextlib
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -64,13 +61,18 @@ from agentrl.adapters.openenv_actions import (
     ServedTool,
     ServerTool,
     action_mapping,
+    chat_prompt,
+    invalid_step,
     is_tool_call_schema,
     served_env,
     served_reset_data,
     served_result,
     served_step,
     tool_result_text,
+    validation_summary,
 )
+from agentrl.adapters.openenv_probe import SERVER_INFO as _server_info
+from agentrl.adapters.openenv_probe import probe_server, session_urls
 from agentrl.env import Env, StepResult
 from agentrl.parsing import format_tool_error
 from agentrl.tool import Tool, ToolError, find_tool
@@ -79,7 +81,6 @@ from agentrl.types import Action, Message, ToolCall
 log = logging.getLogger(__name__)
 
 _MAX_MESSAGE_BYTES = 100 * 1024 * 1024  # openenv's own client allows 100 MB (screenshots, DOM dumps)
-_server_info: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}  # base URL -> (action schema, /metadata)
 _BLANK = ("", "{}", "[]", "null", '""')
 _warned_parser: set[str] = set()  # servers whose tool_parser differed from a run's (warned once)
 
@@ -90,51 +91,6 @@ class OpenEnvError(RuntimeError):
 
 class _AtCapacity(Exception):
     pass
-
-
-def session_urls(base_url: str) -> tuple[str, str]:
-    """``(http_base, ws_url)`` for a server address; ``http(s)://`` and ``ws(s)://`` are both accepted."""
-    parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
-    schemes = {"http": ("http", "ws"), "https": ("https", "wss"), "ws": ("http", "ws"), "wss": ("https", "wss")}
-    if parts.scheme not in schemes or not parts.hostname:
-        raise ValueError(f"OpenEnv server address {base_url!r}: expected http://HOST:PORT (or https://, ws://, wss://)")
-    http, ws = schemes[parts.scheme]
-    path = parts.path.rstrip("/")
-    return urlunsplit((http, parts.netloc, path, "", "")), urlunsplit((ws, parts.netloc, path + "/ws", "", ""))
-
-
-def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """``GET /schema`` of the server, synchronously; a ValueError (one line, saying what to fix) when
-    it is unreachable or not an OpenEnv server (or a served agentrl env whose ``/metadata`` is broken).
-    ``load_env("openenv:URL")`` calls it, so a bad address is refused before any episode starts;
-    it also keeps the schema and ``/metadata`` for the envs built next in this process."""
-    http_url, _ = session_urls(base_url)
-    try:
-        with urllib.request.urlopen(f"{http_url}/schema", timeout=timeout) as resp:  # noqa: S310 (http(s) only)
-            schema = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(
-            f"{http_url} answered GET /schema with HTTP {exc.code}: it is not an OpenEnv server "
-            "(openenv-core's create_app serves /schema and /ws); check the address and port"
-        ) from None
-    except (OSError, TimeoutError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ValueError(
-            f"cannot reach the OpenEnv server at {http_url} ({reason}): start it "
-            "(uvicorn server.app:app --host 127.0.0.1 --port N) or fix the address"
-        ) from None
-    except ValueError:
-        raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
-    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
-        raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
-    metadata: Any = {}
-    with contextlib.suppress(OSError, TimeoutError, ValueError):  # optional in OpenEnv
-        with urllib.request.urlopen(f"{http_url}/metadata", timeout=timeout) as resp:  # noqa: S310
-            metadata = json.loads(resp.read())
-    metadata = metadata if isinstance(metadata, dict) else {}
-    served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
-    _server_info[http_url] = (schema["action"], metadata)
-    return schema
 
 
 def text_field(action_schema: dict[str, Any]) -> str:
@@ -149,10 +105,6 @@ def default_observation_text(observation: dict[str, Any]) -> str:
         (value,) = observation.values()
         return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return json.dumps(observation, ensure_ascii=False)
-
-
-def _invalid(why: str, reward: float = 0.0) -> StepResult:
-    return [{"role": "user", "content": f"Invalid action: {why}"}], reward, False, False, {"invalid_action": why}
 
 
 class OpenEnvEnv(Env):
@@ -236,11 +188,15 @@ class OpenEnvEnv(Env):
             await self._list_tools()
         messages: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         first = self._message(result)
-        if first["content"].strip() in _BLANK:
+        if first["content"].strip() in _BLANK and chat_prompt(task.get("prompt")):
+            messages.extend(dict(m) for m in task["prompt"])  # type: ignore[misc]
+        elif first["content"].strip() in _BLANK:
             first["content"] = self._blank_prompt(task, seed, metadata)
-        elif self._hint and self.system_prompt is None:
-            first["content"] += f"\n\n{self._hint}"
-        messages.append(first)
+            messages.append(first)
+        else:
+            if self._hint and self.system_prompt is None:
+                first["content"] += f"\n\n{self._hint}"
+            messages.append(first)
         return messages, {"observation": result.get("observation", {})}
 
     async def step(self, action: Action) -> StepResult:
@@ -254,10 +210,10 @@ class OpenEnvEnv(Env):
         try:
             payload = self.action_from_text(action.text)
         except InvalidAction as exc:
-            return _invalid(str(exc))
+            return invalid_step(str(exc))
         reply = await self._exchange({"type": "step", "data": payload}, "step")
         if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
-            return _invalid(_validation_summary(reply["data"]))
+            return invalid_step(validation_summary(reply["data"]))
         result = self._observation(reply, "step")
         reward = result.get("reward")
         info = {"observation": result.get("observation", {})}
@@ -352,7 +308,7 @@ class OpenEnvEnv(Env):
         data = {"type": "call_tool", "tool_name": name, "arguments": arguments}
         reply = await self._exchange({"type": "step", "data": data}, "step")
         if reply.get("type") == "error" and (reply.get("data") or {}).get("code") == "VALIDATION_ERROR":
-            return f"Error: {_validation_summary(reply['data'])}", True, 0.0, False, {}
+            return f"Error: {validation_summary(reply['data'])}", True, 0.0, False, {}
         result = self._observation(reply, "step")
         if self.served is not None:  # a served env counts a call_tool step as a turn and numbers its call
             from agentrl.rollout.episode import unique_call_ids
@@ -369,7 +325,7 @@ class OpenEnvEnv(Env):
             if self.text_ends_episode:
                 return [], 0.0, True, False, {"final_text": True}
             names = ", ".join(t.name for t in self.tools)
-            return _invalid(f"this environment is played with tool calls: call one of its tools ({names})")
+            return invalid_step(f"this environment is played with tool calls: call one of its tools ({names})")
         messages: list[Message] = []
         reward, done, observations = 0.0, False, []
         for call in action.tool_calls:
@@ -405,8 +361,9 @@ class OpenEnvEnv(Env):
         return {"role": "user", "content": text}
 
     def _blank_prompt(self, task: dict[str, Any], seed: int | None, metadata: dict[str, Any]) -> str:
-        """The first message when the env's observation is empty: the task's own prompt, or the env's
-        description (``/metadata``) and how to act."""
+        """The first message when the env's observation is empty: the task's own prompt (a list of chat
+        messages, verl's layout, is used as the first messages instead: :func:`_chat_prompt`), or the
+        env's description (``/metadata``) and how to act."""
         from agentrl.adapters import seed_prompt
 
         prompt = task.get("prompt")
@@ -522,17 +479,8 @@ class OpenEnvEnv(Env):
                 raise _AtCapacity(f"{data.get('active_sessions')}/{data.get('max_sessions')} sessions")
             detail = data.get("message", "no message")
             if data.get("errors"):
-                detail += f": {_validation_summary(data)}"
+                detail += f": {validation_summary(data)}"
             raise OpenEnvError(f"the OpenEnv server failed {what} ({data.get('code', 'UNKNOWN')}): {detail}")
         if reply.get("type") != "observation" or not isinstance(data.get("observation"), dict):
             raise OpenEnvError(f"the OpenEnv server answered {what} with {str(reply)[:200]}, expected an observation")
         return data
-
-
-def _validation_summary(data: dict[str, Any]) -> str:
-    """Pydantic's errors as one line a model can act on: ``word: String should have at most 1000 characters``."""
-    parts = []
-    for err in data.get("errors") or ():
-        where = ".".join(str(p) for p in err.get("loc", ())) or "action"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or str(data.get("message", "invalid action"))

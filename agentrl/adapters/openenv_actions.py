@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.adapters import InvalidAction
+from agentrl.env import StepResult
 from agentrl.tool import Tool, ToolResult
 from agentrl.types import Action, Message, ParseError, ToolCall
 
@@ -395,3 +396,31 @@ def served_step(action: Action, parser_name: str, turn: int, seen: set[str]) -> 
     unique_call_ids(items, turn, seen)
     mine: list[ToolCall | ParseError] = [*action.tool_calls, *action.errors]
     return payload, {item.id: own.id for item, own in zip(items, mine)}
+
+
+# -- small helpers of the openenv: adapter --------------------------------------------------------
+
+
+def invalid_step(why: str, reward: float = 0.0) -> StepResult:
+    """The step result of an action the model got wrong: it reads ``why``; the env is not stepped."""
+    return [{"role": "user", "content": f"Invalid action: {why}"}], reward, False, False, {"invalid_action": why}
+
+
+def chat_prompt(prompt: Any) -> bool:
+    """Whether a task's prompt is chat messages (verl's layout), each a dict with a role and string content."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    )
+
+
+def validation_summary(data: dict[str, Any]) -> str:
+    """Pydantic's errors as one line a model can act on: ``word: String should have at most 1000 characters``."""
+    parts = []
+    for err in data.get("errors") or ():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "action"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or str(data.get("message", "invalid action"))

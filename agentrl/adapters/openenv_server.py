@@ -23,10 +23,13 @@ that of openenv-core 0.3.0's ``create_app`` (without importing openenv, which ag
 Episodes. Each ``reset`` builds a fresh env from the factory (agentrl's rule: one env per episode)
 and closes the previous one; the env is closed when the episode ends, at the next reset, and when
 the client disconnects. ``reset`` data: ``seed`` and ``episode_id`` (OpenEnv's), and optionally the
-task row itself as the other keys (``prompt`` required then, ``label`` and the rest as the env
-reads them). Without a row the server picks one from its task list (``--prompt-data`` or the env's
-``tasks()``): row ``seed % len(tasks)``, or the next in turn when no seed is sent, so agentrl's
-``openenv:`` adapter (which sends ``{"seed": i}``) plays row ``i``, as an in-process run does.
+task row itself as the other keys (with a ``prompt``; ``label`` and the rest as the env reads
+them). Without a ``prompt`` the server picks the row from its task list (``--prompt-data`` or the
+env's ``tasks()``): row ``seed % len(tasks)``, or the next in turn when no seed is sent, so agentrl's
+``openenv:`` adapter (which sends ``{"seed": i}``) plays row ``i``, as an in-process run does; the
+other keys sent (reset options such as ``{"difficulty": "hard"}``, which OpenEnv clients send as
+reset keyword arguments and openenv-core's own server drops when its reset does not take them) are
+set on that row, so the env reads them where it reads the row's fields.
 
 The action is the assistant turn, ``{"text": str, "tool_calls": [OpenAI tool calls] | null}``:
 ``text`` is the only required string, so a client that knows nothing else (the ``openenv:``
@@ -104,25 +107,20 @@ class EnvServer:
         self.info: dict[str, Any] = {}
         self._next_task = itertools.count()
 
-    def task_for(self, seed: int | None, row: dict[str, Any]) -> dict[str, Any]:
-        """The task row a reset plays: the one it sent, else the server's row for its seed."""
-        if row:
-            if "prompt" not in row:
-                raise Failed(
-                    "VALIDATION_ERROR",
-                    f"reset data: a task row needs 'prompt' (got keys {sorted(row)}); or send only "
-                    "'seed' to play the server's task for it",
-                    errors=[{"loc": ["prompt"], "msg": "Field required", "type": "missing"}],
-                )
-            return {"label": None, **row}
+    def task_for(self, seed: int | None, extra: dict[str, Any]) -> dict[str, Any]:
+        """The task row a reset plays: the one it sent (``extra`` with a ``prompt``), else the server's
+        row for its seed with ``extra``'s keys (reset options, as OpenEnv clients send them) over it."""
+        if "prompt" in extra:
+            return {"label": None, **extra}
         if not self.tasks:
             raise Failed(
                 "VALIDATION_ERROR",
                 "this server has no task list (start it with --prompt-data FILE, or serve an env with tasks()): "
                 "send the task row in the reset data, e.g. {'seed': 0, 'prompt': ..., 'label': ...}",
+                errors=[{"loc": ["prompt"], "msg": "Field required", "type": "missing"}],
             )
         index = next(self._next_task) if seed is None else seed
-        return dict(self.tasks[index % len(self.tasks)])
+        return {**self.tasks[index % len(self.tasks)], **extra}
 
     async def describe(self) -> None:
         """Read the env's tools and limits from one instance (built, never reset, closed); once.

@@ -200,7 +200,9 @@ class Session:
         await self.end_episode()
         try:
             env = self.server.factory()
-        except Exception as exc:
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # SystemExit from user code too: this reset fails, not the session
             raise Failed("FACTORY_ERROR", f"building the env failed: {type(exc).__name__}: {exc}") from None
         timeout = getattr(env, "step_timeout", None) or self.server.step_timeout
         episode = Episode(env, req.episode_id or uuid.uuid4().hex, timeout, getattr(env, "max_turns", None))

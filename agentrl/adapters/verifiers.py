@@ -14,10 +14,14 @@ own ``score`` gives for a verifiers ``Trace`` of that conversation (every ``@vf.
 as ``vf eval`` would sum them). Running the harness instead would need a runtime box (the default
 is Prime's remote sandboxes) and would see the model only through an OpenAI API, so tokens would
 have to be re-recorded through a proxy; this way agentrl's own episode loop samples and records
-every token exactly, and the rubric is verifiers' own code. What this does not cover is refused
-when the spec loads, in one line: env classes other than the plain ``SingleAgentEnv``
-(multi-agent, user simulators, best-of-n), tasksets with tool servers (``toolsets``), and tasks
-that need a container or score with a runtime. For those agents, use agentrl's recording proxy.
+every token exactly, and the rubric is verifiers' own code. **The agent is one model reply** to
+the task's prompt: not the harness program ``vf eval`` runs (its default ``bash`` agent, or the
+taskset's own), so scores are comparable to ``vf eval`` only for tasksets answered in one reply.
+What this does not cover is refused when the spec loads, in one line: env classes other than the
+plain ``SingleAgentEnv`` (multi-agent, user simulators, best-of-n), tasksets that export their own
+``Harness`` (verifiers runs that program as the agent, so one reply would be a different agent),
+tasksets with tool servers (``toolsets``), and tasks that need a container or score with a
+runtime. For those agents, use agentrl's recording proxy.
 
 Task rows: ``tasks()`` lists the taskset's tasks (``{"prompt", "label": None, "vf_idx": i}``);
 ``--prompt-data`` rows without ``vf_idx`` are validated as the taskset's own task data (its
@@ -52,34 +56,53 @@ def _load(taskset_id: str) -> tuple[Any, list[Any]]:
     try:
         env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": taskset_id}}))
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
-        why = " ".join(str(exc).split())
-        raise ValueError(f"verifiers:{taskset_id}: {why}") from None
+        why = " ".join(str(exc).split())  # verifiers' own message, which names the taskset mostly
+        raise ValueError(why if repr(taskset_id) in why else f"taskset {taskset_id!r}: {why}") from None
     if type(env).__name__ != "SingleAgentEnv":
         raise ValueError(
-            f"verifiers:{taskset_id}: its env class {type(env).__name__} runs its own multi-agent episode; "
+            f"taskset {taskset_id!r}: its env class {type(env).__name__} runs its own multi-agent episode; "
             "only single-agent tasksets map onto an agentrl env (drive other agents through agentrl's proxy)"
+        )
+    harness = _own_harness(taskset_id)
+    if harness:
+        raise ValueError(
+            f"taskset {taskset_id!r}: it ships its own harness {harness} (the agent program `vf eval` runs on its "
+            "tasks); this adapter's agent is one model reply, so it would score a different agent: run that "
+            "program through agentrl's recording proxy instead"
         )
     taskset = env.taskset
     if type(taskset).toolsets(taskset.config):
         raise ValueError(
-            f"verifiers:{taskset_id}: the taskset serves tools (toolsets); this adapter offers none: "
+            f"taskset {taskset_id!r}: the taskset serves tools (toolsets); this adapter offers none: "
             "wrap its tools as agentrl Tools (agentrl.mcp_tools) in an agentrl env"
         )
     tasks = list(taskset if taskset.bounded else taskset.take(_TASK_LIMIT))
     if not tasks:
-        raise ValueError(f"verifiers:{taskset_id}: the taskset has no tasks")
+        raise ValueError(f"taskset {taskset_id!r}: the taskset has no tasks")
     _check_task(taskset_id, tasks[0])
     return env, tasks
 
 
+def _own_harness(taskset_id: str) -> str | None:
+    """The name of the ``Harness`` subclass the taskset's package exports (verifiers then runs it as the
+    agent), else None. Several exported is verifiers' own error; it is reported as such."""
+    from verifiers.v1.harness import Harness
+    from verifiers.v1.utils.loaders import import_taskset
+
+    module = import_taskset(taskset_id)  # already imported by load_environment: a dict lookup
+    exported = [getattr(module, name, None) for name in getattr(module, "__all__", None) or ()]
+    found = [c.__name__ for c in exported if isinstance(c, type) and issubclass(c, Harness) and c is not Harness]
+    return ", ".join(found) or None
+
+
 def _check_task(taskset_id: str, task: Any) -> None:
     if task.NEEDS_CONTAINER:
-        raise ValueError(f"verifiers:{taskset_id}: its tasks need a container runtime, which this adapter does not run")
+        raise ValueError(f"taskset {taskset_id!r}: its tasks need a container runtime, which this adapter does not run")
     for fn in task.hooks("reward"):
         param = inspect.signature(fn).parameters.get("runtime")
         if param is not None and param.default is inspect.Parameter.empty:
             raise ValueError(
-                f"verifiers:{taskset_id}: reward {fn.__name__!r} scores inside a runtime box, "
+                f"taskset {taskset_id!r}: reward {fn.__name__!r} scores inside a runtime box, "
                 "which this adapter does not run"
             )
 

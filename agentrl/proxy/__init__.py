@@ -19,11 +19,13 @@ A request's way through the package::
         server.Session / Call         queued on its session, held open until the turn is generated
     env.ProxyEnv.reset / step         the Call's messages as observations (deltas) or a rewrite
     episode loop                      generates the turn on the run's engines, records every token
-    env.ProxyEnv.step                 answers the Call: a ChatCompletion with tool_calls
+    env.ProxyEnv.step                 answers the Call: a ChatCompletion with tool_calls (replies.completion)
     agent                             runs its tools, sends the next request ... or finishes: reward()
+    replies.same_history              the next request read against the reply, as the agent re-serialised it
 
-``command`` is ``agentrl proxy`` (:mod:`agentrl.proxy.external`: sessions of agents started elsewhere,
-their samples appended to a JSONL file). Everything is imported on first use: importing this package
+An agent given as a command runs through :func:`~agentrl.proxy.process.run_command` (its own process
+group, killed when it exits). ``command`` is ``agentrl proxy`` (:mod:`agentrl.proxy.external`: sessions
+of agents started elsewhere, their samples appended to a JSONL file). Everything is imported on first use: importing this package
 costs nothing until a name is used.
 """
 

@@ -17,6 +17,8 @@ Control is inverted at the env boundary: the agent owns its loop, the episode lo
   ``segment``, ``num_segments``).
 - when the agent finishes (process exit, function return) ``reward(task, messages, output)`` scores
   the episode; a crash, a non-zero exit or ``agent_timeout`` fails the sample (``env_error``).
+  Between two requests the agent runs its tools, so each wait is bounded by ``agent_timeout`` (the
+  whole run's), not by the run's ``--env-step-timeout`` (:attr:`ProxyEnv.step_timeout`).
 - a turn cut off by the run's length limit ends the episode (``truncated``): the agent still gets that
   reply, truncated, with ``finish_reason`` ``"length"`` (:meth:`ProxyEnv.turn_cut_off`), and has
   ``end_grace`` seconds to finish; any later request of its session is refused (409).
@@ -27,44 +29,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
-import os
-import secrets
-import signal
-import time
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from agentrl.env import Env, maybe_await
-from agentrl.parsing import get_parser
+from agentrl.env import Env, call_env
+from agentrl.proxy.process import AgentError, run_command
+from agentrl.proxy.replies import completion, reply_content, same_history
 from agentrl.proxy.requests import Refusal
 from agentrl.proxy.server import Call, ProxyServer, Session, answer
 from agentrl.types import Action, Message
 
-__all__ = ["AgentError", "ProxyEnv", "completion", "run_command"]
+__all__ = ["REWARD_SECONDS", "AgentError", "ProxyEnv", "run_command"]
 
-
-class AgentError(RuntimeError):
-    """The agent program crashed, exited non-zero, timed out or broke the protocol: its sample fails."""
-
-
-def completion(call: Call, action: Action, message: Message) -> dict[str, Any]:
-    """The OpenAI ``ChatCompletion`` answering ``call`` with the assistant ``message``."""
-    calls = message.get("tool_calls") or []
-    finish = "length" if action.finish_reason == "length" else "tool_calls" if calls else "stop"
-    out: dict[str, Any] = {
-        "role": "assistant",
-        "content": message["content"] if not calls else message["content"] or None,
-    }
-    if calls:
-        out["tool_calls"] = calls
-    return {
-        "id": f"chatcmpl-{secrets.token_hex(12)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": call.request.model or "agentrl-policy",
-        "choices": [{"index": 0, "message": out, "finish_reason": finish, "logprobs": None}],
-    }
+REWARD_SECONDS = 60.0
+"""What :attr:`ProxyEnv.step_timeout` allows beyond ``agent_timeout``: time for ``reward()``."""
 
 
 class ProxyEnv(Env):
@@ -77,25 +56,51 @@ class ProxyEnv(Env):
     from functions. The episode ends when the agent finishes; ``max_turns`` (and the run's limits) end
     it earlier, and the agent's waiting request is then answered 409 (a turn the length limit cut off
     is answered with its truncated text, ``finish_reason`` ``"length"``).
+
+    A tool call the policy wrote but the parser could not read (broken JSON, a missing name) reaches the
+    agent as plain text: the reply's ``content`` is the whole turn, markup included, with no
+    ``tool_calls`` and ``finish_reason`` ``"stop"``, as an OpenAI model's answer without a call would.
+    The agent's own loop decides what that means (most treat it as the final answer); the sample keeps
+    the parse error (``Action.errors``, counted in ``metadata["parse_errors"]``), so the reward can
+    score it. OpenAI's API has no answer meaning "a call that did not parse".
     """
 
     command: Sequence[str] | None = None
     cwd: str | None = None
     agent_timeout: float = 600.0
-    """Seconds the whole agent run may take before its sample fails."""
+    """Seconds the whole agent run may take before its sample fails (``math.inf``: no limit)."""
     end_grace: float = 5.0
     """Seconds the agent may take to finish after a reply cut off by the length limit, before it is stopped."""
     max_turns: int | None = 32
+    template: Any = None
+    """The run's :class:`~agentrl.chat.ChatTemplate` when the env is given it (``agentrl proxy`` does):
+    then each reply's ``usage`` counts the request's rendered prompt; without it ``usage`` is None."""
+    _step_timeout: float | None = None
+
+    @property
+    def step_timeout(self) -> float | None:  # type: ignore[override]
+        """How long ``reset``/``step`` may wait for the agent: ``agent_timeout`` plus
+        :data:`REWARD_SECONDS` for ``reward()`` (unless set). Not the run's ``--env-step-timeout``: between
+        two requests the agent runs its tools, for as long as its whole run may take; its own deadline
+        (``agent_timeout``) ends every wait first, failing the sample with an error naming it."""
+        if self._step_timeout is not None:
+            return self._step_timeout
+        return self.agent_timeout + REWARD_SECONDS if math.isfinite(self.agent_timeout) else None
+
+    @step_timeout.setter
+    def step_timeout(self, value: float | None) -> None:
+        self._step_timeout = value
 
     async def run_agent(self, base_url: str, task: dict[str, Any]) -> Any:
         """Run the agent against ``base_url`` (an OpenAI ``base_url``) and return its final output."""
         if not self.command:
             raise NotImplementedError(f"{type(self).__name__}: set `command` or override run_agent()")
-        return await run_command(list(self.command), base_url, task, timeout=self.agent_timeout, cwd=self.cwd)
+        return await run_command(list(self.command), base_url, task, cwd=self.cwd)
 
     def reward(self, task: dict[str, Any], messages: list[Message], output: Any) -> float | Awaitable[float]:
         """Score a finished episode: the task row, the conversation as the agent last saw it (its last
-        request plus the final reply) and the agent's output (a command's stdout). Override this."""
+        request plus the final reply) and the agent's output (a command's stdout). Override this, sync
+        (run in a worker thread, so it may block) or ``async`` (run on the event loop: never block it)."""
         return 0.0
 
     @classmethod
@@ -140,7 +145,7 @@ class ProxyEnv(Env):
         self._convo = list(call.messages)
         return copy.deepcopy(call.messages), {
             "session": self._session.id,
-            "request": call.request.sampling_record(),
+            "request": call.request.record(),
         }
 
     async def open_session(self) -> tuple[ProxyServer, Session]:
@@ -153,18 +158,18 @@ class ProxyEnv(Env):
         return list(getattr(self, "_tools", []))
 
     async def step(self, action: Action) -> tuple[list[Message], float, bool, bool, dict]:
-        self._reply(action)
+        await self._reply(action)
         nxt = await self._next()
         if nxt is None:
             output = await self._finished()
-            reward = await maybe_await(self.reward(self.task, self._convo, output))
+            reward = await call_env(self.reward, self.task, self._convo, output)
             return [], float(reward), True, False, {"output": _short(output)}
         self._pending = nxt
         if nxt.tools != self._tools:
             raise AgentError("the agent changed its tools in mid-episode; the proxy records one tool set per episode")
-        info: dict[str, Any] = {"request": nxt.request.sampling_record()}
+        info: dict[str, Any] = {"request": nxt.request.record()}
         n = len(self._convo)
-        if len(nxt.messages) > n and nxt.messages[:n] == self._convo:
+        if len(nxt.messages) > n and same_history(nxt.messages[:n], self._convo):
             self._rewrite, obs = None, nxt.messages[n:]
         else:
             self._rewrite, obs, info["rewritten"] = list(nxt.messages), [], True
@@ -178,7 +183,7 @@ class ProxyEnv(Env):
         ``max_tokens``. The sample is ``truncated`` (``response_length``) whatever the agent does next.
         (``async``: it answers on the event loop, which a sync env method, run in a worker thread, must not.)"""
         if self._pending is not None:
-            self._reply(action)
+            await self._reply(action)
             self._cut_off = True
 
     async def rewrite_history(self, messages: list[Message]) -> list[Message] | None:
@@ -207,26 +212,33 @@ class ProxyEnv(Env):
     # -- helpers ----------------------------------------------------------------------------------
     def reply_message(self, action: Action) -> Message:
         """The assistant message the agent gets: the turn's text without the call markup (all of it
-        when a call could not be parsed) and its ``tool_calls``."""
+        when a call could not be parsed: see the class docstring) and its ``tool_calls``."""
         calls = [c.to_openai() for c in action.tool_calls]
-        content = action.text
-        if calls and not action.errors:
-            content = get_parser(self.tool_parser).parse(action.text)[0]
-        msg: Message = {"role": "assistant", "content": content}
+        msg: Message = {"role": "assistant", "content": reply_content(action, self.tool_parser)}
         if calls:
             msg["tool_calls"] = calls
         return msg
 
-    def _reply(self, action: Action) -> None:
+    async def prompt_tokens(self, call: Call) -> int | None:
+        """The request's rendered prompt in tokens (its reply's ``usage.prompt_tokens``), with the run's
+        chat template when the env has it (:attr:`template`), else None."""
+        if self.template is None:
+            return None
+        try:
+            return len((await asyncio.to_thread(self.template.prompt, call.messages, call.tools))[1])
+        except Exception:  # noqa: BLE001 - the loop renders the same messages and reports what fails
+            return None
+
+    async def _reply(self, action: Action) -> None:
         """Answer the waiting request with the turn; the conversation is now that request + the reply."""
         call, self._pending = self._pending, None
         assert call is not None, "a turn without a waiting request"
         message = self.reply_message(action)
-        answer(call, completion(call, action, message))
+        answer(call, completion(call.request, action, message, await self.prompt_tokens(call)))
         self._convo = list(call.messages) + [_normal(message)]
 
     async def _run(self, base_url: str) -> Any:
-        async with asyncio.timeout(self.agent_timeout):
+        async with asyncio.timeout(self.agent_timeout if math.isfinite(self.agent_timeout) else None):
             return await self.run_agent(base_url, self.task)
 
     async def _next(self) -> Call | None:
@@ -241,7 +253,7 @@ class ProxyEnv(Env):
 
     async def _finished(self) -> Any:
         if not self._agent.done():  # the session was ended (POST /s/ID/end): its body's output
-            return self._session.ended.result().get("output")
+            return self._session.ended.result().output
         exc = self._agent.exception()
         if isinstance(exc, TimeoutError):
             raise AgentError(f"the agent did not finish within agent_timeout={self.agent_timeout:g}s")
@@ -260,33 +272,3 @@ def _normal(message: Message) -> Message:
 def _short(value: Any, limit: int = 2000) -> Any:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-async def run_command(
-    argv: list[str], base_url: str, task: dict[str, Any], *, timeout: float, cwd: str | None = None
-) -> str:
-    """Run an agent program against ``base_url``; return its stdout. Non-zero exit: :class:`AgentError`."""
-    env = dict(os.environ)
-    task_json = json.dumps(task, ensure_ascii=False, default=str)
-    no_proxy = ",".join(x for x in (env.get("NO_PROXY"), "127.0.0.1", "localhost", "::1") if x)
-    env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY="agentrl-proxy", AGENTRL_TASK=task_json, NO_PROXY=no_proxy)
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,  # its own process group: killed with everything it started
-    )
-    try:
-        out, err = await proc.communicate(task_json.encode())
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-    if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip()[-1500:]
-        raise AgentError(f"the agent command exited with status {proc.returncode}: {tail}")
-    return out.decode(errors="replace").strip()

@@ -1,37 +1,54 @@
 """Agents started elsewhere (``agentrl proxy``): every session they open becomes an episode.
 
-The agent is not ours to start or stop: its first request to ``/s/ID/v1`` opens session ``ID`` and
-an episode for it (:class:`ExternalSession`), which ends when the agent posts ``/s/ID/end``, after
-``--idle-timeout`` seconds without a request, or at shutdown. :func:`serve` runs the endpoint and
-appends each ended episode's samples to the output file.
+The agent is not ours to start or stop: its first valid request to ``/s/ID/v1`` opens session ``ID``
+and an episode for it (:class:`ExternalSession`), which ends when the agent posts ``/s/ID/end``,
+after ``--idle-timeout`` seconds without a request, or at shutdown. :class:`Recorder` opens those
+episodes and appends each ended one's samples to the output file; :func:`serve` runs it all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import math
 import signal
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
-from agentrl.proxy.env import ProxyEnv
+from agentrl.proxy.env import REWARD_SECONDS, ProxyEnv
 from agentrl.proxy.server import Call, ProxyServer, Session
 from agentrl.types import Action, Message
 
-__all__ = ["ExternalSession", "serve"]
+__all__ = ["ExternalSession", "Recorder", "check_config", "serve"]
 
 
 class ExternalSession(ProxyEnv):
     """A session opened by an agent running elsewhere (``agentrl proxy``): the episode ends when the agent
     posts ``/s/ID/end`` (``{"reward": r, "output": ...}``, both optional), after ``idle_timeout`` seconds
-    without a request, or when the proxy shuts down (those two: ``truncated``, reward 0)."""
+    without a request, or when the proxy shuts down (those two: ``truncated``, reward 0). The run's
+    ``--max-turns`` alone caps its turns; nothing caps the session's whole length but the idle timeout."""
 
     end_grace = 0.0  # the agent is not ours to wait for: it gets its reply and runs on
+    max_turns = None  # --max-turns decides
+    agent_timeout = math.inf  # an agent that keeps talking keeps its session: idle_timeout ends a silent one
 
-    def __init__(self, server: ProxyServer, session: Session, idle_timeout: float):
+    def __init__(
+        self,
+        server: ProxyServer,
+        session: Session,
+        idle_timeout: float,
+        *,
+        tool_parser: str | None = None,
+        template: Any = None,
+    ):
         self._given = (server, session)
         self.idle_timeout = idle_timeout
-        self.step_timeout = idle_timeout + 60.0
+        self.step_timeout = idle_timeout + REWARD_SECONDS
+        if tool_parser is not None:
+            self.tool_parser = tool_parser  # the run's --tool-parser: what the loop parses with
+        self.template = template
 
     async def open_session(self) -> tuple[ProxyServer, Session]:
         return self._given
@@ -44,62 +61,88 @@ class ExternalSession(ProxyEnv):
             async with asyncio.timeout(self.idle_timeout):
                 return await super()._next()
         except TimeoutError:
-            if not self._session.ended.done():
-                self._session.ended.set_result({"reason": "idle"})
+            self._session.end(reason="idle")
             return None
 
     def reward(self, task: dict[str, Any], messages: list[Message], output: Any) -> float:
-        return float(self._session.ended.result().get("reward") or 0.0)
+        return float(self._session.ended.result().reward or 0.0)
 
     async def step(self, action: Action) -> tuple[list[Message], float, bool, bool, dict]:
         obs, reward, terminated, truncated, info = await super().step(action)
-        reason = self._session.ended.result().get("reason") if self._session.ended.done() else None
+        reason = self._session.end_reason
         if terminated and reason:
             info["end"] = reason
             return obs, reward, False, True, info
         return obs, reward, terminated, truncated, info
 
 
-def _writer(out: IO[str], episodes: set[asyncio.Task]) -> Any:
-    """The done-callback of an episode task: its samples appended to ``out``, one line on stderr each."""
+def check_config(cfg: Any) -> Callable[..., Any] | None:
+    """Refuse, before anything is served, a config every session's episode would fail on (an unknown
+    ``--tool-parser``, a ``--history-rewrite-path`` that does not load); return the loaded hook."""
+    from agentrl.parsing import get_parser
+    from agentrl.rollout.generate import check_rollout_features
 
-    def write(task: asyncio.Task) -> None:
-        episodes.discard(task)
-        if task.cancelled() or task.exception() is not None:
-            return
-        for s in task.result():
-            out.write(s.to_json() + "\n")
-            session = s.metadata.get("task", {}).get("session")
-            print(f"session {session}: {s.status.value}, reward {s.reward}", file=sys.stderr, flush=True)
-        out.flush()
-
-    return write
+    get_parser(cfg.tool_parser or ExternalSession.tool_parser)
+    return check_rollout_features(cfg, ExternalSession)
 
 
-async def serve(args: Any, cfg: Any, urls: list[str], tokenizer: Any, template_src: str | None) -> None:
-    """Serve ``--host``/``--port`` until SIGINT/SIGTERM; then end the open sessions (``truncated``),
-    wait for their episodes and append everything to ``--output``."""
-    from agentrl.cli import _context
-    from agentrl.rollout.episode import run_episode
+class Recorder:
+    """The server of ``agentrl proxy`` and its episodes: a valid request for a new session id opens the
+    session and runs an :class:`ExternalSession` episode on ``ctx``; when the episode ends, in any way,
+    the session is dropped (its waiting request answered 409, saying why) and its samples are appended
+    to ``out`` (one line on stderr each)."""
 
-    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
-    episodes: set[asyncio.Task] = set()
-    counter = itertools.count()
-    out = open(args.output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the last episode
-    write = _writer(out, episodes)
+    def __init__(self, ctx: Any, out: IO[str], idle_timeout: float, **server: Any):
+        self.ctx, self.out, self.idle_timeout = ctx, out, idle_timeout
+        self.server = ProxyServer(**server, on_new_session=self.new_session)
+        self.episodes: set[asyncio.Task] = set()
+        self._count = itertools.count()
 
-    def new_session(sid: str) -> Session:
-        session = server.open(sid)
-        env = ExternalSession(server, session, args.idle_timeout)
-        k = next(counter)
-        task = asyncio.create_task(
-            run_episode(ctx, lambda: env, {"prompt": "", "session": sid}, group_index=k, index=k)
+    def new_session(self, sid: str) -> Session:
+        """Open session ``sid`` and start its episode."""
+        from agentrl.rollout.episode import run_episode
+
+        session = self.server.open(sid, external=True)
+        cfg = self.ctx.config
+        env = ExternalSession(
+            self.server, session, self.idle_timeout, tool_parser=cfg.tool_parser, template=self.ctx.template
         )
-        episodes.add(task)
-        task.add_done_callback(write)
+        k = next(self._count)
+        task = asyncio.create_task(
+            run_episode(self.ctx, lambda: env, {"prompt": "", "session": sid}, group_index=k, index=k)
+        )
+        self.episodes.add(task)
+        task.add_done_callback(functools.partial(self._done, session))
         return session
 
-    server = ProxyServer(args.host, args.port, api_key=args.api_key, on_new_session=new_session)
+    def _done(self, session: Session, task: asyncio.Task) -> None:
+        self.episodes.discard(task)
+        samples = [] if task.cancelled() or task.exception() is not None else task.result()
+        why = "its episode was cancelled" if not samples else f"its episode ended {samples[-1].status.value}"
+        error = next((s.metadata["error"] for s in samples if s.metadata.get("error")), None)
+        if error:
+            why += f" ({str(error).strip().splitlines()[-1][:300]})"
+        self.server.drop(session, why)  # a no-op when the episode dropped it itself
+        for s in samples:
+            self.out.write(s.to_json() + "\n")
+            line = f"session {session.id}: {s.status.value} ({s.status_reason}), reward {s.reward}"
+            print(line + (f": {error.strip()[:300]}" if error else ""), file=sys.stderr, flush=True)
+        self.out.flush()
+
+
+async def serve(
+    args: Any, cfg: Any, urls: list[str], tokenizer: Any, template_src: str | None, hook: Any = None
+) -> None:
+    """Serve ``--host``/``--port`` until SIGINT/SIGTERM; then end the open sessions (``truncated``),
+    wait for their episodes and append everything to ``--output``. ``hook``: the loaded
+    ``--history-rewrite-path`` (:func:`check_config`)."""
+    from agentrl.cli import _context
+
+    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
+    ctx.history_rewrite = hook
+    out = open(args.output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the last episode
+    recorder = Recorder(ctx, out, args.idle_timeout, host=args.host, port=args.port, api_key=args.api_key)
+    server = recorder.server
     await server.start()
     print(f"agentrl proxy: OPENAI_BASE_URL={server.url}/s/<SESSION>/v1, samples to {args.output}", flush=True)
     stop = asyncio.Event()
@@ -109,9 +152,8 @@ async def serve(args: Any, cfg: Any, urls: list[str], tokenizer: Any, template_s
     try:
         await stop.wait()
         for session in list(server.sessions.values()):
-            if not session.ended.done():
-                session.ended.set_result({"reason": "shutdown"})
-        await asyncio.gather(*list(episodes), return_exceptions=True)
+            session.end(reason="shutdown")
+        await asyncio.gather(*list(recorder.episodes), return_exceptions=True)
     finally:
         await server.stop()
         out.close()

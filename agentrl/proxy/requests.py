@@ -2,15 +2,18 @@
 
 Bodies are validated with pydantic: a bad field is a 422 naming it (``messages.0.role: ...``), and
 parameters the proxy cannot honour (``n > 1``, ``stream``, ``stop``, ``logprobs``, a forced
-``tool_choice``, ...) are refused, not silently ignored, because an agent that asked for them would
-otherwise act on a reply it did not ask for. ``temperature``, ``top_p``, ``max_tokens`` and ``seed``
-are accepted and recorded (:meth:`ChatRequest.sampling_record`) but the run's sampling flags apply:
-the rollout log-probs must be those of the policy the trainer optimises.
+``tool_choice``, ``parallel_tool_calls: false``, ...) are refused, not silently ignored, because an
+agent that asked for them would otherwise act on a reply it did not ask for. ``temperature``,
+``top_p``, ``max_tokens`` and ``seed`` are accepted and recorded (:meth:`ChatRequest.record`) but the
+run's sampling flags apply: the rollout log-probs must be those of the policy the trainer optimises.
+``user``, ``metadata`` and ``store`` change nothing about the answer; they are recorded with the turn
+(the proxy stores nothing beyond the sample).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -18,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentrl.types import Message
 
-__all__ = ["ChatMessageIn", "ChatRequest", "Refusal", "parse_request", "validation_message"]
+__all__ = ["ChatMessageIn", "ChatRequest", "EndRequest", "Refusal", "parse_end", "parse_request", "validation_message"]
 
 Text = Annotated[str, Field(strict=True)]
 
@@ -56,12 +59,17 @@ class TextPart(_Strict):
     text: Text
 
 
-_ECHOED = ("refusal", "annotations", "audio", "function_call", "reasoning_content")
+_ECHOED = ("annotations", "audio", "function_call", "reasoning_content")
 """Keys an ``openai`` client echoes on assistant messages it got back; dropped when empty."""
 
 
 class ChatMessageIn(BaseModel):
-    """One request message (OpenAI's shape). ``developer`` is rendered as ``system``."""
+    """One request message (OpenAI's shape). ``developer`` is rendered as ``system``.
+
+    An assistant message's ``refusal`` (OpenAI's field for a declined answer; the proxy's replies say
+    ``null``) is rendered as its content when it has none, since chat templates know no such field, and
+    ignored beside content.
+    """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -69,6 +77,7 @@ class ChatMessageIn(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None
+    refusal: Text | None = None
 
     @field_validator("content")
     @classmethod
@@ -83,7 +92,9 @@ class ChatMessageIn(BaseModel):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        msg["content"] = self.content or ""
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message has no refusal (only assistant messages do)")
+        msg["content"] = self.content or self.refusal or ""
         if self.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         for key in ("name", "tool_call_id"):
@@ -143,11 +154,54 @@ class ChatRequest(_Strict):
     _n = _only("n", (None, 1), "the proxy records one sample per request")
     _stream = _only("stream", (None, False), "the proxy answers with one ChatCompletion")
     _lp = _only("logprobs", (None, False), "log-probs are recorded in the sample, not returned")
+    _ptc = _only(
+        "parallel_tool_calls",
+        (None, True),
+        "the policy may write several tool calls in one turn, and the proxy answers with the turn it generated",
+    )
 
-    def sampling_record(self) -> dict[str, Any]:
-        """What the request asked of sampling (recorded; the run's sampling flags apply)."""
-        keys = ("model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed")
+    def record(self) -> dict[str, Any]:
+        """What the request asked that the answer does not follow, kept with its turn (``env_infos``):
+        the sampling it asked for (the run's sampling flags apply), ``user``, ``metadata``, ``store``."""
+        keys = (
+            "model",
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "max_completion_tokens",
+            "seed",
+            "user",
+            "metadata",
+            "store",
+        )
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+class EndRequest(_Strict):
+    """The ``POST /s/ID/end`` body: the agent is done. ``reward``: the episode's (finite; only for a session of
+    ``agentrl proxy``); ``output``: the agent's final output (any JSON), what ``reward()`` gets as ``output``."""
+
+    reward: float | None = None
+    output: Any = None
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ValueError(f"must be a finite number, not {v!r}")
+        return v
+
+
+def parse_end(raw: bytes) -> EndRequest | Refusal:
+    """An ``/end`` body (empty: ``{}``) validated, or the refusal (400 not a JSON object, 422 naming the field)."""
+    body = json_object(raw, empty_ok=True)
+    if isinstance(body, Refusal):
+        return body
+    try:
+        return EndRequest.model_validate(body)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"] if exc.errors() else ()
+        return Refusal(422, validation_message(exc), ".".join(str(x) for x in loc) or None)
 
 
 def validation_message(exc: ValidationError) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.proxy.requests import ChatRequest, Refusal, json_object, parse_request
+from agentrl.proxy.requests import ChatRequest, EndRequest, Refusal, parse_end, parse_request
 from agentrl.types import Message
 
 __all__ = ["SESSION_HEADER", "Call", "ProxyServer", "Session", "answer"]
@@ -53,14 +53,26 @@ def answer(call: Call, result: dict[str, Any] | Refusal) -> None:
 class Session:
     """One agent's conversation: its requests queue here until the episode takes them.
 
-    ``ended`` resolves when the agent says it is done (``POST /s/{id}/end``, used by ``agentrl proxy``).
+    ``ended`` resolves when the agent says it is done (``POST /s/{id}/end``), with what it posted.
+    ``external``: the session of an agent started elsewhere (``agentrl proxy``), whose ``/end`` carries
+    the episode's reward; an env's own session scores the episode with the env's ``reward()``, so a
+    reward posted to it is refused.
     """
 
     id: str
+    external: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     busy: bool = False
     closed: bool = False
-    ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ended: asyncio.Future[EndRequest] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    end_reason: str | None = None
+    """Why it ended without its agent's ``/end`` (``"idle"``, ``"shutdown"``); None otherwise."""
+
+    def end(self, body: EndRequest | None = None, *, reason: str | None = None) -> None:
+        """Resolve :attr:`ended` (the first end counts): with the agent's ``/end`` body, or for ``reason``."""
+        if not self.ended.done():
+            self.end_reason = reason
+            self.ended.set_result(body if body is not None else EndRequest())
 
     def close(self, why: str) -> None:
         """Refuse whatever is queued or waiting, and every later request."""
@@ -86,9 +98,9 @@ class _EmbeddedServer:
 class ProxyServer:
     """The OpenAI-compatible endpoint, on ``host`` (loopback by default) and a free port.
 
-    ``on_new_session(id)``: what to do with a request for a session id not opened here (``agentrl
-    proxy`` starts an episode for it); without it such a request is a 404. ``api_key``: every request
-    must carry ``Authorization: Bearer KEY`` (set it when ``host`` is not loopback).
+    ``on_new_session(id)``: what to do with a valid request for a session id not opened here (``agentrl
+    proxy`` starts an episode for it); without it such a request is a 404. ``api_key``: every request,
+    on every route, must carry ``Authorization: Bearer KEY`` (set it when ``host`` is not loopback).
     """
 
     _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,16 +162,19 @@ class ProxyServer:
             self._server.should_exit = True
             await self._task
 
-    def open(self, session_id: str | None = None) -> Session:
-        """A new session (a random, unguessable id unless given)."""
+    def open(self, session_id: str | None = None, *, external: bool = False) -> Session:
+        """A new session (a random, unguessable id unless given); see :class:`Session` for ``external``."""
         sid = session_id or secrets.token_urlsafe(16)
         if sid in self.sessions or sid in self.ended:
             raise ValueError(f"session {sid!r} is already open or has ended")
-        self.sessions[sid] = session = Session(sid)
+        self.sessions[sid] = session = Session(sid, external=external)
         return session
 
     def drop(self, session: Session, why: str = "the episode ended") -> None:
-        """Close the session: what waits and every later request of it is refused (409, saying ``why``)."""
+        """Close the session: what waits and every later request of it is refused (409, saying ``why``).
+        A session already dropped keeps its first reason."""
+        if self.sessions.get(session.id) is not session:
+            return
         session.close(f"session {session.id!r} has ended: {why}; it takes no more requests")
         self.sessions.pop(session.id, None)
         self.ended[session.id] = why
@@ -178,17 +193,30 @@ class ProxyServer:
                 return JSONResponse(result.body(), status_code=result.status)
             return JSONResponse(result)
 
+        def denied(request: Any) -> JSONResponse | None:
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return reply(Refusal(401, "missing or wrong API key (Authorization: Bearer KEY)"))
+            return None
+
         async def chat(request: Any) -> JSONResponse:
+            if (refused := denied(request)) is not None:
+                return refused
             sid = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
             if not sid:
                 return reply(Refusal(400, f"name the session in the URL (/s/ID/v1) or the {SESSION_HEADER} header"))
-            return reply(await self.handle(sid, request.headers.get("authorization"), await request.body()))
+            return reply(await self.handle(sid, await request.body()))
 
         async def end(request: Any) -> JSONResponse:
+            if (refused := denied(request)) is not None:
+                return refused
             return reply(self.end(request.path_params["session_id"], await request.body()))
 
         async def models(request: Any) -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "agentrl-policy", "object": "model"}]})
+            if (refused := denied(request)) is not None:
+                return refused
+            return reply(
+                {"object": "list", "data": [{"id": "agentrl-policy", "object": "model", "owned_by": "agentrl"}]}
+            )
 
         app.router.add_route("/s/{session_id}/v1/chat/completions", chat, methods=["POST"])
         app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
@@ -197,32 +225,32 @@ class ProxyServer:
         return app
 
     def end(self, session_id: str, raw: bytes) -> dict[str, Any] | Refusal:
-        """``POST /s/ID/end`` with ``{"reward": R, "output": ...}`` (both optional): the agent is done."""
+        """``POST /s/ID/end`` with ``{"reward": R, "output": ...}`` (both optional; :class:`EndRequest`):
+        the agent is done. ``reward`` only for an external session (:class:`Session`)."""
         session = self.sessions.get(session_id)
         if session is None:
             return self._unknown(session_id)
-        body = json_object(raw, empty_ok=True)
+        body = parse_end(raw)
         if isinstance(body, Refusal):
             return body
-        reward = body.get("reward")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            return Refusal(422, f"reward: must be a number, not {reward!r}", "reward")
-        if not session.ended.done():
-            session.ended.set_result(body)
+        if body.reward is not None and not session.external:
+            why = "this session's episode is scored by its env's reward(); post a reward only to `agentrl proxy`"
+            return Refusal(422, f"reward: {why}", "reward")
+        session.end(body)
         return {"ended": session_id}
 
-    async def handle(self, session_id: str, auth: str | None, raw: bytes) -> dict[str, Any] | Refusal:
-        """One request: checked, queued on its session, answered when the episode has generated the turn."""
-        if self.api_key and auth != f"Bearer {self.api_key}":
-            return Refusal(401, "missing or wrong API key (Authorization: Bearer KEY)")
+    async def handle(self, session_id: str, raw: bytes) -> dict[str, Any] | Refusal:
+        """One request (its API key already checked): validated, queued on its session, answered when the
+        episode has generated the turn. An invalid body is refused before anything else happens: it
+        leaves its session as it was, and opens none (``on_new_session``)."""
+        parsed = parse_request(raw)
+        if isinstance(parsed, Refusal):
+            return parsed
         session = self.sessions.get(session_id)
         if session is None and self.on_new_session is not None and session_id not in self.ended:
             session = self.on_new_session(session_id)
         if session is None:
             return self._unknown(session_id)
-        parsed = parse_request(raw)
-        if isinstance(parsed, Refusal):
-            return parsed  # the session is left as it was
         if session.closed:
             return Refusal(409, f"session {session_id!r} has ended; it takes no more requests")
         if session.busy:

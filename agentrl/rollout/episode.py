@@ -411,14 +411,13 @@ async def _cut_off(
     sample: Sample,
     timeout: float,
 ) -> None:
-    """Hand a turn the length limit cut off to an env with a ``turn_cut_off(action)`` method (``step`` never
+    """Hand a turn the length limit cut off to an env that overrides :meth:`Env.turn_cut_off` (``step`` never
     sees such a turn): :class:`~agentrl.proxy.ProxyEnv`'s agent is waiting for it, as an OpenAI reply with
     ``finish_reason`` ``"length"``. The episode ends ``truncated`` either way."""
-    cut_off = getattr(env, "turn_cut_off", None)
-    if callable(cut_off):
+    if type(env).turn_cut_off is not Env.turn_cut_off:
         action = parse_turn(ctx, out, parser, turn, seen_ids)[0]
         with _env_clock(sample):
-            await _timed(call_env(cut_off, action, _executor=ctx.executor), timeout, "turn_cut_off()")
+            await _timed(call_env(env.turn_cut_off, action, _executor=ctx.executor), timeout, "turn_cut_off()")
 
 
 MAX_RESUMES = 16
@@ -599,13 +598,14 @@ async def _close_env(env: Env, meta: dict[str, Any], timeout: float, executor: E
 async def release_episode(env: Env, meta: dict[str, Any], timeout: float = 30.0) -> None:
     """After ``close``: give back what the episode held even if the env's ``close`` did not.
 
-    First the sandbox (:func:`release_sandbox`), then what the env's ``tools`` keep open: a toolset
-    with an async ``aclose`` (MCP tools' per-episode sessions, i.e. server processes) is closed, so a
-    plain :class:`~agentrl.env.Env` holding ``mcp_tools(...)`` leaves no server behind. Closing twice
-    is harmless. A failure (or ``aclose`` past ``timeout`` seconds) is recorded in ``meta["close_error"]``
-    and never raised: the episode's data is kept and the run goes on.
+    First what the env's ``tools`` keep open: a toolset with an async ``aclose`` (MCP tools'
+    per-episode sessions, i.e. server processes) is closed, so a plain :class:`~agentrl.env.Env`
+    holding ``mcp_tools(...)`` leaves no server behind; then the sandbox (:func:`release_sandbox`).
+    In that order because a sandboxed MCP server's transport is a session in the episode's sandbox:
+    it must close while the sandbox is still this episode's, not after the pool lent it to another.
+    Closing twice is harmless. A failure (or ``aclose`` past ``timeout`` seconds) is recorded in
+    ``meta["close_error"]`` and never raised: the episode's data is kept and the run goes on.
     """
-    await release_sandbox(env, meta)
     try:
         aclose = getattr(getattr(env, "tools", None), "aclose", None)
         if aclose is not None and inspect.iscoroutinefunction(aclose):
@@ -614,6 +614,8 @@ async def release_episode(env: Env, meta: dict[str, Any], timeout: float = 30.0)
         raise
     except BaseException as exc:  # the sessions are dropped anyway (their finalizer ends the servers)
         meta.setdefault("close_error", f"tools close: {type(exc).__name__}: {exc}")
+    finally:
+        await release_sandbox(env, meta)
 
 
 async def release_sandbox(env: Env, meta: dict[str, Any]) -> None:

@@ -1,0 +1,79 @@
+"""Reaching an OpenEnv server before any episode: its address checked, its ``/schema`` and ``/metadata`` read.
+
+Part of :mod:`agentrl.adapters.openenv` (kept apart to keep that file readable): ``load_env("openenv:URL")``
+calls :func:`probe_server` so a bad address or a server that is down is refused in one line, and
+the answers are kept (:data:`SERVER_INFO`) for the episodes built next in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from agentrl.adapters.openenv_actions import served_env
+
+SERVER_INFO: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+"""Per server base URL: its action schema and ``/metadata`` (read once per process)."""
+
+DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The probe's opener: never through ``HTTP_PROXY``, as the episodes' aiohttp sessions never are."""
+
+
+def session_urls(base_url: str) -> tuple[str, str]:
+    """``(http_base, ws_url)`` for a server address; ``http(s)://`` and ``ws(s)://`` are both accepted."""
+    parts = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+    schemes = {"http": ("http", "ws"), "https": ("https", "wss"), "ws": ("http", "ws"), "wss": ("https", "wss")}
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ValueError(f"OpenEnv server address {base_url!r}: expected http://HOST:PORT (or https://, ws://, wss://)")
+    try:
+        parts.port  # noqa: B018 (read for its check: a port that is not a number 0-65535 raises here)
+    except ValueError as exc:
+        raise ValueError(
+            f"OpenEnv server address {base_url!r}: bad port ({exc}): expected http://HOST:PORT, PORT a number"
+        ) from None
+    http_scheme, ws_scheme = schemes[parts.scheme]
+    path = parts.path.rstrip("/")
+    return (
+        urlunsplit((http_scheme, parts.netloc, path, "", "")),
+        urlunsplit((ws_scheme, parts.netloc, path + "/ws", "", "")),
+    )
+
+
+def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """``GET /schema`` of the server, synchronously; a ValueError (one line, saying what to fix) when
+    it is unreachable or not an OpenEnv server (or a served agentrl env whose ``/metadata`` is broken).
+    ``load_env("openenv:URL")`` calls it, so a bad address is refused before any episode starts;
+    it also keeps the schema and ``/metadata`` for the envs built next in this process. It goes to the
+    server directly, never through ``HTTP_PROXY`` (as the episodes do), so what it finds is what they find."""
+    http_url, _ = session_urls(base_url)
+    try:
+        with DIRECT_OPENER.open(f"{http_url}/schema", timeout=timeout) as resp:
+            schema = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"{http_url} answered GET /schema with HTTP {exc.code}: it is not an OpenEnv server "
+            "(openenv-core's create_app serves /schema and /ws); check the address and port"
+        ) from None
+    except (OSError, TimeoutError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ValueError(
+            f"cannot reach the OpenEnv server at {http_url} ({reason}): start it "
+            "(uvicorn server.app:app --host 127.0.0.1 --port N) or fix the address"
+        ) from None
+    except ValueError:
+        raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
+    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
+        raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
+    metadata: Any = {}
+    with contextlib.suppress(OSError, TimeoutError, ValueError, http.client.HTTPException):  # optional in OpenEnv
+        with DIRECT_OPENER.open(f"{http_url}/metadata", timeout=timeout) as resp:
+            metadata = json.loads(resp.read())
+    metadata = metadata if isinstance(metadata, dict) else {}
+    served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
+    SERVER_INFO[http_url] = (schema["action"], metadata)
+    return schema
