@@ -266,6 +266,23 @@ def test_schema_refs_and_enum_replies():
     assert action_mapping(optional_int)("pick 7 please") == {"n": 7}
     wrapped = {"$defs": {"D": {"type": "boolean"}}, "properties": {"ok": {"allOf": [{"$ref": "#/$defs/D"}]}}}
     assert action_mapping(wrapped)("Yes!") == {"ok": True}
+    with pytest.raises(InvalidAction, match="3.7 is not one"):  # not silently 3
+        action_mapping(optional_int)("3.7")
+    assert action_mapping(optional_int)("3.0") == {"n": 3}
+    for unclear in ("not true", "I don't think yes", "yes and no"):
+        with pytest.raises(InvalidAction, match="reply with yes or no"):
+            action_mapping(wrapped)(unclear)
+    tagged = {  # a Literal discriminator beside the enum: filled as is, the reply picks the direction
+        "$defs": {"Move": {"enum": ["UP", "DOWN"], "type": "string"}},
+        "properties": {"type": {"const": "move", "type": "string"}, "direction": {"$ref": "#/$defs/Move"}},
+        "required": ["type", "direction"],
+    }
+    assert action_mapping(tagged)("down") == {"type": "move", "direction": "DOWN"}
+    one_value_enum = {
+        "properties": {"kind": {"enum": ["say"]}, "text": {"type": "string"}},
+        "required": ["kind", "text"],
+    }
+    assert action_mapping(one_value_enum)("hello") == {"kind": "say", "text": "hello"}
     with pytest.raises(ValueError, match="cannot follow \\$ref '#/\\$defs/A'"):
         resolve({"$ref": "#/$defs/A"}, {"$defs": {"A": {"$ref": "#/$defs/A"}}})
     with pytest.raises(ValueError, match="points nowhere"):

@@ -37,7 +37,6 @@ from agentrl.tool import Tool, ToolResult
 from agentrl.types import Action, Message, ParseError, ToolCall
 
 _SHOWN = 80  # characters of a bad reply quoted back to the model
-_INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _BOOLEANS = {"true": True, "yes": True, "false": False, "no": False}
 
@@ -99,10 +98,13 @@ def parse_choice(values: list[Any], text: str) -> Any:
 
 
 def _parse_integer(text: str) -> int:
-    found = _INTEGER.search(text)
+    found = _NUMBER.search(text)
     if found is None:
         raise InvalidAction(f"reply with a whole number; {_quote(text)} contains none")
-    return int(found.group())
+    value = float(found.group())
+    if not value.is_integer():  # 3.7 is not 3: the model asked for something the field cannot hold
+        raise InvalidAction(f"reply with a whole number; {found.group()} is not one")
+    return int(value)
 
 
 def _parse_number(text: str) -> float:
@@ -113,8 +115,10 @@ def _parse_number(text: str) -> float:
 
 
 def _parse_boolean(text: str) -> bool:
-    words = {w for w in re.findall(r"[a-z]+", text.lower()) if w in _BOOLEANS}
-    if len({_BOOLEANS[w] for w in words}) != 1:
+    found = re.findall(r"[a-z]+", text.lower())
+    words = {w for w in found if w in _BOOLEANS}
+    negated = any(w in ("not", "never") for w in found) or "n't" in text.lower()
+    if len({_BOOLEANS[w] for w in words}) != 1 or negated:  # "not true" is no clear answer
         raise InvalidAction(f"reply with yes or no (true or false); {_quote(text)} is neither")
     return _BOOLEANS[words.pop()]
 
@@ -127,6 +131,7 @@ class ActionMapping:
     kind: str  # "string" | "enum" | "integer" | "number" | "boolean"
     values: tuple[Any, ...] = ()
     description: str = ""
+    fixed: tuple[tuple[str, Any], ...] = ()  # required single-value fields (a Literal discriminator), filled as is
 
     def __call__(self, text: str) -> dict[str, Any]:
         """The step's action fields for a reply; raises :class:`InvalidAction` for one that does not fit."""
@@ -137,7 +142,7 @@ class ActionMapping:
             "number": _parse_number,
             "boolean": _parse_boolean,
         }
-        return {self.field: parse[self.kind](text)}
+        return {**dict(self.fixed), self.field: parse[self.kind](text)}
 
     def hint(self) -> str | None:
         """What to reply, for the first observation (None for free text: the env's text says it)."""
@@ -164,21 +169,37 @@ def _kind(prop: dict[str, Any]) -> tuple[str, tuple[Any, ...]] | None:
     return None
 
 
+_NO_VALUE = object()
+
+
+def _single_value(prop: Any, root: dict[str, Any]) -> Any:
+    """The one value a field may take (``const``, a one-value enum: a ``Literal['move']`` tag), else a sentinel."""
+    if not isinstance(prop, dict):
+        return _NO_VALUE
+    prop = _non_null(resolve(prop, root), root)
+    if "const" in prop:
+        return prop["const"]
+    values = prop.get("enum")
+    return values[0] if isinstance(values, list) and len(values) == 1 else _NO_VALUE
+
+
 def action_mapping(action_schema: dict[str, Any]) -> ActionMapping:
     """The one field of an OpenEnv action schema that the model's reply fills (see the module docstring).
 
-    It is the only required field besides ``metadata`` or, with none required, the only field
-    besides ``metadata``; it must be a string, enum, integer, number or boolean (``$ref``\\ s and
+    It is the only required field besides ``metadata`` and fields with a single allowed value (a
+    ``Literal`` tag, filled in as is) or, with none required, the only such field; it must be a string, enum, integer, number or boolean (``$ref``\\ s and
     ``Optional`` followed). Anything else raises ValueError saying to pass ``action_from_text``.
     """
     props = action_schema.get("properties") or {}
     required = [k for k in action_schema.get("required", []) if k != "metadata"]
-    candidates = required if required else [k for k in props if k != "metadata"]
+    fixed = tuple((k, v) for k in required if (v := _single_value(props.get(k), action_schema)) is not _NO_VALUE)
+    required = [k for k in required if k not in dict(fixed)]
+    candidates = required if required else [k for k in props if k != "metadata" and k not in dict(fixed)]
     if len(candidates) == 1 and isinstance(props.get(candidates[0]), dict):
         prop = _non_null(resolve(props[candidates[0]], action_schema), action_schema)
         found = _kind(prop)
         if found is not None:
-            return ActionMapping(candidates[0], found[0], found[1], str(prop.get("description") or ""))
+            return ActionMapping(candidates[0], found[0], found[1], str(prop.get("description") or ""), fixed)
     raise ValueError(
         f"cannot tell which action field takes the model's text (fields {sorted(props)}, required "
         f"{required}): pass OpenEnvEnv(..., action_from_text=lambda text: {{'<field>': text, ...}})"
