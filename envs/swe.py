@@ -20,10 +20,11 @@ the ``failed`` tests, the source files that could not be carried over (``dropped
 Why the reward cannot be gamed from inside the sandbox:
 
 - Only the repository's *source files* are carried over: its ``.py`` files outside ``tests/`` that
-  are not ``test_*.py`` or ``conftest.py``, read back from the sandbox (a deleted file, a directory,
-  a planted symlink or a file over ``max_source_bytes`` is dropped, i.e. missing). Edited tests, a
-  new ``conftest.py`` or ``sitecustomize.py``, other new files and anything outside ``/scratch`` are
-  not used.
+  are not ``test_*.py`` or ``conftest.py``, read back from the sandbox. One time-limited run lists
+  which of them are regular files within ``max_source_bytes``; only those are read, so a deleted
+  file, a directory, a planted symlink, a FIFO (whose read would block) or a file too large is
+  dropped, i.e. missing. Edited tests, a new ``conftest.py`` or ``sitecustomize.py``, other new
+  files and anything outside ``/scratch`` are not used.
 - The sandbox is then reset (every process the model started is killed, ``/scratch`` and ``/tmp``
   are wiped) and gets a fresh copy of the pristine repository with those source files on top, plus
   a harness. The harness runs each hidden test's code (with ``python3 -I -B``) and prints its value
@@ -33,8 +34,13 @@ Why the reward cannot be gamed from inside the sandbox:
   patches the harness can only lose tests, since it would have to produce the right values, which is
   fixing the bug. No exit code or test-runner summary is trusted.
 
-This needs a sandbox that hides the host's files (docker, bubblewrap): the ``process`` fallback lets
-code read ``hidden_tests.json`` itself, and the env warns once when it runs there. Each scored test
+The hidden tests and the reference fix must be out of the sandbox's reach. The ``process`` backend
+lets code read the host's files, so the env refuses it. Bubblewrap binds the host's ``/usr``
+read-only, so an agentrl installed under ``/usr`` (``/usr/local/lib/python3.X/site-packages``, a
+system-wide pip install) ships ``envs/data/swe`` into the sandbox: at its first reset on each kind
+of sandbox the env checks from inside that no ``hidden_tests.json`` of ``data_dir`` is readable,
+and refuses the sample (:class:`~agentrl.sandbox.SandboxError` naming the fix: the docker backend,
+or agentrl installed outside ``/usr``, e.g. in a virtual environment) when one is. Each scored test
 gets ``case_timeout`` seconds, the whole run at most ``max_total_timeout``.
 
 Task rows: ``prompt`` (the issue), ``repo`` (the folder's name, kept in each sample's metadata) and
@@ -56,14 +62,14 @@ from typing import Any
 
 import agentrl
 from agentrl.envs.python_code import parse_results, same_value
-from agentrl.sandbox import Sandbox
+from agentrl.sandbox import Sandbox, SandboxError
 from agentrl.tools.bash import BashTool
 from agentrl.tools.files import read_file, write_file
 
 DATA = Path(__file__).resolve().parent / "data" / "swe"
 HARNESS_NAME = "_hidden_tests_harness.py"
 log = logging.getLogger(__name__)
-_warned_weak = False
+_HIDDEN_CHECKED: set[tuple[str, str]] = set()  # (sandbox isolation, data_dir) found not to see the hidden tests
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 HARNESS = r"""
@@ -211,12 +217,44 @@ def case_passed(result: tuple[str, Any] | None, case: dict[str, Any]) -> bool:
     return kind == "ok" and same_value(value, case["expected"])
 
 
-async def read_sources(sandbox: Sandbox, paths: tuple[str, ...], max_bytes: int) -> tuple[dict[str, bytes], list[str]]:
-    """The model's version of each source file, and the paths that could not be carried over."""
+LIST_REGULAR = r"""
+import json, os, stat, sys
+request = json.loads(sys.stdin.read())
+regular = []
+for path in request["paths"]:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        continue
+    if stat.S_ISREG(st.st_mode) and st.st_size <= request["max_bytes"]:
+        regular.append(path)
+print(json.dumps(regular))
+"""
+"""Run as ``python3 -I -S -c``: of ``{paths, max_bytes}`` on stdin, prints the regular files (no
+symlink, FIFO, device or directory) within the size limit, as a JSON list."""
+
+
+async def read_sources(
+    sandbox: Sandbox, paths: tuple[str, ...], max_bytes: int, timeout: float = 30.0
+) -> tuple[dict[str, bytes], list[str]]:
+    """The model's version of each source file, and the paths that could not be carried over.
+
+    One time-limited run lists the regular files first: reading a FIFO the model left in a source's
+    place would block past the step's time limit and drop the sample instead of scoring it. No
+    process of the model's survives its own run, so nothing swaps a file between listing and reading.
+    """
+    request = json.dumps({"paths": list(paths), "max_bytes": max_bytes})
+    listed = await sandbox.run(["python3", "-I", "-S", "-c", LIST_REGULAR], stdin=request, timeout=timeout)
+    try:
+        regular = set(json.loads(listed.stdout.strip().splitlines()[-1])) if listed.ok else set()
+    except (ValueError, IndexError):
+        regular = set()
     edited: dict[str, bytes] = {}
     dropped: list[str] = []
     for path in paths:
         try:
+            if path not in regular:
+                raise FileNotFoundError(path)
             data = await sandbox.read_file(path, max_bytes=max_bytes + 1)
         except (OSError, ValueError):  # deleted, a directory, a planted symlink, a fifo
             dropped.append(path)
@@ -228,15 +266,31 @@ async def read_sources(sandbox: Sandbox, paths: tuple[str, ...], max_bytes: int)
     return edited, dropped
 
 
-def _warn_if_weak(isolation: str) -> None:
-    global _warned_weak
-    if isolation.startswith("process") and not _warned_weak:
-        _warned_weak = True
-        log.warning(
-            "swe: the %r sandbox lets the repository's code read the host's files, including the hidden "
-            "tests in envs/data/swe; train with --sandbox docker or local (bubblewrap)",
-            isolation,
+async def check_hidden_tests_hidden(sandbox: Sandbox, data_dir: Path) -> None:
+    """Refuse (:class:`SandboxError`) a sandbox that can read ``data_dir``'s hidden tests (once per kind)."""
+    if sandbox.isolation.startswith("process"):
+        raise SandboxError(
+            f"swe: the {sandbox.isolation!r} sandbox lets the repository's code read the host's files, "
+            "including the hidden tests; use --sandbox docker or local (bubblewrap)"
         )
+    key = (sandbox.isolation, str(Path(data_dir).resolve()))
+    if key in _HIDDEN_CHECKED:
+        return
+    hidden = [str(p) for p in sorted(Path(key[1]).glob("*/hidden_tests.json"))]
+    probe = 'for f in "$@"; do if test -r "$f"; then echo "$f"; fi; done'
+    result = await sandbox.run(["sh", "-c", probe, "sh", *hidden], timeout=30.0)
+    if not result.ok:
+        raise SandboxError(
+            f"swe: could not check that the hidden tests are out of the sandbox's reach: {result.text()}"
+        )
+    if result.stdout.strip():
+        raise SandboxError(
+            f"swe: the {sandbox.isolation!r} sandbox can read the hidden tests ({result.stdout.split()[0]}): "
+            f"data_dir {key[1]} is under a host path it binds (bubblewrap binds /usr, e.g. a system-wide "
+            "install in /usr/local/lib/python3.X/site-packages); use --sandbox docker, or install agentrl "
+            "outside /usr (a virtual environment), or put data_dir elsewhere"
+        )
+    _HIDDEN_CHECKED.add(key)
 
 
 bash = BashTool(shell=("env", "PYTHONDONTWRITEBYTECODE=1", "bash", "-c"))
@@ -285,7 +339,7 @@ class SWE(agentrl.ToolEnv):
             sandbox = await self.sandbox()
             if held is not None:  # reset again on the same env: the last episode's files go
                 await sandbox.reset()
-            _warn_if_weak(sandbox.isolation)
+            await check_hidden_tests_hidden(sandbox, self.data_dir)
             await sandbox.write_files(self.repo.files)
         return messages, {"repo": self.repo.name}
 

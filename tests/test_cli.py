@@ -161,7 +161,7 @@ def test_bad_configuration_is_refused_before_work_starts(flags, message):
         (["--rollout-temperature", "1e400"], "--rollout-temperature must be a finite number"),  # was accepted
         (["--rollout-stop-token-ids", "-5"], "--rollout-stop-token-ids must be token ids"),  # was accepted
         (["--rollout-top-k", str(2**63)], "--rollout-top-k must be -1 (off) or in [1,"),  # killed the engine
-        (["--env", "nomod:Cls"], "--env nomod:Cls: No module named 'nomod'"),
+        (["--env", "nomod:Cls"], "--env nomod:Cls: 'nomod:Cls': no module named 'nomod'"),
         (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data /nonexistent.jsonl: "),
         (["--eval-prompt-data", "x", "/nonexistent.jsonl"], "--eval-prompt-data x /nonexistent.jsonl: "),
         (["--load", "FILE"], "is a file; pass the run folder"),  # started a fresh run

@@ -286,3 +286,59 @@ async def test_bubblewrap_fallback_scores_the_same():
         assert [r.reward for r in fixed] == [1.0, 1.0] and [r.reward for r in idle] == [0.0, 0.0]
     finally:
         await pool.close()
+
+
+async def test_a_fifo_in_a_sources_place_is_dropped_not_waited_on(env_cls):
+    """Reading a FIFO blocks; listed first, it is dropped and the final step scores at once (reward 0)."""
+    env = env_cls()
+    try:
+        await env.reset(options=TASKS["spans"])
+        text = call("bash", command="cd spans && rm intervals.py && mkfifo intervals.py && ls -l intervals.py")
+        _, calls, errors = get_parser("hermes").parse(text)
+        obs, *_ = await env.step(agentrl.Action(text=text, tool_calls=calls, errors=errors))
+        assert obs[0]["content"].startswith("p")  # a named pipe
+        t0 = asyncio.get_running_loop().time()
+        _, reward, done, _, info = await env.step(agentrl.Action(text="Fixed."))
+        assert asyncio.get_running_loop().time() - t0 < 20  # not the read's ~60 s
+        assert reward == 0.0 and done and info["dropped"] == ["spans/intervals.py"]
+    finally:
+        await env.close()
+
+
+@pytest.fixture
+def data_dir_under_usr(tmp_path):
+    """A copy of one task under /usr/local/share, which bubblewrap binds into its sandboxes."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    try:
+        root = Path(tempfile.mkdtemp(prefix="agentrl-swe-test-", dir="/usr/local/share"))
+    except OSError:
+        pytest.skip("/usr/local/share is not writable here")
+    root.chmod(0o755)  # as an installed package's folders are (mkdtemp's are private)
+    try:
+        shutil.copytree(DATA / "numerals", root / "numerals", ignore=shutil.ignore_patterns("__pycache__"))
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_sandbox_that_can_read_the_hidden_tests_is_refused(data_dir_under_usr, docker_image):
+    from agentrl.sandbox import SandboxError
+
+    task = {"prompt": "x", "repo": "numerals", "label": "numerals"}
+    for backend, readable in (("bubblewrap", True), ("docker", False), ("process", True)):
+        cls, pool = await make_env_cls(backend)
+        cls.data_dir = data_dir_under_usr
+        env = cls()
+        try:
+            if readable:
+                with pytest.raises(SandboxError, match="use --sandbox docker"):
+                    await env.reset(options=task)
+            else:
+                messages, info = await env.reset(options=task)
+                assert info == {"repo": "numerals"}
+        finally:
+            await env.close()
+            await pool.close()

@@ -82,6 +82,9 @@ def test_listing_and_schemas(server):
         "save",
         "die",
         "picture",
+        "mismatch",
+        "box",
+        "big",
     ]
     add = tools[0]
     assert add.description.startswith("Add two integers.")
@@ -242,6 +245,147 @@ async def test_a_failing_tools_close_is_recorded_not_raised():
     assert meta["close_error"] == "tools close: OSError: the server's pipe broke"
 
 
+# -- servers that misbehave, cancellation, several loops ------------------------------------------------
+
+SILENT = str(Path(__file__).parent / "mcp_servers" / "silent_server.py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_server_that_never_answers_fails_the_call_and_leaves_nothing(tmp_path):
+    """A server stuck before its handshake: getting its session (what a call does first) fails the
+    sample naming the timeout, per episode and shared; no server process survives, and the process
+    ends (the stuck child used to be leaked and hang it at exit)."""
+    (tmp_path / "silent").touch()
+    script = f"""
+import asyncio, sys
+from agentrl.mcp import MCPServerError, MCPServerSpec, close_shared_sessions
+from agentrl.mcp.sessions import Sessions, shared_sessions
+spec = MCPServerSpec(command=(sys.executable, {SILENT!r}, {str(tmp_path)!r}), connect_timeout=2.0)
+async def main():
+    for sessions in (Sessions(spec, False), shared_sessions(spec)):
+        try:
+            await sessions.get(None)
+        except MCPServerError as e:
+            print("ERROR", e)
+        await sessions.aclose()
+asyncio.run(main())
+print("RETURNED")
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=40, cwd=REPO)
+    finally:
+        pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")]
+        survivors = [pid for pid in pids if _alive(pid)]
+        for pid in survivors:
+            os.kill(pid, 9)
+    assert out.stdout.count("did not start: no answer within 2s (connect_timeout)") == 2, out.stdout + out.stderr
+    assert out.stdout.rstrip().endswith("RETURNED") and pids and survivors == []
+
+
+async def test_bad_arguments_and_bad_replies_are_the_models_to_read(server):
+    """A lone surrogate (valid JSON, not UTF-8) and a reply that breaks its own output schema are tool
+    errors; the session goes on. A long result is cut to what the model may read."""
+    from agentrl.mcp.connection import MAX_RESULT_CHARS
+
+    tools = mcp_tools(server).bind()
+    try:
+        bad = await _call(tools, "save", json.loads('{"name": "n.txt", "text": "caf\\ud800e"}'))
+        assert bad.is_error and "save: the arguments cannot be sent as JSON (UnicodeEncodeError" in bad.content
+        mismatch = await _call(tools, "mismatch")
+        assert (
+            mismatch.is_error and "mismatch: the server's reply was invalid: RuntimeError: Invalid" in mismatch.content
+        )
+        assert (await _call(tools, "add", {"a": 2, "b": 3})).content == "5"  # the same session, still alive
+        big = await _call(tools, "big", {"n": 200_000})
+        assert big.content.startswith("x" * MAX_RESULT_CHARS + "\n[... cut: the result had 200000 characters")
+        assert len(big.content) < MAX_RESULT_CHARS + 200 and big.metadata["truncated"]
+        assert (await _call(tools, "box", {"sandbox": "mine"})).content == "box mine"  # not agentrl's sandbox
+    finally:
+        await tools.aclose()
+
+
+async def test_closing_keeps_the_callers_cancellation():
+    """An episode cancelled while its server takes long to exit stays cancelled."""
+    slow_exit = ["/bin/sh", "-c", f"trap '' TERM; {sys.executable} {SERVER}; sleep 3"]
+    tools = mcp_tools(slow_exit).bind()
+    await tools.open()
+
+    async def episode():
+        await tools.aclose()
+        await asyncio.sleep(0)
+        return "returned"
+
+    task = asyncio.create_task(episode())
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_shared_sessions_serve_several_event_loops():
+    """Episodes on two threads (two loops) share a server without closing each other's session."""
+    import threading
+
+    from agentrl.mcp import close_shared_sessions
+
+    tools = mcp_tools(STDIO, shared=True, include=["slow"])
+    failures: dict[int, list[str]] = {}
+
+    def worker(k: int) -> None:
+        async def main() -> None:
+            failures[k] = []
+            for _ in range(3):
+                try:
+                    await _call(tools, "slow", {"seconds": 0.2})
+                except MCPServerError as e:
+                    failures[k].append(str(e))
+            await close_shared_sessions()
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == {0: [], 1: []}
+
+
+def test_listing_options_and_failures_are_handled_once(server):
+    one, two = mcp_tools(server, include="add"), mcp_tools(server, include=["add"])
+    assert [t.name for t in one] == ["add"]  # one str is one name, not letters
+    one[0].parameters["properties"]["a"]["type"] = "string"
+    assert two[0].parameters["properties"]["a"]["type"] == "integer"  # no toolset shares another's schema
+    with pytest.raises(ValueError, match="stderr"):
+        mcp_tools(MCPServerSpec(command=("python3", "x.py"), stderr="/tmp/x"), sandboxed=True)
+    dead = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(MCPServerError, match="did not start"):
+        mcp_tools(dead)
+    t0 = time.monotonic()
+    with pytest.raises(MCPServerError, match="not retried for 30s"):
+        mcp_tools(dead)  # not asked again: every env built meanwhile fails at once
+    assert time.monotonic() - t0 < 0.1
+
+
+async def test_an_episodes_tools_close_before_its_sandbox_goes_back():
+    from agentrl.rollout.episode import release_episode
+
+    order: list[str] = []
+
+    class Tools(list):
+        async def aclose(self):
+            order.append("tools")
+
+    class Held(PidEnv):
+        async def release_sandbox(self):
+            order.append("sandbox")
+
+    env = Held()
+    env.tools = Tools()
+    await release_episode(env, {})
+    assert order == ["tools", "sandbox"]
+
+
 # -- the server inside each episode's Docker sandbox --------------------------------------------------
 
 
@@ -323,11 +467,16 @@ def mcp_sandbox_image(docker_image, tmp_path_factory):
     return tag
 
 
+SANDBOXED_TOOLS = ["add", "read_note", "crash", "bump", "where", "save"]
+
+
 def _sandboxed_env(image: str) -> type[MCPToolEnv]:
     config = SandboxConfig(backend="docker", image=image, timeout=30.0)
 
     class SandboxedEnv(MCPToolEnv):
-        tools = mcp_tools(["python3", "/opt/demo_server.py"], sandboxed=True, sandbox_config=config)
+        tools = mcp_tools(
+            ["python3", "/opt/demo_server.py"], sandboxed=True, sandbox_config=config, include=SANDBOXED_TOOLS
+        )
         sandbox_pool = SandboxPool(lambda: create_sandbox(config), config)
 
         def reward(self, action):
@@ -343,7 +492,10 @@ async def _ps(sandbox) -> str:
 @pytest.mark.docker
 async def test_a_sandboxed_server_runs_in_the_episodes_container(mcp_sandbox_image):
     env_class = _sandboxed_env(mcp_sandbox_image)
-    assert [t.name for t in env_class.tools][:3] == ["add", "read_note", "crash"]  # listed in a sandbox
+    assert [t.name for t in env_class.tools] == SANDBOXED_TOOLS  # listed in a sandbox
+    config = SandboxConfig(backend="docker", image=mcp_sandbox_image, timeout=30.0)
+    with pytest.raises(ValueError, match=r"\['box'\] .* take an argument called 'sandbox'"):
+        mcp_tools(["python3", "/opt/demo_server.py"], sandboxed=True, sandbox_config=config)
     assert all(t.sandboxed for t in env_class.tools)
     a, b = env_class(), env_class()
     try:

@@ -20,7 +20,11 @@ from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
 from agentrl.sandbox.base import Session
 from agentrl.tool import ToolResult
 
-__all__ = ["Connection"]
+__all__ = ["MAX_RESULT_CHARS", "Connection"]
+
+MAX_RESULT_CHARS = 64 * 1024
+"""The most characters of a call's result the model reads; the rest is cut with a note saying so
+(a server that returns a whole file or page would otherwise fill the context window, or the memory)."""
 
 
 class Connection:
@@ -40,17 +44,27 @@ class Connection:
         return self.loop is loop and self.broken is None and not self._task.done()
 
     async def ready(self) -> None:
-        """Wait for the handshake (shielded: a caller's timeout does not abort a starting server)."""
+        """Wait for the handshake (shielded: a caller's timeout does not abort a starting server).
+
+        :meth:`_run` time-limits the handshake itself; the longer wait here only backs that up (a
+        transport that ignores cancellation), and then the task is cancelled, not left running.
+        """
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), self.spec.connect_timeout)
+            await asyncio.wait_for(asyncio.shield(self._ready), self.spec.connect_timeout + 10.0)
         except TimeoutError:
-            self._fail(f"no answer within {self.spec.connect_timeout:g}s")
+            self._fail(f"no answer within {self.spec.connect_timeout:g}s (connect_timeout)")
+            self._task.cancel()
             raise MCPServerError(f"MCP server {self.spec.describe()!r} did not start: {self.broken}") from None
 
     async def _run(self) -> None:
         try:
             async with contextlib.AsyncExitStack() as stack:
-                self.client = await _open_client(stack, self.spec, self.stream)
+                try:
+                    async with asyncio.timeout(self.spec.connect_timeout):
+                        self.client = await _open_client(stack, self.spec, self.stream)
+                except TimeoutError:  # the stack's exit ends the transport (the child process) before we return
+                    self._fail(f"no answer within {self.spec.connect_timeout:g}s (connect_timeout)")
+                    return
                 self._ready.set_result(None)
                 await self._stop.wait()
         except BaseException as e:  # the server failed (or the loop is shutting down: then re-raised)
@@ -74,14 +88,22 @@ class Connection:
                 self.loop.call_soon_threadsafe(self._stop.set)
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Close the session and wait for it (the child process is gone when this returns)."""
+        """Close the session and wait for it (the child process is gone when this returns).
+
+        A task that does not end within ``timeout`` seconds is cancelled. If the caller is cancelled
+        meanwhile, the task is cancelled too and the caller's cancellation goes on (never swallowed).
+        """
         self.stop()
         if asyncio.get_running_loop() is not self.loop:
             return  # another loop's: its task ends when that loop runs again or closes
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
-        if not self._task.done():
+        try:
+            await asyncio.wait([self._task], timeout=timeout)  # never raises the task's own outcome
+            if not self._task.done():
+                self._task.cancel()
+                await asyncio.wait([self._task], timeout=5.0)  # its cleanup ends the child process
+        except asyncio.CancelledError:
             self._task.cancel()
+            raise
 
     async def list_tools(self) -> Listing:
         out: list[tuple[str, str, dict[str, Any]]] = []
@@ -98,9 +120,9 @@ class Connection:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         result = await self._request(f"tools/call {name}", "call_tool", name, arguments)
-        if isinstance(result, ToolResult):
-            return result
-        return _to_result(result, self.spec.describe())
+        if not isinstance(result, ToolResult):
+            result = _to_result(result, self.spec.describe())
+        return _capped(result)
 
     async def _request(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Send one request; a JSON-RPC error becomes an error result, a dead server :class:`MCPServerError`."""
@@ -115,8 +137,13 @@ class Connection:
                 text = f"Error: {what.split(' ', 1)[-1]}: {e.error.message}"
                 return ToolResult(text, is_error=True, metadata={"error": "tool_error", "mcp_code": e.error.code})
             reason = f"the connection closed during {what}"
-        except Exception as e:  # a transport failure (the process died, the URL stopped answering) or a bad reply
-            reason = f"{what} failed: {_why(e)}"
+        except Exception as e:
+            if self.broken is None and not self._task.done() and not _transport_failed(e):
+                # the server answered, but wrongly (e.g. structured content its own output schema refuses):
+                # that tool is broken, not the session, and the model can try something else
+                text = f"Error: {what.split(' ', 1)[-1]}: the server's reply was invalid: {_why(e)}"
+                return ToolResult(text, is_error=True, metadata={"error": "tool_error"})
+            reason = f"{what} failed: {_why(e)}"  # the process died, the URL stopped answering
         self._fail(reason)
         raise MCPServerError(f"MCP server {self.spec.describe()!r}: {reason}")
 
@@ -190,6 +217,17 @@ async def _sandbox_transport(stream: Session) -> AsyncIterator[tuple[Any, Any]]:
                 await stream.kill()
 
 
+def _transport_failed(e: BaseException) -> bool:
+    """Whether an exception from the SDK means the transport is gone (not just one bad reply)."""
+    import anyio
+    import httpx
+
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    gone = (OSError, EOFError, anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)
+    return isinstance(e, (*gone, httpx.TransportError))
+
+
 def _why(e: BaseException) -> str:
     """``Type: message`` of the first real error inside (anyio wraps failures in exception groups)."""
     while isinstance(e, BaseExceptionGroup) and e.exceptions:
@@ -223,6 +261,18 @@ def _to_result(result: Any, server: str) -> ToolResult:
         metadata["error"] = "tool_error"
         return ToolResult(f"Error: {text or 'the tool failed and said nothing'}", is_error=True, metadata=metadata)
     return ToolResult(text, metadata=metadata)
+
+
+def _capped(result: ToolResult) -> ToolResult:
+    """The result with text the model can read: at most :data:`MAX_RESULT_CHARS`, valid UTF-8."""
+    text = result.content.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate becomes "?"
+    if len(text) > MAX_RESULT_CHARS:
+        note = f"\n[... cut: the result had {len(text)} characters; only the first {MAX_RESULT_CHARS} are shown]"
+        text = text[:MAX_RESULT_CHARS] + note
+        result.metadata["truncated"] = True
+        result.metadata.pop("structured_content", None)  # as large; the logs need not keep it either
+    result.content = text
+    return result
 
 
 def _content_text(content: Any) -> str:

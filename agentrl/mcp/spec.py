@@ -26,7 +26,8 @@ class MCPServerSpec:
     endpoint, sent ``headers`` (e.g. an ``Authorization``). ``protocol``: ``"legacy"`` (the
     ``initialize`` handshake: sessions keep state), ``"auto"`` (probe for the newest protocol), or a
     protocol version. ``connect_timeout`` bounds starting the server and the handshake. ``stderr``:
-    a file the server's stderr is appended to (default: discarded, since every episode may start one).
+    a file the server's stderr is appended to (default: discarded, since every episode may start one;
+    refused with ``mcp_tools(sandboxed=True)``, whose server's stderr stays in its sandbox).
     Frozen and hashable: the tool listing is cached per spec.
     """
 

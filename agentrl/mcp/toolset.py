@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import json
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, overload
 
 from agentrl.mcp.sessions import Sessions, shared_sessions
-from agentrl.mcp.spec import Listing, MCPServerSpec
+from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
 from agentrl.sandbox.base import Sandbox, SandboxConfig
-from agentrl.tool import Tool, ToolResult
+from agentrl.tool import Tool, ToolError, ToolResult
 
 __all__ = ["MCPTool", "MCPToolset", "mcp_tools"]
 
@@ -34,7 +37,14 @@ class MCPTool(Tool):
         self.sandboxed = server.sandboxed
 
     async def __call__(self, **arguments: Any) -> ToolResult:
-        sandbox = arguments.pop("sandbox", None)
+        sandbox = arguments.pop("sandbox", None) if self.sandboxed else None
+        try:  # what the transport could not send (a lone surrogate, NaN) would break the session
+            json.dumps(arguments, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
+            raise ToolError(
+                f"{self.name}: the arguments cannot be sent as JSON ({type(e).__name__}: {e}); "
+                "use valid UTF-8 text and finite numbers"
+            ) from None
         conn = await self.server.sessions.get(sandbox)
         return await conn.call(self.remote_name, arguments)
 
@@ -49,7 +59,8 @@ class _Server:
         self.timeout: float | None = options["timeout"]
         self.prefix: str = options["prefix"]
         self.sessions = shared_sessions(spec) if self.shared else Sessions(spec, self.sandboxed)
-        self.tools = [MCPTool(self, name, description, schema) for name, description, schema in listing]
+        # deep copies: the listing is cached for the process, and no toolset may change another's schema
+        self.tools = [MCPTool(self, n, d, copy.deepcopy(schema)) for n, d, schema in listing]
 
     def copy(self) -> _Server:
         """The same server with sessions of its own (the shared one stays shared)."""
@@ -147,7 +158,10 @@ def _members(tools: Sequence[Tool]) -> list[_Server | Tool]:
 
 
 _LISTINGS: dict[tuple[Any, ...], Listing] = {}
+_FAILED: dict[tuple[Any, ...], tuple[float, str]] = {}  # key -> (when, why): not retried for a while
 _LISTING_LOCK = threading.Lock()
+RETRY_FAILED_LISTING = 30.0
+"""Seconds a server whose listing failed is not asked again (each env built meanwhile fails at once)."""
 
 
 def mcp_tools(
@@ -171,18 +185,25 @@ def mcp_tools(
         timeout: seconds per call (None: the env's ``tool_timeout``); a call past it is an error the
             model reads.
         prefix: put before every tool name (two servers with the same tool names).
-        include: offer only these tools (the server's names); an unknown name is refused.
+        include: offer only these tools (the server's names; one str is one name); an unknown name is refused.
         sandbox_config: with ``sandboxed``, the sandbox the listing runs in (None: the process's,
             :func:`agentrl.sandbox.configure`); episodes use their env's sandbox pool.
 
     The listing (``tools/list``, every page) is fetched once per process and server and cached, so
     building envs stays cheap; a server that cannot be listed raises :class:`MCPServerError` here,
-    before any episode starts.
+    before any episode starts (and again, without asking it, for :data:`RETRY_FAILED_LISTING` seconds).
+    A sandboxed server's tool may not take an argument called ``sandbox`` (agentrl passes the sandbox
+    under that name), and a sandboxed server's stderr stays in the sandbox (``spec.stderr`` is refused).
     """
     spec = MCPServerSpec.of(server)
     if sandboxed and (not spec.command or spec.cwd is not None):
         raise ValueError(
             "mcp_tools(sandboxed=True) needs a stdio command without cwd (it runs in the sandbox's /scratch)"
+        )
+    if sandboxed and spec.stderr is not None:
+        raise ValueError(
+            "mcp_tools(sandboxed=True): MCPServerSpec.stderr names a host file; a sandboxed server's "
+            "stderr stays in its sandbox, so leave stderr unset"
         )
     if sandboxed and shared:
         raise ValueError("mcp_tools: a sandboxed server runs in each episode's sandbox, so it cannot be shared")
@@ -190,19 +211,43 @@ def mcp_tools(
         raise ValueError(f"mcp_tools timeout must be > 0 seconds or None, got {timeout!r}")
     if not isinstance(prefix, str):
         raise TypeError(f"mcp_tools prefix must be a str, got {type(prefix).__name__}")
-    key = (spec, sandboxed, repr(sandbox_config) if sandboxed else None)
-    with _LISTING_LOCK:
-        if key not in _LISTINGS:
-            _LISTINGS[key] = _in_thread(lambda: _list_tools(spec, sandboxed, sandbox_config))
-        listing = _LISTINGS[key]
+    listing = _listing(spec, sandboxed, sandbox_config)
+    if isinstance(include, str):
+        include = [include]
     if include is not None:
         known = [name for name, _, _ in listing]
         unknown = [n for n in include if n not in known]
         if unknown:
             raise ValueError(f"mcp_tools include: {unknown} are not tools of {spec.describe()!r} (it has {known})")
         listing = tuple(t for t in listing if t[0] in include)
+    taken = [name for name, _, schema in listing if "sandbox" in schema.get("properties", {})]
+    if sandboxed and taken:
+        raise ValueError(
+            f"mcp_tools(sandboxed=True): {taken} of {spec.describe()!r} take an argument called 'sandbox', the "
+            "name agentrl passes the episode's sandbox under; leave them out with include=, or run the server unsandboxed"
+        )
     options = {"sandboxed": sandboxed, "shared": shared, "timeout": timeout, "prefix": prefix}
     return MCPToolset([_Server(spec, listing, options)])
+
+
+def _listing(spec: MCPServerSpec, sandboxed: bool, config: SandboxConfig | None) -> Listing:
+    """The server's tools, cached per process; a failure is remembered for :data:`RETRY_FAILED_LISTING` s."""
+    key = (spec, sandboxed, repr(config) if sandboxed else None)
+    with _LISTING_LOCK:
+        if key in _LISTINGS:
+            return _LISTINGS[key]
+        failed = _FAILED.get(key)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_FAILED_LISTING:
+            ago = time.monotonic() - failed[0]
+            raise MCPServerError(f"{failed[1]} ({ago:.0f}s ago; not retried for {RETRY_FAILED_LISTING:g}s)")
+        try:
+            listing: Listing = _in_thread(lambda: _list_tools(spec, sandboxed, config))
+        except MCPServerError as e:
+            _FAILED[key] = (time.monotonic(), str(e))
+            raise
+        _FAILED.pop(key, None)
+        _LISTINGS[key] = listing
+        return listing
 
 
 def _in_thread(make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

@@ -19,6 +19,7 @@ from pathlib import Path
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.utilities.types import Image
+from mcp_types import CallToolResult, TextContent
 
 server = MCPServer("demo", log_level="ERROR")
 _counts: dict[str, int] = {}
@@ -93,6 +94,32 @@ def die() -> str:
 def picture() -> list:
     """A caption and a 4-byte PNG-typed image."""
     return ["a red dot", Image(data=base64.b64decode("iVBORw=="), format="png")]
+
+
+@server.tool()
+def mismatch() -> CallToolResult:
+    """A buggy tool: its structured content breaks the output schema it declares (set below)."""
+    return CallToolResult(content=[TextContent(type="text", text="oops")], structured_content={"n": "x"})
+
+
+# declared by hand, so the server publishes it without checking its own replies against it
+server._tool_manager.get_tool("mismatch").fn_metadata.output_schema = {  # type: ignore[union-attr]
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+}
+
+
+@server.tool()
+def box(sandbox: str) -> str:
+    """Echo an argument called ``sandbox`` (agentrl's name for the episode's sandbox, when sandboxed)."""
+    return f"box {sandbox}"
+
+
+@server.tool()
+def big(n: int) -> str:
+    """``n`` characters of text."""
+    return "x" * n
 
 
 if __name__ == "__main__":
