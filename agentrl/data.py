@@ -59,7 +59,7 @@ def _csv_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every cell as the text it holds, each row named by its line. Read here rather than through pandas
     (which ``datasets`` uses): its type inference turns ``007`` into 7 and a column with a gap into floats,
     and a label must stay what the file says."""
-    with open(p, encoding="utf-8", newline="") as f:
+    with open(p, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: Excel writes a BOM before the header
         reader = csv.reader(f)
         header = next(reader, None)
         if not header:

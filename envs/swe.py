@@ -242,13 +242,17 @@ async def read_sources(
     One time-limited run lists the regular files first: reading a FIFO the model left in a source's
     place would block past the step's time limit and drop the sample instead of scoring it. No
     process of the model's survives its own run, so nothing swaps a file between listing and reading.
+    A listing that fails (a timeout on a loaded machine) raises :class:`SandboxError`: the sample fails
+    rather than being scored 0 with every source missing.
     """
     request = json.dumps({"paths": list(paths), "max_bytes": max_bytes})
     listed = await sandbox.run(["python3", "-I", "-S", "-c", LIST_REGULAR], stdin=request, timeout=timeout)
-    try:
-        regular = set(json.loads(listed.stdout.strip().splitlines()[-1])) if listed.ok else set()
-    except (ValueError, IndexError):
-        regular = set()
+    try:  # the model cannot make this run fail (it lstat's given paths); a failure is the machine's
+        if not listed.ok:
+            raise ValueError(f"exit code {listed.exit_code}, timed out: {listed.timed_out}")
+        regular = set(json.loads(listed.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError) as exc:  # scoring every source as missing would record a false 0
+        raise SandboxError(f"swe: listing the model's source files failed ({exc}); the sample is not scored") from None
     edited: dict[str, bytes] = {}
     dropped: list[str] = []
     for path in paths:

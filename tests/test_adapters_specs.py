@@ -138,3 +138,36 @@ def test_probe_goes_to_the_server_directly_whatever_http_proxy_says(monkeypatch)
         assert probe_server(f"http://127.0.0.1:{server.server_address[1]}")["action"] == {"type": "object"}
     finally:
         server.shutdown()
+
+
+def test_a_metadata_answer_that_breaks_is_not_cached_as_no_metadata():
+    """A served agentrl env read once as a plain OpenEnv server (its /metadata timed out or broke) would
+    lose its tools for the rest of the process: such a probe fails and caches nothing; a 404 is 'none'."""
+    from agentrl.adapters.openenv_probe import SERVER_INFO, probe_server
+
+    answers = {"/metadata": (200, b"{not json")}
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code, body = answers.get(self.path, (200, json.dumps({"action": {"type": "object"}}).encode()))
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ValueError, match="/metadata did not answer"):
+            probe_server(url)
+        assert url not in SERVER_INFO
+        answers["/metadata"] = (404, b"")
+        probe_server(url)
+        assert SERVER_INFO[url][1] == {}
+    finally:
+        server.shutdown()
+        SERVER_INFO.pop(url, None)

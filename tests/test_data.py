@@ -148,6 +148,9 @@ def test_csv_cells_stay_as_written(tmp_path):
     path.write_text("question,answer\nq1,007\nq2,0.50\nq3,\nq4,42\nq5,N/A\n")
     tasks = load_tasks(path, input_key="question", label_key="answer")
     assert [t["label"] for t in tasks] == ["007", "0.50", "", "42", "N/A"]
+    excel = tmp_path / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte-order mark
+    excel.write_bytes("\ufeffquestion,answer\nq1,7\n".encode())
+    assert load_tasks(excel, input_key="question", label_key="answer")[0]["label"] == "7"
 
 
 def test_null_prompts_and_mistyped_label_keys_are_refused(tmp_path):

@@ -204,6 +204,9 @@ def test_served_results_are_checked_field_by_field():
             served_result({"observation": observation}, "step", {})
     with pytest.raises(ValueError, match="reward='1'"):
         served_result({"observation": {"messages": []}, "reward": "1"}, "step", {})
+    for broken in ({}, {"observation": None}, {"observation": [1]}):  # no KeyError/TypeError: the field named
+        with pytest.raises(ValueError, match="answered observation=.*not an object"):
+            served_result(broken, "reset", {})
 
 
 def test_a_broken_or_foreign_marker_is_refused_naming_the_field():

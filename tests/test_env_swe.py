@@ -305,6 +305,24 @@ async def test_a_fifo_in_a_sources_place_is_dropped_not_waited_on(env_cls):
         await env.close()
 
 
+async def test_a_listing_that_fails_fails_the_sample_instead_of_scoring_zero(env_cls):
+    """A listing run past its time limit (a loaded machine) must not read as 'every source deleted'."""
+    from agentrl.envs.swe import read_sources
+    from agentrl.sandbox import SandboxError
+
+    env = env_cls()
+    try:
+        await env.reset(options=TASKS["spans"])
+        sandbox = await env.sandbox()
+        paths = ("spans/intervals.py",)
+        edited, dropped = await read_sources(sandbox, paths, 1 << 20)
+        assert list(edited) == ["spans/intervals.py"] and dropped == []
+        with pytest.raises(SandboxError, match="listing the model's source files failed .*not scored"):
+            await read_sources(sandbox, paths, 1 << 20, timeout=0.001)
+    finally:
+        await env.close()
+
+
 @pytest.fixture
 def data_dir_under_usr(tmp_path):
     """A copy of one task under /usr/local/share, which bubblewrap binds into its sandboxes."""

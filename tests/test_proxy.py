@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -541,6 +542,8 @@ async def test_a_slow_tool_waits_as_long_as_agent_timeout_and_a_sync_reward_runs
     (s,) = samples
     assert s.status == Status.COMPLETED and s.reward == 1.0, s.metadata.get("error")
     assert SlowTool().step_timeout == 30.0 + 60.0  # agent_timeout, plus time for reward()
+    unlimited = type("Unlimited", (SlowTool,), {"agent_timeout": math.inf})
+    assert unlimited().step_timeout == math.inf  # not None: the loop would fall back to --env-step-timeout
     assert GOT["reward_thread"] == [False]  # a sync reward() runs in a worker thread
 
 
@@ -750,6 +753,9 @@ def test_echoed_fields_and_unhonoured_parameters():
     assert req.record() == {"metadata": {"k": 1}, "store": False}
     refused = parse_request(json.dumps({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}).encode())
     assert refused.status == 422 and "refusal" in refused.message
+    both = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure.", "refusal": "No."}]
+    refused = parse_request(json.dumps({"messages": both}).encode())
+    assert refused.status == 422 and "both content and a refusal" in refused.message
     with pytest.raises(ValidationError, match="parallel_tool_calls=False is not supported"):
         ChatRequest.model_validate({"messages": msgs[:1], "parallel_tool_calls": False})
     assert ChatRequest.model_validate({"messages": msgs[:1], "parallel_tool_calls": True}).parallel_tool_calls

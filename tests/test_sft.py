@@ -654,6 +654,8 @@ def test_env_tools_offered_only_after_reset_are_read_by_resetting_once(template)
     (s,), _ = conversation_samples([("f.jsonl:1", _row())], template, env_tools=tools)  # refused before the fix
     assert s.token_exact
     assert env_tool_schemas(Calculator, task, seed=7, timeout=5.0) == TOOLS  # declared up front: no reset
+    # no demonstration calls a tool: a tool-less env is not started just to learn it has none
+    assert env_tool_schemas(_ToolsAtReset, task, seed=7, timeout=5.0, reset_if_none=False) == []
 
     class Broken(_ToolsAtReset):
         async def reset(self, *, seed=None, options=None):

@@ -349,7 +349,9 @@ def served_result(
     ``terminated`` done without it. Raises ValueError naming the field that is wrong."""
     from agentrl.env import EnvContractError, check_messages
 
-    observation = result["observation"]
+    observation = result.get("observation") if isinstance(result, dict) else None
+    if not isinstance(observation, dict):
+        raise ValueError(f"the served env's {where} answered observation={observation!r:.100}, which is not an object")
     try:
         messages = check_messages(observation.get("messages"), f"the served env's {where} observation.messages")
     except EnvContractError as exc:

@@ -7,7 +7,6 @@ the answers are kept (:data:`SERVER_INFO`) for the episodes built next in this p
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import urllib.error
@@ -70,9 +69,14 @@ def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
     if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
         raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
     metadata: Any = {}
-    with contextlib.suppress(OSError, TimeoutError, ValueError, http.client.HTTPException):  # optional in OpenEnv
+    try:  # optional in OpenEnv (an HTTP error: none); a timeout or a broken answer is not "none"
         with DIRECT_OPENER.open(f"{http_url}/metadata", timeout=timeout) as resp:
             metadata = json.loads(resp.read())
+    except urllib.error.HTTPError:
+        metadata = {}
+    except (OSError, TimeoutError, http.client.HTTPException, ValueError) as exc:
+        # not cached: an agentrl-served env read as a plain OpenEnv server would lose its tools silently
+        raise ValueError(f"{http_url}/metadata did not answer ({getattr(exc, 'reason', exc)}); try again") from None
     metadata = metadata if isinstance(metadata, dict) else {}
     served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
     SERVER_INFO[http_url] = (schema["action"], metadata)

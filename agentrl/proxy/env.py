@@ -85,7 +85,8 @@ class ProxyEnv(Env):
         (``agent_timeout``) ends every wait first, failing the sample with an error naming it."""
         if self._step_timeout is not None:
             return self._step_timeout
-        return self.agent_timeout + REWARD_SECONDS if math.isfinite(self.agent_timeout) else None
+        # inf, not None: the loop reads None as "use --env-step-timeout", which would cut the agent off
+        return self.agent_timeout + REWARD_SECONDS if math.isfinite(self.agent_timeout) else math.inf
 
     @step_timeout.setter
     def step_timeout(self, value: float | None) -> None:

@@ -67,8 +67,8 @@ class ChatMessageIn(BaseModel):
     """One request message (OpenAI's shape). ``developer`` is rendered as ``system``.
 
     An assistant message's ``refusal`` (OpenAI's field for a declined answer; the proxy's replies say
-    ``null``) is rendered as its content when it has none, since chat templates know no such field, and
-    ignored beside content.
+    ``null``) is rendered as its content when it has none, since chat templates know no such field; a
+    message with both is refused.
     """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -94,6 +94,8 @@ class ChatMessageIn(BaseModel):
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
         if self.refusal is not None and self.role != "assistant":
             raise ValueError(f"a {self.role} message has no refusal (only assistant messages do)")
+        if self.refusal and self.content:  # a template renders one text: neither may be dropped silently
+            raise ValueError("an assistant message with both content and a refusal (the template renders one text)")
         msg["content"] = self.content or self.refusal or ""
         if self.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]

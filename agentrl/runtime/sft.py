@@ -53,8 +53,17 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
         env_tools = None
         if factory is not None:
             task = rows[0] if rows else demo_task(demo_rows[0][1] if demo_rows else {})
+            calls = any(
+                isinstance(m, dict) and m.get("tool_calls")
+                for _, row in demo_rows
+                for m in (row.get("messages") if isinstance(row.get("messages"), list) else [])
+            )
             env_tools = env_tool_schemas(
-                factory, task, seed=cfg.rollout.rollout_seed, timeout=cfg.rollout.env_step_timeout
+                factory,
+                task,
+                seed=cfg.rollout.rollout_seed,
+                timeout=cfg.rollout.env_step_timeout,
+                reset_if_none=calls,
             )
         samples, stats = demos.conversation_samples(
             demo_rows, template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
@@ -92,7 +101,9 @@ def demo_task(row: dict[str, Any]) -> dict[str, Any]:
     return {**extra, "prompt": prompt if isinstance(prompt, str) else "", "label": row.get("label")}
 
 
-def env_tool_schemas(factory: Callable[[], Any], task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
+def env_tool_schemas(
+    factory: Callable[[], Any], task: dict[str, Any], *, seed: int, timeout: float, reset_if_none: bool = True
+) -> list[dict]:
     """The OpenAI specs of the tools the env offers, which demonstrations render with, as its rollouts do.
 
     Most envs declare ``tools`` up front. Some learn them at ``reset`` (an MCP server behind the
@@ -100,10 +111,12 @@ def env_tool_schemas(factory: Callable[[], Any], task: dict[str, Any], *, seed: 
     with ``task`` and ``seed``, read and closed, as ``agentrl check`` first looks at an env. Without
     this every tool-call demonstration would be refused as calling a tool that is not offered. A
     reset that fails or outlasts ``timeout`` (``--env-step-timeout``) stops the load, naming the cause.
+    ``reset_if_none=False`` (no demonstration calls a tool) skips that reset: a chat env without tools
+    is never started just to learn it has none.
     """
     env = factory()
     tools = list(env.tool_schemas())
-    if tools:
+    if tools or not reset_if_none:
         return tools
     return asyncio.run(_tools_after_reset(env, task, seed=seed, timeout=timeout))
 
@@ -114,14 +127,18 @@ async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeo
     try:
         await asyncio.wait_for(env.reset(seed=seed, options=dict(task)), timeout)
         return list(env.tool_schemas())
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit from a user's env included: a message, not a silent exit
         kind = "timed out" if isinstance(exc, TimeoutError) else f"raised {type(exc).__name__}: {exc}"
         raise ValueError(
             f"reading the env's tools: it offers none before reset, and reset() with the first task {kind}"
         ) from None
     finally:
-        try:
+        try:  # a close that fails must not hide the tools read or the reset's own error
             await asyncio.wait_for(env.close(), timeout)
+        except (Exception, SystemExit) as exc:
+            print(
+                f"reading the env's tools: close() after the reset failed: {type(exc).__name__}: {exc}", file=sys.stderr
+            )
         finally:
             await close_default_pool()
 
