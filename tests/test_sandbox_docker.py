@@ -76,6 +76,18 @@ def test_image_is_idempotent_and_its_rootfs_deterministic(docker_image):
     digest = write_rootfs(Sink(), paths, "/usr/bin/python3.11")
     assert digest == sink.hexdigest() == image.labels["agentrl.rootfs.sha256"]  # same bytes as when it was built
     assert image.attrs["Config"]["User"] == f"{SANDBOX_UID}:{SANDBOX_UID}"
+    assert image.labels["agentrl.recipe"] == image_module.RECIPE
+
+
+def test_a_default_image_of_another_recipe_is_rebuilt(docker_image, tmp_path):
+    """An image an older agentrl built (another package list) must not pass for the current one."""
+    client = docker_client()
+    (tmp_path / "Dockerfile").write_text(f"FROM {DEFAULT_IMAGE}\nLABEL agentrl.recipe=older\n")
+    stale, _ = client.images.build(path=str(tmp_path), tag=DEFAULT_IMAGE, rm=True)
+    assert client.images.get(DEFAULT_IMAGE).labels["agentrl.recipe"] == "older"
+    assert ensure_image() == DEFAULT_IMAGE
+    rebuilt = client.images.get(DEFAULT_IMAGE)
+    assert rebuilt.id != stale.id and rebuilt.labels["agentrl.recipe"] == image_module.RECIPE
 
 
 def test_image_build_refuses_a_python_it_cannot_collect(docker_image, tmp_path):

@@ -67,6 +67,9 @@ SKIP_PREFIXES = tuple(
     for d in ("doc", "man", "info", "locale", "lintian", "bug", "menu", "bash-completion", "doc-base")
 )
 _ENV = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/scratch")
+RECIPE = hashlib.sha256(repr((PACKAGES, EXTRA_FILES, SKIP_PREFIXES, _ENV, SANDBOX_UID)).encode()).hexdigest()[:16]
+"""What the default image is made of, as its label ``agentrl.recipe``: an image an older agentrl built from
+another list of packages is rebuilt on first use instead of being used as if it were current."""
 _build_lock = threading.Lock()  # a pool's first sandboxes are created in parallel threads: build once
 
 
@@ -83,7 +86,7 @@ def ensure_image(name: str = DEFAULT_IMAGE) -> str:
     with ``docker build`` (see the module docstring) or use the default. Concurrent callers in
     one process wait for a single build.
     """
-    if _exists(name):
+    if _exists(name) and (name != DEFAULT_IMAGE or _recipe(name) == RECIPE):
         return name
     if name != DEFAULT_IMAGE:
         raise SandboxError(
@@ -91,7 +94,11 @@ def ensure_image(name: str = DEFAULT_IMAGE) -> str:
             f"`docker build -t {name} .` (FROM {DEFAULT_IMAGE}, made by `agentrl sandbox build`) or use the default"
         )
     with _build_lock:
-        return name if _exists(name) else build_image(name)
+        return name if _exists(name) and _recipe(name) == RECIPE else build_image(name)
+
+
+def _recipe(name: str) -> str | None:
+    return (_client().images.get(name).labels or {}).get("agentrl.recipe")
 
 
 def _exists(name: str) -> bool:
@@ -124,7 +131,7 @@ def build_image(name: str = DEFAULT_IMAGE, python: str = "/usr/bin/python3.11") 
             f"USER {SANDBOX_UID}:{SANDBOX_UID}",
             "WORKDIR /scratch",
             *(f"ENV {e}" for e in _ENV),
-            f"LABEL agentrl.rootfs.sha256={digest}",
+            f"LABEL agentrl.rootfs.sha256={digest} agentrl.recipe={RECIPE}",
         ]
         _client().api.import_image(src=tmp, repository=repo, tag=tag, changes=changes)
     log.info("sandbox image %s built in %.1f s", name, time.monotonic() - t0)
