@@ -78,7 +78,10 @@ class Action:
 
     ``text`` is the decoded turn without the end-of-turn token; ``tool_calls`` are the calls parsed
     from it; ``errors`` the calls that could not be parsed. ``token_ids`` are the exact ids the
-    engine sampled (including the stop token), for environments that want them.
+    engine sampled (including the stop token), for environments that want them. ``prompt_length``
+    is how many tokens the engine read before sampling the turn (the episode's ledger so far: what
+    an OpenAI server reports as ``usage.prompt_tokens``); None where no engine sampled the turn
+    (:func:`agentrl.rollout.scripted.play`).
     """
 
     text: str
@@ -86,6 +89,7 @@ class Action:
     errors: list[ParseError] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
+    prompt_length: int | None = None
 
     def as_message(self) -> Message:
         """This turn as an assistant chat message (text plus OpenAI-style tool_calls)."""

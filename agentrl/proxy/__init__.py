@@ -19,7 +19,8 @@ A request's way through the package::
         server.Session / Call         queued on its session, held open until the turn is generated
     env.ProxyEnv.reset / step         the Call's messages as observations (deltas) or a rewrite
     episode loop                      generates the turn on the run's engines, records every token
-    env.ProxyEnv.step                 answers the Call: a ChatCompletion with tool_calls (replies.completion)
+    env.ProxyEnv.step                 answers the Call: a ChatCompletion with tool_calls and usage
+                                      (replies.completion; server-sent events when stream: replies.Streamed)
     agent                             runs its tools, sends the next request ... or finishes: reward()
     replies.same_history              the next request read against the reply, as the agent re-serialised it
 

@@ -63,6 +63,11 @@ class ProxyEnv(Env):
     The agent's own loop decides what that means (most treat it as the final answer); the sample keeps
     the parse error (``Action.errors``, counted in ``metadata["parse_errors"]``), so the reward can
     score it. OpenAI's API has no answer meaning "a call that did not parse".
+
+    Every reply carries ``usage`` as the engine saw the turn (``prompt_tokens``: the tokens it read, the
+    request as the chat template rendered it into the episode's ledger; ``completion_tokens``: the tokens
+    it sampled), so agents that budget by usage (LangChain's ``usage_metadata``, the Agents SDK's
+    ``Usage``) read true counts. A request with ``stream: true`` gets the same reply as server-sent events.
     """
 
     command: Sequence[str] | None = None
@@ -72,9 +77,6 @@ class ProxyEnv(Env):
     end_grace: float = 5.0
     """Seconds the agent may take to finish after a reply cut off by the length limit, before it is stopped."""
     max_turns: int | None = 32
-    template: Any = None
-    """The run's :class:`~agentrl.chat.ChatTemplate` when the env is given it (``agentrl proxy`` does):
-    then each reply's ``usage`` counts the request's rendered prompt; without it ``usage`` is None."""
     _step_timeout: float | None = None
 
     @property
@@ -220,22 +222,12 @@ class ProxyEnv(Env):
             msg["tool_calls"] = calls
         return msg
 
-    async def prompt_tokens(self, call: Call) -> int | None:
-        """The request's rendered prompt in tokens (its reply's ``usage.prompt_tokens``), with the run's
-        chat template when the env has it (:attr:`template`), else None."""
-        if self.template is None:
-            return None
-        try:
-            return len((await asyncio.to_thread(self.template.prompt, call.messages, call.tools))[1])
-        except Exception:  # noqa: BLE001 - the loop renders the same messages and reports what fails
-            return None
-
     async def _reply(self, action: Action) -> None:
         """Answer the waiting request with the turn; the conversation is now that request + the reply."""
         call, self._pending = self._pending, None
         assert call is not None, "a turn without a waiting request"
         message = self.reply_message(action)
-        answer(call, completion(call.request, action, message, await self.prompt_tokens(call)))
+        answer(call, completion(call.request, action, message))
         self._convo = list(call.messages) + [_normal(message)]
 
     async def _run(self, base_url: str) -> Any:

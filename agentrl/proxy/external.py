@@ -41,14 +41,12 @@ class ExternalSession(ProxyEnv):
         idle_timeout: float,
         *,
         tool_parser: str | None = None,
-        template: Any = None,
     ):
         self._given = (server, session)
         self.idle_timeout = idle_timeout
         self.step_timeout = idle_timeout + REWARD_SECONDS
         if tool_parser is not None:
             self.tool_parser = tool_parser  # the run's --tool-parser: what the loop parses with
-        self.template = template
 
     async def open_session(self) -> tuple[ProxyServer, Session]:
         return self._given
@@ -104,9 +102,7 @@ class Recorder:
 
         session = self.server.open(sid, external=True)
         cfg = self.ctx.config
-        env = ExternalSession(
-            self.server, session, self.idle_timeout, tool_parser=cfg.tool_parser, template=self.ctx.template
-        )
+        env = ExternalSession(self.server, session, self.idle_timeout, tool_parser=cfg.tool_parser)
         k = next(self._count)
         task = asyncio.create_task(
             run_episode(self.ctx, lambda: env, {"prompt": "", "session": sid}, group_index=k, index=k)

@@ -1,4 +1,4 @@
-"""What the agent gets back (an OpenAI ``ChatCompletion``), and how its next request is read against it.
+"""What the agent gets back (an OpenAI ``ChatCompletion``, or its stream), and how its next request is read against it.
 
 The reply's ``content`` is the turn's text without the tool-call markup, stripped by the same format
 the episode loop parsed the calls with (:func:`reply_content`). The agent sends the reply back in
@@ -6,6 +6,10 @@ its next request, re-serialised by its own client: :func:`same_history` compares
 meaning (tool-call arguments as parsed JSON, absent/``None``/``""`` content alike), so an agent that
 writes JSON compactly (``JSON.stringify``, ``separators=(",", ":")``) still extends its episode
 instead of starting a new segment every turn.
+
+A request with ``stream: true`` (LangChain's ``astream`` and LangGraph's ``stream_mode="messages"``,
+the Agents SDK's ``run_streamed``) gets the same completion as server-sent events (:class:`Streamed`):
+the whole turn in one chunk, since the proxy answers only once the turn is generated and recorded.
 """
 
 from __future__ import annotations
@@ -13,23 +17,25 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from agentrl.parsing import PARSERS, get_parser
 from agentrl.proxy.requests import ChatRequest
 from agentrl.types import Action, Message
 
-__all__ = ["completion", "reply_content", "same_history"]
+__all__ = ["Streamed", "completion", "reply_content", "same_history"]
 
 
-def completion(
-    request: ChatRequest, action: Action, message: Message, prompt_tokens: int | None = None
-) -> dict[str, Any]:
+def completion(request: ChatRequest, action: Action, message: Message) -> dict[str, Any]:
     """The OpenAI ``ChatCompletion`` answering ``request`` with the assistant ``message``.
 
-    ``usage`` counts the turn's sampled tokens (``completion_tokens``) and the request's rendered prompt
-    (``prompt_tokens``); it is left out (``None``, as OpenAI's schema allows) when the prompt could not
-    be counted, rather than reported wrong.
+    ``usage`` is the turn as the engine saw it: ``prompt_tokens`` the tokens it read before sampling
+    (:attr:`Action.prompt_length <agentrl.types.Action>`: the episode's ledger, which is the request's
+    messages as the chat template rendered them, token-exact), ``completion_tokens`` the tokens it
+    sampled (stop token included). It is ``None`` (as OpenAI's schema allows) for a turn no engine
+    sampled (a scripted :func:`~agentrl.rollout.scripted.play`), rather than reported wrong.
     """
     calls = message.get("tool_calls") or []
     finish = "length" if action.finish_reason == "length" else "tool_calls" if calls else "stop"
@@ -41,9 +47,9 @@ def completion(
     if calls:
         out["tool_calls"] = calls
     usage = None
-    if prompt_tokens is not None:
-        n = len(action.token_ids)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if action.prompt_length is not None:
+        p, n = action.prompt_length, len(action.token_ids)
+        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
     return {
         "id": f"chatcmpl-{secrets.token_hex(12)}",
         "object": "chat.completion",
@@ -53,6 +59,41 @@ def completion(
         "choices": [{"index": 0, "message": out, "finish_reason": finish, "logprobs": None}],
         "usage": usage,
     }
+
+
+@dataclass
+class Streamed:
+    """A completion the agent asked to have streamed (``stream: true``), as OpenAI's server-sent events.
+
+    Chunks: the message (role, content, every tool call with its ``index``), then ``finish_reason``, then,
+    when ``include_usage`` (``stream_options``), a chunk with ``usage`` and no choices; then ``[DONE]``.
+    A client that joins the deltas gets exactly :attr:`completion`'s message, so its echo in the next
+    request extends the conversation as a non-streamed reply's does.
+    """
+
+    completion: dict[str, Any]
+    include_usage: bool = False
+
+    def events(self) -> Iterator[str]:
+        """The ``data: ...`` lines of the stream, each ending its event."""
+        c = self.completion
+        head = {k: c[k] for k in ("id", "created", "model", "system_fingerprint")}
+        head["object"] = "chat.completion.chunk"
+        extra = {"usage": None} if self.include_usage else {}
+        choice, message = c["choices"][0], c["choices"][0]["message"]
+        delta = {"role": "assistant", "content": message["content"], "refusal": None}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
+        for part, finish in ((delta, None), ({}, choice["finish_reason"])):
+            body = {"index": 0, "delta": part, "finish_reason": finish, "logprobs": None}
+            yield _event({**head, "choices": [body], **extra})
+        if self.include_usage and c.get("usage") is not None:
+            yield _event({**head, "choices": [], "usage": c["usage"]})
+        yield "data: [DONE]\n\n"
+
+
+def _event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
 def reply_content(action: Action, parser: str) -> str:

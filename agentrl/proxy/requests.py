@@ -1,9 +1,11 @@
 """What an agent sends: the ``/v1/chat/completions`` body, validated, and the refusals it can earn.
 
 Bodies are validated with pydantic: a bad field is a 422 naming it (``messages.0.role: ...``), and
-parameters the proxy cannot honour (``n > 1``, ``stream``, ``stop``, ``logprobs``, a forced
-``tool_choice``, ``parallel_tool_calls: false``, ...) are refused, not silently ignored, because an
-agent that asked for them would otherwise act on a reply it did not ask for. ``temperature``,
+parameters the proxy cannot honour (``n > 1``, ``stop``, ``logprobs``, a forced ``tool_choice``,
+``parallel_tool_calls: false``, ...) are refused, not silently ignored, because an agent that asked
+for them would otherwise act on a reply it did not ask for. ``stream`` (with ``stream_options``
+``include_usage``) is honoured: the turn comes as server-sent events, in one chunk
+(:class:`~agentrl.proxy.replies.Streamed`), as LangChain's and the Agents SDK's streaming modes ask. ``temperature``,
 ``top_p``, ``max_tokens`` and ``seed`` are accepted and recorded (:meth:`ChatRequest.record`) but the
 run's sampling flags apply: the rollout log-probs must be those of the policy the trainer optimises.
 ``user``, ``metadata`` and ``store`` change nothing about the answer; they are recorded with the turn
@@ -17,11 +19,20 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrl.types import Message
 
-__all__ = ["ChatMessageIn", "ChatRequest", "EndRequest", "Refusal", "parse_end", "parse_request", "validation_message"]
+__all__ = [
+    "ChatMessageIn",
+    "ChatRequest",
+    "EndRequest",
+    "Refusal",
+    "StreamOptions",
+    "parse_end",
+    "parse_request",
+    "validation_message",
+]
 
 Text = Annotated[str, Field(strict=True)]
 
@@ -49,9 +60,14 @@ class ToolCallFunction(_Strict):
 
 
 class ToolCallIn(_Strict):
+    """A tool call echoed back in history. ``index`` is the position a streamed delta carried; clients
+    that build their turns from streamed chunks (verifiers' chat program) echo it, and it says nothing
+    the call's place in the list does not, so it is checked and dropped."""
+
     id: Text
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    index: int | None = Field(default=None, ge=0, exclude=True)
 
 
 class TextPart(_Strict):
@@ -117,6 +133,12 @@ class ToolSpec(_Strict):
     function: FunctionSpec
 
 
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds the usage chunk (:class:`~agentrl.proxy.replies.Streamed`)."""
+
+    include_usage: bool | None = None
+
+
 def _only(name: str, allowed: tuple[Any, ...], why: str) -> Any:
     """A validator refusing every value of ``name`` but ``allowed`` (refused, never silently ignored)."""
 
@@ -143,6 +165,7 @@ class ChatRequest(_Strict):
     seed: int | None = None
     n: int | None = None
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     stop: None = None
     logprobs: bool | None = None
     top_logprobs: None = None
@@ -154,13 +177,18 @@ class ChatRequest(_Strict):
     store: bool | None = None
 
     _n = _only("n", (None, 1), "the proxy records one sample per request")
-    _stream = _only("stream", (None, False), "the proxy answers with one ChatCompletion")
     _lp = _only("logprobs", (None, False), "log-probs are recorded in the sample, not returned")
     _ptc = _only(
         "parallel_tool_calls",
         (None, True),
         "the policy may write several tool calls in one turn, and the proxy answers with the turn it generated",
     )
+
+    @model_validator(mode="after")
+    def _streamed(self) -> ChatRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API says)")
+        return self
 
     def record(self) -> dict[str, Any]:
         """What the request asked that the answer does not follow, kept with its turn (``env_infos``):

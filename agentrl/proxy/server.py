@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.proxy.replies import Streamed
 from agentrl.proxy.requests import ChatRequest, EndRequest, Refusal, parse_end, parse_request
 from agentrl.types import Message
 
@@ -184,13 +185,15 @@ class ProxyServer:
     def app(self) -> Any:
         """The FastAPI app (plain Starlette routes: each handler reads the request itself)."""
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="agentrl recording proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def reply(result: dict[str, Any] | Refusal) -> JSONResponse:
+        def reply(result: dict[str, Any] | Refusal | Streamed) -> JSONResponse | StreamingResponse:
             if isinstance(result, Refusal):
                 return JSONResponse(result.body(), status_code=result.status)
+            if isinstance(result, Streamed):
+                return StreamingResponse(result.events(), media_type="text/event-stream")
             return JSONResponse(result)
 
         def denied(request: Any) -> JSONResponse | None:
@@ -198,7 +201,7 @@ class ProxyServer:
                 return reply(Refusal(401, "missing or wrong API key (Authorization: Bearer KEY)"))
             return None
 
-        async def chat(request: Any) -> JSONResponse:
+        async def chat(request: Any) -> JSONResponse | StreamingResponse:
             if (refused := denied(request)) is not None:
                 return refused
             sid = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
@@ -239,10 +242,11 @@ class ProxyServer:
         session.end(body)
         return {"ended": session_id}
 
-    async def handle(self, session_id: str, raw: bytes) -> dict[str, Any] | Refusal:
+    async def handle(self, session_id: str, raw: bytes) -> dict[str, Any] | Refusal | Streamed:
         """One request (its API key already checked): validated, queued on its session, answered when the
-        episode has generated the turn. An invalid body is refused before anything else happens: it
-        leaves its session as it was, and opens none (``on_new_session``)."""
+        episode has generated the turn (:class:`Streamed` when it asked for ``stream``; a refusal is
+        always a plain JSON error, as OpenAI's are). An invalid body is refused before anything else
+        happens: it leaves its session as it was, and opens none (``on_new_session``)."""
         parsed = parse_request(raw)
         if isinstance(parsed, Refusal):
             return parsed
@@ -259,9 +263,13 @@ class ProxyServer:
         session.busy = True
         session.queue.put_nowait(call)
         try:
-            return await call.reply
+            result = await call.reply
         finally:
             session.busy = False
+        if call.request.stream and not isinstance(result, Refusal):
+            options = call.request.stream_options
+            return Streamed(result, include_usage=bool(options and options.include_usage))
+        return result
 
     def _unknown(self, session_id: str) -> Refusal:
         why = self.ended.get(session_id)

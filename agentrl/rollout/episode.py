@@ -159,10 +159,17 @@ def _turn_text(ctx: EpisodeContext, out: GenerateOutput) -> tuple[str, str | Non
 
 
 def parse_turn(
-    ctx: EpisodeContext, out: GenerateOutput, parser: Any, turn: int, seen_ids: set[str]
+    ctx: EpisodeContext,
+    out: GenerateOutput,
+    parser: Any,
+    turn: int,
+    seen_ids: set[str],
+    *,
+    prompt_length: int | None = None,
 ) -> tuple[Action, Message, str | None]:
     """The turn as the env receives it (an :class:`Action` with the tool calls read from it, their ids
-    unique in the episode), the assistant message for the conversation, and the stop token's text."""
+    unique in the episode, and ``prompt_length``: the tokens the engine read before it), the assistant
+    message for the conversation, and the stop token's text."""
     text, last_token_text = _turn_text(ctx, out)
     chat = out.message is not None and bool(out.message.get("tool_calls"))
     if chat:
@@ -181,7 +188,12 @@ def parse_turn(
             ],
         }
     action = Action(
-        text=text, tool_calls=calls, errors=errors, token_ids=list(out.output_ids), finish_reason=out.finish_reason
+        text=text,
+        tool_calls=calls,
+        errors=errors,
+        token_ids=list(out.output_ids),
+        finish_reason=out.finish_reason,
+        prompt_length=prompt_length,
     )
     return action, (out.message if out.message is not None else action.as_message()), last_token_text
 
@@ -285,9 +297,10 @@ async def run_episode(
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
                 spent = whole is not None and len(ledger) - prompt_len >= whole
                 reason = "context_length" if hit_context else "response_budget" if spent else "response_length"
-                await _cut_off(ctx, env, out, parser, turn, seen_ids, sample, step_timeout)
+                await _cut_off(ctx, env, out, parser, turn, seen_ids, sample, step_timeout, len(ledger))
                 raise _EndEpisode(Status.TRUNCATED, reason)
-            action, message, last_token_text = parse_turn(ctx, out, parser, turn, seen_ids)
+            turn_prompt = len(ledger) - len(out.output_ids)  # what the engine read (usage.prompt_tokens)
+            action, message, last_token_text = parse_turn(ctx, out, parser, turn, seen_ids, prompt_length=turn_prompt)
             calls, errors = action.tool_calls, action.errors
             convo.append(message)
             meta["tool_calls"] += len(calls)
@@ -410,12 +423,14 @@ async def _cut_off(
     seen_ids: set[str],
     sample: Sample,
     timeout: float,
+    ledger_length: int,
 ) -> None:
     """Hand a turn the length limit cut off to an env that overrides :meth:`Env.turn_cut_off` (``step`` never
     sees such a turn): :class:`~agentrl.proxy.ProxyEnv`'s agent is waiting for it, as an OpenAI reply with
     ``finish_reason`` ``"length"``. The episode ends ``truncated`` either way."""
     if type(env).turn_cut_off is not Env.turn_cut_off:
-        action = parse_turn(ctx, out, parser, turn, seen_ids)[0]
+        prompt_length = ledger_length - len(out.output_ids)
+        action = parse_turn(ctx, out, parser, turn, seen_ids, prompt_length=prompt_length)[0]
         with _env_clock(sample):
             await _timed(call_env(env.turn_cut_off, action, _executor=ctx.executor), timeout, "turn_cut_off()")
 

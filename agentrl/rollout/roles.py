@@ -233,7 +233,10 @@ async def run_roles_episode(
                 raise end_episode(
                     Status.TRUNCATED, "context_length" if hit else "response_budget" if spent else "response_length"
                 )
-            action, message, seat.last_token_text = parse_turn(ctx, out, parser, turn, seat.seen_ids)
+            read = len(led) - len(out.output_ids)
+            action, message, seat.last_token_text = parse_turn(
+                ctx, out, parser, turn, seat.seen_ids, prompt_length=read
+            )
             calls, errors = action.tool_calls, action.errors
             seat.convo.append(message)
             s.metadata["tool_calls"] += len(calls)
