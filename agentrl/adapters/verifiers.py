@@ -7,21 +7,23 @@ and score a finished conversation with their ``@vf.reward`` methods (``Task.scor
 the model through an OpenAI-compatible interception server. ``verifiers:<taskset id>`` loads it
 through verifiers' own entry point, ``vf.load_environment(vf.resolve_env_config(...))``.
 
-**How it is driven, and why.** :class:`VerifiersEnv` maps the taskset onto agentrl's Env
-contract instead of running verifiers' harness: the task's ``system_prompt`` and ``prompt`` are
-the first observation, the model's reply is the assistant turn, and the reward is what the task's
-own ``score`` gives for a verifiers ``Trace`` of that conversation (every ``@vf.reward``, weighted,
-as ``vf eval`` would sum them). Running the harness instead would need a runtime box (the default
-is Prime's remote sandboxes) and would see the model only through an OpenAI API, so tokens would
-have to be re-recorded through a proxy; this way agentrl's own episode loop samples and records
-every token exactly, and the rubric is verifiers' own code. **The agent is one model reply** to
-the task's prompt: not the harness program ``vf eval`` runs (its default ``bash`` agent, or the
-taskset's own), so scores are comparable to ``vf eval`` only for tasksets answered in one reply.
-What this does not cover is refused when the spec loads, in one line: env classes other than the
-plain ``SingleAgentEnv`` (multi-agent, user simulators, best-of-n), tasksets that export their own
-``Harness`` (verifiers runs that program as the agent, so one reply would be a different agent),
-tasksets with tool servers (``toolsets``), and tasks that need a container or score with a
-runtime. For those agents, use agentrl's recording proxy.
+**Which path a spec takes, and why.** A plain taskset (the ``SingleAgentEnv``, no harness of its own,
+no tool servers, no task ``setup``/``finalize`` hooks, rewards that read only the conversation) is
+mapped onto agentrl's Env contract directly (:class:`VerifiersEnv`): the task's ``system_prompt`` and
+``prompt`` are the first observation, the model's reply is the assistant turn, and the reward is what
+the task's own ``score`` gives for a verifiers ``Trace`` of that conversation (every ``@vf.reward``,
+weighted, as ``vf eval`` sums them). That is what verifiers' tool-less ``null`` harness would do with
+such a task (one reply), with no harness process, interception server or proxy in between: agentrl's
+episode loop samples and records every token itself. Every other taskset (:func:`_needs_agent` says
+why, and the step's env says which class it is) takes the **agent path**
+(:mod:`agentrl.adapters.verifiers_agent`): verifiers runs its own rollout (harness program, tool
+servers, rubric) on the local subprocess runtime with its model client pointed at an agentrl
+recording-proxy session, and the reward is verifiers' own score of that rollout. What cannot run
+here is refused when the spec loads, in one line naming why and what to do: envs of several agents or
+rollouts (user simulators, best-of-n: their other roles would be recorded as the policy), tasks or harnesses that
+need a container or execute model-written code, roles that pin their own model endpoint, a chat
+harness program without ``uv`` or its packages, and a taskset that is not installed (verifiers
+downloads nothing at load: a hub id names an installed package).
 
 Task rows: ``tasks()`` lists the taskset's tasks (``{"prompt", "label": None, "vf_idx": i}``);
 ``--prompt-data`` rows without ``vf_idx`` are validated as the taskset's own task data (its
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, cast
 
 from agentrl.env import Env, StepResult
@@ -49,38 +52,85 @@ def _vf() -> Any:
     return vf
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A loaded taskset: the verifiers env, its tasks, and why one reply does not cover it (empty: it does)."""
+
+    env: Any
+    tasks: list[Any]
+    agent_reasons: tuple[str, ...]
+
+
 @functools.lru_cache(maxsize=16)
-def _load(taskset_id: str) -> tuple[Any, list[Any]]:
-    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process)."""
+def _load(taskset_id: str) -> Loaded:
+    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process), on the path that plays it."""
     vf = _vf()
     try:
         env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": taskset_id}}))
+        _check_single_agent(taskset_id, env)
+        tasks = _tasks(taskset_id, env)
+        reasons = _needs_agent(taskset_id, env, tasks[0])
+        if reasons:
+            from agentrl.adapters import verifiers_agent
+
+            config = verifiers_agent.agent_config(taskset_id, reasons)
+            verifiers_agent.check_tasks(taskset_id, tasks)
+            if {h.id for h in config.agent_harnesses().values()} & {"null", "bash"}:
+                why = verifiers_agent.use_host_interpreter()
+                if why:
+                    raise ValueError(f"taskset {taskset_id!r}: {why}")
+            env = vf.load_environment(config)
+            tasks = _tasks(taskset_id, env)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         why = " ".join(str(exc).split())  # verifiers' own message, which names the taskset mostly
         raise ValueError(why if repr(taskset_id) in why else f"taskset {taskset_id!r}: {why}") from None
-    if type(env).__name__ != "SingleAgentEnv":
+    return Loaded(env, tasks, tuple(reasons))
+
+
+def _check_single_agent(taskset_id: str, env: Any) -> None:
+    """Refuse envs of several agents or rollouts (user simulators, best-of-n, multi-agent): every model call
+    of an episode is recorded as the one policy's, so a simulated user's turns would be trained as the
+    policy's own and n rollouts would be scored as one."""
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
+
+    if not isinstance(env, SingleAgentEnv):
         raise ValueError(
-            f"taskset {taskset_id!r}: its env class {type(env).__name__} runs its own multi-agent episode; "
-            "only single-agent tasksets map onto an agentrl env (drive other agents through agentrl's proxy)"
+            f"taskset {taskset_id!r}: its env class {type(env).__name__} is not a single-agent env (multi-agent, "
+            "user simulators, best-of-n); agentrl records one policy agent per episode and would train the other "
+            "roles' turns as the policy's: run it with `vf eval`, or export a SingleAgentEnv"
         )
-    harness = _own_harness(taskset_id)
-    if harness:
-        raise ValueError(
-            f"taskset {taskset_id!r}: it ships its own harness {harness} (the agent program `vf eval` runs on its "
-            "tasks); this adapter's agent is one model reply, so it would score a different agent: run that "
-            "program through agentrl's recording proxy instead"
-        )
+
+
+def _tasks(taskset_id: str, env: Any) -> list[Any]:
     taskset = env.taskset
-    if type(taskset).toolsets(taskset.config):
-        raise ValueError(
-            f"taskset {taskset_id!r}: the taskset serves tools (toolsets); this adapter offers none: "
-            "wrap its tools as agentrl Tools (agentrl.mcp_tools) in an agentrl env"
-        )
     tasks = list(taskset if taskset.bounded else taskset.take(_TASK_LIMIT))
     if not tasks:
         raise ValueError(f"taskset {taskset_id!r}: the taskset has no tasks")
-    _check_task(taskset_id, tasks[0])
-    return env, tasks
+    return tasks
+
+
+def _needs_agent(taskset_id: str, env: Any, task: Any) -> list[str]:
+    """Why one model reply is not the agent ``vf eval`` would run on the taskset (empty: it is)."""
+    from verifiers.v1.task import Task
+
+    reasons = []
+    if type(env).__name__ != "SingleAgentEnv":  # a SingleAgentEnv subclass: its own episode, one agent
+        reasons.append(f"its env class {type(env).__name__} runs its own episode")
+    harness = _own_harness(taskset_id)
+    if harness:
+        reasons.append(f"it ships its own harness {harness}")
+    if type(env.taskset).toolsets(env.taskset.config) or type(task).toolsets(task.config):
+        reasons.append("it serves tools (toolsets)")
+    if task.NEEDS_CONTAINER:
+        reasons.append("its tasks need a container runtime")
+    for hook in ("setup", "finalize"):
+        if getattr(type(task), hook) is not getattr(Task, hook):
+            reasons.append(f"its tasks have a {hook} hook")
+    for fn in task.hooks("reward"):
+        param = inspect.signature(fn).parameters.get("runtime")
+        if param is not None and param.default is inspect.Parameter.empty:
+            reasons.append(f"reward {fn.__name__!r} scores inside a runtime box")
+    return reasons
 
 
 def _own_harness(taskset_id: str) -> str | None:
@@ -95,18 +145,6 @@ def _own_harness(taskset_id: str) -> str | None:
     return ", ".join(found) or None
 
 
-def _check_task(taskset_id: str, task: Any) -> None:
-    if task.NEEDS_CONTAINER:
-        raise ValueError(f"taskset {taskset_id!r}: its tasks need a container runtime, which this adapter does not run")
-    for fn in task.hooks("reward"):
-        param = inspect.signature(fn).parameters.get("runtime")
-        if param is not None and param.default is inspect.Parameter.empty:
-            raise ValueError(
-                f"taskset {taskset_id!r}: reward {fn.__name__!r} scores inside a runtime box, "
-                "which this adapter does not run"
-            )
-
-
 def resolve_verifiers_env(taskset_id: str) -> None:
     """Load ``taskset_id`` now (cached), so an unknown or unsupported one fails with one line."""
     _load(taskset_id)
@@ -114,7 +152,7 @@ def resolve_verifiers_env(taskset_id: str) -> None:
 
 def verifiers_tasks(taskset_id: str, **_: Any) -> list[dict[str, Any]]:
     """The taskset's tasks as agentrl task rows (``vf_idx`` picks the task in reset)."""
-    _, tasks = _load(taskset_id)
+    tasks = _load(taskset_id).tasks
     return [{"prompt": _messages(t.data), "label": None, "vf_idx": i} for i, t in enumerate(tasks)]
 
 
@@ -136,27 +174,42 @@ def _messages(data: Any) -> list[Message]:
     return out
 
 
+def task_for(tasks: list[Any], row: dict[str, Any]) -> Any:
+    """The task a row names: ``vf_idx`` (a row of ``tasks()``), else the row validated as the taskset's own
+    task data (its ``TaskData`` model; pydantic names a missing or bad field)."""
+    if row.get("vf_idx") is not None:
+        idx = int(row["vf_idx"])
+        if not 0 <= idx < len(tasks):
+            raise ValueError(f"vf_idx {idx}: the taskset has {len(tasks)} tasks")
+        return tasks[idx]
+    task_cls = type(tasks[0])
+    data = task_cls.data_type().model_validate({k: v for k, v in row.items() if k != "label"})
+    return task_cls(data, tasks[0].config)
+
+
 class VerifiersEnv(Env):
-    """One episode of a verifiers taskset task: prompt, one reply, the task's own score (module docstring)."""
+    """One episode of a verifiers taskset task: prompt, one reply, the task's own score (module docstring).
+
+    Constructing it for a taskset one reply does not cover gives the agent path's env instead
+    (:class:`~agentrl.adapters.verifiers_agent.VerifiersAgentEnv`): verifiers' own rollout, recorded.
+    """
+
+    def __new__(cls, taskset_id: str) -> Any:
+        if _load(taskset_id).agent_reasons:
+            from agentrl.adapters.verifiers_agent import VerifiersAgentEnv
+
+            return VerifiersAgentEnv(taskset_id)
+        return super().__new__(cls)
 
     def __init__(self, taskset_id: str) -> None:
         self.taskset_id = taskset_id
-        self.vf_env, self.tasks = _load(taskset_id)
+        loaded = _load(taskset_id)
+        self.vf_env, self.tasks = loaded.env, loaded.tasks
         self.task: Any = None
         self.messages: list[Message] = []
 
-    def _task_for(self, row: dict[str, Any]) -> Any:
-        if row.get("vf_idx") is not None:
-            idx = int(row["vf_idx"])
-            if not 0 <= idx < len(self.tasks):
-                raise ValueError(f"vf_idx {idx}: the taskset has {len(self.tasks)} tasks")
-            return self.tasks[idx]
-        task_cls = type(self.tasks[0])
-        data = task_cls.data_type().model_validate({k: v for k, v in row.items() if k != "label"})
-        return task_cls(data, self.tasks[0].config)
-
     async def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[list[Message], dict]:
-        self.task = self._task_for(options or {})
+        self.task = task_for(self.tasks, options or {})
         self.messages = _messages(self.task.data)
         if not self.messages or self.messages[-1]["role"] != "user":
             raise ValueError(f"verifiers task {self.task.data.idx}: its prompt has no user message to answer")
