@@ -16,7 +16,6 @@ import re
 import socket
 import string
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from agentrl.adapters.openenv import text_field
 from agentrl.check import check_env
 from agentrl.env import call_env
 from agentrl.types import Action
+from tests.serving import serve_app
 from tests.test_cli import read_samples, run
 
 # -- Gymnasium envs under test ----------------------------------------------------------------------
@@ -320,28 +320,6 @@ def require_openenv() -> None:
         if os.environ.get("AGENTRL_REQUIRE_OPENENV") == "1":
             pytest.fail(reason + " and AGENTRL_REQUIRE_OPENENV=1")
         pytest.skip(reason)
-
-
-@contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """An ASGI app under uvicorn in a thread, on a loopback socket bound before it starts; yields its URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 @contextlib.contextmanager

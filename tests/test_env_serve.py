@@ -1,8 +1,9 @@
 """``agentrl env-serve``: agentrl envs served over OpenEnv's protocol, for real, on loopback.
 
-Each server is uvicorn in a thread on a socket bound before it starts (or the CLI in a
-subprocess). Clients: agentrl's own ``openenv:`` adapter, openenv-core's ``GenericEnvClient`` /
-``MCPToolClient`` and its ``validate_running_environment`` check, and raw WebSocket messages.
+Each server is uvicorn in a thread on a socket bound before it starts (``tests/serving.py``, the
+helper the OpenEnv adapter's tests use too), or the CLI in a subprocess. Clients: agentrl's own
+``openenv:`` adapter, openenv-core's ``GenericEnvClient`` / ``MCPToolClient`` and its
+``validate_running_environment`` check, and raw WebSocket messages.
 openenv-core's client side needs ``pip install --no-deps openenv-core==0.3.0 && pip install websockets``
 (its tests skip without it unless ``AGENTRL_REQUIRE_OPENENV=1``).
 """
@@ -18,7 +19,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,35 +33,14 @@ from agentrl.adapters.openenv_actions import served_result
 from agentrl.adapters.openenv_server import EnvServer, build_server
 from agentrl.envs import calculator, guess_number
 from agentrl.rollout.scripted import play
+from tests.serving import serve_app
 
 # -- servers ----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def serving(server: EnvServer) -> Iterator[str]:
-    """``server``'s app under uvicorn in a thread; yields its ``http://127.0.0.1:PORT``."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(15)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def guess_url() -> Iterator[str]:
-    with serving(build_server("agentrl/GuessNumber-v0", max_sessions=16)) as url:
+    with serve_app(build_server("agentrl/GuessNumber-v0", max_sessions=16).app()) as url:
         yield url
 
 
@@ -95,7 +74,7 @@ class Fragile(agentrl.Env):
 
 @pytest.fixture(scope="module")
 def fragile_url() -> Iterator[str]:
-    with serving(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=4)) as url:
+    with serve_app(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=4).app()) as url:
         yield url
 
 
@@ -153,7 +132,7 @@ async def test_adapter_shows_the_model_the_in_process_conversation(spec, module,
     tasks = local.tasks()[:4]
     here_views: dict[int, list] = {}
     here = await play(local, _recording(module.solver_policy, here_views), tasks)
-    with serving(build_server(spec, max_sessions=8)) as url:
+    with serve_app(build_server(spec, max_sessions=8).app()) as url:
         remote = agentrl.load_env(f"openenv:{url}")
         env = remote()
         assert env.tool_schemas() == local().tool_schemas() and env.tools  # before any reset: what the rollout reads
@@ -229,7 +208,7 @@ def test_a_broken_or_foreign_marker_is_refused_naming_the_field():
         ),
     ]
     for server, match in cases:
-        with serving(server) as url, pytest.raises(ValueError, match=re.escape(match)):
+        with serve_app(server.app()) as url, pytest.raises(ValueError, match=re.escape(match)):
             agentrl.load_env(f"openenv:{url}")
 
 
@@ -355,7 +334,7 @@ async def test_structured_tool_calls_and_mcp_endpoint(guess_url):
 
 
 async def test_capacity_reached_then_a_slot_frees():
-    with serving(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=1)) as url:
+    with serve_app(EnvServer(Fragile, tasks=Fragile.tasks(), max_sessions=1).app()) as url:
         async with session(url) as first:
             await first.ask({"type": "reset", "data": {"seed": 0}})
             async with session(url) as second:
@@ -412,13 +391,9 @@ class Optioned(agentrl.Env):
 
 async def test_reset_options_go_on_the_servers_row_and_a_factory_exit_is_a_factory_error(fragile_url):
     """Reset keys without a ``prompt`` are options (OpenEnv clients send them as reset kwargs): the
-    server's row for the seed, with them over it. A factory raising SystemExit fails that reset only."""
-    async with session(fragile_url) as s:
-        got = await s.ask({"type": "reset", "data": {"seed": 0, "label": "3", "difficulty": "hard"}})
-        assert got["type"] == "observation", got
-        assert got["data"]["observation"]["messages"][0]["content"] == "say something (seed 0)"
+    server's row for the seed, with them added. A factory raising SystemExit fails that reset only."""
     rows = [{"prompt": "row zero", "label": None}]
-    with serving(EnvServer(Optioned, tasks=rows, max_sessions=2)) as url:
+    with serve_app(EnvServer(Optioned, tasks=rows, max_sessions=2).app()) as url:
         async with session(url) as s:
             exited = await s.ask({"type": "reset", "data": {"seed": 0}})
             assert exited["type"] == "error" and exited["data"]["code"] == "FACTORY_ERROR", exited
@@ -430,6 +405,30 @@ async def test_reset_options_go_on_the_servers_row_and_a_factory_exit_is_a_facto
         env = agentrl.load_env(f"openenv:{url}")()  # agentrl's adapter sends a seed row's options the same way
         obs, _ = await env.reset(options={"seed": 0, "options": {"difficulty": "easy"}})
         assert json.loads(obs[0]["content"]) == {"prompt": "row zero", "label": None, "difficulty": "easy"}
+        await env.close()
+
+
+async def test_reset_options_never_replace_the_servers_task_fields():
+    """The server's row is the task: options may add fields, never replace one the row has, nor set
+    ``label`` (a client would change the answer it is scored against). Refused naming the key, before
+    any env is built (the live episode goes on); a client's own whole row (with a prompt) still plays."""
+    rows = [{"prompt": "row zero", "label": None}, {"prompt": "row one", "label": "7", "difficulty": "easy"}]
+    Optioned.built = -10
+    with serve_app(EnvServer(Optioned, tasks=rows, max_sessions=2).app()) as url:
+        async with session(url) as s:
+            assert (await s.ask({"type": "reset", "data": {"seed": 1}}))["type"] == "observation"
+            for seed, sent, key in ((0, {"label": "3"}, "label"), (1, {"difficulty": "hard", "x": 1}, "difficulty")):
+                got = await s.ask({"type": "reset", "data": {"seed": seed, **sent}})
+                assert got["type"] == "error" and got["data"]["code"] == "VALIDATION_ERROR", got
+                assert [e["loc"] for e in got["data"]["errors"]] == [[key]]
+                assert f"reset data sets '{key}', a field of the server's task row {seed}" in got["data"]["message"]
+            state = await s.ask({"type": "state"})
+            assert state["data"]["episode_id"] and not state["data"]["done"]  # the refused resets changed nothing
+            own = await s.ask({"type": "reset", "data": {"seed": 1, "prompt": "mine", "label": "9"}})
+            assert json.loads(own["data"]["observation"]["messages"][0]["content"]) == {"prompt": "mine", "label": "9"}
+        env = agentrl.load_env(f"openenv:{url}")()
+        with pytest.raises(agentrl.adapters.OpenEnvError, match="VALIDATION_ERROR.*reset data sets 'label'"):
+            await env.reset(options={"seed": 1, "options": {"label": "anything"}})
         await env.close()
 
 

@@ -73,7 +73,7 @@ class AdapterFactory:
     """The env factory behind ``load_env("gym:...")``, ``"openenv:..."``, ``"gem:..."`` and ``"verifiers:..."``.
 
     Calling it builds a fresh adapter env (one per episode, so episodes never share state); keyword
-    arguments go to the adapter's constructor. A frozen dataclass of strings, so it pickles to Ray
+    arguments go to the adapter's constructor. A frozen dataclass of plain values (an OpenEnv server's schema and metadata included), so it pickles to Ray
     workers. ``tasks()`` gives ``num_tasks`` seed tasks for runs without ``--prompt-data``
     (``--num-tasks`` takes the first N); a verifiers env gives its own dataset's rows instead.
     """
@@ -114,9 +114,10 @@ def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
 
         resolve_gym_id(target)
     elif kind == "openenv":
-        from agentrl.adapters.openenv import probe_server
+        from agentrl.adapters.openenv_probe import SERVER_INFO, probe_server, session_urls
 
-        probe_server(target)
+        probe_server(target)  # its answers travel with the factory: envs built in Ray workers know them too
+        kwargs = {"server_info": SERVER_INFO[session_urls(target)[0]], **kwargs}
     elif kind == "gem":
         from agentrl.adapters.gem import resolve_gem_id
 

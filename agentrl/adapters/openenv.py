@@ -72,7 +72,7 @@ from agentrl.adapters.openenv_actions import (
     validation_summary,
 )
 from agentrl.adapters.openenv_probe import SERVER_INFO as _server_info
-from agentrl.adapters.openenv_probe import probe_server, session_urls
+from agentrl.adapters.openenv_probe import probe_server, session_urls, start_probe
 from agentrl.env import Env, StepResult
 from agentrl.parsing import format_tool_error
 from agentrl.tool import Tool, ToolError, find_tool
@@ -123,6 +123,15 @@ class OpenEnvEnv(Env):
     ``action_schema`` is the server's action schema once reset has read it (``check-env`` compares
     it with ``tools``). ``served`` describes a served agentrl env (None for other servers); it is
     played natively unless ``action_from_text`` or ``observation_to_text`` is given.
+
+    The server's ``/schema`` and ``/metadata`` are read once per process (``load_env`` does it before
+    any episode), so a served env's tools, ``tool_parser`` and ``max_turns`` are known when the env is
+    built; ``server_info`` (the action schema and ``/metadata``) is what ``load_env`` read, which its
+    factory passes to every env it builds, so envs built in other processes (Ray's rollout workers)
+    know them too. An env built inside a running event loop with neither never waits for the server there: the
+    read runs in a worker thread (shared by the envs built meanwhile) and ``reset`` awaits it, so those
+    first episodes learn a served env's settings at reset (the server still ends them at its
+    ``max_turns``, and calls parsed with another parser travel as ``tool_calls``).
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class OpenEnvEnv(Env):
         timeout: float = 45.0,
         connect_timeout: float = 10.0,
         capacity_wait: float = 45.0,
+        server_info: tuple[dict[str, Any], dict[str, Any]] | None = None,
     ) -> None:
         self.base_url = base_url
         self.http_url, self.ws_url = session_urls(base_url)
@@ -155,9 +165,17 @@ class OpenEnvEnv(Env):
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._lock = asyncio.Lock()  # one exchange at a time on the session's socket
+        self._probe: asyncio.Task[dict[str, Any]] | None = None
+        if server_info is not None:  # read by load_env in the driver (the factory carries it to Ray workers)
+            _server_info.setdefault(self.http_url, server_info)
         if self.http_url not in _server_info:  # once per process: tools and max_turns are known before reset
-            with contextlib.suppress(ValueError):  # a down server is reported by reset, as a failed sample
-                probe_server(base_url, timeout=min(connect_timeout, 5.0))
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop to stall: read the server now
+                with contextlib.suppress(ValueError):  # a down server is reported by reset, as a failed sample
+                    probe_server(base_url, timeout=min(connect_timeout, 5.0))
+            else:  # inside a loop (the rollout's): in a worker thread, awaited by reset
+                self._probe = start_probe(base_url, timeout)
         if self.http_url in _server_info:
             self._use_metadata(_server_info[self.http_url][1])
 
@@ -383,28 +401,21 @@ class OpenEnvEnv(Env):
             )
         return self._http
 
-    async def _get_json(self, path: str) -> Any:
-        try:
-            async with self._session().get(f"{self.http_url}{path}") as resp:
-                if resp.status != 200:
-                    return resp.status
-                return await resp.json()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise OpenEnvError(
-                f"cannot reach the OpenEnv server at {self.http_url}: {type(exc).__name__}: {exc}. "
-                "Is it running (uvicorn ... --port N), and is the address right?"
-            ) from None
-
     async def _server_info(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The server's action schema and ``/metadata`` (read once per server address)."""
+        """The server's action schema and ``/metadata``, read once per server address and process.
+
+        Not cached yet: the probe the constructor started (or a new one, shared with the episodes
+        waiting for the same server) runs in a worker thread while the loop goes on; one that fails
+        caches nothing (see :func:`~agentrl.adapters.openenv_probe.start_probe`) and fails this sample.
+        """
         if self.http_url not in _server_info:
-            schema = await self._get_json("/schema")
-            if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
-                raise OpenEnvError(
-                    f"GET {self.http_url}/schema answered {str(schema)[:100]}: is this an OpenEnv server?"
-                )
-            metadata = await self._get_json("/metadata")
-            _server_info[self.http_url] = (schema["action"], metadata if isinstance(metadata, dict) else {})
+            probe, self._probe = self._probe, None
+            if probe is None or probe.done():  # none yet, or the constructor's failed: ask again
+                probe = start_probe(self.base_url, self.timeout)
+            try:
+                await asyncio.shield(probe)  # an episode cancelled meanwhile leaves the shared probe running
+            except ValueError as exc:
+                raise OpenEnvError(str(exc)) from None
         return _server_info[self.http_url]
 
     async def _connect(self) -> None:

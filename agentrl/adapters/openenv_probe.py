@@ -2,11 +2,15 @@
 
 Part of :mod:`agentrl.adapters.openenv` (kept apart to keep that file readable): ``load_env("openenv:URL")``
 calls :func:`probe_server` so a bad address or a server that is down is refused in one line, and
-the answers are kept (:data:`SERVER_INFO`) for the episodes built next in this process.
+the answers are kept (:data:`SERVER_INFO`) for the episodes built next in this process. Inside a
+running event loop (an env built by the rollout loop in a process that has not probed yet) the
+probe runs in a worker thread instead (:func:`start_probe`), so a slow server stalls none of the
+other episodes on that loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import urllib.error
@@ -81,3 +85,33 @@ def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
     served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
     SERVER_INFO[http_url] = (schema["action"], metadata)
     return schema
+
+
+_IN_FLIGHT: dict[str, asyncio.Task[dict[str, Any]]] = {}
+"""Per server base URL: the probe running now in a worker thread (episodes starting together share it)."""
+
+
+def start_probe(base_url: str, timeout: float) -> asyncio.Task[dict[str, Any]]:
+    """:func:`probe_server` in a worker thread, as a task of the running loop; await it shielded.
+
+    A constructor inside the rollout loop cannot wait for the server (a blocking read there would
+    stall every episode on the loop for up to ``timeout`` seconds), so it starts the probe here and
+    ``reset`` awaits it. Envs built while it runs share that one probe instead of starting their own.
+    What it caches is what :func:`probe_server` caches: a probe that fails (its ValueError is the
+    task's exception) leaves nothing behind, and the next env's probe asks the server again.
+    """
+    http_url, _ = session_urls(base_url)
+    loop = asyncio.get_running_loop()
+    task = _IN_FLIGHT.get(http_url)
+    if task is None or task.done() or task.get_loop() is not loop:
+        task = loop.create_task(asyncio.to_thread(probe_server, base_url, timeout), name=f"openenv probe {http_url}")
+        task.add_done_callback(lambda t: _probe_done(http_url, t))
+        _IN_FLIGHT[http_url] = task
+    return task
+
+
+def _probe_done(http_url: str, task: asyncio.Task[dict[str, Any]]) -> None:
+    if _IN_FLIGHT.get(http_url) is task:
+        del _IN_FLIGHT[http_url]
+    if not task.cancelled():
+        task.exception()  # read here: a probe nobody awaited (its env was never reset) is no "unretrieved" error

@@ -29,7 +29,10 @@ env's ``tasks()``): row ``seed % len(tasks)``, or the next in turn when no seed 
 ``openenv:`` adapter (which sends ``{"seed": i}``) plays row ``i``, as an in-process run does; the
 other keys sent (reset options such as ``{"difficulty": "hard"}``, which OpenEnv clients send as
 reset keyword arguments and openenv-core's own server drops when its reset does not take them) are
-set on that row, so the env reads them where it reads the row's fields.
+added to that row, so the env reads them where it reads the row's fields. They may not replace a
+field the row has, nor set ``label``: the server's task stays the server's (a client that could send
+``label`` would change the answer its episode is scored against); such a reset is refused with a
+VALIDATION_ERROR naming the key. A client that wants a task of its own sends the whole row.
 
 The action is the assistant turn, ``{"text": str, "tool_calls": [OpenAI tool calls] | null}``:
 ``text`` is the only required string, so a client that knows nothing else (the ``openenv:``
@@ -74,6 +77,9 @@ from agentrl.env import Env, call_env
 
 log = logging.getLogger(__name__)
 
+SERVER_KEYS = frozenset({"label"})
+"""Fields reset options may never set on a server's task row, even one without them (the task's answer)."""
+
 
 # -- the server -----------------------------------------------------------------------------------
 
@@ -109,7 +115,11 @@ class EnvServer:
 
     def task_for(self, seed: int | None, extra: dict[str, Any]) -> dict[str, Any]:
         """The task row a reset plays: the one it sent (``extra`` with a ``prompt``), else the server's
-        row for its seed with ``extra``'s keys (reset options, as OpenEnv clients send them) over it."""
+        row for its seed with ``extra``'s keys (reset options, as OpenEnv clients send them) added.
+
+        Options add fields, never replace the row's own: a client that could send ``label`` would change
+        the answer its episode is scored against while the prompt stays the server's. A key the row has
+        (or ``label``, :data:`SERVER_KEYS`) is refused with a VALIDATION_ERROR naming it."""
         if "prompt" in extra:
             return {"label": None, **extra}
         if not self.tasks:
@@ -119,8 +129,21 @@ class EnvServer:
                 "send the task row in the reset data, e.g. {'seed': 0, 'prompt': ..., 'label': ...}",
                 errors=[{"loc": ["prompt"], "msg": "Field required", "type": "missing"}],
             )
-        index = next(self._next_task) if seed is None else seed
-        return {**self.tasks[index % len(self.tasks)], **extra}
+        index = (next(self._next_task) if seed is None else seed) % len(self.tasks)
+        row = self.tasks[index]
+        fixed = [key for key in extra if key in row or key in SERVER_KEYS]
+        if fixed:
+            raise Failed(
+                "VALIDATION_ERROR",
+                f"reset data sets {', '.join(map(repr, fixed))}, a field of the server's task row {index}: a served "
+                "task's fields (its label, the answer, included) are the server's; send reset options under other "
+                "names, or send a whole task row with a 'prompt' to play a task of your own",
+                errors=[
+                    {"loc": [key], "msg": "the server's task row sets this field", "type": "task_field"}
+                    for key in fixed
+                ],
+            )
+        return {**row, **extra}
 
     async def describe(self) -> None:
         """Read the env's tools and limits from one instance (built, never reset, closed); once.

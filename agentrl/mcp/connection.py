@@ -13,7 +13,7 @@ import base64
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
@@ -35,6 +35,7 @@ class Connection:
         self.loop = asyncio.get_running_loop()
         self.client: Any = None
         self.broken: str | None = None
+        self.stage = "start"  # "start" (the transport opening), then "handshake" (initialize sent): for messages
         self._stop = asyncio.Event()
         self._ready: asyncio.Future[None] = self.loop.create_future()
         self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here: never "unretrieved"
@@ -49,36 +50,67 @@ class Connection:
         :meth:`_run` time-limits the handshake itself; the longer wait here only backs that up (a
         transport that ignores cancellation), and then the task is cancelled, not left running.
         """
+        backup = self.spec.connect_timeout + 10.0
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), self.spec.connect_timeout + 10.0)
-        except TimeoutError:
-            self._fail(f"no answer within {self.spec.connect_timeout:g}s (connect_timeout)")
-            self._task.cancel()
-            raise MCPServerError(f"MCP server {self.spec.describe()!r} did not start: {self.broken}") from None
+            await asyncio.wait_for(asyncio.shield(self._ready), backup)
+        except TimeoutError:  # only this wait's own deadline: a caller's timeout arrives as a cancellation
+            if not self._ready.done():
+                self._fail(
+                    f"did not start: the handshake went on {backup:g}s, past connect_timeout "
+                    f"({self.spec.connect_timeout:g}s): its transport did not stop when that expired"
+                )
+                self._task.cancel()
+        await self._ready  # the handshake's outcome: None, or the MCPServerError saying why it failed
 
     async def _run(self) -> None:
+        _import_sdk()  # before the deadline: the SDK's first import takes seconds on a busy machine
+        deadline = asyncio.timeout(self.spec.connect_timeout)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 try:
-                    async with asyncio.timeout(self.spec.connect_timeout):
-                        self.client = await _open_client(stack, self.spec, self.stream)
-                except TimeoutError:  # the stack's exit ends the transport (the child process) before we return
-                    self._fail(f"no answer within {self.spec.connect_timeout:g}s (connect_timeout)")
-                    return
+                    async with deadline:
+                        self.client = await _open_client(stack, self.spec, self.stream, self._opened)
+                except BaseException:
+                    if deadline.expired() and not _cancelled_from_outside():
+                        # the stack's exit ends the transport (the child process) before we return
+                        self._fail(self._late())
+                        return
+                    raise  # not connect_timeout's doing (another deadline, a dead server): said as it is
+                self.stage = "ready"
                 self._ready.set_result(None)
                 await self._stop.wait()
         except BaseException as e:  # the server failed (or the loop is shutting down: then re-raised)
-            self._fail(_why(e))
+            self._fail(f"{_STAGES.get(self.stage, self.stage)}: {_why(e)}" if self.stage != "ready" else _why(e))
             if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
         finally:
             self.client = None
             self._fail("closed")
 
+    def _opened(self) -> None:
+        """The transport is open (the child process runs, the HTTP client exists): the handshake begins."""
+        self.stage = "handshake"
+
+    def _late(self) -> str:
+        """What connect_timeout cut short, said so that the fix is plain: the start, or the handshake's answer."""
+        limit = f"{self.spec.connect_timeout:g}s (connect_timeout)"
+        if self.stage == "start":
+            what = "its session in the sandbox" if self.stream is not None else "its transport"
+            return f"did not start: {what} did not open within {limit}"
+        asked = "initialize" if self.spec.protocol == "legacy" else "the protocol negotiation (server/discover)"
+        if self.spec.url is not None:
+            return f"did not answer {asked} within {limit}: nothing came back from {self.spec.url}"
+        return (
+            f"did not answer {asked} within {limit}: its process started but never answered the handshake "
+            "(stuck before it, or slower to start than connect_timeout allows)"
+        )
+
     def _fail(self, reason: str) -> None:
+        """Mark the session broken for ``reason`` ("did not ..." says it whole; else it did not start for it)."""
         self.broken = self.broken or reason
         if not self._ready.done():
-            self._ready.set_exception(MCPServerError(f"MCP server {self.spec.describe()!r} did not start: {reason}"))
+            said = reason if reason.startswith("did not ") else f"did not start: {reason}"
+            self._ready.set_exception(MCPServerError(f"MCP server {self.spec.describe()!r} {said}"))
         self.stop()
 
     def stop(self) -> None:
@@ -106,16 +138,29 @@ class Connection:
             raise
 
     async def list_tools(self) -> Listing:
+        """Every page of ``tools/list``, all within ``connect_timeout`` (a server that answers the
+        handshake but never its listing would otherwise hang :func:`~agentrl.mcp.mcp_tools` for good)."""
         out: list[tuple[str, str, dict[str, Any]]] = []
         cursor = None
-        for _ in range(1000):  # a server whose pages never end must not hang the listing
-            page = await self._request("tools/list", "list_tools", cursor=cursor)
-            if isinstance(page, ToolResult):
-                raise MCPServerError(f"MCP server {self.spec.describe()!r}: {page.content}")
-            out += [_described(t) for t in page.tools]
-            cursor = page.next_cursor
-            if not cursor:
-                break
+        deadline = asyncio.timeout(self.spec.connect_timeout)
+        try:
+            async with deadline:
+                for _ in range(1000):  # a server whose pages never end must not hang the listing
+                    page = await self._request("tools/list", "list_tools", cursor=cursor)
+                    if isinstance(page, ToolResult):
+                        raise MCPServerError(f"MCP server {self.spec.describe()!r}: {page.content}")
+                    out += [_described(t) for t in page.tools]
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            reason = f"did not answer tools/list within {self.spec.connect_timeout:g}s (connect_timeout)"
+            self._fail(reason)
+            raise MCPServerError(
+                f"MCP server {self.spec.describe()!r} {reason}: it answered the handshake, then not its tool listing"
+            ) from None
         return tuple(out)
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
@@ -148,8 +193,11 @@ class Connection:
         raise MCPServerError(f"MCP server {self.spec.describe()!r}: {reason}")
 
 
-async def _open_client(stack: contextlib.AsyncExitStack, spec: MCPServerSpec, stream: Session | None) -> Any:
-    """Enter an SDK ``Client`` (and its transport) on ``stack``; the handshake is done when it returns."""
+async def _open_client(
+    stack: contextlib.AsyncExitStack, spec: MCPServerSpec, stream: Session | None, opened: Callable[[], None]
+) -> Any:
+    """Enter an SDK ``Client`` (and its transport) on ``stack``; the handshake is done when it returns.
+    ``opened`` is called when the transport is open, before the handshake's first message."""
     from mcp import Client, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
@@ -167,7 +215,29 @@ async def _open_client(stack: contextlib.AsyncExitStack, spec: MCPServerSpec, st
             command=spec.command[0], args=list(spec.command[1:]), env=dict(spec.env) or None, cwd=spec.cwd
         )
         transport = stdio_client(params, errlog=errlog)
-    return await stack.enter_async_context(Client(transport, mode=spec.protocol, cache=None))
+    return await stack.enter_async_context(Client(_marked(transport, opened), mode=spec.protocol, cache=None))
+
+
+def _import_sdk() -> None:
+    """Import what :func:`_open_client` uses (a no-op once done)."""
+    import mcp.client.stdio
+    import mcp.client.streamable_http
+    import mcp.shared._httpx_utils  # noqa: F401
+
+
+@contextlib.asynccontextmanager
+async def _marked(transport: Any, opened: Callable[[], None]) -> AsyncIterator[Any]:
+    """``transport`` (an async context manager of the two streams), calling ``opened`` once it is open."""
+    async with transport as streams:
+        opened()
+        yield streams
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task is being cancelled by someone (loop shutdown, close), not by a deadline
+    (``asyncio.timeout`` takes its own cancellation back when it raises TimeoutError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @contextlib.asynccontextmanager
@@ -215,6 +285,9 @@ async def _sandbox_transport(stream: Session) -> AsyncIterator[tuple[Any, Any]]:
             tg.cancel_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await stream.kill()
+
+
+_STAGES = {"start": "while starting", "handshake": "during the handshake"}
 
 
 def _transport_failed(e: BaseException) -> bool:

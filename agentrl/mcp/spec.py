@@ -14,7 +14,7 @@ PROTOCOLS = ("legacy", "auto")
 
 
 class MCPServerError(SandboxError):
-    """The MCP server itself failed: it did not start, exited, or cannot be reached. Fails the sample."""
+    """The MCP server itself failed: it did not start or answer its handshake, exited, or cannot be reached. Fails the sample."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class MCPServerSpec:
     SDK's safe default environment (``PATH``, ``HOME``, ...) plus ``env``. ``url`` is a streamable-HTTP
     endpoint, sent ``headers`` (e.g. an ``Authorization``). ``protocol``: ``"legacy"`` (the
     ``initialize`` handshake: sessions keep state), ``"auto"`` (probe for the newest protocol), or a
-    protocol version. ``connect_timeout`` bounds starting the server and the handshake. ``stderr``:
+    protocol version. ``connect_timeout`` bounds starting the server and the handshake, and (separately)
+    the tool listing :func:`~agentrl.mcp.mcp_tools` reads; the error names what it was waiting for (the
+    transport to open, the answer to ``initialize``, or to ``tools/list``). ``stderr``:
     a file the server's stderr is appended to (default: discarded, since every episode may start one;
     refused with ``mcp_tools(sandboxed=True)``, whose server's stderr stays in its sandbox).
     Frozen and hashable: the tool listing is cached per spec.
