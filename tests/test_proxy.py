@@ -119,6 +119,7 @@ def test_refusals_name_the_parameter():
         ({"n": 3}, "n=3 is not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
         ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        ({"stream": True, "stream_options": {"include_sizes": True}}, "stream_options.include_sizes"),
         ({"logprobs": True}, "logprobs=True"),
         ({"messages": []}, "messages:"),
         ({"tools": [{"type": "code"}]}, "tools.0.type"),
@@ -127,6 +128,28 @@ def test_refusals_name_the_parameter():
         with pytest.raises(ValidationError) as err:
             ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
         assert field in validation_message(err.value)
+
+
+def test_stream_options_a_client_sends_by_default_are_accepted():
+    """``include_obfuscation: false`` (honoured: no padding) and ``include_usage`` pass; an echoed streamed
+    tool call's ``index`` is dropped, so the echo compares equal to the reply it came from."""
+    from agentrl.proxy import ChatRequest
+
+    body = ChatRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "index": 0, "function": {"name": "f", "arguments": "{}"}}],
+                },
+            ],
+            "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False},
+        }
+    )
+    assert body.stream_options is not None and body.stream_options.include_usage is True
+    assert "index" not in body.messages[1].model_dump()["tool_calls"][0]
 
 
 def test_echoed_fields_and_unhonoured_parameters():

@@ -65,7 +65,7 @@ class ProxyEnv(Env):
     score it. OpenAI's API has no answer meaning "a call that did not parse".
 
     Every reply carries ``usage`` as the engine saw the turn (``prompt_tokens``: the tokens it read, the
-    request as the chat template rendered it into the episode's ledger; ``completion_tokens``: the tokens
+    episode's ledger, which keeps the sampled tokens where a re-rendering would differ; ``completion_tokens``: the tokens
     it sampled), so agents that budget by usage (LangChain's ``usage_metadata``, the Agents SDK's
     ``Usage``) read true counts. A request with ``stream: true`` gets the same reply as server-sent events.
     """

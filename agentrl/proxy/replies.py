@@ -32,8 +32,8 @@ def completion(request: ChatRequest, action: Action, message: Message) -> dict[s
     """The OpenAI ``ChatCompletion`` answering ``request`` with the assistant ``message``.
 
     ``usage`` is the turn as the engine saw it: ``prompt_tokens`` the tokens it read before sampling
-    (:attr:`Action.prompt_length <agentrl.types.Action>`: the episode's ledger, which is the request's
-    messages as the chat template rendered them, token-exact), ``completion_tokens`` the tokens it
+    (:attr:`Action.prompt_length <agentrl.types.Action>`: the episode's ledger, which keeps the tokens
+    the episode sampled where a re-rendering of the request's messages would differ), ``completion_tokens`` the tokens it
     sampled (stop token included). It is ``None`` (as OpenAI's schema allows) for a turn no engine
     sampled (a scripted :func:`~agentrl.rollout.scripted.play`), rather than reported wrong.
     """

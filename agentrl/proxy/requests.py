@@ -133,12 +133,6 @@ class ToolSpec(_Strict):
     function: FunctionSpec
 
 
-class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds the usage chunk (:class:`~agentrl.proxy.replies.Streamed`)."""
-
-    include_usage: bool | None = None
-
-
 def _only(name: str, allowed: tuple[Any, ...], why: str) -> Any:
     """A validator refusing every value of ``name`` but ``allowed`` (refused, never silently ignored)."""
 
@@ -148,6 +142,17 @@ def _only(name: str, allowed: tuple[Any, ...], why: str) -> Any:
         return v
 
     return field_validator(name)(check)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds the usage chunk (:class:`~agentrl.proxy.replies.Streamed`).
+    ``include_obfuscation`` (OpenAI pads chunks against length side channels) may be false or absent:
+    the proxy's chunks carry no padding, so asking for it is refused rather than ignored."""
+
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+    _obfuscation = _only("include_obfuscation", (None, False), "the proxy's chunks carry no obfuscation padding")
 
 
 class ChatRequest(_Strict):
