@@ -17,6 +17,7 @@ blocking env every time). Synchronous methods run in worker threads and cannot b
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import random
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step
+from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step, reset_once
 from agentrl.parsing import Llama3JsonParser, get_parser
 from agentrl.rollout.roles import check_roles_reset, check_roles_step
 from agentrl.types import Action
@@ -165,17 +166,29 @@ async def _guarded(
     what: str, fn: Callable[..., Any], *args: Any, timeout: float, block_threshold: float, **kwargs: Any
 ) -> Any:
     async with _LoopWatch() as watch:
-        try:
-            result = await asyncio.wait_for(call_env(fn, *args, **kwargs), timeout)
+        try:  # in this task (not wait_for's): a SystemExit raised in another task would stop the loop
+            async with asyncio.timeout(timeout):
+                result = await call_env(fn, *args, **kwargs)
         except TimeoutError:
             raise EnvContractError(f"{what} did not return within {timeout:g}s") from None
         except EnvContractError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise EnvContractError(f"{what} raised {type(exc).__name__}: {exc}") from None
     if inspect.iscoroutinefunction(fn) and watch.max_lag > block_threshold:
         raise _BlockedLoop(f"{what} blocked the event loop for {watch.max_lag:.2f}s (use await / asyncio.to_thread)")
     return result
+
+
+def _construct(factory: Callable[[], Env]) -> Env:
+    """A fresh env from ``factory``; a factory that raises or returns something else is a violation."""
+    try:
+        env = factory()
+    except (Exception, SystemExit) as exc:
+        raise EnvContractError(f"constructing the env raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(env, Env):
+        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    return env
 
 
 async def _play(
@@ -189,12 +202,7 @@ async def _play(
     block_threshold: float,
     rng: random.Random,
 ) -> str:
-    try:
-        env = factory()
-    except Exception as exc:
-        raise EnvContractError(f"constructing the env raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(env, Env):
-        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    env = _construct(factory)
     try:
         parser = get_parser(env.tool_parser)
     except ValueError as exc:
@@ -260,20 +268,11 @@ async def _first_look(
     """Reset a fresh env for ``task``: what the model sees first must say something, and an action
     schema that wants tool calls must come with tools. Returns the env (closed; its ``tools`` are
     the ones offered after reset) and a summary."""
-    try:
-        env = factory()
-    except Exception as exc:
-        raise EnvContractError(f"constructing the env raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(env, Env):
-        raise EnvContractError(f"the env factory returned {type(env).__name__}, not an agentrl.Env")
+    env = _construct(factory)
     roles = tuple(env.roles)
-    try:
-        reset = await _guarded(
-            "reset()", env.reset, seed=seed, options=dict(task), timeout=timeout, block_threshold=block_threshold
-        )
+    guarded = functools.partial(_guarded, timeout=timeout, block_threshold=block_threshold)
+    async with reset_once(env, task, seed=seed, call=guarded) as reset:
         check_roles_reset(reset, roles) if roles else check_reset(reset)
-    finally:
-        await _guarded("close()", env.close, timeout=timeout, block_threshold=block_threshold)
     last = _last_messages(reset, roles)
     if any(m["content"].strip() in _BLANK for m in last):
         shown = [m["content"][:40] for m in last]

@@ -21,11 +21,12 @@ with ``reward(action)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, cast
 
@@ -343,3 +344,35 @@ async def call_env(fn: Callable[..., Any], /, *args: Any, _executor: Executor | 
         return await maybe_await(await run(fn, *args, **kwargs))
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await maybe_await(await asyncio.get_running_loop().run_in_executor(_executor, call))
+
+
+@contextlib.asynccontextmanager
+async def reset_once(
+    env: Env,
+    task: Mapping[str, Any],
+    *,
+    seed: int | None,
+    call: Callable[..., Awaitable[Any]],
+    on_close_error: Callable[[BaseException], None] | None = None,
+) -> AsyncIterator[Any]:
+    """Reset ``env`` once for ``task``, yield what ``reset`` returned (unchecked), then close the env.
+
+    What the model would be offered is only known once an env is reset: an adapter learns its
+    server's tools when it connects, a task decides the first message. So ``check_env`` looks at a
+    freshly reset env before it plays, and SFT resets one to read the tools its demonstrations call.
+    Inside the block the env is live (its ``tools`` are the ones an episode would offer); it is
+    closed however the block or the reset ends.
+
+    ``call(what, method, **kwargs)`` runs ``reset()`` and ``close()``: the caller's timeout and
+    error wording (``what`` names the method). A close that fails raises, replacing any error before
+    it, unless ``on_close_error`` takes it: then the reset's error, or the block's result, stands.
+    """
+    try:
+        yield await call("reset()", env.reset, seed=seed, options=dict(task))
+    finally:
+        try:
+            await call("close()", env.close)
+        except (Exception, SystemExit) as exc:  # SystemExit from a user's env included
+            if on_close_error is None:
+                raise
+            on_close_error(exc)

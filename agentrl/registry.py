@@ -151,23 +151,41 @@ def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> N
 
 
 def _import_module(spec: str, module_name: str) -> Any:
-    """Import ``module_name`` (the current directory importable); a missing module is one line saying what to do."""
+    """The module of an env spec (``envs.X`` aliased to the bundled ``agentrl.envs.X``)."""
+    _cwd_importable()  # before the alias: a user's own ``envs`` package in the current directory wins
+    return import_user_module(_bundled_alias(module_name), spec=spec, hint="or give path/to/file.py:NAME")
+
+
+def _cwd_importable() -> None:
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
-    name = _bundled_alias(module_name)
+
+
+def import_user_module(module_name: str, *, spec: str = "", hint: str = "") -> Any:
+    """Import a user's module by name, the current directory importable as for ``python -m``.
+
+    Any failure is one ImportError line saying what to fix, the same for every kind of spec: a
+    module that is not there (install it, or run from its folder; ``hint`` adds the spec's own way
+    out), one of its dependencies that is not there, or anything the module raised (see
+    :func:`import_failed`). ``spec``, when not empty, starts the line; callers whose message names
+    the spec already pass ``""``.
+    """
+    _cwd_importable()
+    where, also = (f"{spec!r}: " if spec else ""), (f" ({hint})" if hint else "")
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ImportError(
-                f"{spec!r}: no module named {exc.name!r}: install the package that provides it, or run from "
-                f"the folder that holds {name.replace('.', '/')}.py (or give path/to/file.py:NAME)"
+                f"{where}no module named {exc.name!r}: install the package that provides it, or run from "
+                f"the folder that holds {module_name.replace('.', '/')}.py{also}"
             ) from None
         raise ImportError(
-            f"{spec!r}: importing {name!r} failed: no module named {exc.name!r} (a dependency of it: install it)"
+            f"{where}importing {module_name!r} failed: no module named {exc.name!r} "
+            f"(a dependency of {module_name!r}: install it)"
         ) from None
     except (Exception, SystemExit) as exc:
-        raise import_failed(spec, name, exc) from None
+        raise import_failed(spec, module_name, exc) from None
 
 
 def import_failed(spec: str, module_name: str, exc: BaseException, rerun: str | None = None) -> ImportError:

@@ -7,6 +7,10 @@ loopback port, the same path ``agentrl rollout`` takes.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +95,57 @@ def ray_local():
         ray.shutdown()
 
 
+# -- the agentrl command --------------------------------------------------------------------------
+# Tests that run the CLI do it as a user would: `python -m agentrl ...` in a child process (its own
+# event loop, engine and Ray), reading what it wrote. One helper so a timeout or an env var is set
+# in one place.
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(
+    *args: str, cwd: Path = REPO, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m agentrl ARGS`` in ``cwd``; ``env`` adds variables to (or overrides) this process's environment."""
+    argv, child_env = [sys.executable, "-m", "agentrl", *args], {**os.environ, **env} if env is not None else None
+    return subprocess.run(argv, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_samples(path: Path) -> list[dict]:
+    """The samples a rollout wrote, one JSON object a line."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def cli_rollout(
+    spec: str,
+    ckpt: Path,
+    folder: Path,
+    *flags: str,
+    num_tasks: int | None = None,
+    n_samples: int = 2,
+    max_turns: int | None = None,
+    turn_len: int = 32,
+    engine_url: str | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``agentrl rollout --env SPEC`` with the checkpoint ``ckpt``, asserting it succeeded; its result and samples.
+
+    The samples go to ``folder/samples.jsonl``. Without ``engine_url`` the command starts the embedded
+    engine itself; ``flags`` go through as written, ``env`` as for :func:`run_cli`.
+    """
+    output = folder / "samples.jsonl"
+    args = ["rollout", "--env", spec, "--n-samples-per-prompt", str(n_samples), "--rollout-max-turn-len", str(turn_len)]
+    if num_tasks is not None:
+        args += ["--num-tasks", str(num_tasks)]
+    if max_turns is not None:
+        args += ["--max-turns", str(max_turns)]
+    if engine_url is not None:
+        args += ["--engine-url", engine_url]
+    r = run_cli(*args, *flags, "--hf-checkpoint", str(ckpt), "--output", str(output), env=env)
+    assert r.returncode == 0, r.stderr
+    return r, read_samples(output)
+
+
 # -- sandboxes ------------------------------------------------------------------------------------
 # Tests that need a backend skip with the reason only when it cannot exist on this machine; CI sets
 # AGENTRL_REQUIRE_DOCKER=1 / AGENTRL_REQUIRE_BWRAP=1 so a missing engine fails there instead.
@@ -99,8 +154,6 @@ SANDBOX_BACKENDS = [pytest.param("docker", marks=pytest.mark.docker), "bubblewra
 
 
 def _need(reason: str | None, env_var: str) -> None:
-    import os
-
     if reason is None:
         return
     if os.environ.get(env_var) == "1":

@@ -30,8 +30,9 @@ from agentrl.adapters.openenv import text_field
 from agentrl.check import check_env
 from agentrl.env import call_env
 from agentrl.types import Action
+from tests.conftest import read_samples
+from tests.conftest import run_cli as run
 from tests.serving import serve_app
-from tests.test_cli import read_samples, run
 
 # -- Gymnasium envs under test ----------------------------------------------------------------------
 

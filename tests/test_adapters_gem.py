@@ -19,7 +19,7 @@ import agentrl
 from agentrl.check import check_env
 from agentrl.env import call_env
 from agentrl.types import Action
-from tests.test_adapters import read_samples, run
+from tests.conftest import cli_rollout
 
 try:
     import gem  # noqa: F401
@@ -93,28 +93,7 @@ async def test_gem_env_passes_check_env():
 
 
 def test_gem_rollout_end_to_end(tiny_server, tiny_ckpt, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        EASY,
-        "--num-tasks",
-        "1",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "2",
-        "--rollout-max-turn-len",
-        "32",
-        "--engine-url",
-        tiny_server,
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    _, samples = cli_rollout(EASY, tiny_ckpt, tmp_path, num_tasks=1, max_turns=2, engine_url=tiny_server)
     assert len(samples) == 2
     for s in samples:
         assert s["status"] in ("completed", "truncated"), s["metadata"].get("error")

@@ -20,7 +20,8 @@ from agentrl.adapters.openenv_actions import action_mapping, parse_choice, resol
 from agentrl.check import check_env
 from agentrl.parsing import get_parser
 from agentrl.types import Action
-from tests.test_adapters import read_samples, require_openenv, run, serve_app
+from tests.conftest import cli_rollout
+from tests.test_adapters import require_openenv, serve_app
 
 SECRET = "tulip"
 
@@ -312,28 +313,8 @@ async def test_enum_action_env_is_played_from_text(grid_url):
 
 
 def test_mcp_rollout_shows_the_tools_and_a_real_prompt(notes_url, tiny_server, tiny_ckpt, tiny_tokenizer, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        f"openenv:{notes_url}",
-        "--num-tasks",
-        "1",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "2",
-        "--rollout-max-turn-len",
-        "32",
-        "--engine-url",
-        tiny_server,
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    spec = f"openenv:{notes_url}"
+    _, samples = cli_rollout(spec, tiny_ckpt, tmp_path, num_tasks=1, max_turns=2, engine_url=tiny_server)
     assert len(samples) == 2
     for s in samples:
         assert s["status"] in ("completed", "truncated"), s["metadata"].get("error")

@@ -10,10 +10,7 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import json
-import os
 import socket
-import subprocess
-import sys
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,20 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import REPO
+from tests.conftest import REPO, run_cli
 
 
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -98,8 +88,9 @@ def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: 
         cases.append((("check-env",), "gem:game:GuessTheNumber-v0-esy", ["did you mean game:GuessTheNumber-v0-easy"]))
     if importlib.util.find_spec("verifiers.v1") is not None:
         cases.append((("check-env",), "verifiers:no-such-taskset", ["taskset 'no-such-taskset' not found"]))
+    env = {"PYTHONPATH": str(REPO)}  # run from tmp_path, some specs still name tests.test_adapters
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda c: _cli(*c[0][:1], "--env", c[1], *c[0][1:], cwd=tmp_path), cases))
+        results = list(pool.map(lambda c: run_cli(*c[0][:1], "--env", c[1], *c[0][1:], cwd=tmp_path, env=env), cases))
     for (command, spec, wanted), r in zip(cases, results):
         lines = _error_lines(r.stderr)
         where = f"{command[0]} --env {spec}: rc {r.returncode}, stderr {r.stderr!r}"

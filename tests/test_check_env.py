@@ -63,6 +63,23 @@ async def test_violations_are_reported():
     assert any("answered no tool message" in v.detail for v in r.violations)
 
 
+class ExitsOnReset(agentrl.ToolEnv):
+    async def reset(self, *, seed=None, options=None):
+        raise SystemExit(3)
+
+
+class ExitsInSyncStep(agentrl.ToolEnv):
+    def step(self, action):  # in a worker thread
+        raise SystemExit("bye")
+
+
+async def test_an_env_that_raises_system_exit_is_a_violation_not_the_end_of_check_env():
+    r = await check_env(ExitsOnReset, [])
+    assert not r.ok and "raised SystemExit: 3" in r.violations[0].detail
+    r = await check_env(ExitsInSyncStep, [])
+    assert not r.ok and all("raised SystemExit: bye" in v.detail for v in r.violations)
+
+
 class StallsOnce(agentrl.ToolEnv):
     stalled = False
 

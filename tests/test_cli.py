@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO, read_samples, run_cli  # noqa: F401 (REPO: imported from here by older modules)
+
 pytestmark = pytest.mark.e2e  # runs the agentrl command (engine, Ray) as a user would: see conftest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def read_samples(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+run = run_cli  # this module's name for it, imported by other test modules
 
 
 def test_rollout_starts_the_embedded_engine_itself(tiny_ckpt, tmp_path):

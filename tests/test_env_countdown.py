@@ -10,7 +10,7 @@ import pytest
 import agentrl
 from agentrl.envs.countdown import FORMAT_CREDIT, Countdown, random_policy, score, solve, solver_policy
 from agentrl.rollout.scripted import play
-from tests.test_cli import read_samples, run
+from tests.conftest import cli_rollout
 
 NUMBERS = [1, 3, 4, 6]
 
@@ -88,24 +88,7 @@ async def test_solver_scores_high_and_random_policies_low():
 
 @pytest.mark.e2e
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        "agentrl.envs.countdown:Countdown",
-        "--num-tasks",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--rollout-max-turn-len",
-        "48",
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    r, samples = cli_rollout("agentrl.envs.countdown:Countdown", tiny_ckpt, tmp_path, num_tasks=2, turn_len=48)
     assert json.loads(r.stdout)["samples"] == len(samples) == 4
     targets = {t["target"] for t in Countdown.tasks()[:2]}
     for s in samples:

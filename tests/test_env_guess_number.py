@@ -14,8 +14,7 @@ from agentrl.rollout.scripted import play
 from agentrl.sandbox import SandboxPool, create_sandbox
 from agentrl.tools import python
 from agentrl.types import Action, ToolCall
-from tests.conftest import sandbox_config
-from tests.test_cli import read_samples, run
+from tests.conftest import cli_rollout, sandbox_config
 
 
 def _call(name: str, **arguments) -> Action:
@@ -136,26 +135,7 @@ async def test_a_plain_env_runs_sandboxed_tools_and_the_episode_returns_the_sand
 
 @pytest.mark.e2e
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        "agentrl/GuessNumber-v0",
-        "--num-tasks",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "4",
-        "--rollout-max-turn-len",
-        "24",
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    r, samples = cli_rollout("agentrl/GuessNumber-v0", tiny_ckpt, tmp_path, num_tasks=2, max_turns=4, turn_len=24)
     assert json.loads(r.stdout)["samples"] == len(samples) == 4
     for row in samples:
         s = agentrl.Sample.from_dict(row)

@@ -15,8 +15,7 @@ import agentrl
 from agentrl.envs.python_code import DATA, PythonCode, extract_code, parse_results, same_value
 from agentrl.rollout.scripted import play
 from agentrl.sandbox import SandboxPool, create_sandbox
-from tests.conftest import sandbox_config
-from tests.test_cli import read_samples, run
+from tests.conftest import cli_rollout, sandbox_config
 
 TASKS = {t["id"]: t for t in PythonCode.tasks()}
 
@@ -271,28 +270,8 @@ async def test_check_env_finds_no_violations(env_cls):
 @pytest.mark.e2e
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
     sandbox_config("bubblewrap")  # skips where bubblewrap cannot run
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        "agentrl.envs.python_code:PythonCode",
-        "--num-tasks",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "2",
-        "--rollout-max-turn-len",
-        "24",
-        "--sandbox",
-        "local",
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    spec = "agentrl.envs.python_code:PythonCode"
+    _, samples = cli_rollout(spec, tiny_ckpt, tmp_path, "--sandbox", "local", num_tasks=2, max_turns=2, turn_len=24)
     assert len(samples) == 4 and sorted({s["group_index"] for s in samples}) == [0, 1]
     for s in samples:
         assert s["status"] in ("completed", "truncated")

@@ -20,7 +20,7 @@ from agentrl.envs.search_qa import (
     token_f1,
 )
 from agentrl.rollout.scripted import play
-from tests.test_cli import read_samples, run
+from tests.conftest import cli_rollout
 
 # What the scripted solver knows: for each question kind, where the answer sits in the template sentence.
 ANSWER_IN_DOC = {
@@ -157,26 +157,9 @@ async def test_scripted_solver_earns_the_reward_and_random_policy_does_not():
 
 @pytest.mark.e2e
 def test_rollout_cli_with_the_tiny_model(tiny_ckpt, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        "agentrl.envs.search_qa:SearchQA",
-        "--num-tasks",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "2",
-        "--rollout-max-turn-len",
-        "24",
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
+    _, samples = cli_rollout(
+        "agentrl.envs.search_qa:SearchQA", tiny_ckpt, tmp_path, num_tasks=2, max_turns=2, turn_len=24
     )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
     assert len(samples) == 4 and sorted({s["group_index"] for s in samples}) == [0, 1]
     labels = {t["label"] for t in SearchQA.tasks(2)}
     for s in samples:

@@ -256,7 +256,8 @@ def test_cli_rollout_through_openenv_renders_the_served_tools(
 ):
     """``agentrl rollout --env openenv:URL`` shows the model the prompt an in-process run shows: the
     served env's first message and its tools, rendered by the chat template, token for token."""
-    from tests.test_cli import read_samples, run
+    from tests.conftest import read_samples
+    from tests.conftest import run_cli as run
 
     common = ["--num-tasks", "1", "--max-turns", "2", "--rollout-max-turn-len", "16", "--engine-url", tiny_server]
     common += ["--hf-checkpoint", str(tiny_ckpt)]

@@ -20,7 +20,7 @@ from agentrl.envs.wordle import (
     solver_policy,
 )
 from agentrl.rollout.scripted import play
-from tests.test_cli import read_samples, run
+from tests.conftest import cli_rollout
 
 
 @pytest.mark.parametrize(
@@ -127,26 +127,7 @@ async def test_solver_solves_and_random_policies_score_low():
 
 @pytest.mark.e2e
 def test_rollout_end_to_end_with_the_tiny_model(tiny_ckpt, tmp_path):
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        "agentrl.envs.wordle:Wordle",
-        "--num-tasks",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "6",
-        "--rollout-max-turn-len",
-        "48",
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    r, samples = cli_rollout("agentrl.envs.wordle:Wordle", tiny_ckpt, tmp_path, num_tasks=2, max_turns=6, turn_len=48)
     assert json.loads(r.stdout)["samples"] == len(samples) == 4
     for s in samples:
         assert s["status"] in ("completed", "truncated"), s["metadata"]

@@ -6,37 +6,16 @@ import json
 
 import pytest
 
-from tests.test_cli import REPO, read_samples, run
+from tests.conftest import REPO, cli_rollout, run_cli
 
 pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 
 
 def test_arithmetic_example_checks_and_rolls_out(tiny_server, tiny_ckpt, tmp_path):
     env, data = "examples/arithmetic/env.py:Arithmetic", "examples/arithmetic/tasks.jsonl"
-    r = run("check-env", "--env", env, "--prompt-data", data)
+    r = run_cli("check-env", "--env", env, "--prompt-data", data)
     assert r.returncode == 0, r.stdout + r.stderr
-    out = tmp_path / "samples.jsonl"
-    r = run(
-        "rollout",
-        "--env",
-        env,
-        "--prompt-data",
-        data,
-        "--n-samples-per-prompt",
-        "2",
-        "--max-turns",
-        "4",
-        "--rollout-max-turn-len",
-        "32",
-        "--engine-url",
-        tiny_server,
-        "--hf-checkpoint",
-        str(tiny_ckpt),
-        "--output",
-        str(out),
-    )
-    assert r.returncode == 0, r.stderr
-    samples = read_samples(out)
+    r, samples = cli_rollout(env, tiny_ckpt, tmp_path, "--prompt-data", data, max_turns=4, engine_url=tiny_server)
     assert len(samples) == 8 and json.loads(r.stdout)["samples"] == 8
     assert all(s["label"] in {"42", "127", "7.75", "1000"} for s in samples)
     assert (REPO / data).is_file()

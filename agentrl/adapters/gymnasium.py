@@ -26,13 +26,10 @@ reward is ``invalid_action_reward`` (default 0.0), and the turn counts against t
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import math
 import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,23 +60,9 @@ def resolve_gym_id(env_id: str) -> Any:
     gym = _gymnasium()
     module, sep, name = env_id.rpartition(":")
     if sep:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-                raise ImportError(
-                    f"no module named {exc.name!r}: install it, or run from the folder that holds "
-                    f"{module.replace('.', '/')}.py (it should register {name!r} with gymnasium.register)"
-                ) from None
-            raise ImportError(
-                f"importing {module!r} failed: no module named {exc.name!r} (a dependency of {module!r}: install it)"
-            ) from None
-        except (Exception, SystemExit) as exc:
-            from agentrl.registry import import_failed
+        from agentrl.registry import import_user_module
 
-            raise import_failed("", module, exc) from None
+        import_user_module(module, hint=f"it should register {name!r} with gymnasium.register")
     try:
         return gym.spec(name)
     except gym.error.Error as exc:

@@ -122,25 +122,26 @@ def env_tool_schemas(
 
 
 async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
+    from agentrl.env import reset_once
     from agentrl.sandbox import close_default_pool
 
+    async def call(what: str, method: Callable[..., Any], **kwargs: Any) -> Any:
+        async with asyncio.timeout(timeout):  # in this task: a SystemExit in a task of its own would stop the loop
+            return await method(**kwargs)
+
+    def close_failed(exc: BaseException) -> None:  # it must not hide the tools read or the reset's own error
+        print(f"reading the env's tools: close() after the reset failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
     try:
-        await asyncio.wait_for(env.reset(seed=seed, options=dict(task)), timeout)
-        return list(env.tool_schemas())
+        async with reset_once(env, task, seed=seed, call=call, on_close_error=close_failed):
+            return list(env.tool_schemas())
     except (Exception, SystemExit) as exc:  # SystemExit from a user's env included: a message, not a silent exit
         kind = "timed out" if isinstance(exc, TimeoutError) else f"raised {type(exc).__name__}: {exc}"
         raise ValueError(
             f"reading the env's tools: it offers none before reset, and reset() with the first task {kind}"
         ) from None
     finally:
-        try:  # a close that fails must not hide the tools read or the reset's own error
-            await asyncio.wait_for(env.close(), timeout)
-        except (Exception, SystemExit) as exc:
-            print(
-                f"reading the env's tools: close() after the reset failed: {type(exc).__name__}: {exc}", file=sys.stderr
-            )
-        finally:
-            await close_default_pool()
+        await close_default_pool()
 
 
 async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], template: Any, cfg: RunConfig) -> Any:
