@@ -43,6 +43,7 @@ from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
 from agentrl.types import Action, Status
 from tests.test_adapters import read_samples
+from tests.test_adapters_verifiers_agent import children, settled
 from tests.test_cli import REPO
 
 TASKSET = '''"""A verifiers taskset package: reverse a few words; exact answers score 1, the right words 0.5 more."""
@@ -278,9 +279,10 @@ async def test_a_tool_using_taskset_runs_verifiers_own_rollout_recorded_token_ex
     factory = agentrl.load_env(TOOLS_SPEC)
     rows = factory.tasks()
     assert isinstance(factory(), VerifiersAgentEnv) and [r["vf_idx"] for r in rows] == [0, 1, 2]
-    engine = ToolPolicy(tiny_tokenizer)
+    engine, before = ToolPolicy(tiny_tokenizer), children()
     ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(max_turns=6))
     samples, _ = await generate_rollout(ctx, factory, rows[1:2])
+    assert await settled(before) == []  # the chat program and the taskset's tool server ended with the episode
     assert len(samples) == 1
     for s, answer in zip(samples, ["15"]):
         assert s.status == Status.COMPLETED, s.metadata.get("error")

@@ -21,9 +21,13 @@ servers, rubric) on the local subprocess runtime with its model client pointed a
 recording-proxy session, and the reward is verifiers' own score of that rollout. What cannot run
 here is refused when the spec loads, in one line naming why and what to do: envs of several agents or
 rollouts (user simulators, best-of-n: their other roles would be recorded as the policy), tasks or harnesses that
-need a container or execute model-written code, roles that pin their own model endpoint, a chat
-harness program without ``uv`` or its packages, and a taskset that is not installed (verifiers
-downloads nothing at load: a hub id names an installed package).
+need a container or execute model-written code, roles that pin their own model endpoint, verifiers'
+chat program when this interpreter lacks a package it declares (it never downloads them), tool servers
+given by ``url`` or placed in a non-local runtime and judges whose endpoint is not loopback (on both
+paths: :func:`check_loopback`), and a taskset that is not installed (verifiers downloads nothing at
+load: a hub id names an installed package). ``adapter_factory("verifiers:ID", agent_timeout=S)`` (or
+a :class:`~agentrl.adapters.verifiers_agent.VerifiersAgentEnv` subclass setting ``agent_timeout``)
+sets the agent path's deadline (600 s by default).
 
 Task rows: ``tasks()`` lists the taskset's tasks (``{"prompt", "label": None, "vf_idx": i}``);
 ``--prompt-data`` rows without ``vf_idx`` are validated as the taskset's own task data (its
@@ -35,8 +39,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import ipaddress
 from dataclasses import dataclass
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from agentrl.env import Env, StepResult
 from agentrl.types import Action, Message
@@ -62,29 +68,101 @@ class Loaded:
 
 
 @functools.lru_cache(maxsize=16)
-def _load(taskset_id: str) -> Loaded:
-    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process), on the path that plays it."""
+def _load(taskset_id: str, agent_timeout: float | None = None) -> Loaded:
+    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process and ``agent_timeout``,
+    the agent path's deadline: None is its default), on the path that plays it."""
     vf = _vf()
     try:
         env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": taskset_id}}))
         _check_single_agent(taskset_id, env)
         tasks = _tasks(taskset_id, env)
+        check_loopback(taskset_id, env, tasks)
         reasons = _needs_agent(taskset_id, env, tasks[0])
         if reasons:
-            from agentrl.adapters import verifiers_agent
-
-            config = verifiers_agent.agent_config(taskset_id, reasons)
-            verifiers_agent.check_tasks(taskset_id, tasks)
-            if {h.id for h in config.agent_harnesses().values()} & {"null", "bash"}:
-                why = verifiers_agent.use_host_interpreter()
-                if why:
-                    raise ValueError(f"taskset {taskset_id!r}: {why}")
-            env = vf.load_environment(config)
-            tasks = _tasks(taskset_id, env)
+            env, tasks = _agent_env(taskset_id, reasons, tasks, agent_timeout)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         why = " ".join(str(exc).split())  # verifiers' own message, which names the taskset mostly
         raise ValueError(why if repr(taskset_id) in why else f"taskset {taskset_id!r}: {why}") from None
     return Loaded(env, tasks, tuple(reasons))
+
+
+def _agent_env(taskset_id: str, reasons: list[str], tasks: list[Any], agent_timeout: float | None) -> tuple[Any, list]:
+    """The env verifiers' own rollout runs on (:func:`~agentrl.adapters.verifiers_agent.agent_config`)."""
+    from agentrl.adapters import verifiers_agent
+
+    timeout = verifiers_agent.AGENT_TIMEOUT if agent_timeout is None else agent_timeout
+    config = verifiers_agent.agent_config(taskset_id, reasons, timeout)
+    verifiers_agent.check_tasks(taskset_id, tasks)
+    why = verifiers_agent.use_host_interpreter()  # whatever the harness: its chat program never downloads
+    if why:
+        raise ValueError(f"taskset {taskset_id!r}: {why}")
+    env = _vf().load_environment(config)
+    return env, _tasks(taskset_id, env)
+
+
+def check_loopback(taskset_id: str, env: Any, tasks: list[Any]) -> None:
+    """Refuse what would send traffic off this machine: a tool server (taskset- or task-level toolset)
+    given by ``url`` or placed in a runtime other than ``subprocess``, and a judge or other client
+    config in the taskset's or a task's config whose ``base_url`` is not loopback (verifiers' judges
+    default to Prime's hosted endpoint). Each distinct task config is read once."""
+    distinct: dict[tuple[type, str], tuple[int, Any]] = {}
+    for i, task in enumerate(tasks):
+        distinct.setdefault((type(task), task.config.model_dump_json()), (i, task))
+    toolsets = list(type(env.taskset).toolsets(env.taskset.config))
+    for _, task in distinct.values():
+        toolsets += type(task).toolsets(task.config)
+    for toolset in toolsets:
+        _check_toolset(taskset_id, toolset)
+    configs = [("taskset config", env.taskset.config)]
+    configs += [(f"task {i} config", t.config) for i, t in distinct.values() if t.config != env.taskset.config.task]
+    for where, cfg in configs:
+        for path, client in _clients(cfg, where):
+            host = (urlsplit(client.base_url).hostname or "").lower()
+            if host != "localhost" and not _loopback_ip(host):
+                kind = f"judge {client.id!r}" if getattr(client, "id", None) else "model client"
+                raise ValueError(
+                    f"taskset {taskset_id!r}: {kind} at {path} calls {client.base_url}, off this machine; agentrl "
+                    "keeps verifiers' traffic on loopback: point its base_url at a server on 127.0.0.1, or drop it"
+                )
+
+
+def _check_toolset(taskset_id: str, toolset: Any) -> None:
+    cfg, name = toolset.config, getattr(toolset, "server_name", type(toolset).__name__)
+    where = f"taskset {taskset_id!r}: toolset {name!r}"
+    if getattr(cfg, "url", None):
+        raise ValueError(
+            f"{where} is served at {cfg.url}, off this machine; agentrl keeps verifiers' traffic on loopback: "
+            "leave its url unset so verifiers starts it locally"
+        )
+    runtime = getattr(getattr(cfg, "runtime", None), "type", "subprocess")
+    if runtime != "subprocess" and not getattr(cfg, "colocated", False):  # colocated: the harness's runtime
+        raise ValueError(
+            f"{where} runs in the {runtime!r} runtime; agentrl runs verifiers' tool servers only in the local "
+            "subprocess runtime: set its runtime to subprocess (or colocate it with the harness)"
+        )
+
+
+def _clients(value: Any, path: str) -> list[tuple[str, Any]]:
+    """Every verifiers client config (``BaseClientConfig``, judges' too) inside a config, with its path."""
+    from pydantic import BaseModel
+    from verifiers.v1.configs.client import BaseClientConfig
+
+    if isinstance(value, BaseClientConfig):
+        return [(path, value)]
+    if isinstance(value, BaseModel):
+        return [c for name in type(value).model_fields for c in _clients(getattr(value, name), f"{path}.{name}")]
+    if isinstance(value, list | tuple):
+        return [c for i, v in enumerate(value) for c in _clients(v, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [c for k, v in value.items() for c in _clients(v, f"{path}[{k!r}]")]
+    return []
+
+
+def _loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_single_agent(taskset_id: str, env: Any) -> None:
@@ -194,14 +272,15 @@ class VerifiersEnv(Env):
     (:class:`~agentrl.adapters.verifiers_agent.VerifiersAgentEnv`): verifiers' own rollout, recorded.
     """
 
-    def __new__(cls, taskset_id: str) -> Any:
+    def __new__(cls, taskset_id: str, agent_timeout: float | None = None) -> Any:
         if _load(taskset_id).agent_reasons:
             from agentrl.adapters.verifiers_agent import VerifiersAgentEnv
 
-            return VerifiersAgentEnv(taskset_id)
+            return VerifiersAgentEnv(taskset_id, agent_timeout=agent_timeout)
         return super().__new__(cls)
 
-    def __init__(self, taskset_id: str) -> None:
+    def __init__(self, taskset_id: str, agent_timeout: float | None = None) -> None:
+        """``agent_timeout``: seconds for the agent path's whole rollout (ignored here: one reply, no agent)."""
         self.taskset_id = taskset_id
         loaded = _load(taskset_id)
         self.vf_env, self.tasks = loaded.env, loaded.tasks

@@ -11,7 +11,7 @@ user turns the harness sends back as mask-0 deltas, a rewritten history as a new
 reward is verifiers' own score of that rollout: the mean ``trace.reward`` over the episode's traces
 (one trace for a single-agent env, so exactly its weighted ``@vf.reward`` sum).
 
-What runs where, and what is refused when the spec loads (:func:`load_agent_env`):
+What runs where, and what is refused when the spec loads (``agentrl.adapters.verifiers._load``):
 
 - every agent runs in verifiers' ``subprocess`` runtime on this machine (its default, Prime's
   remote sandboxes, is replaced); tool servers run there too (``python -m`` of the toolset's module).
@@ -24,29 +24,68 @@ What runs where, and what is refused when the spec loads (:func:`load_agent_env`
   agentrl's sandboxes (``--network none``) do not give them.
 - a role that pins its own model endpoint (``client``) is refused: its calls would not be the policy's
   and would leave the machine.
-- harness programs that verifiers builds as ``uv`` scripts (``null``, ``bash``) need ``uv``; where
-  ``uv`` is not installed and this interpreter already has the program's packages, the program runs on
-  this interpreter instead of downloading them (:func:`use_host_interpreter`).
+- tool servers and judges off this machine are refused: a toolset with a ``url`` or a runtime other than
+  ``subprocess``, and a judge (a client config in the task or taskset config, e.g. ``judges``) whose
+  ``base_url`` is not loopback (:func:`agentrl.adapters.verifiers.check_loopback`, both paths). A judge
+  that reward code builds from a literal config is not visible at load and is not checked.
+- verifiers' chat program (the ``null`` harness's, and any harness that subclasses it) is a PEP 723
+  script verifiers would prepare with ``uv`` (installing uv with pip or curl, then downloading its
+  packages). It always runs on this interpreter instead (:func:`use_host_interpreter`), uv or no uv;
+  the spec is refused at load when a package its header declares is missing here. A harness that
+  brings another PEP 723 program of its own is still prepared by verifiers (with uv): not checked.
+- the whole run (setup, harness, scoring) is bounded by ``agent_timeout`` (ProxyEnv's 600 s unless
+  given: ``adapter_factory("verifiers:ID", agent_timeout=S)``, or a subclass's attribute); verifiers'
+  own ``timeout.rollout`` is set to it (a role's own shorter one stands) and ``timeout.scoring`` to
+  :data:`~agentrl.proxy.env.REWARD_SECONDS` (at most it), so no stage of verifiers waits past it.
+  Either deadline fails the sample (verifiers scores a timed-out trace as ok; agentrl, as for any
+  ProxyEnv agent, does not reward a run that did not finish).
+- retries are off (``retries.max_retries = 0``, no rules, for every role and the env): a retried run
+  restarts the harness, whose new conversation the proxy would record as a rewrite (a new segment),
+  the failed attempt's turns trained with the retry's reward. A taskset's own retries are overridden.
+- success is verifiers' own ``ok`` stamp on the episode (every trace completed without failing; a
+  recovered error in ``errors`` does not fail it), and no verifiers deadline stopped a trace.
+- verifiers' ``serving()`` (shared tool servers, the interception pool, the env's ``start``/``stop``)
+  is entered once per event loop for all concurrent episodes (:func:`serving`), on a shallow copy of
+  the loaded env, and left when the last of them ends.
+- processes: each rollout's harness and tool servers run in their own process group
+  (``start_new_session``) in a workdir under verifiers' cache; verifiers kills the groups and removes
+  the workdir when the rollout ends, fails or is cancelled, and agentrl's ``serving`` holder does the
+  same for shared servers when the last episode leaves. A hard kill (SIGKILL) of the agentrl
+  process runs none of this: those processes and workdirs outlive it (verifiers' atexit backstop
+  covers only a normal interpreter exit); kill their process groups by hand
+  (``~/.cache/verifiers/runtimes/subprocess``). verifiers itself leaves one small
+  ``/tmp/vf-port-<id>`` file per local tool server it starts (its port file, outside the workdir).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
 import hashlib
-import importlib.util
+import importlib.metadata
+import logging
 import math
-import shutil
+import re
 import sys
+import tomllib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.proxy.env import ProxyEnv
+from agentrl.proxy.env import REWARD_SECONDS, ProxyEnv
+
+logger = logging.getLogger(__name__)
 
 AGENT_HARNESS = "null"
 """The harness played for a taskset that ships none (see the module docstring for why not ``bash``)."""
+AGENT_TIMEOUT: float = ProxyEnv.agent_timeout
+"""Seconds one verifiers rollout may take, setup and scoring included, unless ``agent_timeout`` is given."""
+SUPPORTED_VERIFIERS = "0.4.0"
+"""The verifiers release whose private script cache (``SubprocessRuntime._interpreters``) this module fills."""
 
-_LOCAL_RUNTIMES = {"subprocess"}
-_CHAT_PROGRAM_PACKAGES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certifi")
+_PEP_723 = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)$\s)+)^# ///$")
 
 
 @dataclass(frozen=True)
@@ -59,37 +98,54 @@ class Outcome:
     turns: list[int] = field(default_factory=list)
 
 
-def agent_config(taskset_id: str, reasons: list[str]) -> Any:
+def agent_config(taskset_id: str, reasons: list[str], agent_timeout: float = AGENT_TIMEOUT) -> Any:
     """The env config verifiers runs the taskset under: each role on the local ``subprocess`` runtime
-    with its harness (its pin, else the taskset's own, else ``null``); ValueError naming what cannot run
-    here. ``reasons``: why the single-reply path does not cover the taskset (for the error's context)."""
+    with its harness (its pin, else the taskset's own, else ``null``), no retries, stage deadlines
+    within ``agent_timeout`` (module docstring); ValueError naming what cannot run here. ``reasons``:
+    why the single-reply path does not cover the taskset (for the error's context)."""
     import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
-    from verifiers.v1.utils.loaders import default_harness_id, harness_class
 
     base = vf.resolve_env_config({"taskset": {"id": taskset_id}})
+    no_retries = {"max_retries": 0, "rules": []}
+    limit = agent_timeout if math.isfinite(agent_timeout) else None
+    timeout = {"rollout": limit, "scoring": min(REWARD_SECONDS, agent_timeout)}
     roles: dict[str, Any] = {}
     for name, spec in agent_config_fields(base).items():
         where = f"taskset {taskset_id!r} ({'; '.join(reasons)}): role {name!r}"
-        if spec.client is not None:
-            raise ValueError(
-                f"{where} pins its own model endpoint ({spec.client.base_url}); every role must be the policy"
-            )
-        harness = spec.harness.id if spec.harness is not None else default_harness_id(taskset_id)
-        if spec.harness is None and harness == "bash":
-            harness = AGENT_HARNESS
-        cls = harness_class(harness)
-        if cls.NEEDS_CONTAINER or cls.EXECUTES_CODE:
-            why = "needs a container" if cls.NEEDS_CONTAINER else "runs model-written code"
-            raise ValueError(
-                f"{where}: its harness {harness!r} {why}; agentrl runs verifiers agents only in the local "
-                "subprocess runtime, where that code would run unsandboxed (verifiers' container runtimes reach "
-                "their interception server over a network, which agentrl's sandboxes do not allow): "
-                "pin a harness that runs no code (EXECUTES_CODE = False), or use `vf eval` for it"
-            )
-        harness_cfg = spec.harness.model_dump() if spec.harness is not None else {"id": harness}
-        roles[name] = {"runtime": {"type": "subprocess"}, "harness": harness_cfg}
-    return vf.resolve_env_config({**base.model_dump(exclude_unset=True), **roles, "taskset": {"id": taskset_id}})
+        harness = _role_harness(taskset_id, spec, where)
+        own = spec.timeout.model_dump(exclude_none=True)  # a role's own shorter deadline stands
+        timeouts = {**own, **{k: min(v, own.get(k, v)) if v is not None else own.get(k) for k, v in timeout.items()}}
+        roles[name] = {
+            "runtime": {"type": "subprocess"},
+            "harness": harness,
+            "retries": no_retries,
+            "timeout": timeouts,
+        }
+    data = {**base.model_dump(exclude_unset=True), **roles, "retries": no_retries, "taskset": {"id": taskset_id}}
+    return vf.resolve_env_config(data)
+
+
+def _role_harness(taskset_id: str, spec: Any, where: str) -> dict[str, Any]:
+    """The role's harness config (its pin, else the taskset's own, else :data:`AGENT_HARNESS`), refused
+    when it pins a model endpoint or its harness runs code or needs a container."""
+    from verifiers.v1.utils.loaders import default_harness_id, harness_class
+
+    if spec.client is not None:
+        raise ValueError(f"{where} pins its own model endpoint ({spec.client.base_url}); every role must be the policy")
+    harness = spec.harness.id if spec.harness is not None else default_harness_id(taskset_id)
+    if spec.harness is None and harness == "bash":
+        harness = AGENT_HARNESS
+    cls = harness_class(harness)
+    if cls.NEEDS_CONTAINER or cls.EXECUTES_CODE:
+        why = "needs a container" if cls.NEEDS_CONTAINER else "runs model-written code"
+        raise ValueError(
+            f"{where}: its harness {harness!r} {why}; agentrl runs verifiers agents only in the local "
+            "subprocess runtime, where that code would run unsandboxed (verifiers' container runtimes reach "
+            "their interception server over a network, which agentrl's sandboxes do not allow): "
+            "pin a harness that runs no code (EXECUTES_CODE = False), or use `vf eval` for it"
+        )
+    return spec.harness.model_dump() if spec.harness is not None else {"id": harness}
 
 
 def check_tasks(taskset_id: str, tasks: list[Any]) -> None:
@@ -101,33 +157,121 @@ def check_tasks(taskset_id: str, tasks: list[Any]) -> None:
         )
 
 
-def use_host_interpreter() -> str | None:
-    """Run verifiers' chat-program harnesses (``null``, ``bash``) on this interpreter when ``uv`` is absent.
+def script_packages(source: str) -> list[str]:
+    """The distribution names a PEP 723 script declares (its ``# /// script`` block's ``dependencies``)."""
+    from packaging.requirements import Requirement
 
-    verifiers prepares the program as a PEP 723 script with ``uv sync --script`` (installing uv and
-    downloading its packages on first use). With no ``uv`` on PATH but every package it declares
-    importable here, the script is registered as prepared with this interpreter (the subprocess
-    runtime's own cache of prepared scripts), so nothing is downloaded. Returns why it cannot run
-    (None when it can), for the refusal at load.
+    blocks = [m for m in _PEP_723.finditer(source) if m.group("type") == "script"]
+    if len(blocks) != 1:
+        raise ValueError(f"the program has {len(blocks)} PEP 723 script blocks, not 1")
+    lines = blocks[0].group("content").splitlines(keepends=True)
+    meta = tomllib.loads("".join(line[2:] if line.startswith("# ") else line[1:] for line in lines))
+    return [Requirement(dep).name for dep in meta.get("dependencies", [])]
+
+
+def use_host_interpreter() -> str | None:
+    """Register verifiers' chat program (the ``null`` harness's, and its subclasses') as prepared with
+    this interpreter, whether or not ``uv`` is installed, so verifiers never bootstraps uv or downloads
+    the program's packages. Returns why it cannot (None when it can), for the refusal at load.
+
+    verifiers prepares the program as a PEP 723 script (``uv sync --script``, after installing uv with
+    pip or curl when it is missing) and caches the interpreter per script path in the subprocess
+    runtime's class-wide ``_interpreters``; filling that entry first makes the runtime use this
+    interpreter. The packages are the script header's (the host's versions stand in for its pins).
     """
-    if shutil.which("uv"):
-        return None  # verifiers prepares it as usual (from its cache after the first time)
-    missing = [p for p in _CHAT_PROGRAM_PACKAGES if importlib.util.find_spec(p) is None]
-    if missing:
-        return (
-            f"its harness program needs uv (not installed) or the packages {', '.join(missing)} here: "
-            f"pip install uv (it fetches them once), or pip install {' '.join(missing)}"
-        )
     from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
+    interpreters = getattr(SubprocessRuntime, "_interpreters", None)
+    scripts_dir = getattr(SubprocessRuntime, "scripts_dir", None)
+    if not isinstance(interpreters, dict) or not isinstance(scripts_dir, str):
+        return (
+            f"verifiers {_version('verifiers')} changed the subprocess runtime's script cache "
+            f"(SubprocessRuntime._interpreters) that agentrl fills to run its chat program without uv; "
+            f"agentrl supports verifiers=={SUPPORTED_VERIFIERS}: pip install verifiers=={SUPPORTED_VERIFIERS}"
+        )
+    try:
+        packages = script_packages(CHAT_PROGRAM_SOURCE)
+    except ValueError as exc:
+        return (
+            f"verifiers' chat program header cannot be read ({exc}); agentrl supports verifiers=={SUPPORTED_VERIFIERS}"
+        )
+    missing = [p for p in packages if _version(p) is None]
+    if missing:
+        return (
+            f"its harness program (verifiers' chat program) needs the packages {', '.join(missing)} in this "
+            f"interpreter (agentrl never lets verifiers download them): pip install {' '.join(missing)}"
+        )
     data = CHAT_PROGRAM_SOURCE.encode()
-    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
-    if str(path) not in SubprocessRuntime._interpreters:
+    path = Path(scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    if interpreters.get(str(path)) != sys.executable or not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        SubprocessRuntime._interpreters[str(path)] = sys.executable
+        interpreters[str(path)] = sys.executable
     return None
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class _Serving:
+    """verifiers' ``serving()`` held open for one event loop's episodes of one loaded env.
+
+    A task of its own enters and leaves it (its tool servers and interception pool use cancel scopes
+    that must be left by the task that entered them); episodes only count themselves in and out.
+    It serves a shallow copy of the loaded env: ``serving()`` stores the live resources on the env
+    object, so two loops (or a new holder starting while the last one stops) never share them.
+    """
+
+    def __init__(self, vf_env: Any) -> None:
+        self.env = copy.copy(vf_env)
+        self.users = 0
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+        self.task = asyncio.create_task(self._hold(), name="verifiers-serving")
+
+    async def _hold(self) -> None:
+        try:
+            async with self.env.serving():
+                self.ready.set_result(None)
+                await self.release.wait()
+        except BaseException as exc:
+            if not self.ready.done():
+                self.ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            raise
+
+
+_SERVING: dict[tuple[asyncio.AbstractEventLoop, int], _Serving] = {}
+
+
+@contextlib.asynccontextmanager
+async def serving(vf_env: Any) -> AsyncIterator[Any]:
+    """The env to run an episode on, inside verifiers' ``serving()``: entered by the first concurrent
+    episode of this event loop, left (``stop()``, tool servers and interception torn down) when the
+    last one ends, however it ends. verifiers' ``start``/``stop`` bracket a whole eval, not an episode."""
+    key = (asyncio.get_running_loop(), id(vf_env))
+    held = _SERVING.get(key)
+    if held is None:
+        held = _SERVING[key] = _Serving(vf_env)
+    held.users += 1
+    try:
+        await asyncio.shield(held.ready)
+        yield held.env
+    finally:
+        held.users -= 1
+        if held.users == 0:
+            if _SERVING.get(key) is held:
+                del _SERVING[key]
+            held.release.set()
+            try:
+                await asyncio.shield(held.task)
+            except Exception as exc:  # the episode is over; stop()'s failure is the env's to report
+                if held.ready.done() and not held.ready.cancelled() and held.ready.exception() is None:
+                    logger.warning("verifiers env %s: leaving serving() failed: %s", type(vf_env).__name__, exc)
 
 
 class VerifiersAgentEnv(ProxyEnv):
@@ -135,16 +279,21 @@ class VerifiersAgentEnv(ProxyEnv):
 
     ``max_turns`` is None: the harness and the run's limits (``--max-turns``, the context) end the
     episode; a turn cut off ends it, and the harness's next request is refused, failing the rollout.
+    ``agent_timeout`` (seconds, default :data:`AGENT_TIMEOUT`) bounds the whole rollout, scoring included.
     """
 
     max_turns: int | None = None
-    agent_timeout: float = math.inf
+    agent_timeout: float = AGENT_TIMEOUT
 
-    def __init__(self, taskset_id: str) -> None:
+    def __init__(self, taskset_id: str, agent_timeout: float | None = None) -> None:
         from agentrl.adapters.verifiers import _load
 
+        if agent_timeout is not None:
+            if isinstance(agent_timeout, bool) or not isinstance(agent_timeout, int | float) or not agent_timeout > 0:
+                raise ValueError(f"agent_timeout: expected seconds > 0 (math.inf: no limit), got {agent_timeout!r}")
+            self.agent_timeout = float(agent_timeout)
         self.taskset_id = taskset_id
-        loaded = _load(taskset_id)
+        loaded = _load(taskset_id, None if self.agent_timeout == AGENT_TIMEOUT else self.agent_timeout)  # one load
         self.vf_env, self.tasks = loaded.env, loaded.tasks
 
     async def run_agent(self, base_url: str, task: dict[str, Any]) -> Outcome:
@@ -157,20 +306,32 @@ class VerifiersAgentEnv(ProxyEnv):
         vf_task = task_for(self.tasks, task)
         client = EvalClientConfig(base_url=base_url, api_key_var="AGENTRL_VERIFIERS_API_KEY")
         ctx = ModelContext(model="agentrl-policy", client=client, sampling=SamplingConfig())
-        async with self.vf_env.serving():
-            episode = await self.vf_env.run_episode(vf_task, ctx)
-        errors = [e for t in episode.traces for e in ([t.last_error] if t.last_error else [])] + list(episode.errors)
-        if errors or not episode.traces:
-            why = "; ".join(f"{e.type}: {' '.join(e.message.split())[:500]}" for e in errors) or "no agent ran"
-            raise RuntimeError(f"verifiers' rollout failed: {why}")
-        traces = episode.traces
-        return Outcome(
-            reward=sum(float(t.reward) for t in traces) / len(traces),
-            rewards=[{k: (r.score if r is not None else None) for k, r in t.rewards.items()} for t in traces],
-            metrics=[dict(t.metrics) for t in traces],
-            turns=[t.num_turns for t in traces],
-        )
+        async with serving(self.vf_env) as vf_env:
+            episode = await vf_env.run_episode(vf_task, ctx)
+        return outcome(episode)
 
     def reward(self, task: dict[str, Any], messages: list, output: Any) -> float:
         """verifiers' own score of the rollout (computed by ``run_agent``)."""
         return float(output.reward)
+
+
+def outcome(episode: Any) -> Outcome:
+    """verifiers' score of a finished episode; RuntimeError (the sample fails) unless verifiers stamped
+    it ``ok`` and no trace ran into a deadline (module docstring)."""
+    traces = episode.traces
+    timed_out = [t.stop_condition for t in traces if t.is_timeout] + (
+        ["episode deadline"] if episode.is_timeout else []
+    )
+    if not episode.ok or not traces or timed_out:
+        errors = [*episode.errors, *(e for t in traces if not t.ok for e in t.errors)]
+        why = "; ".join(f"{e.type}: {' '.join(e.message.split())[:500]}" for e in errors)
+        why = why or (
+            f"verifiers' deadline expired ({', '.join(map(str, timed_out))})" if timed_out else "no agent ran"
+        )
+        raise RuntimeError(f"verifiers' rollout failed: {why}")
+    return Outcome(
+        reward=sum(float(t.reward) for t in traces) / len(traces),
+        rewards=[{k: (r.score if r is not None else None) for k, r in t.rewards.items()} for t in traces],
+        metrics=[dict(t.metrics) for t in traces],
+        turns=[t.num_turns for t in traces],
+    )
