@@ -146,10 +146,11 @@ async def test_a_server_that_answers_the_handshake_but_not_its_listing(tmp_path)
     """Slow past the handshake: ``mcp_tools`` fails naming tools/list (it used to wait for good), and
     the server process is gone."""
     (tmp_path / "slow_list").touch()
-    spec = MCPServerSpec(command=(sys.executable, SILENT, str(tmp_path)), connect_timeout=2.0)
+    # 8 s: the child's start and its import of mcp (2-3 s on a busy machine) come out of it before the listing
+    spec = MCPServerSpec(command=(sys.executable, SILENT, str(tmp_path)), connect_timeout=8.0)
     listing = asyncio.to_thread(mcp_tools, spec)
     with pytest.raises(
-        MCPServerError, match=r"did not answer tools/list within 2s \(connect_timeout\): it answered the handshake"
+        MCPServerError, match=r"did not answer tools/list within 8s \(connect_timeout\): it answered the handshake"
     ):
         await asyncio.wait_for(listing, 30)
     pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")]
@@ -171,3 +172,15 @@ async def test_a_call_that_times_out_while_the_server_starts_is_that_calls_timeo
     finally:
         await tools.aclose()
     assert len(list(tmp_path.glob("pid.*"))) == 2 and (tmp_path / f"pid.{pid}").exists()
+
+
+async def test_an_sdk_that_does_not_import_is_named_at_once(monkeypatch):
+    """The ``mcp`` SDK (an optional extra) broken or missing: the session fails at once naming the
+    import, not after connect_timeout + 10 s as a transport that would not stop."""
+    monkeypatch.setitem(sys.modules, "mcp.client.streamable_http", None)
+    sessions = Sessions(MCPServerSpec(command=STDIO, connect_timeout=1.0), False)
+    t0 = time.monotonic()
+    with pytest.raises(MCPServerError, match=r"did not start: .*ModuleNotFoundError.*mcp\.client\.streamable_http"):
+        await asyncio.wait_for(sessions.get(None), 30)
+    await sessions.aclose()
+    assert time.monotonic() - t0 < 5

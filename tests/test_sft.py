@@ -240,3 +240,20 @@ def test_reading_the_tools_reports_a_system_exit_and_a_failing_close_hides_nothi
     with pytest.raises(ValueError, match="reset.. with the first task raised SystemExit: 3"):  # not the close's error
         env_tool_schemas(Exits, {"prompt": "q"}, seed=0, timeout=5.0)
     assert "close() after the reset failed: RuntimeError: close broke" in capsys.readouterr().err
+
+
+def test_reading_the_tools_of_an_env_with_sync_methods(capsys):
+    """A sync ``reset`` and ``close`` (the Env contract allows both) are called in a worker thread:
+    the tools it sets at reset are read and no false close failure is printed."""
+    from agentrl.runtime.sft import env_tool_schemas
+
+    class SyncTools(_ToolsAtReset):
+        def reset(self, *, seed=None, options=None):
+            self.tools = Calculator.tools
+            return [{"role": "user", "content": "q"}], {}
+
+        def close(self):
+            pass
+
+    assert env_tool_schemas(SyncTools, {"prompt": "q"}, seed=0, timeout=5.0) == TOOLS
+    assert "close() after the reset failed" not in capsys.readouterr().err

@@ -63,9 +63,9 @@ class Connection:
         await self._ready  # the handshake's outcome: None, or the MCPServerError saying why it failed
 
     async def _run(self) -> None:
-        _import_sdk()  # before the deadline: the SDK's first import takes seconds on a busy machine
         deadline = asyncio.timeout(self.spec.connect_timeout)
         try:
+            _import_sdk()  # before the deadline: the SDK's first import takes seconds on a busy machine
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     async with deadline:

@@ -122,12 +122,12 @@ def env_tool_schemas(
 
 
 async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
-    from agentrl.env import reset_once
+    from agentrl.env import call_env, reset_once
     from agentrl.sandbox import close_default_pool
 
     async def call(what: str, method: Callable[..., Any], **kwargs: Any) -> Any:
         async with asyncio.timeout(timeout):  # in this task: a SystemExit in a task of its own would stop the loop
-            return await method(**kwargs)
+            return await call_env(method, **kwargs)  # a sync reset or close runs in a worker thread
 
     def close_failed(exc: BaseException) -> None:  # it must not hide the tools read or the reset's own error
         print(f"reading the env's tools: close() after the reset failed: {type(exc).__name__}: {exc}", file=sys.stderr)
