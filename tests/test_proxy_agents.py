@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import openai
 import pytest
@@ -84,14 +85,9 @@ SDKAgent = ProxyEnv.define(
 )
 
 
-async def test_an_openai_agents_sdk_agent_is_recorded_token_exact(tiny_tokenizer):
-    """The SDK parses the reply's tool_calls, runs its function tool and sends the result back as an
-    extension of the conversation: one sample, every engine request a prefix of its tokens, every turn
-    the engine's ids verbatim, the tool's result in the ledger and in the agent's final output."""
-    _agents_sdk()
-    engine = ScriptedEngine(tiny_tokenizer)
-    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(max_turns=4))
-    samples, _ = await generate_rollout(ctx, SDKAgent, [{"prompt": "What is 6 * 7?", "label": "42"}])
+def _one_two_turn_sample(samples: list, engine: ScriptedEngine) -> Any:
+    """The one completed sample of a 6 * 7 agent episode, checked token-exact: two turns, no rewrite,
+    every engine request a prefix of its tokens, every turn the engine's ids verbatim."""
     (s,) = samples
     assert s.status == Status.COMPLETED and s.reward == 1.0, s.metadata.get("error")
     s.validate()
@@ -102,6 +98,18 @@ async def test_an_openai_agents_sdk_agent_is_recorded_token_exact(tiny_tokenizer
         assert s.tokens[: len(req)] == req
     turns = [s.tokens[s.prompt_length + a : s.prompt_length + b] for a, b in s.turn_spans]
     assert turns == engine.outputs
+    return s
+
+
+async def test_an_openai_agents_sdk_agent_is_recorded_token_exact(tiny_tokenizer):
+    """The SDK parses the reply's tool_calls, runs its function tool and sends the result back as an
+    extension of the conversation: one sample, every engine request a prefix of its tokens, every turn
+    the engine's ids verbatim, the tool's result in the ledger and in the agent's final output."""
+    _agents_sdk()
+    engine = ScriptedEngine(tiny_tokenizer)
+    ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(max_turns=4))
+    samples, _ = await generate_rollout(ctx, SDKAgent, [{"prompt": "What is 6 * 7?", "label": "42"}])
+    s = _one_two_turn_sample(samples, engine)
     assert all(lp == -0.25 for a, b in s.turn_spans for lp in s.rollout_log_probs[a:b])
     text = ctx.template.decode(s.tokens)
     assert '"name": "multiply"' in text.split("<|im_start|>user")[0]  # the SDK's tool schema, rendered
@@ -168,16 +176,7 @@ async def test_a_langchain_agent_is_recorded_token_exact(tiny_tokenizer, monkeyp
     samples, _ = await generate_rollout(
         ctx, LangChainAgent, [{"prompt": "What is 6 * 7?", "label": "42", "mode": mode, "id": mode}]
     )
-    (s,) = samples
-    assert s.status == Status.COMPLETED and s.reward == 1.0, s.metadata.get("error")
-    s.validate()
-    assert s.metadata["num_turns"] == 2 and "segment" not in s.metadata
-    assert not any(i.get("rewritten") for i in s.metadata["env_infos"])
-    assert s.prompt == [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 6 * 7?"}]
-    for req in engine.requests:  # token in: each request is a prefix of the sample
-        assert s.tokens[: len(req)] == req
-    turns = [s.tokens[s.prompt_length + a : s.prompt_length + b] for a, b in s.turn_spans]
-    assert turns == engine.outputs
+    s = _one_two_turn_sample(samples, engine)
     masked = [i for i, m in enumerate(s.loss_mask) if m]
     assert masked == [i for a, b in s.turn_spans for i in range(a, b)]  # the assistant turns, nothing else
     (between,) = s.env_spans
