@@ -3,12 +3,17 @@
 An env built by the rollout loop in a process that has not probed the server yet must not read it
 synchronously: that would stall every other episode on the loop. The server here is real (agentrl's
 ``env-serve`` app under uvicorn on loopback, ``tests/serving.py``) with its ``/metadata`` answer
-delayed by an ASGI wrapper, as a busy or distant server's would be.
+delayed by an ASGI wrapper, as a busy or distant server's would be; a server that never answers is
+a loopback socket that listens and never reads. The probe is a task of the loop that built the env, so
+it ends with that loop, and an env reset on another loop asks the server anew.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,3 +120,67 @@ async def test_the_factory_carries_what_load_env_read_to_envs_built_elsewhere():
             await env.close()
         finally:
             SERVER_INFO.pop(url, None)
+
+
+def test_a_probe_in_flight_ends_with_its_loop(caplog):
+    """An env built inside a loop against a server that accepts and never answers, never reset: the
+    probe waiting for ``/schema`` (``timeout`` 5 s) does not hold ``asyncio.run`` up after main() is
+    done, leaves no thread behind, caches nothing and logs no error (no unclosed session)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes connections; nobody reads the request
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    threads = set(threading.enumerate())
+
+    async def main() -> float:
+        env = OpenEnvEnv(url, timeout=5.0)
+        await asyncio.sleep(0.3)  # the probe's request is sent and waits for its answer
+        assert env.served is None and url not in SERVER_INFO
+        return time.monotonic()
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            main_done = asyncio.run(main())
+            ended = time.monotonic()
+    finally:
+        silent.close()
+    assert ended - main_done < 1.0, f"asyncio.run waited {ended - main_done:.1f}s for the probe"
+    assert set(threading.enumerate()) <= threads and url not in SERVER_INFO
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_an_env_built_on_one_loop_resets_on_another():
+    """Built on loop A (a thread's loop) while its probe is in flight, reset under ``asyncio.run`` on
+    loop B: B cannot await A's probe, so reset starts its own there and plays the served env."""
+    delay, hits = {"s": 1.0}, []
+    ready, box = threading.Event(), {}
+
+    async def loop_a() -> None:
+        box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        ready.set()
+        await box["stop"].wait()
+
+    async def build(url: str) -> OpenEnvEnv:
+        return OpenEnvEnv(url)
+
+    async def play(env: OpenEnvEnv) -> Any:
+        try:
+            return await env.reset(seed=0)
+        finally:
+            await env.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(loop_a(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    with serve_app(slow_metadata(_served_calculator(), delay, hits)) as url:
+        try:
+            env = asyncio.run_coroutine_threadsafe(build(url), box["loop"]).result(5)
+            assert env.served is None  # loop A's probe is still waiting for /metadata
+            messages, _ = asyncio.run(play(env))
+            assert messages[-1]["content"] == "What is 2 + 3?"
+            assert env.served is not None and [t.name for t in env.tools] == ["calculator"]
+        finally:
+            box["loop"].call_soon_threadsafe(box["stop"].set)
+            thread.join(10)
+            SERVER_INFO.pop(url, None)
+    assert not thread.is_alive()

@@ -390,7 +390,7 @@ class Optioned(agentrl.Env):
         return [], 0.0, True, False, {}
 
 
-async def test_reset_options_go_on_the_servers_row_and_a_factory_exit_is_a_factory_error(fragile_url):
+async def test_reset_options_go_on_the_servers_row_and_a_factory_exit_is_a_factory_error():
     """Reset keys without a ``prompt`` are options (OpenEnv clients send them as reset kwargs): the
     server's row for the seed, with them added. A factory raising SystemExit fails that reset only."""
     rows = [{"prompt": "row zero", "label": None}]
@@ -410,23 +410,39 @@ async def test_reset_options_go_on_the_servers_row_and_a_factory_exit_is_a_facto
 
 
 async def test_reset_options_never_replace_the_servers_task_fields():
-    """The server's row is the task: options may add fields, never replace one the row has, nor set
-    ``label`` (a client would change the answer it is scored against). Refused naming the key, before
-    any env is built (the live episode goes on); a client's own whole row (with a prompt) still plays."""
+    """The server's rows are protected from overrides: an option named as a field of any row (or
+    ``label``) is refused naming the key, for every seed alike, unless it is the played row's own value.
+    Refused before any env is built (the live episode goes on) and before a seedless reset uses up its
+    turn; a client's own whole row (with a prompt) still plays."""
     rows = [{"prompt": "row zero", "label": None}, {"prompt": "row one", "label": "7", "difficulty": "easy"}]
+    refused = [
+        ({"seed": 0, "label": "3"}, "label", 0),
+        ({"seed": 0, "difficulty": "hard"}, "difficulty", 0),  # row 0 has no difficulty: row 1's field all the same
+        ({"seed": 1, "difficulty": "hard", "x": 1}, "difficulty", 1),
+        ({"difficulty": "hard"}, "difficulty", 0),  # no seed: the next row in turn, which stays next
+    ]
     Optioned.built = -10
     with serve_app(EnvServer(Optioned, tasks=rows, max_sessions=2).app()) as url:
         async with session(url) as s:
             assert (await s.ask({"type": "reset", "data": {"seed": 1}}))["type"] == "observation"
-            for seed, sent, key in ((0, {"label": "3"}, "label"), (1, {"difficulty": "hard", "x": 1}, "difficulty")):
-                got = await s.ask({"type": "reset", "data": {"seed": seed, **sent}})
+            for sent, key, row in refused:
+                got = await s.ask({"type": "reset", "data": sent})
                 assert got["type"] == "error" and got["data"]["code"] == "VALIDATION_ERROR", got
                 assert [e["loc"] for e in got["data"]["errors"]] == [[key]]
-                assert f"reset data sets '{key}', a field of the server's task row {seed}" in got["data"]["message"]
+                said = f"reset data sets '{key}', a field of the server's task rows, to a value other than task row {row}'s"
+                assert said in got["data"]["message"], got
             state = await s.ask({"type": "state"})
             assert state["data"]["episode_id"] and not state["data"]["done"]  # the refused resets changed nothing
-            own = await s.ask({"type": "reset", "data": {"seed": 1, "prompt": "mine", "label": "9"}})
-            assert json.loads(own["data"]["observation"]["messages"][0]["content"]) == {"prompt": "mine", "label": "9"}
+
+            async def shown(data: dict) -> dict:
+                got = await s.ask({"type": "reset", "data": data})
+                assert got["type"] == "observation", got
+                return json.loads(got["data"]["observation"]["messages"][0]["content"])
+
+            assert (await shown({}))["prompt"] == "row zero"  # the refused seedless reset used up no turn
+            assert (await shown({"label": "7", "difficulty": "easy"})) == rows[1]  # the row's own values
+            assert (await shown({"seed": 0, "label": None, "x": 1})) == {**rows[0], "x": 1}
+            assert (await shown({"seed": 1, "prompt": "mine", "label": "9"})) == {"prompt": "mine", "label": "9"}
         env = agentrl.load_env(f"openenv:{url}")()
         with pytest.raises(agentrl.adapters.OpenEnvError, match="VALIDATION_ERROR.*reset data sets 'label'"):
             await env.reset(options={"seed": 1, "options": {"label": "anything"}})

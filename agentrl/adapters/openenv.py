@@ -129,7 +129,7 @@ class OpenEnvEnv(Env):
     built; ``server_info`` (the action schema and ``/metadata``) is what ``load_env`` read, which its
     factory passes to every env it builds, so envs built in other processes (Ray's rollout workers)
     know them too. An env built inside a running event loop with neither never waits for the server there: the
-    read runs in a worker thread (shared by the envs built meanwhile) and ``reset`` awaits it, so those
+    read runs as a task of that loop (shared by the envs built meanwhile) and ``reset`` awaits it, so those
     first episodes learn a served env's settings at reset (the server still ends them at its
     ``max_turns``, and calls parsed with another parser travel as ``tool_calls``).
     """
@@ -174,7 +174,7 @@ class OpenEnvEnv(Env):
             except RuntimeError:  # no loop to stall: read the server now
                 with contextlib.suppress(ValueError):  # a down server is reported by reset, as a failed sample
                     probe_server(base_url, timeout=min(connect_timeout, 5.0))
-            else:  # inside a loop (the rollout's): in a worker thread, awaited by reset
+            else:  # inside a loop (the rollout's): a task of the loop, awaited by reset
                 self._probe = start_probe(base_url, timeout)
         if self.http_url in _server_info:
             self._use_metadata(_server_info[self.http_url][1])
@@ -405,13 +405,14 @@ class OpenEnvEnv(Env):
         """The server's action schema and ``/metadata``, read once per server address and process.
 
         Not cached yet: the probe the constructor started (or a new one, shared with the episodes
-        waiting for the same server) runs in a worker thread while the loop goes on; one that fails
+        waiting for the same server) runs as a task of the loop while the loop goes on; one that fails
         caches nothing (see :func:`~agentrl.adapters.openenv_probe.start_probe`) and fails this sample.
+        An env built on another loop than the one resetting it cannot await that loop's probe: it asks anew.
         """
         if self.http_url not in _server_info:
             probe, self._probe = self._probe, None
-            if probe is None or probe.done():  # none yet, or the constructor's failed: ask again
-                probe = start_probe(self.base_url, self.timeout)
+            if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
+                probe = start_probe(self.base_url, self.timeout)  # none yet, failed, or another loop's
             try:
                 await asyncio.shield(probe)  # an episode cancelled meanwhile leaves the shared probe running
             except ValueError as exc:

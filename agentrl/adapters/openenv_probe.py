@@ -4,8 +4,8 @@ Part of :mod:`agentrl.adapters.openenv` (kept apart to keep that file readable):
 calls :func:`probe_server` so a bad address or a server that is down is refused in one line, and
 the answers are kept (:data:`SERVER_INFO`) for the episodes built next in this process. Inside a
 running event loop (an env built by the rollout loop in a process that has not probed yet) the
-probe runs in a worker thread instead (:func:`start_probe`), so a slow server stalls none of the
-other episodes on that loop.
+probe is a task of that loop instead (:func:`start_probe`, aiohttp), so a slow server stalls none
+of the other episodes on it, and the probe ends with the loop. Both probes share their checks and wording.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
 
 from agentrl.adapters.openenv_actions import served_env
 
@@ -54,57 +56,33 @@ def probe_server(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
     it also keeps the schema and ``/metadata`` for the envs built next in this process. It goes to the
     server directly, never through ``HTTP_PROXY`` (as the episodes do), so what it finds is what they find."""
     http_url, _ = session_urls(base_url)
-    try:
-        with DIRECT_OPENER.open(f"{http_url}/schema", timeout=timeout) as resp:
-            schema = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(
-            f"{http_url} answered GET /schema with HTTP {exc.code}: it is not an OpenEnv server "
-            "(openenv-core's create_app serves /schema and /ws); check the address and port"
-        ) from None
-    except (OSError, TimeoutError, http.client.HTTPException) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ValueError(
-            f"cannot reach the OpenEnv server at {http_url} ({reason}): start it "
-            "(uvicorn server.app:app --host 127.0.0.1 --port N) or fix the address"
-        ) from None
-    except ValueError:
-        raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
-    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
-        raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
-    metadata: Any = {}
-    try:  # optional in OpenEnv (an HTTP error: none); a timeout or a broken answer is not "none"
-        with DIRECT_OPENER.open(f"{http_url}/metadata", timeout=timeout) as resp:
-            metadata = json.loads(resp.read())
-    except urllib.error.HTTPError:
-        metadata = {}
-    except (OSError, TimeoutError, http.client.HTTPException, ValueError) as exc:
-        # not cached: an agentrl-served env read as a plain OpenEnv server would lose its tools silently
-        raise ValueError(f"{http_url}/metadata did not answer ({getattr(exc, 'reason', exc)}); try again") from None
-    metadata = metadata if isinstance(metadata, dict) else {}
-    served_env(metadata)  # a served agentrl env with a broken marker: refused now, naming the field
+    schema = _read_schema(http_url, _get(f"{http_url}/schema", timeout))
+    metadata = _read_metadata(http_url, _get(f"{http_url}/metadata", timeout))
     SERVER_INFO[http_url] = (schema["action"], metadata)
     return schema
 
 
 _IN_FLIGHT: dict[str, asyncio.Task[dict[str, Any]]] = {}
-"""Per server base URL: the probe running now in a worker thread (episodes starting together share it)."""
+"""Per server base URL: the probe running now on a loop (episodes starting together share it)."""
 
 
 def start_probe(base_url: str, timeout: float) -> asyncio.Task[dict[str, Any]]:
-    """:func:`probe_server` in a worker thread, as a task of the running loop; await it shielded.
+    """What :func:`probe_server` does, as a task of the running loop (aiohttp); await it shielded.
 
     A constructor inside the rollout loop cannot wait for the server (a blocking read there would
     stall every episode on the loop for up to ``timeout`` seconds), so it starts the probe here and
-    ``reset`` awaits it. Envs built while it runs share that one probe instead of starting their own.
-    What it caches is what :func:`probe_server` caches: a probe that fails (its ValueError is the
-    task's exception) leaves nothing behind, and the next env's probe asks the server again.
+    ``reset`` awaits it. Envs built while it runs on this loop share that one probe instead of
+    starting their own. It is a coroutine, not a worker thread, so it ends with its loop: cancelled
+    when ``asyncio.run`` returns (or on Ctrl-C) instead of keeping the process up for ``timeout``.
+    What it caches, and how it words a failure, is what :func:`probe_server` does (they share the
+    checks): a probe that fails (its ValueError is the task's exception) leaves nothing behind, and
+    the next env's probe asks the server again.
     """
     http_url, _ = session_urls(base_url)
     loop = asyncio.get_running_loop()
     task = _IN_FLIGHT.get(http_url)
     if task is None or task.done() or task.get_loop() is not loop:
-        task = loop.create_task(asyncio.to_thread(probe_server, base_url, timeout), name=f"openenv probe {http_url}")
+        task = loop.create_task(_probe(http_url, timeout), name=f"openenv probe {http_url}")
         task.add_done_callback(lambda t: _probe_done(http_url, t))
         _IN_FLIGHT[http_url] = task
     return task
@@ -115,3 +93,84 @@ def _probe_done(http_url: str, task: asyncio.Task[dict[str, Any]]) -> None:
         del _IN_FLIGHT[http_url]
     if not task.cancelled():
         task.exception()  # read here: a probe nobody awaited (its env was never reset) is no "unretrieved" error
+
+
+async def _probe(http_url: str, timeout: float) -> dict[str, Any]:
+    """:func:`probe_server` on the loop: each request limited to ``timeout`` seconds; aiohttp sessions
+    ignore ``HTTP_PROXY`` unless told otherwise, as the episodes' do."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        schema = _read_schema(http_url, await _get_async(session, f"{http_url}/schema"))
+        metadata = _read_metadata(http_url, await _get_async(session, f"{http_url}/metadata"))
+    SERVER_INFO[http_url] = (schema["action"], metadata)
+    return schema
+
+
+# -- the two transports (each returns the answer, or what went wrong on the way) and the shared checks --
+
+Answer = tuple[int, bytes] | Exception
+"""A GET's ``(HTTP status, body)``, or the transport's exception (unreachable, timed out, cut off)."""
+
+
+def _get(url: str, timeout: float) -> Answer:
+    try:
+        with DIRECT_OPENER.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:  # before OSError: it is one (a URLError)
+        return exc.code, b""
+    except (OSError, TimeoutError, http.client.HTTPException) as exc:
+        return exc
+
+
+async def _get_async(session: aiohttp.ClientSession, url: str) -> Answer:
+    try:
+        async with session.get(url) as resp:
+            return resp.status, await resp.read()
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        return exc
+
+
+def _reason(exc: Exception) -> Any:
+    """What went wrong on the way, as both transports word it (a timeout is "timed out" on either)."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return getattr(exc, "reason", None) or exc
+
+
+def _read_schema(http_url: str, answer: Answer) -> dict[str, Any]:
+    """The ``/schema`` answer checked: the schema, else a ValueError saying what to fix."""
+    if isinstance(answer, Exception):
+        raise ValueError(
+            f"cannot reach the OpenEnv server at {http_url} ({_reason(answer)}): start it "
+            "(uvicorn server.app:app --host 127.0.0.1 --port N) or fix the address"
+        )
+    status, body = answer
+    if status >= 400:
+        raise ValueError(
+            f"{http_url} answered GET /schema with HTTP {status}: it is not an OpenEnv server "
+            "(openenv-core's create_app serves /schema and /ws); check the address and port"
+        )
+    try:
+        schema = json.loads(body)
+    except ValueError:
+        raise ValueError(f"{http_url}/schema did not answer JSON: it is not an OpenEnv server") from None
+    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
+        raise ValueError(f"{http_url}/schema has no 'action' schema: it is not an OpenEnv server")
+    return schema
+
+
+def _read_metadata(http_url: str, answer: Answer) -> dict[str, Any]:
+    """The ``/metadata`` answer checked. Optional in OpenEnv (an HTTP error: none), but a timeout or a
+    broken answer is not "none": it raises, so nothing is cached (an agentrl-served env read as a plain
+    OpenEnv server would lose its tools silently); a served env's broken marker is refused naming the field."""
+    if isinstance(answer, Exception):
+        raise ValueError(f"{http_url}/metadata did not answer ({_reason(answer)}); try again")
+    status, body = answer
+    if status >= 400:
+        return {}
+    try:
+        metadata = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"{http_url}/metadata did not answer ({exc}); try again") from None
+    metadata = metadata if isinstance(metadata, dict) else {}
+    served_env(metadata)
+    return metadata

@@ -29,10 +29,13 @@ env's ``tasks()``): row ``seed % len(tasks)``, or the next in turn when no seed 
 ``openenv:`` adapter (which sends ``{"seed": i}``) plays row ``i``, as an in-process run does; the
 other keys sent (reset options such as ``{"difficulty": "hard"}``, which OpenEnv clients send as
 reset keyword arguments and openenv-core's own server drops when its reset does not take them) are
-added to that row, so the env reads them where it reads the row's fields. They may not replace a
-field the row has, nor set ``label``: the server's task stays the server's (a client that could send
-``label`` would change the answer its episode is scored against); such a reset is refused with a
-VALIDATION_ERROR naming the key. A client that wants a task of its own sends the whole row.
+added to that row, so the env reads them where it reads the row's fields. An option may not use the
+name of a field of the server's task rows (any row's, or ``label``) unless it sends that row's own
+value: the rows are protected from accidental or silent overrides (a ``label`` sent with a seed would
+quietly change the answer the episode is scored against), and the rule is the same for every seed.
+Such a reset is refused with a VALIDATION_ERROR naming the key, and the turn of a reset without a
+seed is not used up. A client that wants a task of its own sends a whole row with a ``prompt``,
+which is visible as such.
 
 The action is the assistant turn, ``{"text": str, "tool_calls": [OpenAI tool calls] | null}``:
 ``text`` is the only required string, so a client that knows nothing else (the ``openenv:``
@@ -54,7 +57,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -78,7 +80,7 @@ from agentrl.env import Env, call_env
 log = logging.getLogger(__name__)
 
 SERVER_KEYS = frozenset({"label"})
-"""Fields reset options may never set on a server's task row, even one without them (the task's answer)."""
+"""Fields reset options may never change on a server's task row, even one without them (the task's answer)."""
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -111,15 +113,17 @@ class EnvServer:
         self.active = 0
         self.tools: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
-        self._next_task = itertools.count()
+        self._next_task = 0  # the row a reset without a seed plays (moved on by a reset that plays it)
+        self._task_keys = SERVER_KEYS.union(*(row.keys() for row in tasks or ()))
 
     def task_for(self, seed: int | None, extra: dict[str, Any]) -> dict[str, Any]:
         """The task row a reset plays: the one it sent (``extra`` with a ``prompt``), else the server's
         row for its seed with ``extra``'s keys (reset options, as OpenEnv clients send them) added.
 
-        Options add fields, never replace the row's own: a client that could send ``label`` would change
-        the answer its episode is scored against while the prompt stays the server's. A key the row has
-        (or ``label``, :data:`SERVER_KEYS`) is refused with a VALIDATION_ERROR naming it."""
+        The server's rows are protected from accidental or silent overrides: an option named as a field
+        of any of the rows (or ``label``, :data:`SERVER_KEYS`) is refused with a VALIDATION_ERROR naming
+        it unless it is the played row's own value, so one option is accepted or refused alike for every
+        seed. A client that wants its own task sends a whole row (with a ``prompt``), visible as such."""
         if "prompt" in extra:
             return {"label": None, **extra}
         if not self.tasks:
@@ -129,20 +133,22 @@ class EnvServer:
                 "send the task row in the reset data, e.g. {'seed': 0, 'prompt': ..., 'label': ...}",
                 errors=[{"loc": ["prompt"], "msg": "Field required", "type": "missing"}],
             )
-        index = (next(self._next_task) if seed is None else seed) % len(self.tasks)
-        row = self.tasks[index]
-        fixed = [key for key in extra if key in row or key in SERVER_KEYS]
+        index = (self._next_task if seed is None else seed) % len(self.tasks)
+        row, missing = self.tasks[index], object()
+        fixed = [key for key in extra if key in self._task_keys and row.get(key, missing) != extra[key]]
         if fixed:
             raise Failed(
                 "VALIDATION_ERROR",
-                f"reset data sets {', '.join(map(repr, fixed))}, a field of the server's task row {index}: a served "
-                "task's fields (its label, the answer, included) are the server's; send reset options under other "
-                "names, or send a whole task row with a 'prompt' to play a task of your own",
+                f"reset data sets {', '.join(map(repr, fixed))}, a field of the server's task rows, to a value "
+                f"other than task row {index}'s: the server's rows (their label, the answer, included) are kept "
+                "from overrides; send reset options under other names, or send a whole task row with a 'prompt' "
+                "to play a task of your own",
                 errors=[
-                    {"loc": [key], "msg": "the server's task row sets this field", "type": "task_field"}
-                    for key in fixed
+                    {"loc": [key], "msg": "a field of the server's task rows", "type": "task_field"} for key in fixed
                 ],
             )
+        if seed is None:  # the turn moves on only once the reset data is valid
+            self._next_task += 1
         return {**row, **extra}
 
     async def describe(self) -> None:
