@@ -206,7 +206,7 @@ def test_a_template_that_re_renders_history_is_refused_as_the_rollout_refuses_it
         conversation_samples([("f.jsonl:2", row)], tpl)
 
 
-def test_rows_are_read_from_json_parquet_and_datasets_folders(tmp_path, template):
+def test_rows_are_read_from_json_parquet_csv_and_datasets_folders(tmp_path, template):
     from agentrl.data import read_rows
 
     rows = [_row(), _row()]
@@ -229,6 +229,20 @@ def test_rows_are_read_from_json_parquet_and_datasets_folders(tmp_path, template
         samples, stats = conversation_samples(read_rows(path), template, env_tools=TOOLS)
         assert stats.kept == 2 and _spans(template, samples[0])[1] == "The answer is 23.<|im_end|>"
         assert samples[0].tokens == conversation_samples([("x", _row())], template, env_tools=TOOLS)[0][0].tokens
+    # CSV cells are text: messages and tools as JSON text; a cell that is not JSON is named with its line
+    import csv
+
+    for name, cells in (
+        ("d.csv", [[json.dumps(r["messages"]), json.dumps(r["tools"])] for r in rows]),
+        ("bad.csv", [["[{oops", ""]]),
+    ):
+        with open(tmp_path / name, "w", newline="") as f:
+            csv.writer(f).writerows([["messages", "tools"], *cells])
+    samples, stats = conversation_samples(read_rows(tmp_path / "d.csv"), template, env_tools=TOOLS)
+    assert stats.kept == 2
+    assert samples[0].tokens == conversation_samples([("x", _row())], template, env_tools=TOOLS)[0][0].tokens
+    with pytest.raises(DemoError, match=r"bad.csv:2: 'messages' is a string but not valid JSON"):
+        conversation_samples(read_rows(tmp_path / "bad.csv"), template, env_tools=TOOLS)
 
 
 def _two_tools_rows(arguments_as_text: bool, tools_as_text: bool = True) -> list[dict]:

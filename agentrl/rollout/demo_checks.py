@@ -34,7 +34,7 @@ def _tool_names(schemas: Sequence[dict] | None) -> set[str]:
 
 
 def _check_tools(tools: Any, where: str) -> list[dict]:
-    if tools is None:
+    if tools is None or (isinstance(tools, str) and not tools.strip()):  # an empty CSV cell: no tools
         return []
     if isinstance(tools, str):  # datasets keep tool schemas as JSON text (Arrow cannot hold varied ones), as TRL does
         try:
@@ -155,7 +155,7 @@ def check_conversation(
 ) -> list[Message]:
     """The row's messages, validated; :class:`DemoError` naming ``where`` and the message otherwise.
 
-    Checks: a non-empty ``messages`` list of dicts with a known role and string content (``None``
+    Checks: a non-empty ``messages`` list (or its JSON text, as a CSV cell holds it) of dicts with a known role and string content (``None``
     allowed for an assistant message with tool calls); it starts with system or user; at least one
     assistant turn; every tool call names an offered tool with JSON-object arguments that fit that
     tool's schema in ``schemas`` (the OpenAI specs rendered with the row; see :func:`_check_call`
@@ -163,6 +163,11 @@ def check_conversation(
     message answers a call of the assistant turn before it (by ``tool_call_id``, else in order).
     """
     msgs = row.get("messages")
+    if isinstance(msgs, str):  # a CSV cell holds text only: the list as JSON text, as 'tools' may be
+        try:
+            msgs = json.loads(msgs)
+        except json.JSONDecodeError as exc:
+            raise DemoError(f"{where}: 'messages' is a string but not valid JSON ({exc})") from None
     if not isinstance(msgs, list) or not msgs:
         raise DemoError(
             f'{where}: no \'messages\' list (expected {{"messages": [{{"role": ..., "content": ...}}], '
