@@ -177,7 +177,7 @@ def test_echoed_fields_and_unhonoured_parameters():
 
 
 def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, tmp_path):
-    """`agentrl proxy`: agents started elsewhere name their session in the URL; each session's samples
+    """`agentrl proxy`: agents started elsewhere name their session in the URL (or a header); each session's samples
     are written when it ends (POST /s/ID/end with a reward, or at shutdown: truncated)."""
     out = tmp_path / "proxy.jsonl"
     cmd = [sys.executable, "-m", "agentrl", "proxy", "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt)]
@@ -187,12 +187,21 @@ def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, 
         line = proc.stdout.readline()
         assert "OPENAI_BASE_URL=" in line, proc.stderr.read() if proc.poll() is not None else line
         url = line.split("OPENAI_BASE_URL=", 1)[1].split("/s/<SESSION>", 1)[0]
-        for sid in ("alpha", "beta"):
-            client = openai.OpenAI(base_url=f"{url}/s/{sid}/v1", api_key="k", max_retries=0)
+        for sid in ("alpha", "beta", "hdr"):  # hdr names its session in the X-Agentrl-Session header instead
+            client = openai.OpenAI(
+                base_url=f"{url}/s/{sid}/v1" if sid != "hdr" else f"{url}/v1",
+                api_key="k",
+                max_retries=0,
+                default_headers={"X-Agentrl-Session": sid} if sid == "hdr" else None,
+            )
             msgs: list = [{"role": "user", "content": f"hello from {sid}"}]
             for _ in range(2):
                 msgs.append(client.chat.completions.create(model="m", messages=msgs).choices[0].message)
                 msgs.append({"role": "user", "content": "more"})
+        with pytest.raises(openai.BadRequestError, match="X-Agentrl-Session"):  # no session named at all
+            openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0).chat.completions.create(
+                model="m", messages=msgs
+            )
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/s/gamma/v1", api_key="wrong", max_retries=0).chat.completions.create(
                 model="m", messages=msgs
@@ -213,9 +222,9 @@ def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, 
         if proc.poll() is None:
             proc.kill()
     rows = {r["metadata"]["task"]["session"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"alpha", "beta"}
+    assert set(rows) == {"alpha", "beta", "hdr"}
     assert rows["alpha"]["status"] == "completed" and rows["alpha"]["reward"] == 0.5
-    assert rows["beta"]["status"] == "truncated" and rows["beta"]["reward"] == 0.0
+    assert rows["beta"]["status"] == rows["hdr"]["status"] == "truncated" and rows["beta"]["reward"] == 0.0
     for r in rows.values():
         assert r["metadata"]["num_turns"] == 2 and r["prompt"][0]["content"].startswith("hello from")
         assert len(r["loss_mask"]) == len(r["rollout_log_probs"]) == r["response_length"] > 0
