@@ -11,7 +11,9 @@ Four kinds are supported, each reachable from the command line through :func:`ag
 - ``gem:<id>`` (:class:`~agentrl.adapters.gem.GemEnv`): a GEM env (``gem.make(id)``, package
   ``gem-llm``), text in and text out.
 - ``verifiers:<env id>`` (:class:`~agentrl.adapters.verifiers.VerifiersEnv`): a verifiers
-  environment (package ``verifiers``) loaded through its ``load_environment`` entry point.
+  environment (package ``verifiers``) loaded through its ``load_environment`` entry point; the
+  taskset's settings follow as a query, ``verifiers:openenv?base_url=http://127.0.0.1:8000``, or
+  as ``adapter_factory("verifiers:openenv", taskset={...})``.
 
 The factories list seed tasks (``tasks()``): row ``i`` is ``{"prompt": ..., "seed": i}``, and a
 task row's ``seed`` overrides the episode seed, so the ``n`` samples of a GRPO group play the same
@@ -123,9 +125,12 @@ def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
 
         resolve_gem_id(target)
     else:
-        from agentrl.adapters.verifiers import resolve_verifiers_env
+        from agentrl.adapters.verifiers import resolve_verifiers_env, taskset_settings
 
-        resolve_verifiers_env(target)
+        target, _, query = target.partition("?")  # verifiers:ID?FIELD=VALUE&...: the taskset's settings
+        settings = taskset_settings(target, query, kwargs.pop("taskset", None))
+        kwargs = {**kwargs, "taskset": settings} if settings else kwargs
+        resolve_verifiers_env(target, settings)
     return AdapterFactory(kind, target, kwargs=kwargs)
 
 

@@ -29,6 +29,16 @@ load: a hub id names an installed package). ``adapter_factory("verifiers:ID", ag
 a :class:`~agentrl.adapters.verifiers_agent.VerifiersAgentEnv` subclass setting ``agent_timeout``)
 sets the agent path's deadline (600 s by default).
 
+Settings: a taskset's config fields (its ``TasksetConfig``, what ``vf eval --taskset.FIELD`` sets) follow
+the id as a query, ``verifiers:openenv?base_url=http://127.0.0.1:8000&resets=[{"seed":1}]`` (a value is
+JSON when it parses as JSON its field accepts, else text), or come as ``adapter_factory("verifiers:ID",
+taskset={...})``; the taskset's own config class validates them when the spec loads (a bad field is one
+line naming it), and they key the load and travel with the factory. verifiers' bundled ``openenv``
+taskset (its env has one seat, fed the OpenEnv server's observations) plays a server on loopback given
+by ``base_url`` (``agentrl env-serve`` serves any agentrl env); it needs the ``openenv`` package its
+extra pins (openenv-core's older client lacks what it reads), and starting an env itself (uv, Docker)
+or a server off this machine is refused.
+
 Task rows: ``tasks()`` lists the taskset's tasks (``{"prompt", "label": None, "vf_idx": i}``);
 ``--prompt-data`` rows without ``vf_idx`` are validated as the taskset's own task data (its
 ``TaskData`` model: ``prompt`` plus fields such as ``answer``), so a dataset file of the taskset's
@@ -38,8 +48,11 @@ shape works too. The step's ``info`` has each reward's score and each metric.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 import ipaddress
+import json
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -68,30 +81,33 @@ class Loaded:
 
 
 @functools.lru_cache(maxsize=16)
-def _load(taskset_id: str, agent_timeout: float | None = None) -> Loaded:
-    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process and ``agent_timeout``,
-    the agent path's deadline: None is its default), on the path that plays it."""
+def _load(taskset_id: str, agent_timeout: float | None = None, settings: str = "{}") -> Loaded:
+    """The verifiers env for ``taskset_id`` and its tasks (loaded once per process, ``agent_timeout`` (the
+    agent path's deadline: None is its default) and ``settings`` (the taskset's settings, canonical JSON:
+    :func:`settings_key`), on the path that plays it."""
     vf = _vf()
+    taskset = {**json.loads(settings), "id": taskset_id}
     try:
-        env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": taskset_id}}))
+        env = vf.load_environment(vf.resolve_env_config({"taskset": taskset}))
         _check_single_agent(taskset_id, env)
         tasks = _tasks(taskset_id, env)
         check_loopback(taskset_id, env, tasks)
         reasons = _needs_agent(taskset_id, env, tasks[0])
         if reasons:
-            env, tasks = _agent_env(taskset_id, reasons, tasks, agent_timeout)
+            env, tasks = _agent_env(taskset, reasons, tasks, agent_timeout)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         why = " ".join(str(exc).split())  # verifiers' own message, which names the taskset mostly
         raise ValueError(why if repr(taskset_id) in why else f"taskset {taskset_id!r}: {why}") from None
     return Loaded(env, tasks, tuple(reasons))
 
 
-def _agent_env(taskset_id: str, reasons: list[str], tasks: list[Any], agent_timeout: float | None) -> tuple[Any, list]:
+def _agent_env(taskset: dict[str, Any], reasons: list[str], tasks: list[Any], agent_timeout: float | None) -> tuple:
     """The env verifiers' own rollout runs on (:func:`~agentrl.adapters.verifiers_agent.agent_config`)."""
     from agentrl.adapters import verifiers_agent
 
+    taskset_id = taskset["id"]
     timeout = verifiers_agent.AGENT_TIMEOUT if agent_timeout is None else agent_timeout
-    config = verifiers_agent.agent_config(taskset_id, reasons, timeout)
+    config = verifiers_agent.agent_config(taskset_id, reasons, timeout, taskset)
     verifiers_agent.check_tasks(taskset_id, tasks)
     why = verifiers_agent.use_host_interpreter()  # whatever the harness: its chat program never downloads
     if why:
@@ -171,12 +187,69 @@ def _check_single_agent(taskset_id: str, env: Any) -> None:
     policy's own and n rollouts would be scored as one."""
     from verifiers.v1.envs.single_agent import SingleAgentEnv
 
-    if not isinstance(env, SingleAgentEnv):
+    if type(env).__name__ == "OpenEnvEnv" and type(env).__module__ == OPENENV_MODULE:
+        _check_openenv(taskset_id, env)
+    elif not isinstance(env, SingleAgentEnv):
         raise ValueError(
             f"taskset {taskset_id!r}: its env class {type(env).__name__} is not a single-agent env (multi-agent, "
             "user simulators, best-of-n); agentrl records one policy agent per episode and would train the other "
             "roles' turns as the policy's: run it with `vf eval`, or export a SingleAgentEnv"
         )
+
+
+OPENENV_MODULE = "verifiers.v1.tasksets.openenv.taskset"
+"""verifiers' bundled ``openenv`` taskset: its env has one seat (``player``) whose user turns are the
+OpenEnv server's observations, computed by code, not by a model, so it is single-agent for agentrl."""
+
+
+def _check_openenv(taskset_id: str, env: Any) -> None:
+    """verifiers' ``openenv`` taskset may only connect to a running server on loopback (``base_url``):
+    without one, OpenEnv's provider installs the env with ``uv`` from the network or runs it in Docker."""
+    cfg = env.taskset.config
+    why = _openenv_client_missing()
+    if why:
+        raise ValueError(f"taskset {taskset_id!r}: {why}")
+    if not cfg.base_url:
+        how = "in Docker (use_docker)" if cfg.use_docker else "after downloading it with uv"
+        raise ValueError(
+            f"taskset {taskset_id!r}: without base_url OpenEnv's provider starts env {cfg.env!r} {how}, which "
+            f"agentrl does not let verifiers do: serve it on 127.0.0.1 (`agentrl env-serve`, or the env's own "
+            f"server) and give verifiers:{taskset_id}?base_url=http://127.0.0.1:PORT"
+        )
+    host = (urlsplit(cfg.base_url).hostname or "").lower()
+    if host != "localhost" and not _loopback_ip(host):
+        raise ValueError(
+            f"taskset {taskset_id!r}: base_url {cfg.base_url} is off this machine; agentrl keeps verifiers' traffic "
+            f"on loopback: play a remote OpenEnv server with agentrl's own adapter, --env openenv:{cfg.base_url}"
+        )
+
+
+def _openenv_client_missing() -> str | None:
+    """Why verifiers' ``openenv`` taskset cannot play here (None: it can). Its env reads the client's
+    ``_base_url``, which the ``openenv`` distribution (verifiers' ``openenv`` extra) has and the older
+    ``openenv-core`` (the same ``openenv`` module, 0.3.0) does not: every episode would fail."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pins = [Requirement(r) for r in importlib.metadata.requires("verifiers") or () if r.startswith("openenv")]
+    spec = next((r.specifier for r in pins if r.name == "openenv"), None) or ">=0.4.1"
+    have = _distribution_version("openenv")
+    if have is not None and have in SpecifierSet(str(spec)):
+        return None
+    core = _distribution_version("openenv-core")
+    there = f"openenv {have} is installed" if have else "the openenv package is not installed"
+    there += f" (openenv-core {core}'s client lacks what it reads)" if core and not have else ""
+    return (
+        f"verifiers' openenv env needs openenv{spec} (its `openenv` extra), and {there}: "
+        f"pip install 'openenv{spec}' (it replaces openenv-core's openenv module)"
+    )
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _tasks(taskset_id: str, env: Any) -> list[Any]:
@@ -223,14 +296,96 @@ def _own_harness(taskset_id: str) -> str | None:
     return ", ".join(found) or None
 
 
-def resolve_verifiers_env(taskset_id: str) -> None:
-    """Load ``taskset_id`` now (cached), so an unknown or unsupported one fails with one line."""
-    _load(taskset_id)
+def taskset_settings(taskset_id: str, query: str = "", given: Any = None) -> dict[str, Any]:
+    """The taskset's settings from a spec's query (``FIELD=VALUE&...``) and ``given`` (a dict, from
+    ``adapter_factory(..., taskset={...})``), validated by the taskset's own config class (its
+    ``TasksetConfig``, as ``vf eval --taskset.FIELD`` is), so a bad field is refused in one line naming it.
+
+    A query value is JSON when it parses as JSON the field accepts (``use_docker=true``,
+    ``resets=[{"seed":1}]``), else the text itself (``base_url=http://127.0.0.1:8000``, ``env=2048``
+    for a string field). Returns the settings as given (JSON values), the cache key of the load."""
+    _vf()
+    from pydantic import ValidationError
+    from verifiers.v1.utils.loaders import taskset_config_type
+
+    where = f"taskset {taskset_id!r}"
+    if given is not None and not (isinstance(given, dict) and all(isinstance(k, str) for k in given)):
+        raise ValueError(f"{where}: taskset= must be a dict of its settings by field name, got {given!r}")
+    try:
+        cls = taskset_config_type(taskset_id)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        why = " ".join(str(exc).split())
+        raise ValueError(why if repr(taskset_id) in why else f"{where}: {why}") from None
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True) if query else []
+    except ValueError:
+        raise ValueError(f"{where}: settings {query!r}: expected FIELD=VALUE&FIELD=VALUE") from None
+    settings: dict[str, Any] = {}
+    for key, text in pairs:
+        key = key.replace("-", "_")  # verifiers' CLI spells fields --taskset.base-url too
+        if key in settings:
+            raise ValueError(f"{where}: setting {key!r} is given twice")
+        settings[key] = _setting_value(cls, key, text)
+    both = sorted(set(settings) & set(given or {}))
+    if both:
+        raise ValueError(f"{where}: setting {both[0]!r} is given both in the spec and as taskset=")
+    settings.update(given or {})
+    if "id" in settings:
+        raise ValueError(f"{where}: 'id' is not a setting: the taskset is the one the spec names")
+    try:
+        json.dumps(settings, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: settings must be JSON values, as in verifiers' TOML files ({exc})") from None
+    try:
+        cls.model_validate({**settings, "id": taskset_id})
+    except ValidationError as exc:
+        raise ValueError(f"{where}: {_first_error(cls, exc)}") from None
+    return settings
 
 
-def verifiers_tasks(taskset_id: str, **_: Any) -> list[dict[str, Any]]:
+def _setting_value(cls: Any, key: str, text: str) -> Any:
+    """``text`` as JSON when it parses as a JSON value field ``key`` accepts, else the text itself."""
+    from pydantic import TypeAdapter
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    field = cls.model_fields.get(key)
+    if field is None:
+        return value  # refused by the config's validation, naming the field
+    try:
+        TypeAdapter(field.annotation).validate_python(value)
+    except Exception:
+        return text
+    return value
+
+
+def _first_error(cls: Any, exc: Any) -> str:
+    """A pydantic ValidationError of the taskset's config as one line naming the field and the fields there are."""
+    err = exc.errors(include_url=False)[0]
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    fields = ", ".join(f for f in cls.model_fields if f != "id")
+    hint = f"its settings ({cls.__name__}): {fields}; give them as verifiers:ID?FIELD=VALUE&... or taskset={{...}}"
+    if not err["loc"]:
+        return f"{msg} ({hint})"
+    field = ".".join(map(str, err["loc"]))
+    return f"setting {field!r}: {msg} (got {err.get('input')!r}; {hint})"
+
+
+def settings_key(settings: dict[str, Any] | None) -> str:
+    """The settings as canonical JSON: part of :func:`_load`'s cache key."""
+    return json.dumps(settings or {}, sort_keys=True)
+
+
+def resolve_verifiers_env(taskset_id: str, settings: dict[str, Any] | None = None) -> None:
+    """Load ``taskset_id`` with ``settings`` now (cached), so an unknown or unsupported one fails with one line."""
+    _load(taskset_id, None, settings_key(settings))
+
+
+def verifiers_tasks(taskset_id: str, taskset: dict[str, Any] | None = None, **_: Any) -> list[dict[str, Any]]:
     """The taskset's tasks as agentrl task rows (``vf_idx`` picks the task in reset)."""
-    tasks = _load(taskset_id).tasks
+    tasks = _load(taskset_id, None, settings_key(taskset)).tasks
     return [{"prompt": _messages(t.data), "label": None, "vf_idx": i} for i, t in enumerate(tasks)]
 
 
@@ -272,17 +427,18 @@ class VerifiersEnv(Env):
     (:class:`~agentrl.adapters.verifiers_agent.VerifiersAgentEnv`): verifiers' own rollout, recorded.
     """
 
-    def __new__(cls, taskset_id: str, agent_timeout: float | None = None) -> Any:
-        if _load(taskset_id).agent_reasons:
+    def __new__(cls, taskset_id: str, agent_timeout: float | None = None, taskset: dict | None = None) -> Any:
+        if _load(taskset_id, None, settings_key(taskset)).agent_reasons:
             from agentrl.adapters.verifiers_agent import VerifiersAgentEnv
 
-            return VerifiersAgentEnv(taskset_id, agent_timeout=agent_timeout)
+            return VerifiersAgentEnv(taskset_id, agent_timeout=agent_timeout, taskset=taskset)
         return super().__new__(cls)
 
-    def __init__(self, taskset_id: str, agent_timeout: float | None = None) -> None:
-        """``agent_timeout``: seconds for the agent path's whole rollout (ignored here: one reply, no agent)."""
+    def __init__(self, taskset_id: str, agent_timeout: float | None = None, taskset: dict | None = None) -> None:
+        """``agent_timeout``: seconds for the agent path's whole rollout (ignored here: one reply, no agent);
+        ``taskset``: the taskset's settings (:func:`taskset_settings` validated them when the spec loaded)."""
         self.taskset_id = taskset_id
-        loaded = _load(taskset_id)
+        loaded = _load(taskset_id, None, settings_key(taskset))
         self.vf_env, self.tasks = loaded.env, loaded.tasks
         self.task: Any = None
         self.messages: list[Message] = []

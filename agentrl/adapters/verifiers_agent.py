@@ -98,15 +98,19 @@ class Outcome:
     turns: list[int] = field(default_factory=list)
 
 
-def agent_config(taskset_id: str, reasons: list[str], agent_timeout: float = AGENT_TIMEOUT) -> Any:
+def agent_config(
+    taskset_id: str, reasons: list[str], agent_timeout: float = AGENT_TIMEOUT, taskset: dict[str, Any] | None = None
+) -> Any:
     """The env config verifiers runs the taskset under: each role on the local ``subprocess`` runtime
     with its harness (its pin, else the taskset's own, else ``null``), no retries, stage deadlines
     within ``agent_timeout`` (module docstring); ValueError naming what cannot run here. ``reasons``:
-    why the single-reply path does not cover the taskset (for the error's context)."""
+    why the single-reply path does not cover the taskset (for the error's context); ``taskset``: its
+    taskset config data (``id`` and settings, :func:`agentrl.adapters.verifiers.taskset_settings`)."""
     import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
 
-    base = vf.resolve_env_config({"taskset": {"id": taskset_id}})
+    taskset = {**(taskset or {}), "id": taskset_id}
+    base = vf.resolve_env_config({"taskset": taskset})
     no_retries = {"max_retries": 0, "rules": []}
     limit = agent_timeout if math.isfinite(agent_timeout) else None
     timeout = {"rollout": limit, "scoring": min(REWARD_SECONDS, agent_timeout)}
@@ -122,7 +126,7 @@ def agent_config(taskset_id: str, reasons: list[str], agent_timeout: float = AGE
             "retries": no_retries,
             "timeout": timeouts,
         }
-    data = {**base.model_dump(exclude_unset=True), **roles, "retries": no_retries, "taskset": {"id": taskset_id}}
+    data = {**base.model_dump(exclude_unset=True), **roles, "retries": no_retries, "taskset": taskset}
     return vf.resolve_env_config(data)
 
 
@@ -285,15 +289,17 @@ class VerifiersAgentEnv(ProxyEnv):
     max_turns: int | None = None
     agent_timeout: float = AGENT_TIMEOUT
 
-    def __init__(self, taskset_id: str, agent_timeout: float | None = None) -> None:
-        from agentrl.adapters.verifiers import _load
+    def __init__(self, taskset_id: str, agent_timeout: float | None = None, taskset: dict | None = None) -> None:
+        """``taskset``: the taskset's settings, validated when the spec loaded."""
+        from agentrl.adapters.verifiers import _load, settings_key
 
         if agent_timeout is not None:
             if isinstance(agent_timeout, bool) or not isinstance(agent_timeout, int | float) or not agent_timeout > 0:
                 raise ValueError(f"agent_timeout: expected seconds > 0 (math.inf: no limit), got {agent_timeout!r}")
             self.agent_timeout = float(agent_timeout)
         self.taskset_id = taskset_id
-        loaded = _load(taskset_id, None if self.agent_timeout == AGENT_TIMEOUT else self.agent_timeout)  # one load
+        timeout = None if self.agent_timeout == AGENT_TIMEOUT else self.agent_timeout
+        loaded = _load(taskset_id, timeout, settings_key(taskset))  # one load per timeout and settings
         self.vf_env, self.tasks = loaded.env, loaded.tasks
 
     async def run_agent(self, base_url: str, task: dict[str, Any]) -> Outcome:
