@@ -50,15 +50,22 @@ async def test_tool_calls_reach_the_agent_and_its_echo_extends_the_conversation(
         assert r.tools[0]["function"]["name"] == "calculator"
 
 
-def _agents_sdk():
-    """The OpenAI Agents SDK; skipped where it is not installed (CI: AGENTRL_REQUIRE_AGENTS_SDK=1 fails instead)."""
+def _require(modules: tuple[str, ...], env_var: str, install: str) -> None:
+    """Import ``modules``; where one is missing the test skips, or fails when CI sets ``env_var=1``."""
+    import importlib
+
     try:
-        import agents
+        for name in modules:
+            importlib.import_module(name)
     except ImportError as exc:
-        if os.environ.get("AGENTRL_REQUIRE_AGENTS_SDK") == "1":
-            pytest.fail(f"openai-agents is not installed ({exc}) and AGENTRL_REQUIRE_AGENTS_SDK=1")
-        pytest.skip(f"openai-agents is not installed ({exc}): pip install openai-agents==0.24.0")
-    return agents
+        if os.environ.get(env_var) == "1":
+            pytest.fail(f"{modules[0]} is not installed ({exc}) and {env_var}=1")
+        pytest.skip(f"{modules[0]} is not installed ({exc}): {install}")
+
+
+def _agents_sdk() -> None:
+    """The OpenAI Agents SDK; skipped where it is not installed (CI: AGENTRL_REQUIRE_AGENTS_SDK=1 fails instead)."""
+    _require(("agents",), "AGENTRL_REQUIRE_AGENTS_SDK", "pip install openai-agents==0.24.0")
 
 
 async def agents_sdk_agent(base_url: str, task: dict) -> str:
@@ -117,15 +124,13 @@ async def test_an_openai_agents_sdk_agent_is_recorded_token_exact(tiny_tokenizer
     assert s.metadata["env_infos"][-1]["output"] == "The answer is 42."
 
 
-def _langchain():
+def _langchain() -> None:
     """LangChain (langchain, langchain-openai); skipped where not installed (AGENTRL_REQUIRE_LANGCHAIN=1 fails)."""
-    try:
-        import langchain.agents  # noqa: F401
-        import langchain_openai  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("AGENTRL_REQUIRE_LANGCHAIN") == "1":
-            pytest.fail(f"langchain is not installed ({exc}) and AGENTRL_REQUIRE_LANGCHAIN=1")
-        pytest.skip(f"langchain is not installed ({exc}): pip install langchain==1.4.2 langchain-openai==1.6.6")
+    _require(
+        ("langchain.agents", "langchain_openai"),
+        "AGENTRL_REQUIRE_LANGCHAIN",
+        "pip install langchain==1.4.2 langchain-openai==1.6.6",
+    )
 
 
 LC: dict[str, list] = {}  # task id -> the agent's final messages (LangChain message objects)
