@@ -84,8 +84,8 @@ def make_samples(n: int, vocab: int, seed: int = 0) -> list[TrainSample]:
 
 
 class AgentrlSide:
-    def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int):
-        self.name = f"agentrl@{max_tokens}"
+    def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int, variant: str = ""):
+        self.name = f"agentrl@{max_tokens}" + (f"/{variant}" if variant else "")
         from agentrl.trainer.torch_trainer import TorchTrainer
 
         cfg = TrainConfig(
@@ -99,6 +99,15 @@ class AgentrlSide:
             weight_decay=0.0,
         )
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
+        # in-run baselines: plain = the trainer before chunked log-probs and lean activations;
+        # nochunk / nolean = without one of them
+        if variant not in ("", "plain", "nochunk", "nolean"):
+            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk or nolean")
+        if variant in ("plain", "nochunk"):
+            self.trainer.chunked_logprobs = False
+        if variant in ("plain", "nolean"):
+            for m in self.trainer.model.modules():
+                m.__dict__.pop("forward", None)  # each module's own forward again
         self.samples = samples
 
     def step(self) -> float:
@@ -212,11 +221,25 @@ def main() -> None:
         "--max-tokens-per-gpu",
         default=None,
         help="agentrl packing budget(s), comma-separated (default: micro-batch x L, L = longest "
-        "possible sample = 320, and TrainConfig's default 4096)",
+        "possible sample = 320, and 4096, TrainConfig's default before it became 1024 on CPU)",
     )
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="speed repetitions (0 with --peak-rss: memory only)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="also run these agentrl variants at each budget, comma-separated: plain (as before chunked "
+        "log-probs and lean activations: full [N, V] logits, the modules' own forwards), nochunk, nolean",
+    )
+    p.add_argument(
+        "--peak-rss",
+        action="store_true",
+        help="after the speed table, run each side alone in a fresh process for 2 steps and report its peak RSS",
+    )
+    p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: one side, 2 steps, print peak RSS
     a = p.parse_args()
+    if a.reps < 0 or (a.reps == 0 and not a.peak_rss and not a.side):
+        p.error("--reps must be >= 1 (0 only with --peak-rss: memory only)")
     if a.threads:
         torch.set_num_threads(a.threads)
 
@@ -237,9 +260,7 @@ def main() -> None:
     samples = make_samples(a.samples, vocab)
     longest = PROMPT_LEN[1] + RESPONSE_LEN[1]
     budgets = (
-        [int(b) for b in a.max_tokens_per_gpu.split(",")]
-        if a.max_tokens_per_gpu
-        else [a.micro_batch * longest, TrainConfig.max_tokens_per_gpu]
+        [int(b) for b in a.max_tokens_per_gpu.split(",")] if a.max_tokens_per_gpu else [a.micro_batch * longest, 4096]
     )
     tokens = sum(len(s.tokens) for s in samples)
     padded = a.samples * (max(s.prompt_length for s in samples) + max(s.response_length for s in samples))
@@ -249,10 +270,30 @@ def main() -> None:
         f"at equal per-token cost); TRL micro-batch {a.micro_batch}, agentrl budgets {budgets} tokens"
     )
 
-    sides = [AgentrlSide(ckpt, samples, b) for b in budgets] + [TrlSide(ckpt, samples, a.micro_batch, tmp)]
+    def build(name: str):
+        if name == "TRL":
+            return TrlSide(ckpt, samples, a.micro_batch, tmp)
+        budget, _, variant = name.removeprefix("agentrl@").partition("/")
+        return AgentrlSide(ckpt, samples, int(budget), variant)
+
+    names = [f"agentrl@{b}{v}" for b in budgets for v in [""] + [f"/{v}" for v in a.variants.split(",") if v]] + ["TRL"]
+    if a.side:  # a child of --peak-rss: this side alone, warm-up + one step, then its high-water mark
+        from agentrl.runtime.cluster import peak_rss_mb
+
+        before = peak_rss_mb()  # imports and the samples: what every side pays before its model exists
+        side = build(a.side)
+        side.step()
+        side.step()
+        print(f"BASE_RSS_MB {before} PEAK_RSS_MB {peak_rss_mb()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if a.reps == 0 and a.peak_rss:  # memory only
+        _peak_rss(names, ckpt, a)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    sides = [build(n) for n in names]
     for side in sides:  # warm-up (allocator, AdamW state), not counted
         print(f"warm-up {side.name}: {side.step():.2f}s", flush=True)
-    names = [s.name for s in sides]
     rates: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[:-1]}
     print(
@@ -274,12 +315,33 @@ def main() -> None:
             + " ".join(f"{ratios[n][-1]:>11.2f}" for n in ratios),
             flush=True,
         )
-    for b, n in zip(budgets, ratios):
+    for n in ratios:
         print(
-            f"P4 train tokens/s (agentrl torch, {b}-token micro-batches / TRL GRPOTrainer, micro-batch "
+            f"P4 train tokens/s ({n} / TRL GRPOTrainer, micro-batch "
             f"{a.micro_batch}), median of {a.reps}: {statistics.median(ratios[n]):.2f}  (goal >= 1.5)"
         )
+    if a.peak_rss:
+        del sides  # the children measure alone
+        _peak_rss(names, ckpt, a)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _peak_rss(names: list[str], ckpt: Path, a: argparse.Namespace) -> None:
+    """Each side in a fresh process (load, warm-up, one step): its peak RSS, not the shared process's."""
+    import subprocess
+
+    base = [sys.executable, __file__, "--hf-checkpoint", str(ckpt), "--samples", str(a.samples)]
+    base += ["--micro-batch", str(a.micro_batch)] + (["--threads", str(a.threads)] if a.threads else [])
+    peaks = {}
+    for name in names:
+        out = subprocess.run(base + ["--side", name], capture_output=True, text=True, check=True).stdout
+        peaks[name] = float(out.rsplit("PEAK_RSS_MB", 1)[1])
+        base_mb = float(out.rsplit("BASE_RSS_MB", 1)[1].split()[0])
+        print(f"peak RSS {name}: {peaks[name]:.0f} MiB (before loading the model: {base_mb:.0f} MiB)", flush=True)
+    print(
+        "P4 peak RSS (one process per side, load + 2 steps): "
+        + ", ".join(f"{n} {v / 1024:.2f} GiB" for n, v in peaks.items())
+    )
 
 
 if __name__ == "__main__":

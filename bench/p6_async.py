@@ -96,6 +96,7 @@ def run_once(
         rollout_batch_size=a.rollout_batch_size,
         save=str(save),
         async_mode=async_mode,
+        cpu_threads=a.cpu_threads,
         dump_rollouts=False,
         rollout=RolloutConfig(
             n_samples_per_prompt=a.n_samples_per_prompt,
@@ -147,7 +148,18 @@ def main() -> None:
     p.add_argument("--n-samples-per-prompt", type=int, default=4)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-response-len", type=int, default=16)
-    p.add_argument("--max-tokens-per-gpu", type=int, default=TrainConfig.max_tokens_per_gpu)
+    p.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="the trainer's packing budget (default: the flag's, 1024 on CPU)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        choices=("adaptive", "fixed"),
+        default="adaptive",
+        help="the runs' --cpu-threads (fixed: async splits the cores evenly, as before adaptive threads)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument(
@@ -166,7 +178,8 @@ def main() -> None:
     tasks = write_tasks(tmp / "tasks.jsonl", a.turns)
     print(
         f"tiny Llama hidden {a.hidden} x {a.layers} layers; {a.num_rollout} steps of "
-        f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s"
+        f"{a.rollout_batch_size}x{a.n_samples_per_prompt} episodes, {a.turns} turns, env step {SLEEP_S}s, "
+        f"--cpu-threads {a.cpu_threads}"
     )
     if a.partial_rollout:
         partial_report(a, ckpt, tasks, tmp)

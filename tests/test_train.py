@@ -105,6 +105,10 @@ def test_config_file_flags_override_and_resolved_config_is_saved(tiny_ckpt, tmp_
     assert saved["train"]["lr"] == 0.002 and saved["rollout"]["n_samples_per_prompt"] == 2  # from the file
     assert len(_lines(save)) == 1
     assert (save / "iter_0000001" / "model.safetensors").is_file()  # --save keeps the final model, no interval needed
+    # every actor's peak memory is in the step's line (a torch process with a model holds > 100 MiB)
+    line = _lines(save)[0]
+    for actor in ("trainer", "engine", "driver"):
+        assert 100 < line[f"{actor}_peak_rss_mb"] < 24 * 1024, (actor, line)
 
 
 def test_sigkill_then_resume_keeps_data_order(tiny_ckpt, tmp_path, ray_local):

@@ -26,6 +26,26 @@ from agentrl.config import RunConfig
 log = logging.getLogger(__name__)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (``VmHWM``: the high-water mark the OS kept).
+
+    Every actor reports its own (trainer ranks, engines), so ``metrics.jsonl`` shows which one a
+    memory limit must cover; a high-water mark, not a sample, so no spike between two reads hides.
+    """
+    import resource
+    import sys
+
+    try:  # Linux: this process image's own high-water mark (ru_maxrss survives exec: a child started by
+        # a big parent would report the parent's peak)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(kib / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)  # bytes on macOS, KiB on Linux
+
+
 def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
     """Start (or join) Ray once per process; quiet by default."""
     import ray

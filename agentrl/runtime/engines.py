@@ -151,6 +151,11 @@ class EngineServer:
     def weight_version(self) -> str:
         return self.engine.weight_version
 
+    def peak_rss_mb(self) -> float:
+        from agentrl.runtime.cluster import peak_rss_mb
+
+        return peak_rss_mb()
+
     def shutdown(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
@@ -223,6 +228,12 @@ class EngineGroup:
         import ray
 
         return ray.get([a.node_id.remote() for a in self.actors])
+
+    def peak_rss_mb(self) -> float | None:
+        """The largest peak resident memory (MiB) of the embedded engine actors; None for external servers."""
+        import ray
+
+        return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]), default=None)
 
     def shutdown(self) -> None:
         import ray

@@ -140,6 +140,7 @@ class TrainLoop:
         engine_memory: Any = None,
         update_guard: Callable[[], Any] | None = None,
         critic: Any = None,
+        memory_probe: Callable[[], dict[str, float]] | None = None,
     ):
         if (cfg.train.advantage_estimator == "ppo") != (critic is not None):
             raise ValueError("--advantage-estimator ppo trains a critic beside the actor: pass critic= (and only then)")
@@ -161,6 +162,7 @@ class TrainLoop:
         # an async context manager factory wrapped around every weight push (launched SGLang servers:
         # pause generation, flush the cache, continue afterwards); None = push directly
         self.update_guard = update_guard
+        self.memory_probe = memory_probe  # each step: {"<actor>_peak_rss_mb": MiB} into metrics.jsonl
         self.version = 0  # number of weight updates the engines have received
         self.start_step = 0
         self.run_dir = Path(cfg.save) if cfg.save else None
@@ -513,6 +515,7 @@ class TrainLoop:
             "hung_threads": getattr(self.ctx.executor, "hung", 0),
             "weight_sync_seconds": sync_seconds,
             "step_train_seconds": train_seconds,
+            **(await asyncio.to_thread(self.memory_probe) if self.memory_probe is not None else {}),
         }
         line = step_metrics(samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
         if self.run_dir is not None and cfg.dump_rollouts:

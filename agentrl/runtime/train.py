@@ -330,7 +330,7 @@ class _Runtime:
             f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...",
             file=sys.stderr,
         )
-        t_threads, e_threads = _threads(cfg, placement)
+        t_threads, e_threads, floor = _threads(cfg, placement)
         if cfg.engine_url:
             self.engines = EngineGroup.external(cfg.engine_url)
         elif cfg.rollout_backend == "sglang":
@@ -345,6 +345,8 @@ class _Runtime:
                 max_running_requests=cfg.engine_max_running_requests,
                 seed=cfg.rollout.rollout_seed,
                 num_threads=e_threads,
+                adaptive_threads=cfg.cpu_threads == "adaptive",
+                min_threads=floor,
             )
         self.trainers = TrainerGroup(
             self.checkpoint,
@@ -355,6 +357,8 @@ class _Runtime:
             placement_group=placement.trainer[0][0],
             num_threads=t_threads,
             backend=cfg.train_backend,
+            adaptive_threads=cfg.cpu_threads == "adaptive",
+            min_threads=floor,
         )
         if placement.critic:
             self.critic = TrainerGroup(
@@ -368,6 +372,8 @@ class _Runtime:
                 num_threads=t_threads,
                 backend=cfg.train_backend,
                 role="critic",
+                adaptive_threads=cfg.cpu_threads == "adaptive",
+                min_threads=floor,
             )
         return self
 
@@ -525,7 +531,24 @@ class _Runtime:
             engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
             update_guard=self._update_guard(engine),
             critic=self.critic,
+            memory_probe=self.peak_memory,
         )
+
+    def peak_memory(self) -> dict[str, float]:
+        """Peak resident memory (MiB) of every kind of actor so far, for ``metrics.jsonl``.
+
+        ``trainer_`` (largest rank), ``critic_`` (ppo), ``engine_`` (embedded engines; launched SGLang
+        servers are other processes and are not measured) and ``driver_peak_rss_mb``.
+        """
+        from agentrl.runtime.cluster import peak_rss_mb
+
+        out = {"driver_peak_rss_mb": peak_rss_mb(), "trainer_peak_rss_mb": self.trainers.peak_rss_mb()}
+        if self.critic is not None:
+            out["critic_peak_rss_mb"] = self.critic.peak_rss_mb()
+        engine = getattr(self.engines, "peak_rss_mb", None)
+        if engine is not None and (mb := engine()) is not None:
+            out["engine_peak_rss_mb"] = mb
+        return out
 
     def _update_guard(self, router: Any) -> Any:
         """Launched SGLang servers: pause generation (restarting dead servers first) around each push.
@@ -655,21 +678,25 @@ class _EngineMemory:
                 await asyncio.to_thread(hold.__exit__, None, None, None)
 
 
-def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None]:
-    """torch threads for trainer ranks and engines on CPU: a synchronous loop runs one phase at a
-    time, so each phase gets every core (actor and critic ranks, which train together, split them);
-    in async mode they all run together and split the cores."""
-    import os
+def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None, int]:
+    """torch threads for trainer ranks and engines on CPU, and the floor of adaptive threads.
+
+    A synchronous loop runs one phase at a time, so each phase gets every core (actor and critic
+    ranks, which train together, split them). In ``--async`` mode they run together:
+    ``--cpu-threads fixed`` splits the cores evenly; ``adaptive`` still gives each every core and lets
+    its :class:`~agentrl.cpu_share.CoreShare` shed the ones the other phase is using, down to that
+    even split (the floor), so neither can starve the other."""
+    from agentrl.cpu_share import usable_cores
 
     if placement.trainer_gpus or placement.engine_gpus:
-        return None, None
-    cores = os.cpu_count() or 1
+        return None, None, 1
+    cores = usable_cores()
     # ppo: the critic's ranks train at the same time as the actor's, and share its thread budget
     world, engines = cfg.trainer_world_size * (2 if placement.critic else 1), max(len(placement.engines), 1)
-    if cfg.async_mode:
-        share = max(1, cores // (world + engines))
-        return share, share
-    return max(1, cores // world), max(1, cores // engines)
+    share = max(1, cores // (world + engines)) if cfg.async_mode else 1
+    if cfg.async_mode and cfg.cpu_threads == "fixed":
+        return share, share, share
+    return max(1, cores // world), max(1, cores // engines), share
 
 
 def _evaluator(

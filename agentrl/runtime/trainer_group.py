@@ -79,11 +79,19 @@ def make_trainer(
 class TrainerActor:
     """One rank: joins the process group, then wraps a ``TorchTrainer``. Made remote by the group."""
 
-    def __init__(self, num_threads: int):
+    def __init__(self, num_threads: int, adaptive_threads: bool = False, min_threads: int = 1):
         import torch
 
         torch.set_num_threads(max(1, num_threads))
         self.trainer = None
+        self.num_threads, self.adaptive_threads, self.min_threads = max(1, num_threads), adaptive_threads, min_threads
+        self.cores: Any = None  # CoreShare on CPU with adaptive threads (set up with the trainer)
+
+    def _share_cores(self) -> None:
+        """At the start of a phase: torch threads = the cores other processes leave free now."""
+        if self.cores is not None:
+            self.cores.settle()
+            self.cores.apply()
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it: the rendezvous point when this actor is rank 0."""
@@ -113,15 +121,29 @@ class TrainerActor:
             backend, checkpoint, cfg, rank=rank, world_size=world_size, device=device, role=role
         )
         self.checkpoint = checkpoint
+        if self.adaptive_threads and device == "cpu":
+            from agentrl.cpu_share import CoreShare
+
+            self.cores = CoreShare(self.num_threads, min_threads=self.min_threads)
+            if hasattr(self.trainer, "core_share"):  # the torch trainer re-checks before every micro-batch
+                self.trainer.core_share = self.cores
 
     def compute_log_probs(self, samples: list[TrainSample], ref: bool) -> LogProbs:
+        self._share_cores()
         return self.trainer.compute_log_probs(samples, ref=ref)
 
     def compute_values(self, samples: list[TrainSample]) -> list[list[float]]:
+        self._share_cores()
         return self.trainer.compute_values(samples)
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        self._share_cores()
         return self.trainer.train_step(samples)
+
+    def peak_rss_mb(self) -> float:
+        from agentrl.runtime.cluster import peak_rss_mb
+
+        return peak_rss_mb()
 
     def full_weights(self) -> dict[str, Any] | None:
         """Full CPU weights on rank 0 as numpy arrays, None elsewhere (every rank takes part in the gather).
@@ -219,7 +241,9 @@ class TrainerGroup:
     ``num_cpus`` per actor also sets its torch/OMP thread count unless ``num_threads`` is given (the
     synchronous loop lets training use every core, since the engines idle meanwhile). On a GPU machine each actor asks
     for one GPU (``num_gpus=1``, or ``num_gpus`` if given). ``placement_group`` (optional) pins
-    rank ``r`` to its bundle ``bundle_indices[r]`` (default: bundle ``r``).
+    rank ``r`` to its bundle ``bundle_indices[r]`` (default: bundle ``r``). ``adaptive_threads`` (CPU):
+    each rank's threads follow :class:`~agentrl.cpu_share.CoreShare` (``--cpu-threads adaptive``), never
+    below ``min_threads``.
     """
 
     def __init__(
@@ -235,6 +259,8 @@ class TrainerGroup:
         num_threads: int | None = None,
         backend: str = "torch",
         role: str = "actor",
+        adaptive_threads: bool = False,
+        min_threads: int = 1,
     ):
         if role not in ROLES:
             raise ValueError(f"unknown trainer role {role!r}: expected actor or critic")
@@ -262,7 +288,7 @@ class TrainerGroup:
                     placement_group=placement_group,
                     placement_group_bundle_index=rank if bundle_indices is None else bundle_indices[rank],
                 )
-            self.actors.append(remote.options(**options).remote(threads))
+            self.actors.append(remote.options(**options).remote(threads, adaptive_threads, min_threads))
         master = ray.get(self.actors[0].address.remote())
         device = "cuda" if num_gpus > 0 else "cpu"  # Ray shows each actor its GPU as cuda:0
         ray.get(
@@ -312,6 +338,10 @@ class TrainerGroup:
         ]
         results = ray.get([a.train_step.remote(shards[self.layout.dp_rank(r)]) for r, a in enumerate(self.actors)])
         return results[-1]
+
+    def peak_rss_mb(self) -> float:
+        """The largest peak resident memory (MiB) of any rank so far."""
+        return max(ray.get([a.peak_rss_mb.remote() for a in self.actors]))
 
     def named_weights_ref(self) -> ray.ObjectRef:
         """An ObjectRef to rank 0's ``{name: full weights as numpy}`` (HF names, tied weights once).

@@ -300,7 +300,7 @@ class MegatronTrainer(Trainer):
         """This replica's packed micro-batches, on the device (no empty passes: nothing spans DP inside a step)."""
         self._check_same_samples(samples)
         groups = pack_micro_batches(
-            [len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu, self.parallel.micro_batch_size
+            [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.parallel.micro_batch_size
         )
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 

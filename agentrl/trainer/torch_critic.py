@@ -83,6 +83,8 @@ class TorchCritic(TorchTrainer, Critic):
         self.model.eval()
         out: list[list[float]] = [[] for _ in samples]
         for batch in self._micro_batches(samples, train=False):
+            if self.core_share is not None:
+                self.core_share.apply()
             if batch is None:
                 self._dummy_pass(self.model, backward=False)
                 continue

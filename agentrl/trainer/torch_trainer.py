@@ -48,6 +48,7 @@ from torch import nn
 
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
+from agentrl.cpu_share import CoreShare
 from agentrl.trainer import packed_attention
 from agentrl.trainer.base import (
     LogProbs,
@@ -59,7 +60,10 @@ from agentrl.trainer.base import (
     with_gradient,
 )
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
+from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, plain_head
+from agentrl.trainer.lean_activations import make_lean
 
+CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", "trainer_state.pt")
 
@@ -141,6 +145,9 @@ class TorchTrainer(Trainer):
         self.packed_attention = packed_attention.enable(self.model)
         self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
         self._adapt_model()
+        # RMSNorm and SwiGLU keep fewer activations for backward (one process: FSDP2 frees a layer's
+        # unsharded weights after its forward, and these functions hold them for backward)
+        self.lean_modules = make_lean(self.model) if world_size == 1 else 0
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.ref_model = None
@@ -149,6 +156,13 @@ class TorchTrainer(Trainer):
             self.ref_model.requires_grad_(False)
             if self.packed_attention and not packed_attention.enable(self.ref_model):
                 self.packed_attention, self.explicit_mask = False, not _packing_is_isolated(self.model, self.device)
+        # log-probs and entropy straight from hidden states, never the [N, V] logits (one process: a
+        # sharded head would need its full weight gathered per chunk)
+        self.chunked_logprobs = world_size == 1 and head_is_plain(self.model, self.device)
+        # ...when a micro-batch's [N, V] logits would hold at least this many elements: below it the one
+        # big head matmul is faster and the logits are small (bench P4: -7..10% speed for ~120 MiB at
+        # 1024-token rows of SmolLM2; +7% speed and -0.9 GiB at 4096)
+        self.chunk_logits_above = CHUNK_LOGITS_ABOVE
         if world_size > 1:
             self._shard()
         self.optimizer = torch.optim.AdamW(
@@ -159,6 +173,9 @@ class TorchTrainer(Trainer):
             eps=1e-8,
         )
         self.step = 0
+        # CPU: a CoreShare re-sizing torch's threads before every micro-batch (the trainer actor sets it
+        # with --cpu-threads adaptive); None keeps the threads as they are
+        self.core_share: CoreShare | None = None
 
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""
@@ -210,6 +227,34 @@ class TorchTrainer(Trainer):
         t = self.cfg.logit_temperature
         return logits if t in (0.0, 1.0) else logits / t
 
+    def _log_probs(
+        self, model: nn.Module, batch: PackedBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [N] of the batch's targets, and their entropies [N] when ``entropy`` (fp32 both).
+
+        With a plain LM head (:mod:`agentrl.trainer.chunked_logprobs`) and logits of at least
+        ``chunk_logits_above`` elements, the head runs a chunk of rows at a time and no ``[N, V]``
+        tensor is kept for backward; otherwise from the full logits.
+        """
+        head = plain_head(model) if self.chunked_logprobs else None
+        if head is None or batch.targets.numel() * head.out_features < self.chunk_logits_above:
+            logits = self._logits(model, batch)
+            logp = _target_log_probs(logits, batch.targets)
+            if not entropy:
+                return logp, None
+            if self.cfg.entropy_coef > 0:
+                return logp, entropy_from_logits(logits)
+            with torch.no_grad():  # a metric only: keep no [N, V] graph for it
+                return logp, entropy_from_logits(logits.detach())
+        mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
+        with self._autocast(), self._segments(batch):
+            hidden = model.get_decoder()(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+            ).last_hidden_state[0, batch.logit_positions]
+            return chunked_log_probs(
+                hidden, head, batch.targets, temperature=self.cfg.logit_temperature, with_entropy=entropy
+            )
+
     def _dummy_pass(self, model: nn.Module, *, backward: bool) -> None:
         """A one-token pass that contributes nothing, so FSDP collectives stay paired across ranks."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
@@ -221,7 +266,7 @@ class TorchTrainer(Trainer):
     def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch | None]:
         """Packed micro-batches of this rank, padded with ``None`` (empty passes) to the busiest rank's count."""
         groups = pack_micro_batches(
-            [len(s.tokens) for s in samples], self.cfg.max_tokens_per_gpu, self.cfg.micro_batch_size
+            [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.cfg.micro_batch_size
         )
         n = len(groups)
         if self.world_size > 1:
@@ -244,12 +289,14 @@ class TorchTrainer(Trainer):
         refs: list[list[float]] = [[] for _ in samples]
         models = [(self.model, old)] + ([(self.ref_model, refs)] if ref else [])
         for batch in self._micro_batches(samples, train=False):
+            if self.core_share is not None:
+                self.core_share.apply()
             for model, out in models:
                 if batch is None:
                     self._dummy_pass(model, backward=False)
                     continue
                 b = batch.to(self.device)
-                logp = _target_log_probs(self._logits(model, b), b.targets)
+                logp, _ = self._log_probs(model, b, entropy=False)
                 for i, values in zip(b.indices, b.split(logp)):
                     out[i] = values
         return LogProbs(old=old, ref=refs if ref else None)
@@ -289,6 +336,8 @@ class TorchTrainer(Trainer):
         # so the optimizer steps exactly as over the full batch (AdamW's moments and decay move it)
         batches = self._micro_batches(live, train=True) or [None]
         for batch in batches:
+            if self.core_share is not None:
+                self.core_share.apply()
             if batch is None:
                 self._dummy_pass(self.model, backward=True)
                 continue
@@ -310,17 +359,14 @@ class TorchTrainer(Trainer):
 
     def _micro_batch_loss(self, b: PackedBatch, num_tokens: float, num_seqs: float):
         """Forward one packed micro-batch and return :func:`policy_loss`'s ``(loss, metrics)``."""
-        logits = self._logits(self.model, b)  # [N, V]
-        logp = _target_log_probs(logits, b.targets)  # [N]
-        if self.cfg.entropy_coef > 0:
-            entropy = entropy_from_logits(logits)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach())
+        logp, entropy = self._log_probs(self.model, b, entropy=True)  # [N] each
+        assert entropy is not None
+        if self.cfg.entropy_coef <= 0:
+            entropy = entropy.detach()  # a metric only: no gradient through it
         ref_logp = b.ref_log_probs
         if self.cfg.use_kl_loss and ref_logp is None:
             with torch.no_grad():
-                ref_logp = _target_log_probs(self._logits(self.ref_model, b), b.targets)
+                ref_logp, _ = self._log_probs(self.ref_model, b, entropy=False)
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
         return policy_loss(
             logp,

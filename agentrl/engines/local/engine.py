@@ -102,6 +102,10 @@ class LocalEngine:
     ``max_position_embeddings``. ``seed`` seeds the sampling generator. ``enable_memory_saver`` is
     SGLang's server arg: without it ``release_memory_occupation`` succeeds and frees nothing, as
     SGLang's no-op memory saver does (agentrl's own colocated engines turn it on).
+    ``adaptive_threads`` (CPU): the worker thread's torch threads follow
+    :class:`~agentrl.cpu_share.CoreShare` (cores left free by other processes, re-checked
+    every ~0.2 s of decoding, never below ``min_threads``), so it yields cores to a trainer that
+    trains at the same time.
     """
 
     def __init__(
@@ -116,8 +120,12 @@ class LocalEngine:
         seed: int | None = None,
         chunked_prefill_size: int = 1024,
         enable_memory_saver: bool = False,
+        adaptive_threads: bool = False,
+        min_threads: int = 1,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from agentrl.cpu_share import CoreShare
 
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
@@ -160,6 +168,12 @@ class LocalEngine:
         # Owned by the worker thread.
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request | None] = [None] * max_running_requests
+        # set from the worker thread itself: torch's OpenMP thread count is per thread
+        self._cores = (
+            CoreShare(torch.get_num_threads(), min_threads=min_threads)
+            if adaptive_threads and device == "cpu"
+            else None
+        )
         self._thread = threading.Thread(target=self._run, name="agentrl-local-engine", daemon=True)
         self._thread.start()
 
@@ -526,7 +540,12 @@ class LocalEngine:
                 or self.num_running
                 or (self._waiting and not self._admission_paused())
             ):
+                idle_since = time.monotonic()
                 self._cv.wait()
+                if self._cores is not None and time.monotonic() - idle_since > 1.0:
+                    # a long idle spell (a synchronous run's train step): what others did then says
+                    # nothing of the decode to come; short gaps between turns stay in the window
+                    self._cores.restart()
             if self._stop:
                 return False
             self._waiting.extend(self._inbox)
@@ -538,6 +557,8 @@ class LocalEngine:
         if not self._admission_paused():
             self._admit()
         if self.num_running:
+            if self._cores is not None:
+                self._cores.apply()
             self._decode_step()
         return True
 
