@@ -130,6 +130,7 @@ def test_agentrl_sft_learns_the_tool_call_and_rl_starts_from_its_folder(tiny_ckp
     lines = [json.loads(x) for x in open(save / "metrics.jsonl")]
     assert len(lines) == 100 and lines[-1]["epoch"] == pytest.approx(100.0)
     assert lines[-1]["sft_loss"] < 0.25 * lines[0]["sft_loss"]
+    assert 100 < lines[-1]["trainer_peak_rss_mb"] < 24 * 1024  # each step reports the trainer actor's peak memory
     assert (save / "loss_curve.png").stat().st_size > 0 and len(open(save / "demos.jsonl").readlines()) == 8
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000050", "iter_0000100"]
     from transformers import AutoModelForCausalLM

@@ -204,8 +204,10 @@ class SFTLoop:
         sync_weights: Callable[[int], Any] | None = None,
         evaluator: Callable[[int], Any] | None = None,
         ctx: Any = None,
+        memory_probe: Callable[[], dict[str, float]] | None = None,
     ):
         self.cfg, self.demos, self.trainers, self.metrics = cfg, demos, trainers, metrics
+        self.memory_probe = memory_probe  # each step: {"<actor>_peak_rss_mb": MiB} into metrics.jsonl
         self.ctx = ctx  # the eval episodes' context (its engine is closed with the run)
         self.sync_weights, self.evaluator = sync_weights, evaluator
         self.source = PromptSource(
@@ -247,6 +249,7 @@ class SFTLoop:
             "epoch": (step + 1) / self.per_epoch,
             "train_samples": len(batch),
             "step_train_seconds": time.monotonic() - t0,
+            **(await asyncio.to_thread(self.memory_probe) if self.memory_probe is not None else {}),
         }
         last = step + 1 == self.total
         if self.evaluator is not None and ((cfg.eval_interval and (step + 1) % cfg.eval_interval == 0) or last):

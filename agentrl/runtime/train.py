@@ -493,6 +493,7 @@ class _Runtime:
             sync_weights=self.sync_weights,
             evaluator=evaluator,
             ctx=ctx,
+            memory_probe=self.peak_memory,
         )
 
     def build_loop(
