@@ -210,7 +210,10 @@ def test_ppo_run_trains_both_saves_the_critic_and_resumes_it(tiny_ckpt, tmp_path
     assert [line["weight_version"] for line in lines] == [0, 1, 2]  # step 0 trained the critic alone
     assert lines[0]["critic_only_step"] == 1.0 and "pg_loss" not in lines[0]
     assert all("pg_loss" in line for line in lines[1:])
-    assert all(line["critic/value_loss"] > 0 and "critic/explained_variance" in line for line in lines)
+    assert all(line["critic/value_loss"] > 0 for line in lines), lines
+    # explained variance wherever the returns varied (sampling decides whether a step's all tie)
+    assert all(("critic/explained_variance" in line) == (line["returns_std"] > 0) for line in lines), lines
+    assert any("critic/explained_variance" in line for line in lines), lines
     critic_dir = run / "iter_0000003" / "critic"
     assert (critic_dir / "trainer_state.pt").is_file()
     # --load resumes actor and critic: one more step from the saved critic

@@ -96,7 +96,7 @@ def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
 def value_fit(batch: list[TrainSample]) -> dict[str, float]:
     """How well the critic's values (before this step's update) predicted the returns, over the trained tokens.
 
-    ``returns_mean``, and ``critic/explained_variance`` = 1 - Var(R - V) / Var(R) (1: perfect, 0: no
+    ``returns_mean``, ``returns_std``, and ``critic/explained_variance`` = 1 - Var(R - V) / Var(R) (1: perfect, 0: no
     better than a constant, < 0: worse), the usual PPO diagnostic; it does not grow with the reward's
     scale as the value loss does.
     """
@@ -106,8 +106,8 @@ def value_fit(batch: list[TrainSample]) -> dict[str, float]:
     rets = torch.tensor([r for r, _ in pairs], dtype=torch.float64)
     vals = torch.tensor([v for _, v in pairs], dtype=torch.float64)
     var = float(rets.var(unbiased=False))
-    out = {"returns_mean": float(rets.mean())}
-    if var > 0:
+    out = {"returns_mean": float(rets.mean()), "returns_std": var**0.5}
+    if var > 0:  # returns that never vary (every reward and value alike) have no variance to explain
         out["critic/explained_variance"] = 1.0 - float((rets - vals).var(unbiased=False)) / var
     return out
 
