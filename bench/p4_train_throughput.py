@@ -221,7 +221,7 @@ def main() -> None:
         "--max-tokens-per-gpu",
         default=None,
         help="agentrl packing budget(s), comma-separated (default: micro-batch x L, L = longest "
-        "possible sample = 320, and 4096, TrainConfig's default before it became 1024 on CPU)",
+        "possible sample = 320, and 4096, TrainConfig's default before it became 512 on CPU)",
     )
     p.add_argument("--reps", type=int, default=5, help="speed repetitions (0 with --peak-rss: memory only)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")

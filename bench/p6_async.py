@@ -152,7 +152,7 @@ def main() -> None:
         "--max-tokens-per-gpu",
         type=int,
         default=None,
-        help="the trainer's packing budget (default: the flag's, 1024 on CPU)",
+        help="the trainer's packing budget (default: the flag's, 512 on CPU)",
     )
     p.add_argument(
         "--cpu-threads",

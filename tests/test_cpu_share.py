@@ -144,7 +144,7 @@ def test_threads_per_actor_sync_async_and_the_fixed_split():
 def test_the_token_budget_defaults_by_device_and_a_flag_wins():
     from agentrl.config import TrainConfig
 
-    assert TrainConfig().token_budget("cpu") == 1024 and TrainConfig().token_budget("cuda") == 4096
+    assert TrainConfig().token_budget("cpu") == 512 and TrainConfig().token_budget("cuda") == 4096
     assert TrainConfig(max_tokens_per_gpu=300).token_budget("cpu") == 300
     with pytest.raises(ValueError, match="--max-tokens-per-gpu must be >= 16"):
         TrainConfig(max_tokens_per_gpu=8).validate()

@@ -3,6 +3,8 @@ and double buffering keeps a push from changing the weights an engine is still u
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,15 +65,38 @@ async def test_engine_runs_on_shared_slots(tiny_ckpt, tmp_path):
             assert ids == ref_ids
             assert lps == pytest.approx(ref_lps, abs=1e-4)
         # zero copy: the engine's embedding *is* the slot file; a write into the slot shows through
-        from agentrl.runtime.shm_weights import views
-
         emb = engine.model.get_input_embeddings().weight
-        views(writer.buffers[(len(pushes) - 1) % 2], layout)["model.embed_tokens.weight"][0, 0] = 123.0
+        open_weights(path, layout)["model.embed_tokens.weight"][0, 0] = 123.0
         assert emb[0, 0].item() == 123.0
+
     finally:
         await engine.close()
         writer.close()
     assert not list(tmp_path.glob("agentrl-weights-*"))
+
+
+def test_writer_maps_no_slot_and_writes_every_dtype(tmp_path):
+    """The trainer writes slots with pwrite: none of its pages map a slot, so the weights the engines
+    read count once, in the engines, not again (per slot) in the trainer's resident memory."""
+    writer = SharedWeightsWriter(tmp_path)
+    named = [
+        ("f32", torch.randn(300, 7)),
+        ("bf16", torch.randn(5, 3).to(torch.bfloat16)),
+        ("strided", torch.arange(24.0).reshape(4, 6).t()),  # not contiguous
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.zeros(0, 4)),
+        ("flags", torch.tensor([True, False, True])),
+    ]
+    try:
+        for _ in range(3):
+            path, layout = writer.write(named)
+            assert writer.tag not in Path("/proc/self/maps").read_text()
+            got = open_weights(path, layout)
+            for name, t in named:
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+            del got  # the reader's mapping goes with its tensors
+    finally:
+        writer.close()
 
 
 def test_layout_is_aligned_and_space_is_reserved_up_front(tmp_path):
