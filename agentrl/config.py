@@ -264,8 +264,8 @@ class RolloutConfig:
 
 
 # --max-tokens-per-gpu's defaults. On CPU, SmolLM2-135M trains 16 GRPO samples ~1.4x faster in 1024-token
-# rows than in 4096-token ones at about half the peak memory (4.4 vs 8.7 GiB), and as fast again in 512-token
-# rows at 0.7 GB less than in 1024-token ones (bench/README.md, P4 memory)
+# rows than in 4096-token ones at about half the peak memory (4.4 vs 8.7 GiB), and about as fast in 512-token
+# rows at 0.7 GiB less than in 1024-token ones (bench/README.md, P4 memory)
 CPU_TOKEN_BUDGET = 512
 GPU_TOKEN_BUDGET = 4096
 
@@ -355,8 +355,8 @@ class TrainConfig:
     )
     max_tokens_per_gpu: int | None = option(
         None,
-        help="token budget of one packed micro-batch (default: 512 on CPU, where smaller rows train as fast or "
-        "faster and hold a fraction of the activations of 4096-token ones, bench P4; 4096 on GPU; a longer "
+        help="token budget of one packed micro-batch (default: 512 on CPU, where smaller rows train about as "
+        "fast and hold a fraction of the activations of 4096-token ones, bench P4; 4096 on GPU; a longer "
         "sample gets a row of its own; unset in config.json)",
     )
     # None: the token budget alone decides (slime's --use-dynamic-batch-size)

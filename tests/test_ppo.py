@@ -262,6 +262,22 @@ def test_softcapped_architectures_get_a_plain_value_head(tiny_ckpt, tmp_path):
     assert max(values) > 1.0  # not capped at 0.5
 
 
+def test_a_forward_that_still_transforms_the_head_is_refused(tiny_ckpt):
+    """A model whose forward changes the head's output after the identity knobs are set is refused by name."""
+    critic = TorchCritic(tiny_ckpt, ppo_cfg())
+    critic._check_plain_head()  # the plain Llama passes
+    forward = critic.model.forward
+
+    def scaled(*args, **kwargs):  # what a logit scale the knobs do not reach would do
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 2.0 + 0.5
+        return out
+
+    critic.model.forward = scaled
+    with pytest.raises(ValueError, match="transforms its head's output"):
+        critic._check_plain_head()
+
+
 def test_a_failing_critic_fails_the_step_naming_it():
     """Either critic call failing fails the step with the critic named (the actor never trains alone silently)."""
     import asyncio

@@ -79,22 +79,34 @@ def test_writer_maps_no_slot_and_writes_every_dtype(tmp_path):
     """The trainer writes slots with pwrite: none of its pages map a slot, so the weights the engines
     read count once, in the engines, not again (per slot) in the trainer's resident memory."""
     writer = SharedWeightsWriter(tmp_path)
-    named = [
-        ("f32", torch.randn(300, 7)),
-        ("bf16", torch.randn(5, 3).to(torch.bfloat16)),
-        ("strided", torch.arange(24.0).reshape(4, 6).t()),  # not contiguous
-        ("scalar", torch.tensor(2.5)),
-        ("empty", torch.zeros(0, 4)),
-        ("flags", torch.tensor([True, False, True])),
-    ]
+
+    def push(k: int) -> list[tuple[str, torch.Tensor]]:  # different bytes in every push
+        g = torch.Generator().manual_seed(k)
+        return [
+            ("f32", torch.randn(300, 7, generator=g)),
+            ("bf16", torch.randn(5, 3, generator=g).to(torch.bfloat16)),
+            ("strided", (torch.arange(24.0) + k).reshape(4, 6).t()),  # not contiguous
+            ("scalar", torch.tensor(2.5 + k)),
+            ("empty", torch.zeros(0, 4)),
+            ("flags", torch.tensor([True, k % 2 == 0, False])),
+        ]
+
+    def check(got: dict[str, torch.Tensor], named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
     try:
-        for _ in range(3):
-            path, layout = writer.write(named)
-            assert writer.tag not in Path("/proc/self/maps").read_text()
-            got = open_weights(path, layout)
-            for name, t in named:
-                assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
-            del got  # the reader's mapping goes with its tensors
+        previous = None  # what an engine still reads: the slot of the push before
+        for k in range(4):
+            path, layout = writer.write(push(k))
+            assert path.endswith(f"-{k % 2}")
+            if previous is not None:
+                check(previous, push(k - 1))  # double buffering: this push left the other slot alone
+            previous = open_weights(path, layout)
+            check(previous, push(k))
+        del previous  # the reader's mapping goes with its tensors
+        writer.write(push(9))
+        assert writer.tag not in Path("/proc/self/maps").read_text()  # the writer mapped nothing
     finally:
         writer.close()
 

@@ -3,7 +3,8 @@
 The trainer (rank 0) writes its full weights into one of two files in ``/dev/shm`` (alternating
 per push) and tells each embedded engine on its node the file and the layout; the engine re-points
 its parameters at views of that file (``LocalEngine.update_weights_from_tensors(assign=True)``).
-So a push costs one memory copy, the same as copying the tensors in place, however many engines
+So a push costs one memory copy (a ``pwrite`` of each CPU tensor's bytes into the slot; the trainer
+maps no slot itself, so the engines' weights do not count in its memory too), however many engines
 there are. Double buffering is what makes this safe: push k writes slot ``k % 2`` while engines
 still read slot ``(k - 1) % 2``; by the time push k + 1 overwrites that slot, every engine has
 acknowledged moving to slot ``k % 2``.
@@ -20,6 +21,7 @@ store, instead of a SIGBUS in the middle of a write.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -125,10 +127,14 @@ class SharedWeightsWriter:
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` in host memory, contiguous, as a flat byte view (no copy for a contiguous CPU tensor)."""
+    """The bytes of ``t`` in host memory, contiguous, as a flat byte view.
+
+    No copy for a contiguous CPU tensor (the trainer's parameters); a GPU or strided tensor is first
+    copied to a contiguous host tensor, one tensor at a time.
+    """
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = t.contiguous().cpu()  # made contiguous on the device: one device-to-host copy
     flat = t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
@@ -137,6 +143,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` until every byte is written (one call moves at most ~2 GiB on Linux)."""
     while len(data):
         n = os.pwrite(fd, data, offset)
+        if n <= 0:  # cannot happen on a reserved tmpfs file; never spin on it
+            raise OSError(errno.EIO, f"pwrite into a weight slot wrote nothing at byte {offset}")
         data, offset = data[n:], offset + n
 
 

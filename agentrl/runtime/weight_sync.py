@@ -314,6 +314,9 @@ class SharedMemoryTransport(WeightTransport):
                 path, layout = self._writer.write(named)
             except OSError as exc:
                 log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
+                if self._writer is not None:
+                    self._writer.close()  # its slots would hold ~2x the weights in /dev/shm for nothing
+                    self._writer = None
                 self._fallback = ObjectStoreTransport(self.engines)
                 self.route = "object_store"
             else:

@@ -145,7 +145,8 @@ def head_is_plain(model: nn.Module, device: torch.device) -> bool:
     head = plain_head(model)
     if head is None:
         return False
-    vocab = int(head.weight.shape[0])
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(embeddings.weight.shape[0]) if embeddings is not None else int(head.weight.shape[0])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, 12), generator=g).to(device)
     pos = torch.arange(12, device=device)[None]

@@ -18,7 +18,6 @@ from agentrl.algo.loss import value_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer.base import Critic, TrainSample
 from agentrl.trainer.batching import PackedBatch
-from agentrl.trainer.chunked_logprobs import head_is_plain
 from agentrl.trainer.critic import CRITIC_METRICS, critic_config, value_head
 from agentrl.trainer.torch_trainer import TorchTrainer
 
@@ -60,8 +59,15 @@ class TorchCritic(TorchTrainer, Critic):
         config.agentrl_value_head = True
         self._check_plain_head()
 
+    @torch.no_grad()
     def _check_plain_head(self) -> None:
-        if not head_is_plain(self.model, self.device):  # the same load-time check chunked log-probs rely on
+        ids = torch.randint(0, config_vocab(self.model), (1, 6), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(self.device)
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        head = self.model.get_output_embeddings()
+        if out.hidden_states is None or not torch.allclose(
+            head(out.hidden_states[-1]).float(), out.logits.float(), atol=1e-4, rtol=1e-4
+        ):
             raise ValueError(
                 f"{type(self.model).__name__} transforms its head's output in its forward: a value head on it would "
                 "not give head(hidden state); start the critic from another architecture (--critic-hf-checkpoint)"
