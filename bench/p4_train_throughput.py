@@ -99,10 +99,17 @@ class AgentrlSide:
             weight_decay=0.0,
         )
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
-        # in-run baselines: plain = the trainer before chunked log-probs and lean activations;
-        # nochunk / nolean = without one of them
-        if variant not in ("", "plain", "nochunk", "nolean"):
-            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk or nolean")
+        # in-run baselines: plain = the trainer before chunked log-probs, lean activations, kept gradients
+        # and fused AdamW; nochunk / nolean / unfused = without one of them (unfused: freed gradients and
+        # the foreach AdamW)
+        if variant not in ("", "plain", "nochunk", "nolean", "unfused"):
+            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean or unfused")
+        if variant in ("plain", "unfused"):
+            self.trainer.keep_grads = self.trainer.fused_adamw = False
+            for group in self.trainer.optimizer.param_groups:  # AdamW reads the kernel choice every step
+                group["fused"] = None
+            self.trainer.optimizer.state.clear()  # allocated at load with the gradients: freed, AdamW
+            self.trainer.model.zero_grad(set_to_none=True)  # creates them again at its first step
         if variant in ("plain", "nochunk"):
             self.trainer.chunked_logprobs = False
         if variant in ("plain", "nolean"):
@@ -229,7 +236,9 @@ def main() -> None:
         "--variants",
         default="",
         help="also run these agentrl variants at each budget, comma-separated: plain (as before chunked "
-        "log-probs and lean activations: full [N, V] logits, the modules' own forwards), nochunk, nolean",
+        "log-probs, lean activations, kept gradients and fused AdamW: full [N, V] logits, the modules' own "
+        "forwards, gradients freed every step, foreach AdamW), nochunk, nolean, unfused (gradients freed, "
+        "foreach AdamW)",
     )
     p.add_argument(
         "--peak-rss",

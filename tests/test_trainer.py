@@ -261,6 +261,61 @@ def test_save_load_resume(tied_ckpt, tmp_path):
     assert b.model.lm_head.weight is b.model.model.embed_tokens.weight
 
 
+def _unfused(t: TorchTrainer) -> TorchTrainer:
+    """The trainer as before kept gradients and fused AdamW (bench P4's ``unfused`` variant)."""
+    t.keep_grads = t.fused_adamw = False
+    for group in t.optimizer.param_groups:
+        group["fused"] = None
+    t.optimizer.state.clear()  # AdamW creates its moments at its first step
+    t.model.zero_grad(set_to_none=True)
+    return t
+
+
+def test_kept_gradients_and_fused_adamw_step_as_freed_gradients_and_foreach(tiny_ckpt, tmp_path):
+    a = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
+    assert a.keep_grads and a.optimizer.param_groups[0]["fused"] is True  # the CPU, one-process default
+    b = _unfused(TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1)))
+    start = [p.detach().clone() for p in a.model.parameters()]
+    for seed in (1, 2, 3):
+        batch = make_samples(4, seed=seed)
+        torch.manual_seed(0)
+        ma = a.train_step(batch)
+        torch.manual_seed(0)
+        mb = b.train_step(batch)
+        assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-6)
+    assert all(p.grad is not None for p in a.model.parameters())  # zeroed at the next step, never freed
+    assert all(p.grad is None for p in b.model.parameters())
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):  # within 1% of one step's size (lr):
+        torch.testing.assert_close(pa, pb, atol=1e-4, rtol=0)  # the two kernels round differently
+    assert max(float((pa - p0).abs().max()) for p0, pa in zip(start, a.model.parameters())) > 1e-3
+
+    # a checkpoint of the foreach optimizer resumes on the fused one, and steps on as the foreach one does
+    b.save(tmp_path / "ckpt")
+    c = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
+    c.load(tmp_path / "ckpt")
+    assert c.optimizer.param_groups[0]["fused"] is True
+    batch = make_samples(4, seed=4)
+    b.train_step(batch)
+    c.train_step(batch)
+    for pb, pc in zip(b.model.parameters(), c.model.parameters()):
+        torch.testing.assert_close(pc, pb, atol=1e-4, rtol=0)
+
+
+def test_a_parameter_no_backward_reached_is_not_stepped_though_its_gradient_was_kept(tiny_ckpt):
+    t = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
+    t.train_step(make_samples(4, seed=1))
+    # like an expert no token was routed to in this step: it holds a (kept) gradient from an earlier one
+    unrouted = torch.nn.Parameter(torch.ones(3))
+    t.model.register_parameter("unrouted", unrouted)
+    t.optimizer.add_param_group({"params": [unrouted]})
+    unrouted.grad = torch.full((3,), 0.5)
+    embed = t.model.get_input_embeddings().weight.detach().clone()
+    t.train_step(make_samples(4, seed=2))
+    # AdamW skipped it, as with freed gradients (a zeroed gradient would still decay it by lr x 0.1)
+    assert torch.equal(unrouted.detach(), torch.ones(3)) and unrouted.grad is None
+    assert not torch.equal(t.model.get_input_embeddings().weight, embed)  # the step itself ran
+
+
 # ---------------------------------------------------------------- Ray + FSDP2
 
 

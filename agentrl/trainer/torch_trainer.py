@@ -165,13 +165,25 @@ class TorchTrainer(Trainer):
         self.chunk_logits_above = CHUNK_LOGITS_ABOVE
         if world_size > 1:
             self._shard()
+        # CPU, one process: AdamW's fused kernel (one pass over each parameter; bench P4: -7% step time),
+        # and gradients zeroed but kept allocated across steps. Freed 0.5 GB of fp32 gradients come back
+        # from glibc as fresh pages in the next backward, and the main job's trainer peaked ~110-170 MiB
+        # higher. GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
+        self.fused_adamw = self.keep_grads = self.device.type == "cpu" and world_size == 1
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
             eps=1e-8,
+            fused=self.fused_adamw or None,
         )
+        # the parameters that received a gradient in this step: a kept (zeroed) gradient of one that
+        # received none is dropped before the optimizer steps, so AdamW skips it exactly as with freed
+        # gradients (a mixture-of-experts layer leaves its unrouted experts without a gradient)
+        self._got_grad: set[int] = set()
+        if self.keep_grads:
+            self._allocate_step_state()
         self.step = 0
         # CPU: a CoreShare re-sizing torch's threads before every micro-batch (the trainer actor sets it
         # with --cpu-threads adaptive); None keeps the threads as they are
@@ -330,7 +342,8 @@ class TorchTrainer(Trainer):
         )
         if num_seqs == 0:
             return None
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        self._got_grad.clear()
         sums: dict[str, float] = defaultdict(float)
         # no rank has a sample with a gradient: one empty pass still gives every weight a zero gradient,
         # so the optimizer steps exactly as over the full batch (AdamW's moments and decay move it)
@@ -348,9 +361,12 @@ class TorchTrainer(Trainer):
             sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] += v
+        if self.keep_grads:
+            self._drop_unused_grads()
         grad_norm = self._clip_grad()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.keep_grads:
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         keys = self._metric_names(sums)
         totals = self._sum_over_ranks([sums[k] for k in keys])  # each rank's share is globally normalized
@@ -383,6 +399,35 @@ class TorchTrainer(Trainer):
             custom_fn=self.custom_loss_fn,
             batch=b,
         )
+
+    def _allocate_step_state(self) -> None:
+        """Gradients and AdamW's moments, allocated now and for the whole run (``keep_grads``).
+
+        Allocated before the first forward, the 1.5 GB of state every step keeps (for SmolLM2 fp32) lies
+        together in memory instead of among the first step's activations (bench P4: ~60 MiB lower peak
+        than allocating it during that step). The moments are those AdamW creates at its first step
+        (``step`` 0, zeros): the first update is unchanged.
+        """
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                p.grad = torch.zeros_like(p)
+                p.register_post_accumulate_grad_hook(self._mark_grad)
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+    def _mark_grad(self, p: torch.Tensor) -> None:
+        self._got_grad.add(id(p))
+
+    def _drop_unused_grads(self) -> None:
+        """Free the kept gradient of every parameter no backward of this step reached (see ``keep_grads``)."""
+        for p in self.model.parameters():
+            if p.grad is not None and id(p) not in self._got_grad:
+                p.grad = None
 
     def _clip_grad(self) -> float:
         """Clip to ``clip_grad`` (0 = off) and return the pre-clip global norm."""
@@ -459,6 +504,8 @@ class TorchTrainer(Trainer):
         self._load_full_weights(full)
         ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])
+        for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice
+            group["fused"] = self.fused_adamw or None
         _set_rng_state(ranked["rng"])
         self.step = state["step"]
         return state["extra_state"]
