@@ -5,7 +5,7 @@
 
 Both sides train the SAME fixed samples (prompt 40-120 + response 20-200 tokens, random ids, response
 loss masks with 0-spans standing in for tool outputs, advantage +-1 per sample) from the SAME
-initial weights, one optimizer step per repetition: AdamW (same lr, betas, no weight decay), grad
+initial weights, one optimizer step per repetition: fused AdamW (same lr, betas, no weight decay), grad
 clip 1.0, fp32, no gradient checkpointing, no KL/reference model, sample-mean loss (agentrl's
 default; TRL ``loss_type="grpo"``), old log-probs = detached current ones on both sides (one
 pass per rollout). Same process, same ``torch`` threads; repetitions interleave A,B,A,B.
@@ -98,18 +98,12 @@ class AgentrlSide:
             clip_grad=1.0,
             weight_decay=0.0,
         )
-        self.trainer = TorchTrainer(ckpt, cfg, device="cpu")
-        # in-run baselines: plain = the trainer before chunked log-probs, lean activations, kept gradients
-        # and fused AdamW; nochunk / nolean / unfused = without one of them (unfused: freed gradients and
-        # the foreach AdamW)
+        self.trainer = TorchTrainer(ckpt, cfg, device="cpu", resident_state=variant not in ("plain", "unfused"))
+        # in-run baselines: plain = the trainer before chunked log-probs, lean activations and resident
+        # optimizer state; nochunk / nolean / unfused = without one of them (unfused: gradients freed every
+        # step, moments created at the first step, torch's per-tensor AdamW)
         if variant not in ("", "plain", "nochunk", "nolean", "unfused"):
             raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean or unfused")
-        if variant in ("plain", "unfused"):
-            self.trainer.keep_grads = self.trainer.fused_adamw = False
-            for group in self.trainer.optimizer.param_groups:  # AdamW reads the kernel choice every step
-                group["fused"] = None
-            self.trainer.optimizer.state.clear()  # allocated at load with the gradients: freed, AdamW
-            self.trainer.model.zero_grad(set_to_none=True)  # creates them again at its first step
         if variant in ("plain", "nochunk"):
             self.trainer.chunked_logprobs = False
         if variant in ("plain", "nolean"):
@@ -181,7 +175,7 @@ class TrlSide:
             adam_beta2=0.98,
             weight_decay=0.0,
             max_grad_norm=1.0,
-            optim="adamw_torch",
+            optim="adamw_torch_fused",  # what agentrl's trainer runs on CPU (and transformers' default)
             lr_scheduler_type="constant",
             disable_dropout=True,
             max_completion_length=RESPONSE_LEN[1],
@@ -236,9 +230,9 @@ def main() -> None:
         "--variants",
         default="",
         help="also run these agentrl variants at each budget, comma-separated: plain (as before chunked "
-        "log-probs, lean activations, kept gradients and fused AdamW: full [N, V] logits, the modules' own "
-        "forwards, gradients freed every step, foreach AdamW), nochunk, nolean, unfused (gradients freed, "
-        "foreach AdamW)",
+        "log-probs, lean activations and resident optimizer state: full [N, V] logits, the modules' own "
+        "forwards, gradients freed every step, per-tensor AdamW), nochunk, nolean, unfused (gradients "
+        "freed every step, moments created at the first step, per-tensor AdamW)",
     )
     p.add_argument(
         "--peak-rss",

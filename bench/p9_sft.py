@@ -5,7 +5,7 @@
 
 Both sides train the SAME multi-turn tool-use conversations (GSM8K's calculator annotations as
 OpenAI-format ``{"messages", "tools"}`` rows, :func:`agentrl.envs.gsm8k.write_conversations`) from the SAME
-initial weights, one optimizer step per repetition over all ``--conversations``: AdamW (same lr,
+initial weights, one optimizer step per repetition over all ``--conversations``: fused AdamW (same lr,
 betas, no weight decay), grad clip 1.0, fp32, no gradient checkpointing, loss on the assistant
 tokens only (their end-of-turn token included). Same process, same ``torch`` threads; repetitions
 interleave A,B,A,B.
@@ -149,7 +149,7 @@ class TrlSide:
             adam_beta2=0.98,
             weight_decay=0.0,
             max_grad_norm=1.0,
-            optim="adamw_torch",
+            optim="adamw_torch_fused",  # what agentrl's trainer runs on CPU (and transformers' default)
             lr_scheduler_type="constant",
             save_strategy="no",
             logging_steps=10**9,

@@ -68,7 +68,6 @@ async def test_engine_runs_on_shared_slots(tiny_ckpt, tmp_path):
         emb = engine.model.get_input_embeddings().weight
         open_weights(path, layout)["model.embed_tokens.weight"][0, 0] = 123.0
         assert emb[0, 0].item() == 123.0
-
     finally:
         await engine.close()
         writer.close()

@@ -261,20 +261,14 @@ def test_save_load_resume(tied_ckpt, tmp_path):
     assert b.model.lm_head.weight is b.model.model.embed_tokens.weight
 
 
-def _unfused(t: TorchTrainer) -> TorchTrainer:
-    """The trainer as before kept gradients and fused AdamW (bench P4's ``unfused`` variant)."""
-    t.keep_grads = t.fused_adamw = False
-    for group in t.optimizer.param_groups:
-        group["fused"] = None
-    t.optimizer.state.clear()  # AdamW creates its moments at its first step
-    t.model.zero_grad(set_to_none=True)
-    return t
-
-
-def test_kept_gradients_and_fused_adamw_step_as_freed_gradients_and_foreach(tiny_ckpt, tmp_path):
-    a = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
-    assert a.keep_grads and a.optimizer.param_groups[0]["fused"] is True  # the CPU, one-process default
-    b = _unfused(TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1)))
+def test_resident_state_steps_as_freed_gradients_and_the_per_tensor_adamw(tiny_ckpt, tmp_path):
+    a = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))  # the CPU, one-process default
+    assert a.keep_grads and a.optimizer.param_groups[0]["fused"] is True
+    params = [p for p in a.model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and not p.grad.any() for p in params)  # allocated at load
+    assert all(set(a.optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)
+    b = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1), resident_state=False)  # as before
+    assert not b.optimizer.state and all(p.grad is None for p in b.model.parameters())
     start = [p.detach().clone() for p in a.model.parameters()]
     for seed in (1, 2, 3):
         batch = make_samples(4, seed=seed)
@@ -287,9 +281,10 @@ def test_kept_gradients_and_fused_adamw_step_as_freed_gradients_and_foreach(tiny
     assert all(p.grad is None for p in b.model.parameters())
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):  # within 1% of one step's size (lr):
         torch.testing.assert_close(pa, pb, atol=1e-4, rtol=0)  # the two kernels round differently
+    assert [float(a.optimizer.state[p]["step"]) for p in params] == [3.0] * len(params)
     assert max(float((pa - p0).abs().max()) for p0, pa in zip(start, a.model.parameters())) > 1e-3
 
-    # a checkpoint of the foreach optimizer resumes on the fused one, and steps on as the foreach one does
+    # a checkpoint of the per-tensor AdamW resumes on the fused one, and steps on as the per-tensor one does
     b.save(tmp_path / "ckpt")
     c = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
     c.load(tmp_path / "ckpt")

@@ -132,10 +132,8 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     No copy for a contiguous CPU tensor (the trainer's parameters); a GPU or strided tensor is first
     copied to a contiguous host tensor, one tensor at a time.
     """
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.contiguous().cpu()  # made contiguous on the device: one device-to-host copy
-    flat = t.contiguous().reshape(-1)
+    t = t.detach().contiguous()  # on the device: then one device-to-host copy of contiguous bytes
+    flat = t.cpu().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 

@@ -64,6 +64,8 @@ from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, p
 from agentrl.trainer.lean_activations import make_lean
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
+
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", "trainer_state.pt")
 
@@ -130,7 +132,10 @@ class TorchTrainer(Trainer):
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device | None = None,
+        resident_state: bool | None = None,
     ):
+        """``resident_state``: fused AdamW over gradients and moments allocated at load and kept for the
+        whole run (see below); None = on for a CPU trainer in one process, the only place it was measured."""
         cfg.validate()
         self.custom_loss_fn = load_custom_loss(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -165,11 +170,14 @@ class TorchTrainer(Trainer):
         self.chunk_logits_above = CHUNK_LOGITS_ABOVE
         if world_size > 1:
             self._shard()
-        # CPU, one process: AdamW's fused kernel (one pass over each parameter; bench P4: -7% step time),
-        # and gradients zeroed but kept allocated across steps. Freed 0.5 GB of fp32 gradients come back
-        # from glibc as fresh pages in the next backward, and the main job's trainer peaked ~110-170 MiB
-        # higher. GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
-        self.fused_adamw = self.keep_grads = self.device.type == "cpu" and world_size == 1
+        # Resident state (CPU, one process): AdamW's fused kernel instead of torch's per-tensor loop, and
+        # the gradients and moments allocated at load, zeroed rather than freed between steps. Allocated
+        # during the first step they lie among its activations and glibc's heap fragments (bench P4, 16
+        # samples, 512-token rows: 3,705 MiB peak against 3,848-3,861, and faster; bench/README.md).
+        # GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
+        if resident_state is None:
+            resident_state = self.device.type == "cpu" and world_size == 1
+        self.fused_adamw = self.keep_grads = resident_state
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -409,13 +417,15 @@ class TorchTrainer(Trainer):
         (``step`` 0, zeros): the first update is unchanged.
         """
         for group in self.optimizer.param_groups:
+            if group["amsgrad"]:
+                raise ValueError("resident AdamW state is written for AdamW without amsgrad")
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
                 p.grad = torch.zeros_like(p)
                 p.register_post_accumulate_grad_hook(self._mark_grad)
                 self.optimizer.state[p] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
@@ -502,6 +512,8 @@ class TorchTrainer(Trainer):
         for f in sorted(path.glob("*.safetensors")):
             full.update(load_file(str(f)))
         self._load_full_weights(full)
+        del full
+        self.optimizer.state.clear()  # the resident moments go before the saved ones are read (no 2 copies)
         ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])
         for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice
