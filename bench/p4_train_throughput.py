@@ -98,12 +98,12 @@ class AgentrlSide:
             clip_grad=1.0,
             weight_decay=0.0,
         )
-        self.trainer = TorchTrainer(ckpt, cfg, device="cpu", resident_state=variant not in ("plain", "unfused"))
         # in-run baselines: plain = the trainer before chunked log-probs, lean activations and resident
         # optimizer state; nochunk / nolean / unfused = without one of them (unfused: gradients freed every
         # step, moments created at the first step, torch's per-tensor AdamW)
         if variant not in ("", "plain", "nochunk", "nolean", "unfused"):
             raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean or unfused")
+        self.trainer = TorchTrainer(ckpt, cfg, device="cpu", resident_state=variant not in ("plain", "unfused"))
         if variant in ("plain", "nochunk"):
             self.trainer.chunked_logprobs = False
         if variant in ("plain", "nolean"):

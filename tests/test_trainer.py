@@ -296,6 +296,23 @@ def test_resident_state_steps_as_freed_gradients_and_the_per_tensor_adamw(tiny_c
         torch.testing.assert_close(pc, pb, atol=1e-4, rtol=0)
 
 
+def test_resident_state_is_refused_where_it_was_not_measured_and_a_partial_checkpoint_changes_nothing(
+    tiny_ckpt, tmp_path
+):
+    with pytest.raises(TypeError, match="resident_state must be True, False or None"):
+        TorchTrainer(tiny_ckpt, cfg(), resident_state="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="resident_state=True is for a CPU trainer in one process"):
+        TorchTrainer(tiny_ckpt, cfg(), resident_state=True, device="meta")
+    t = TorchTrainer(tiny_ckpt, cfg(lr=1e-2))
+    t.train_step(make_samples(4, seed=1))
+    t.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "optim_rank0.pt").unlink()
+    moments = {id(p): dict(s) for p, s in t.optimizer.state.items()}
+    with pytest.raises(FileNotFoundError, match="optim_rank0.pt is missing"):
+        t.load(tmp_path / "ckpt")
+    assert {id(p): dict(s) for p, s in t.optimizer.state.items()} == moments  # the same tensors, untouched
+
+
 def test_a_parameter_no_backward_reached_is_not_stepped_though_its_gradient_was_kept(tiny_ckpt):
     t = TorchTrainer(tiny_ckpt, cfg(lr=1e-2, weight_decay=0.1))
     t.train_step(make_samples(4, seed=1))

@@ -37,8 +37,16 @@ class TorchCritic(TorchTrainer, Critic):
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device | None = None,
+        resident_state: bool | None = None,
     ):
-        super().__init__(checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device)
+        super().__init__(
+            checkpoint_path,
+            critic_config(cfg),
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            resident_state=resident_state,
+        )
 
     def _adapt_model(self) -> None:
         """Swap the LM head for the value head (the packing check above ran on the real logits).

@@ -135,13 +135,23 @@ class TorchTrainer(Trainer):
         resident_state: bool | None = None,
     ):
         """``resident_state``: fused AdamW over gradients and moments allocated at load and kept for the
-        whole run (see below); None = on for a CPU trainer in one process, the only place it was measured."""
+        whole run (see below); None = on for a CPU trainer in one process, the only place it was measured
+        (True elsewhere is refused). It lowers the step's peak memory; the gradients (one more copy of the
+        weights) then also stay allocated between steps, while rollouts run."""
         cfg.validate()
         self.custom_loss_fn = load_custom_loss(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.checkpoint_path = Path(checkpoint_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(cfg.dtype, self.device)  # compute dtype; trained weights stay fp32
+        measured = self.device.type == "cpu" and world_size == 1
+        if resident_state not in (None, True, False):
+            raise TypeError(f"resident_state must be True, False or None, not {resident_state!r}")
+        if resident_state and not measured:
+            raise ValueError(
+                f"resident_state=True is for a CPU trainer in one process (this one: {self.device.type}, "
+                f"{world_size} ranks): leave it None there"
+            )
         torch.manual_seed(cfg.seed + rank)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", rank=rank, world_size=world_size)
@@ -175,9 +185,7 @@ class TorchTrainer(Trainer):
         # during the first step they lie among its activations and glibc's heap fragments (bench P4, 16
         # samples, 512-token rows: 3,705 MiB peak against 3,848-3,861, and faster; bench/README.md).
         # GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
-        if resident_state is None:
-            resident_state = self.device.type == "cpu" and world_size == 1
-        self.fused_adamw = self.keep_grads = resident_state
+        self.fused_adamw = self.keep_grads = measured if resident_state is None else bool(resident_state)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -411,13 +419,13 @@ class TorchTrainer(Trainer):
     def _allocate_step_state(self) -> None:
         """Gradients and AdamW's moments, allocated now and for the whole run (``keep_grads``).
 
-        Allocated before the first forward, the 1.5 GB of state every step keeps (for SmolLM2 fp32) lies
+        Allocated before the first forward, the 1.6 GB of state every step keeps (for SmolLM2 fp32) lies
         together in memory instead of among the first step's activations (bench P4: ~60 MiB lower peak
         than allocating it during that step). The moments are those AdamW creates at its first step
         (``step`` 0, zeros): the first update is unchanged.
         """
         for group in self.optimizer.param_groups:
-            if group["amsgrad"]:
+            if group["amsgrad"]:  # no flag sets it today: a guard for whoever adds one
                 raise ValueError("resident AdamW state is written for AdamW without amsgrad")
             for p in group["params"]:
                 if not p.requires_grad:
@@ -508,13 +516,17 @@ class TorchTrainer(Trainer):
                 f"{path} was saved by {state['world_size']} ranks; resuming needs the same number "
                 f"(this run has {self.world_size})"
             )
+        optim_file = path / f"optim_rank{self.rank}.pt"
+        if not optim_file.is_file():  # refused before anything of this trainer is replaced
+            raise FileNotFoundError(f"{optim_file} is missing: {path} is not a complete checkpoint of this trainer")
+        # the resident moments go first: never two sets of moments, nor moments beside the weights being read
+        self.optimizer.state.clear()
         full: dict[str, torch.Tensor] = {}
         for f in sorted(path.glob("*.safetensors")):
             full.update(load_file(str(f)))
         self._load_full_weights(full)
         del full
-        self.optimizer.state.clear()  # the resident moments go before the saved ones are read (no 2 copies)
-        ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
+        ranked = torch.load(optim_file, weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])
         for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice
             group["fused"] = self.fused_adamw or None
