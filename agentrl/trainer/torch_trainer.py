@@ -64,8 +64,6 @@ from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, p
 from agentrl.trainer.lean_activations import make_lean
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
-
-
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", "trainer_state.pt")
 
