@@ -67,6 +67,29 @@ def choice_problems(obj: Any) -> list[str]:
     ]
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def worker_resource(spec: Any) -> tuple[str, float] | None:
+    """``NAME=AMOUNT`` of ``--rollout-worker-resources``, or None when malformed (amount a finite number > 0)."""
+    if not isinstance(spec, str):
+        return None
+    name, eq, amount = spec.partition("=")
+    try:
+        value = float(amount)
+    except ValueError:
+        return None
+    if not eq or not name.strip() or not math.isfinite(value) or value <= 0:
+        return None
+    return name.strip(), value
+
+
 def _role_url(spec: Any) -> tuple[str, str] | None:
     """``NAME=URL`` of ``--role-engine-url``, or None when malformed."""
     if not isinstance(spec, str):
@@ -609,6 +632,25 @@ class RunConfig:
         choices=("adaptive", "fixed"),
     )
     ray_address: str | None = option(None, help="Ray cluster to join (default: start a local one)")
+    rollout_num_workers: int = option(
+        1,
+        help="where episodes run: 1 in the driver process (one event loop); N > 1 in N rollout-worker Ray actors "
+        "spread over the cluster's nodes, each with its own event loop, envs, tokenizer, engine clients and "
+        "sandboxes on its own node (a step's groups are split across them, one group per worker)",
+    )
+    rollout_worker_cpus: float = option(
+        1.0, help="CPUs Ray reserves for each rollout worker (0: placed by --rollout-worker-resources alone)"
+    )
+    rollout_worker_resources: list[str] = option(
+        factory=list,
+        help="NAME=AMOUNT: a custom Ray resource each rollout worker needs (repeatable), e.g. sandbox_host=1 to put "
+        "workers only on nodes started with --resources '{\"sandbox_host\": 4}'",
+    )
+    rollout_worker_timeout: float = option(
+        120.0,
+        help="seconds a busy rollout worker may leave a health check unanswered before it is replaced (its "
+        "in-flight groups re-run on another worker)",
+    )
     actor_num_nodes: int = option(1, help="nodes for the trainer")
     actor_num_gpus_per_node: int = option(0, help="GPUs per node for the trainer (0: CPU)")
     rollout_num_gpus: int = option(0, help="GPUs for the engines in all (0: CPU)")
@@ -631,7 +673,8 @@ class RunConfig:
     )
     engine_host: str = option(
         "127.0.0.1",
-        help="address launched servers listen on: 127.0.0.1 (one node) or 0.0.0.0 (engines on other nodes of a Ray cluster; URLs then carry each node's IP)",
+        help="address engine servers listen on (launched and embedded): 127.0.0.1 (one node) or 0.0.0.0 (engines or "
+        "rollout workers on other nodes of a Ray cluster; URLs then carry each node's IP)",
     )
     engine_monitor_interval: float = option(
         10.0, help="seconds between health checks of launched servers (a dead one is restarted; 0 = off)"
@@ -672,6 +715,11 @@ class RunConfig:
     @property
     def is_sft(self) -> bool:
         return self.train.loss_type == "sft_loss"
+
+    @property
+    def worker_resources(self) -> dict[str, float]:
+        """``--rollout-worker-resources`` as ``{name: amount}`` (malformed entries are refused by :meth:`problems`)."""
+        return dict(r for r in map(worker_resource, self.rollout_worker_resources) if r is not None)
 
     @property
     def samples_per_rollout(self) -> int:
@@ -933,6 +981,44 @@ class RunConfig:
             (
                 not (self.async_mode and self.colocate),
                 "--async cannot be combined with --colocate (engine and trainer would compete for the same devices)",
+            ),
+            (
+                _is_int(self.rollout_num_workers) and 1 <= self.rollout_num_workers <= 1024,
+                f"--rollout-num-workers must be an integer in [1, 1024], got {self.rollout_num_workers!r}",
+            ),
+            (
+                _is_number(self.rollout_worker_cpus) and self.rollout_worker_cpus >= 0,
+                f"--rollout-worker-cpus must be a finite number >= 0, got {self.rollout_worker_cpus!r}",
+            ),
+            (
+                isinstance(self.rollout_worker_resources, list | tuple)
+                and all(worker_resource(x) is not None for x in self.rollout_worker_resources),
+                "--rollout-worker-resources takes NAME=AMOUNT entries (AMOUNT a number > 0), got "
+                f"{self.rollout_worker_resources!r}",
+            ),
+            (
+                _is_number(self.rollout_worker_timeout) and self.rollout_worker_timeout > 0,
+                f"--rollout-worker-timeout must be a finite number of seconds > 0, got {self.rollout_worker_timeout!r}",
+            ),
+            (
+                not _is_int(self.rollout_num_workers)
+                or self.rollout_num_workers > 1
+                or (
+                    self.rollout_worker_cpus == 1.0
+                    and not self.rollout_worker_resources
+                    and self.rollout_worker_timeout == 120.0
+                ),
+                "--rollout-worker-cpus, --rollout-worker-resources and --rollout-worker-timeout configure rollout "
+                "worker actors: they need --rollout-num-workers > 1 (1 runs episodes in the driver)",
+            ),
+            (
+                self.rollout_num_workers == 1 or not self.rollout_function_path,
+                "--rollout-function-path makes one call for every sample of a step: it cannot be split across "
+                "--rollout-num-workers; drop one of them (a per-sample --custom-generate-function-path can)",
+            ),
+            (
+                self.rollout_num_workers == 1 or not sft,
+                "--rollout-num-workers spreads RL rollouts: a warm start (--loss-type sft_loss) has none to spread",
             ),
             (
                 not (self.weight_sync == "tensor" and self.engine_url),

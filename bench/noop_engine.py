@@ -1,8 +1,9 @@
-"""A no-op SGLang-compatible engine for measuring loop capacity (P2): answers /generate at once.
+"""A no-op SGLang-compatible engine for measuring loop capacity (P2, P11): answers /generate at once.
 
 Each reply is a fixed short turn ending with the end-of-turn token, with log-probs, in SGLang's
-exact response shape. It is a raw ASGI app under uvicorn, run in its own process so the client
-being measured does not share its interpreter. Not a test double: nothing in tests uses it.
+exact response shape; ``GET /count`` says how many ``/generate`` requests it answered. It is a raw
+ASGI app under uvicorn, run in its own process so the client being measured does not share its
+interpreter. Not a test double: nothing in tests uses it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def make_app(turn_ids: list[int]):
         }
     ).encode()
 
+    served = {"generate": 0}
+
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
@@ -37,7 +40,13 @@ def make_app(turn_ids: list[int]):
         while more:
             msg = await receive()
             more = msg.get("more_body", False)
-        payload = b"" if scope["path"] == "/health" else body
+        if scope["path"] == "/count":  # how many /generate requests this engine answered (P11's balance)
+            payload = json.dumps(served).encode()
+        elif scope["path"] == "/health":
+            payload = b""
+        else:
+            served["generate"] += scope["path"] == "/generate"
+            payload = body
         await send(
             {
                 "type": "http.response.start",

@@ -46,6 +46,7 @@ class Router(Engine):
         self.failed_until = [0.0] * len(self.engines)
         self._sticky: dict[str, int] = {}
         self._max_sticky = max_sticky_keys
+        self._context_length: int | None = None
 
     def _order(self, key: str | None) -> list[int]:
         now = time.monotonic()
@@ -107,9 +108,12 @@ class Router(Engine):
         self._sticky.pop(key, None)
 
     async def context_length(self) -> int | None:
-        """The smallest context length among the engines that report one."""
-        known = [n for n in [await e.context_length() for e in self.engines] if n]
-        return min(known) if known else None
+        """The smallest context length among the engines that report one (asked once: every rollout reads it,
+        and the engines serve one model whose length does not change)."""
+        if self._context_length is None:
+            known = [n for n in [await e.context_length() for e in self.engines] if n]
+            self._context_length = min(known) if known else None
+        return self._context_length
 
     async def health(self) -> bool:
         for e in self.engines:

@@ -332,11 +332,14 @@ async def generate_rollout(
     custom_generate: GenerateFn | BatchGenerate | None = None,
     custom_reward: RewardFn | None = None,
     on_sample: Callable[[Sample], None] | None = None,
+    first_group: int = 0,
 ) -> tuple[list[Sample], RolloutSummary]:
     """Run ``n_samples_per_prompt`` episodes per task; return samples (by index) and a summary.
 
     ``on_sample`` is called as each sample finishes (the CLI streams them to the output file and
-    advances the progress bar), so a killed run keeps what it finished.
+    advances the progress bar), so a killed run keeps what it finished. ``first_group``: the group
+    index of the first task (a rollout worker runs one group of a step: its samples keep the
+    ``group_index``, ``index`` and seeds the whole step would give them).
     """
     cfg = ctx.config
     tasks = list(tasks)
@@ -403,7 +406,7 @@ async def generate_rollout(
     n = cfg.n_samples_per_prompt
     if isinstance(custom_generate, BatchGenerate):  # one call for the rows without their own function
         pending, unrendered = [], []
-        for g, task in enumerate(tasks):
+        for g, task in enumerate(tasks, start=first_group):
             if task.get("generate_function_path"):
                 continue
             for j in range(n):
@@ -415,7 +418,7 @@ async def generate_rollout(
                     unrendered.append(_fail(sample, "custom_generate_error", exc))
         own = [
             one(task, g, g * n + j)
-            for g, task in enumerate(tasks)
+            for g, task in enumerate(tasks, start=first_group)
             if task.get("generate_function_path")  # a row's own function wins, as with per-sample generation
             for j in range(n)
         ]
@@ -425,7 +428,7 @@ async def generate_rollout(
             return list(await asyncio.gather(*(finish(s) for s in done + unrendered)))
 
     else:
-        for g, task in enumerate(tasks):
+        for g, task in enumerate(tasks, start=first_group):
             for j in range(n):
                 jobs.append(one(task, g, g * n + j))
     try:

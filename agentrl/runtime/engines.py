@@ -64,6 +64,15 @@ def numpy_to_tensors(named: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _reachable_host(host: str) -> str:
+    """The address other nodes reach a server bound to ``host`` at: the node's IP for a wildcard address."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 class EngineServer:
     """The embedded engine plus its HTTP server on a loopback port, in one process.
 
@@ -92,7 +101,8 @@ class EngineServer:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        # a server on every interface (--engine-host 0.0.0.0: episodes on other nodes) is reached at its node's IP
+        self.url = f"http://{_reachable_host(host)}:{self.port}"
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         # agentrl's own engines release their KV cache when the trainer asks (colocated offload)

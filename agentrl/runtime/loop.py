@@ -141,6 +141,7 @@ class TrainLoop:
         update_guard: Callable[[], Any] | None = None,
         critic: Any = None,
         memory_probe: Callable[[], dict[str, float]] | None = None,
+        rollout_workers: Any = None,
     ):
         if (cfg.train.advantage_estimator == "ppo") != (critic is not None):
             raise ValueError("--advantage-estimator ppo trains a critic beside the actor: pass critic= (and only then)")
@@ -163,6 +164,8 @@ class TrainLoop:
         # pause generation, flush the cache, continue afterwards); None = push directly
         self.update_guard = update_guard
         self.memory_probe = memory_probe  # each step: {"<actor>_peak_rss_mb": MiB} into metrics.jsonl
+        # --rollout-num-workers > 1: a RolloutWorkerGroup runs the episodes in Ray actors (None: in this process)
+        self.rollout_workers = rollout_workers
         self.version = 0  # number of weight updates the engines have received
         self.start_step = 0
         self.run_dir = Path(cfg.save) if cfg.save else None
@@ -217,14 +220,17 @@ class TrainLoop:
         seed = rc.rollout_seed + 1_000_003 * step + 7_919 * round_
         ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(rc, rollout_seed=seed))
         group_rm = self.cfg.group_rm and self.custom_reward is not None
-        samples, _ = await generate_rollout(
-            ctx,
-            self.env_factory,
-            rows,
-            args=self.args,
-            custom_generate=self.custom_generate,
-            custom_reward=None if group_rm else self.custom_reward,
-        )
+        if self.rollout_workers is not None:  # one group per call, on the workers' own event loops and nodes
+            samples = [s for group in await self.rollout_workers.run_groups(rows, seed) for s in group]
+        else:
+            samples, _ = await generate_rollout(
+                ctx,
+                self.env_factory,
+                rows,
+                args=self.args,
+                custom_generate=self.custom_generate,
+                custom_reward=None if group_rm else self.custom_reward,
+            )
         by_group: dict[int, Group] = {}
         for s in samples:
             by_group.setdefault(int(s.group_index or 0), []).append(s)
@@ -513,6 +519,7 @@ class TrainLoop:
             "weight_version": self.version,
             "train_samples": len(keep),
             "hung_threads": getattr(self.ctx.executor, "hung", 0),
+            **(self.rollout_workers.counts() if self.rollout_workers is not None else {}),
             "weight_sync_seconds": sync_seconds,
             "step_train_seconds": train_seconds,
             **(await asyncio.to_thread(self.memory_probe) if self.memory_probe is not None else {}),

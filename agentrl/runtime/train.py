@@ -309,6 +309,7 @@ class _Runtime:
         self.metrics: Any = None
         self.placement: Any = None
         self.routes_taken: list[str] = []  # the route of every weight push, in order
+        self.rollout_workers: Any = None  # --rollout-num-workers > 1: the episodes' Ray actors
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
@@ -325,6 +326,10 @@ class _Runtime:
         cfg = self.cfg
         init_ray(cfg.ray_address)
         placement = self.placement = plan_placement(cfg)
+        if cfg.rollout_num_workers > 1:  # what the workers need is refused before any model loads
+            from agentrl.runtime.rollout_workers import RolloutWorkerGroup
+
+            RolloutWorkerGroup.check_placement(cfg)
         print(
             f"starting {cfg.trainer_world_size} trainer rank(s) and "
             f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...",
@@ -342,6 +347,7 @@ class _Runtime:
                 num_cpus=placement.engine_cpus,
                 num_gpus=placement.engine_gpus,
                 placement=placement.engines,
+                host=cfg.engine_host,
                 max_running_requests=cfg.engine_max_running_requests,
                 seed=cfg.rollout.rollout_seed,
                 num_threads=e_threads,
@@ -375,11 +381,23 @@ class _Runtime:
                 adaptive_threads=cfg.cpu_threads == "adaptive",
                 min_threads=floor,
             )
+        if cfg.rollout_num_workers > 1:
+            from agentrl.runtime.rollout_workers import RolloutWorkerGroup
+
+            self.rollout_workers = RolloutWorkerGroup(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
+            print(
+                f"{cfg.rollout_num_workers} rollout workers on {len(set(self.rollout_workers.node_ids()))} node(s)",
+                file=sys.stderr,
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.rollout_workers is not None:
+            with contextlib.suppress(Exception):
+                self.rollout_workers.shutdown()
+            self.rollout_workers = None
         if getattr(self, "env_pool", None) is not None:
             self.env_pool.shutdown()  # idle workers end; hung ones are daemon threads
         for part in (self.trainers, self.critic, self.engines):
@@ -438,35 +456,16 @@ class _Runtime:
 
     def _context(self, args: Any, resume_step: int | None, curve_key: str = "reward_mean") -> Any:
         """The episodes' context (router over the run's engines, chat template) and the metrics logger."""
-        from transformers import AutoTokenizer
-
-        from agentrl.chat import ChatTemplate
-        from agentrl.engines.http import SGLangEngine
-        from agentrl.engines.router import Router
         from agentrl.metrics import MetricsLogger
-        from agentrl.rollout.episode import EpisodeContext
         from agentrl.rollout.generate import bind_engine_args
-        from agentrl.rollout.threads import SyncPool
+        from agentrl.runtime.rollout_workers import episode_context
 
         cfg = self.cfg
-        tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
-        routed = cfg.rollout_return_routed_experts
-        engine = Router(
-            [SGLangEngine(u, api_key=self.engines.api_key, return_routed_experts=routed) for u in self.engines.urls]
-        )
-        if routed:
+        ctx, tokenizer, template = episode_context(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
+        engine = ctx.engine
+        if cfg.rollout_return_routed_experts:
             _check_routed_experts(engine)
-        # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
-        pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
-        self.env_pool = pool
-        ctx = EpisodeContext(
-            engine=engine,
-            template=template,
-            config=cfg.rollout,
-            executor=pool,
-            role_engines={r: SGLangEngine(u) for r, u in cfg.rollout.role_engine_urls().items()},
-        )
+        self.env_pool = ctx.executor
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(
             cfg.save,
@@ -533,19 +532,23 @@ class _Runtime:
             update_guard=self._update_guard(engine),
             critic=self.critic,
             memory_probe=self.peak_memory,
+            rollout_workers=self.rollout_workers,
         )
 
     def peak_memory(self) -> dict[str, float]:
         """Peak resident memory (MiB) of every kind of actor so far, for ``metrics.jsonl``.
 
         ``trainer_`` (largest rank), ``critic_`` (ppo), ``engine_`` (embedded engines; launched SGLang
-        servers are other processes and are not measured) and ``driver_peak_rss_mb``.
+        servers are other processes and are not measured), ``rollout_worker_`` (largest worker, with
+        ``--rollout-num-workers`` > 1) and ``driver_peak_rss_mb``.
         """
         from agentrl.runtime.cluster import peak_rss_mb
 
         out = {"driver_peak_rss_mb": peak_rss_mb(), "trainer_peak_rss_mb": self.trainers.peak_rss_mb()}
         if self.critic is not None:
             out["critic_peak_rss_mb"] = self.critic.peak_rss_mb()
+        if self.rollout_workers is not None and (mb := self.rollout_workers.peak_rss_mb()) is not None:
+            out["rollout_worker_peak_rss_mb"] = mb
         engine = getattr(self.engines, "peak_rss_mb", None)
         if engine is not None and (mb := engine()) is not None:
             out["engine_peak_rss_mb"] = mb
