@@ -71,6 +71,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _list(x: Any) -> list[Any]:
+    """``x`` if it is a list or tuple, else empty (its type is refused by its own check)."""
+    return list(x) if isinstance(x, list | tuple) else []
+
+
 def _is_number(x: Any) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
@@ -85,9 +90,13 @@ def worker_resource(spec: Any) -> tuple[str, float] | None:
         value = float(amount)
     except ValueError:
         return None
-    if not eq or not name.strip() or not math.isfinite(value) or value <= 0:
+    if not eq or not name.strip() or not math.isfinite(value) or value < 1e-4:  # Ray's granularity
         return None
     return name.strip(), value
+
+
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray sets through their own options: not custom ``--rollout-worker-resources`` names."""
 
 
 def _role_url(spec: Any) -> tuple[str, str] | None:
@@ -993,8 +1002,21 @@ class RunConfig:
             (
                 isinstance(self.rollout_worker_resources, list | tuple)
                 and all(worker_resource(x) is not None for x in self.rollout_worker_resources),
-                "--rollout-worker-resources takes NAME=AMOUNT entries (AMOUNT a number > 0), got "
+                "--rollout-worker-resources takes NAME=AMOUNT entries (AMOUNT a number >= 0.0001), got "
                 f"{self.rollout_worker_resources!r}",
+            ),
+            (
+                not any(
+                    r is not None and r[0] in RAY_BUILTIN_RESOURCES
+                    for r in map(worker_resource, _list(self.rollout_worker_resources))
+                ),
+                "--rollout-worker-resources names custom Ray resources: CPUs are --rollout-worker-cpus, and GPU, "
+                "memory and object_store_memory are not custom resources",
+            ),
+            (
+                len({r[0] for r in map(worker_resource, _list(self.rollout_worker_resources)) if r is not None})
+                == len([r for r in map(worker_resource, _list(self.rollout_worker_resources)) if r is not None]),
+                f"--rollout-worker-resources names a resource twice: {self.rollout_worker_resources!r}",
             ),
             (
                 _is_number(self.rollout_worker_timeout) and self.rollout_worker_timeout > 0,

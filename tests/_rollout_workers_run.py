@@ -54,7 +54,11 @@ class WhereEnv(agentrl.Env):
         rec: dict = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "turn": self.turn}
         if self.opts.get("sandbox"):
             from agentrl.sandbox import create_sandbox
+            from agentrl.sandbox import docker as docker_backend
 
+            # only the run's pinned reap may remove a dead worker's containers (the test counts them): this
+            # worker skips the reaper every process runs before its first container
+            docker_backend._reaped_for.add(os.getpid())
             sb = await create_sandbox()  # on --sandbox's backend, in this process (a worker: on its node)
             result = await sb.run("echo hi")
             rec["stdout"] = result.stdout.strip()

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# Ray on Linux puts its own services on the host's interface address (it turns 127.0.0.1 into that
+# address); with this every Ray process the tests start, and every child they spawn, stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 # -- tiers ----------------------------------------------------------------------------------------
 # The unit tier (`pytest -m "not e2e"`, about a minute) is everything that needs no service: no
 # engine process, no Ray, no sandbox, no browser. The e2e tier is what does, or trains end to end.

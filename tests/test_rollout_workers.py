@@ -43,6 +43,10 @@ def _cfg(**kw) -> RunConfig:
         ({"rollout_num_workers": 2, "rollout_worker_resources": ["sandbox_host"]}, "NAME=AMOUNT"),
         ({"rollout_num_workers": 2, "rollout_worker_resources": ["sandbox_host=0"]}, "NAME=AMOUNT"),
         ({"rollout_num_workers": 2, "rollout_worker_resources": ["=1"]}, "NAME=AMOUNT"),
+        ({"rollout_num_workers": 2, "rollout_worker_resources": ["a=0.00001"]}, "NAME=AMOUNT"),
+        ({"rollout_num_workers": 2, "rollout_worker_resources": ["CPU=2"]}, "CPUs are --rollout-worker-cpus"),
+        ({"rollout_num_workers": 2, "rollout_worker_resources": ["GPU=1"]}, "not custom resources"),
+        ({"rollout_num_workers": 2, "rollout_worker_resources": ["a=1", "a=2"]}, "names a resource twice"),
         ({"rollout_num_workers": 2, "rollout_worker_timeout": 0.0}, "--rollout-worker-timeout must be"),
         ({"rollout_num_workers": 2, "rollout_worker_timeout": float("inf")}, "--rollout-worker-timeout must be"),
         ({"rollout_worker_cpus": 2.0}, "need --rollout-num-workers > 1"),
@@ -173,8 +177,8 @@ def test_two_workers_on_two_nodes_survive_a_killed_and_a_hung_worker(tiny_ckpt, 
     killed = json.loads((out / "killed.json").read_text())
     hung = json.loads((out / "hung.json").read_text())
     assert killed["pid"] != hung["pid"]
-    assert {s["node"] for s in steps} == worker_nodes  # both worker nodes ran episodes, the head none
-    assert killed["node"] in worker_nodes and hung["node"] in worker_nodes
+    # both worker nodes ran episodes, the head none (after the faults the survivors may be on one node)
+    assert {s["node"] for s in [*steps, killed, hung]} == worker_nodes
     assert all(s["stdout"] == "hi" for s in steps)
     assert {s["pid"] for s in steps}.isdisjoint({killed["pid"], hung["pid"]})  # nothing after the faults there
     if backend == "docker":
@@ -188,9 +192,10 @@ def test_two_workers_on_two_nodes_survive_a_killed_and_a_hung_worker(tiny_ckpt, 
     assert len(lines) == 2
     assert sum(x["rollout_worker_restarts"] for x in lines) == 2
     assert sum(x["rollout_groups_rerun"] for x in lines) >= 2
-    # (the dead workers' containers are gone, checked above: removed by the task pinned to their node, counted
-    # here, or by the first-use reaper of a new worker on that node, which finds their owner dead first)
-    assert all(x["rollout_sandboxes_reaped"] >= 0 for x in lines)
+    if backend == "docker":  # removed by the task pinned to their node (the env turns off each worker's own
+        # first-use reaper, which would otherwise race it for containers whose owner is dead)
+        # (at least the two containers the dying steps held open; their workers' other episodes may hold more)
+        assert sum(x["rollout_sandboxes_reaped"] for x in lines) >= 2
 
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     template = ChatTemplate(tok)
@@ -211,6 +216,8 @@ def test_two_workers_on_two_nodes_survive_a_killed_and_a_hung_worker(tiny_ckpt, 
             assert mask.sum() > 0 and len(s["weight_versions"]) >= 1
             diff = (lp[mask] - torch.tensor(s["rollout_log_probs"])[mask]).abs().max().item()
             assert diff < 1e-4, f"sample {s['index']}: max |rescored - rollout| = {diff}"
+    if backend != "docker":
+        pytest.skip("no Docker engine: the run used the process sandbox; the container checks did not run")
 
 
 @pytest.mark.e2e
@@ -263,3 +270,34 @@ def test_async_dynamic_sampling_eval_and_a_reward_function_work_unchanged_with_w
         assert versions and min(versions) >= step - 1 and max(versions) <= step, (step, versions)
         scorers |= {s["metadata"]["scored_by"] for s in samples}
     assert os.getpid() not in scorers and len(scorers) == 2  # scored in the two worker processes
+
+
+def test_a_worker_that_reaches_no_engine_refuses_to_start_naming_the_flag():
+    from agentrl.runtime.rollout_workers import _check_reachable
+
+    with pytest.raises(RuntimeError, match="--engine-host 0.0.0.0"):
+        _check_reachable(["http://127.0.0.1:9"], None)  # nothing listens on the discard port
+
+
+@pytest.mark.e2e
+def test_a_replacement_that_cannot_start_fails_its_group_instead_of_hanging(tiny_ckpt, tiny_server, ray_local):
+    """A dead worker whose replacements cannot start (here: they reach no engine) fails the group after
+    MAX_GROUP_ATTEMPTS replacements, with the reason; nothing waits forever."""
+    import asyncio
+
+    from agentrl.runtime.rollout_workers import MAX_GROUP_ATTEMPTS, RolloutWorkerGroup
+
+    cfg = _cfg(hf_checkpoint=str(tiny_ckpt), rollout_num_workers=1, rollout_worker_cpus=0.0)
+    cfg.rollout.max_turns, cfg.rollout.rollout_max_turn_len = 1, 4
+    group = RolloutWorkerGroup(cfg, tiny_ckpt, [tiny_server], None)
+    try:
+        rows = [{"prompt": "Count to 3."}]
+        (samples,) = asyncio.run(group.run_groups(rows, seed=1))
+        assert [s.index for s in samples] == [0, 1, 2, 3] and group.restarts == 0
+        group.urls = ["http://127.0.0.1:9"]  # what replacements get: an address with no engine
+        ray_local.kill(group.workers[0], no_restart=True)
+        with pytest.raises(RuntimeError, match=f"died {MAX_GROUP_ATTEMPTS} times in a row"):
+            asyncio.run(group.run_groups(rows, seed=2))
+        assert group.restarts == MAX_GROUP_ATTEMPTS and group.groups_rerun == MAX_GROUP_ATTEMPTS - 1
+    finally:
+        group.shutdown()

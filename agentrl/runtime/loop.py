@@ -518,7 +518,8 @@ class TrainLoop:
             **counts,
             "weight_version": self.version,
             "train_samples": len(keep),
-            "hung_threads": getattr(self.ctx.executor, "hung", 0),
+            "hung_threads": getattr(self.ctx.executor, "hung", 0)
+            + (await asyncio.to_thread(self.rollout_workers.hung_threads) if self.rollout_workers is not None else 0),
             **(self.rollout_workers.counts() if self.rollout_workers is not None else {}),
             "weight_sync_seconds": sync_seconds,
             "step_train_seconds": train_seconds,

@@ -78,6 +78,45 @@ def episode_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str],
     return ctx, tokenizer, template
 
 
+BOUND_ARGS = (
+    "engine",
+    "tokenizer",
+    "chat_template_obj",
+    "engine_urls",
+    "engine_headers",
+    "sglang_router_ip",
+    "sglang_router_port",
+)
+"""What :func:`~agentrl.rollout.generate.bind_engine_args` sets on ``args``: each worker binds its own."""
+
+
+def worker_args(args: Any) -> Any:
+    """The caller's ``args`` for the workers: every attribute but the ones each process binds itself."""
+    import argparse
+
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in BOUND_ARGS})
+
+
+def _check_reachable(urls: Sequence[str], api_key: str | None) -> None:
+    """Refuse to start a worker that reaches none of the engines (a loopback URL from another node)."""
+    import httpx
+
+    from agentrl.engines.http import auth_headers
+
+    errors = []
+    for url in urls:
+        try:
+            httpx.get(url.rstrip("/") + "/health", headers=auth_headers(api_key), timeout=10)
+            return  # it answered (whatever it said): the address is reachable from here
+        except httpx.HTTPError as exc:
+            errors.append(f"{url}: {type(exc).__name__}")
+    raise RuntimeError(
+        f"a rollout worker on {socket.gethostname()} reaches none of the engines ({'; '.join(errors)}): engines a "
+        "run starts listen on --engine-host (default 127.0.0.1, this node only); with workers on other nodes pass "
+        "--engine-host 0.0.0.0, or --engine-url addresses every node can reach"
+    )
+
+
 class RolloutWorker:
     """One rollout worker (a Ray actor, async: its groups run concurrently on its own event loop)."""
 
@@ -89,6 +128,7 @@ class RolloutWorker:
         api_key: str | None,
         index: int,
         driver_path: list[str] | None = None,
+        args: Any = None,
     ):
         from agentrl import sandbox
         from agentrl.registry import load_env, load_function
@@ -98,8 +138,10 @@ class RolloutWorker:
         for entry in driver_path or []:  # modules the driver could import (a test's or a script's own folder)
             if entry not in sys.path:
                 sys.path.append(entry)
+        _check_reachable(urls, api_key)
         self.index = index
         self.cfg = cfg
+        self.api_key = api_key
         sandbox.configure(cfg.rollout.sandbox_config())  # this process's sandboxes, on this node
         self.factory = load_env(cfg.env) if cfg.env else None
         self.custom_generate = (
@@ -109,7 +151,7 @@ class RolloutWorker:
         # a group reward model (--group-rm) scores whole groups on the driver, as in-process
         self.custom_reward = None if cfg.group_rm else custom_rm
         self.ctx, tokenizer, template = episode_context(cfg, checkpoint, urls, api_key)
-        self.args = argparse_namespace(cfg)
+        self.args = args if args is not None else argparse_namespace(cfg)  # the driver's, as in-process
         bind_engine_args(self.args, self.ctx.engine, tokenizer, template, list(urls))
 
     async def info(self) -> dict[str, Any]:
@@ -132,9 +174,19 @@ class RolloutWorker:
 
         return peak_rss_mb()
 
+    async def hung_threads(self) -> int:
+        """Blocking env calls this worker wrote off (timed out, still running in their threads)."""
+        return int(getattr(self.ctx.executor, "hung", 0))
+
     async def ping(self) -> bool:
         """Answers while the event loop runs (a blocked loop leaves it unanswered)."""
         return True
+
+    async def follow_urls(self, urls: list[str]) -> None:
+        """Point this worker's router at engines that came back on other addresses (as the driver's)."""
+        from agentrl.runtime.train import _follow_urls
+
+        _follow_urls(self.ctx.engine, urls, self.api_key)
 
     async def run_group(self, row: dict[str, Any], group: int, seed: int) -> list[Sample]:
         """The ``n_samples_per_prompt`` episodes of ``row``, as group ``group`` of a rollout seeded ``seed``."""
@@ -161,7 +213,7 @@ class RolloutWorker:
         try:
             await sandbox.close_default_pool()
         finally:
-            for e in self.ctx.engine.engines:
+            for e in [*self.ctx.engine.engines, *self.ctx.role_engines.values()]:
                 await e.close()
             if self.ctx.executor is not None:
                 self.ctx.executor.shutdown(wait=False)
@@ -178,48 +230,107 @@ def _reap_sandboxes(run_id: str) -> int:
         return 0
 
 
-class RolloutWorkerGroup:
-    """``cfg.rollout_num_workers`` :class:`RolloutWorker` actors and the dispatch of groups onto them."""
+class _WorkerUnavailable(RuntimeError):
+    """A slot's replacement worker could not be started."""
 
-    def __init__(self, cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str], api_key: str | None):
+
+class _Starting:
+    """Holds a worker slot while its replacement is started; ``event`` is set once that attempt is over."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+
+def worker_bundle(cfg: RunConfig) -> dict[str, float]:
+    """What Ray reserves for one worker: ``--rollout-worker-cpus`` CPUs and ``--rollout-worker-resources``."""
+    return {**({"CPU": float(cfg.rollout_worker_cpus)} if cfg.rollout_worker_cpus else {}), **cfg.worker_resources}
+
+
+class RolloutWorkerGroup:
+    """``cfg.rollout_num_workers`` :class:`RolloutWorker` actors and the dispatch of groups onto them.
+
+    :meth:`reserve` (before any model loads) refuses a count the cluster cannot place and reserves a
+    placement group of one bundle per worker (strategy ``SPREAD``); worker ``i`` and every
+    replacement of it run in bundle ``i``, so a replacement always has room.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        checkpoint: str | Path,
+        urls: Sequence[str],
+        api_key: str | None,
+        *,
+        placement_group: Any = None,
+        args: Any = None,
+    ):
         import ray
 
         self.cfg = cfg
         self.checkpoint = str(checkpoint)
         self.urls = list(urls)
         self.api_key = api_key
+        self.placement_group = placement_group
+        self.args = worker_args(args) if args is not None else None
+        self.start_timeout = max(120.0, cfg.rollout_worker_timeout)
         self.remote = ray.remote(RolloutWorker)
         self.workers: list[Any] = []
         self.infos: list[dict[str, Any]] = []
         self.in_flight: list[int] = []
+        self.generation: list[int] = []  # bumped when a slot's worker is replaced
         self.restarts = 0  # workers replaced over the run
         self.groups_rerun = 0  # groups run again after their worker died or hung
         self.reaped = 0  # sandboxes of dead workers removed on their nodes
         self._reported = (0, 0, 0)
-        self._spawned = 0
-        self.check_placement(cfg)
+        self._tasks: set[asyncio.Task] = set()  # background work (replacements starting, reaps): kept alive
         starting = [self._spawn(i) for i in range(cfg.rollout_num_workers)]
         self.workers = [w for w, _ in starting]
         try:
-            self.infos = ray.get([ref for _, ref in starting], timeout=max(120.0, cfg.rollout_worker_timeout))
+            self.infos = ray.get([ref for _, ref in starting], timeout=self.start_timeout)
         except Exception as exc:
+            available = ray.available_resources()
             self.shutdown()
             raise RuntimeError(
-                f"the {cfg.rollout_num_workers} rollout workers did not start: {type(exc).__name__}: {exc}"
+                f"the {cfg.rollout_num_workers} rollout workers did not start: {type(exc).__name__}: {exc}. Each "
+                f"needs {worker_bundle(cfg) or 'no reserved resources'} on one node (the cluster has {available} "
+                "free); check that the env, the functions and --hf-checkpoint load on every node"
             ) from exc
         self.in_flight = [0] * len(self.workers)
-        self.generation = [0] * len(self.workers)  # bumped when a slot's worker is replaced
+        self.generation = [0] * len(self.workers)
+
+    @staticmethod
+    def reserve(cfg: RunConfig) -> Any:
+        """Refuse a worker count the cluster cannot place, naming the resource, then reserve the workers'
+        bundles (None when a worker reserves nothing: ``--rollout-worker-cpus 0`` and no custom resources)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        RolloutWorkerGroup.check_placement(cfg)
+        bundle = worker_bundle(cfg)
+        if not bundle:
+            return None
+        pg = placement_group([dict(bundle) for _ in range(cfg.rollout_num_workers)], strategy="SPREAD")
+        try:
+            ray.get(pg.ready(), timeout=60)
+        except Exception as exc:
+            available = ray.available_resources()
+            remove_placement_group(pg)
+            raise ValueError(
+                f"--rollout-num-workers {cfg.rollout_num_workers}: Ray could not place {cfg.rollout_num_workers} "
+                f"workers of {bundle}, each on one node (free: {available}); lower --rollout-num-workers, "
+                "--rollout-worker-cpus or --rollout-worker-resources, or add nodes"
+            ) from exc
+        return pg
 
     @staticmethod
     def check_placement(cfg: RunConfig) -> None:
-        """Refuse a worker count the cluster cannot place, naming the resource (before any worker starts)."""
+        """Refuse at once a count no arrangement of the cluster's nodes could hold, naming the resource."""
         import ray
 
-        n, cpus, custom = cfg.rollout_num_workers, cfg.rollout_worker_cpus, cfg.worker_resources
-        need = {"CPU": cpus, **custom} if cpus else dict(custom)
+        n = cfg.rollout_num_workers
         nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
         available = ray.available_resources()
-        for name, amount in need.items():
+        for name, amount in worker_bundle(cfg).items():
             biggest = max((float(r.get(name, 0.0)) for r in nodes), default=0.0)
             if biggest < amount:
                 raise ValueError(
@@ -227,8 +338,7 @@ class RolloutWorkerGroup:
                     f"(the most any node has is {biggest:g}); lower --rollout-worker-cpus / --rollout-worker-resources "
                     "or start nodes with that resource"
                 )
-            # whole workers per node: a worker cannot span nodes
-            fits = sum(int(float(r.get(name, 0.0)) // amount) for r in nodes)
+            fits = sum(int(float(r.get(name, 0.0)) // amount) for r in nodes)  # a worker cannot span nodes
             free = float(available.get(name, 0.0))
             if fits < n or free < n * amount - 1e-9:
                 raise ValueError(
@@ -241,17 +351,28 @@ class RolloutWorkerGroup:
     def _spawn(self, index: int) -> tuple[Any, Any]:
         options: dict[str, Any] = {
             "num_cpus": self.cfg.rollout_worker_cpus,
-            "scheduling_strategy": "SPREAD",
             "max_concurrency": 1_000_000,  # async actor: every group a call, bounded by the dispatcher
             "max_restarts": 0,
         }
         if self.cfg.worker_resources:
             options["resources"] = self.cfg.worker_resources
-        self._spawned += 1
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=index
+            )
+        else:
+            options["scheduling_strategy"] = "SPREAD"
         worker = self.remote.options(**options).remote(
-            self.cfg, self.checkpoint, self.urls, self.api_key, index, list(sys.path)
+            self.cfg, self.checkpoint, self.urls, self.api_key, index, list(sys.path), self.args
         )
         return worker, worker.info.remote()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def counts(self) -> dict[str, int]:
         """Workers replaced, groups re-run and dead workers' sandboxes removed since the last call (metrics)."""
@@ -264,8 +385,31 @@ class RolloutWorkerGroup:
             "rollout_sandboxes_reaped": reaped,
         }
 
+    def hung_threads(self) -> int:
+        """Blocking env calls the live workers wrote off (their threads still running)."""
+        import ray
+
+        refs = [w.hung_threads.remote() for w in self.workers if not isinstance(w, _Starting)]
+        try:
+            return sum(ray.get(refs, timeout=10))
+        except Exception:  # noqa: BLE001 - a worker being replaced: counted again next step
+            return 0
+
+    def follow_urls(self, urls: Sequence[str]) -> None:
+        """Engines came back on other addresses: every worker's router (and replacements) follow."""
+        import ray
+
+        self.urls = list(urls)
+        try:
+            live = [w for w in self.workers if not isinstance(w, _Starting)]  # (a starting one gets the new URLs)
+            ray.get([w.follow_urls.remote(self.urls) for w in live], timeout=30)
+        except Exception as exc:  # noqa: BLE001 - a dead worker is replaced with the new URLs
+            log.warning("a rollout worker could not follow the engines' new addresses: %s", exc)
+
     async def run_groups(self, rows: Sequence[dict[str, Any]], seed: int) -> list[list[Sample]]:
-        """Every row as one group (index = its position), spread over the workers; returns them in order."""
+        """Every row as one group (index = its position), spread over the workers; returns them in order.
+
+        At most ``--rollout-concurrency`` episodes (whole groups; at least one group) are in flight."""
         per_group = max(1, self.cfg.rollout.n_samples_per_prompt)
         slots = asyncio.Semaphore(max(1, self.cfg.rollout.rollout_concurrency // per_group))
         monitor = asyncio.create_task(self._monitor())
@@ -275,37 +419,52 @@ class RolloutWorkerGroup:
             monitor.cancel()
             await asyncio.gather(monitor, return_exceptions=True)
 
+    def _pick(self) -> int:
+        """The least busy worker, preferring ones that have started (a replacement may still be loading)."""
+        return min(range(len(self.workers)), key=lambda i: (bool(self.infos[i].get("starting")), self.in_flight[i]))
+
     async def _one(self, slots: asyncio.Semaphore, row: dict[str, Any], group: int, seed: int) -> list[Sample]:
         from ray.exceptions import RayActorError
 
         async with slots:
             for attempt in range(MAX_GROUP_ATTEMPTS):
-                w = min(range(len(self.workers)), key=lambda i: self.in_flight[i])
-                worker, generation = self.workers[w], self.generation[w]
+                w = self._pick()
+                generation = self.generation[w]
                 self.in_flight[w] += 1
                 try:
+                    worker = await self._handle(w)
                     return await worker.run_group.remote(row, group, seed)
-                except RayActorError as exc:
+                except (RayActorError, _WorkerUnavailable) as exc:
+                    self._replace(w, generation)
+                    if attempt + 1 == MAX_GROUP_ATTEMPTS:
+                        raise RuntimeError(
+                            f"group {group}: the rollout worker running it died {MAX_GROUP_ATTEMPTS} times in a row "
+                            f"(last: {type(exc).__name__}: {exc}); a task that kills workers, or workers that cannot "
+                            f"start: {row!r:.200}"
+                        ) from exc
+                    self.groups_rerun += 1
                     log.warning(
                         "rollout worker %d died with group %d in flight (%s); re-running the group",
                         w,
                         group,
                         type(exc).__name__,
                     )
-                    self.groups_rerun += 1
-                    self._replace(w, generation)
-                    if attempt + 1 == MAX_GROUP_ATTEMPTS:
-                        raise RuntimeError(
-                            f"group {group}: its rollout worker died {MAX_GROUP_ATTEMPTS} times in a row; "
-                            f"something in this task kills workers: {row!r:.200}"
-                        ) from exc
                 finally:
                     if self.generation[w] == generation:
                         self.in_flight[w] -= 1
         raise AssertionError("unreachable")
 
+    async def _handle(self, w: int) -> Any:
+        """Slot ``w``'s worker, once its replacement (if one is starting) exists."""
+        slot = self.workers[w]
+        if isinstance(slot, _Starting):
+            await slot.event.wait()
+            if isinstance(self.workers[w], _Starting):
+                raise _WorkerUnavailable(f"the replacement for rollout worker {w} could not be started")
+        return self.workers[w]
+
     def _replace(self, w: int, generation: int) -> None:
-        """Start a new worker in slot ``w`` (once per dead worker) and remove the dead one's sandboxes."""
+        """Start a new worker in slot ``w`` (once per dead worker) and remove the dead one's sandboxes first."""
         import ray
 
         if self.generation[w] != generation:  # another of its groups already replaced it
@@ -315,72 +474,75 @@ class RolloutWorkerGroup:
         self.in_flight[w] = 0
         self.restarts += 1
         ray.kill(dead, no_restart=True)
-        self._reap_on(info)
-        worker, ready = self._spawn(w)
-        self.workers[w] = worker
         self.infos[w] = {**info, "starting": True}
+        stand_in = self.workers[w] = _Starting()  # groups sent to slot w wait until the new worker exists
+        self._background(self._reap_then_start(w, info, stand_in))
 
-        async def record() -> None:
-            try:
-                self.infos[w] = await ready
-            except Exception as exc:  # noqa: BLE001 - its first group fails, is re-run, and it is replaced again
-                log.warning("replacement rollout worker %d did not start: %s", w, exc)
-
-        asyncio.get_running_loop().create_task(record())
-
-    def _reap_on(self, info: dict[str, Any]) -> None:
-        """Remove the dead worker's Docker sandboxes on its node (a task pinned there; best effort)."""
+    async def _reap_then_start(self, w: int, info: dict[str, Any], stand_in: _Starting) -> None:
+        """Remove the dead worker's Docker sandboxes on its node, then start its replacement (bounded)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        run_id = info.get("sandbox_run_id")
-        if not run_id or info.get("starting"):
-            return
-        strategy = NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=True)
-        ref = ray.remote(_reap_sandboxes).options(num_cpus=0, scheduling_strategy=strategy).remote(run_id)
-
-        async def count() -> None:
-            try:
-                self.reaped += int(await ref)
-            except Exception as exc:  # noqa: BLE001 - the node itself may be gone
-                log.warning("could not remove the sandboxes of a dead rollout worker: %s", exc)
-
-        asyncio.get_running_loop().create_task(count())
+        try:
+            run_id = info.get("sandbox_run_id")
+            if run_id and not info.get("starting"):
+                strategy = NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=True)
+                try:
+                    reap = ray.remote(_reap_sandboxes).options(num_cpus=0, scheduling_strategy=strategy)
+                    self.reaped += int(await asyncio.wait_for(asyncio.wrap_future(reap.remote(run_id).future()), 60))
+                except Exception as exc:  # noqa: BLE001 - the node itself may be gone
+                    log.warning("could not remove the sandboxes of dead rollout worker %d: %s", w, exc)
+            worker, ready = self._spawn(w)
+            self.workers[w] = worker
+        finally:
+            stand_in.event.set()  # whatever happened: waiting groups go on (or fail and replace it again)
+        try:
+            self.infos[w] = await asyncio.wait_for(asyncio.wrap_future(ready.future()), self.start_timeout)
+        except Exception as exc:  # noqa: BLE001 - its groups fail, and it is replaced again (bounded per group)
+            log.warning("replacement rollout worker %d did not start in %.0f s: %s", w, self.start_timeout, exc)
+            ray.kill(worker, no_restart=True)
 
     async def _monitor(self) -> None:
         """Every few seconds, ask each busy worker to answer; one that stays silent past the timeout is replaced."""
+        import ray
+
         timeout = self.cfg.rollout_worker_timeout
         period = min(5.0, timeout / 4)
         while True:
             await asyncio.sleep(period)
-            busy = [w for w in range(len(self.workers)) if self.in_flight[w] and not self.infos[w].get("starting")]
+            busy = [
+                (w, self.workers[w], self.generation[w])
+                for w in range(len(self.workers))
+                if self.in_flight[w] and not self.infos[w].get("starting")
+            ]
             answers = await asyncio.gather(
-                *(asyncio.wait_for(self._ping(w), timeout) for w in busy), return_exceptions=True
+                *(asyncio.wait_for(self._ping(handle), timeout) for _, handle, _ in busy), return_exceptions=True
             )
-            for w, answer in zip(busy, answers):
-                if isinstance(answer, TimeoutError):
+            for (w, handle, generation), answer in zip(busy, answers):
+                if isinstance(answer, TimeoutError) and self.generation[w] == generation:
                     log.warning(
                         "rollout worker %d left a health check unanswered for %.0f s (--rollout-worker-timeout): "
                         "replacing it; its groups run again",
                         w,
                         timeout,
                     )
-                    import ray
+                    ray.kill(handle, no_restart=True)  # its in-flight calls fail: _one re-runs them
 
-                    ray.kill(self.workers[w], no_restart=True)  # its in-flight calls fail: _one re-runs them
-
-    async def _ping(self, w: int) -> bool:
-        return await self.workers[w].ping.remote()
+    @staticmethod
+    async def _ping(handle: Any) -> bool:
+        return await handle.ping.remote()
 
     def peak_rss_mb(self) -> float | None:
-        """The largest peak resident memory (MiB) among the live workers (None when none answers)."""
+        """The largest peak resident memory (MiB) among the live workers (None when none answers in 10 s)."""
         import ray
 
+        refs = [w.peak_rss_mb.remote() for w in self.workers if not isinstance(w, _Starting)]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
         found = []
-        for w in self.workers:
+        for ref in ready:
             try:
-                found.append(ray.get(w.peak_rss_mb.remote(), timeout=30))
-            except Exception:  # noqa: BLE001 - a worker being replaced reports next step
+                found.append(ray.get(ref))
+            except Exception:  # noqa: BLE001 - a worker that just died reports nothing
                 continue
         return max(found, default=None)
 
@@ -389,14 +551,20 @@ class RolloutWorkerGroup:
         return [i["node_id"] for i in self.infos]
 
     def shutdown(self) -> None:
-        """Close every worker's sandboxes and sessions, then kill the actors."""
+        """Close every worker's sandboxes and sessions, kill the actors, give their bundles back."""
         import ray
 
         deadline = time.monotonic() + 30
-        for w in self.workers:
+        live = [w for w in self.workers if not isinstance(w, _Starting)]
+        for w in live:
             try:
                 ray.get(w.shutdown.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - best effort; the actor is killed next
                 pass
             ray.kill(w, no_restart=True)
         self.workers = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

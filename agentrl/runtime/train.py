@@ -310,6 +310,7 @@ class _Runtime:
         self.placement: Any = None
         self.routes_taken: list[str] = []  # the route of every weight push, in order
         self.rollout_workers: Any = None  # --rollout-num-workers > 1: the episodes' Ray actors
+        self.worker_placement: Any = None  # their bundles, reserved before any model loads
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
@@ -326,10 +327,10 @@ class _Runtime:
         cfg = self.cfg
         init_ray(cfg.ray_address)
         placement = self.placement = plan_placement(cfg)
-        if cfg.rollout_num_workers > 1:  # what the workers need is refused before any model loads
+        if cfg.rollout_num_workers > 1:  # the workers' bundles: refused (naming the resource) before any model loads
             from agentrl.runtime.rollout_workers import RolloutWorkerGroup
 
-            RolloutWorkerGroup.check_placement(cfg)
+            self.worker_placement = RolloutWorkerGroup.reserve(cfg)
         print(
             f"starting {cfg.trainer_world_size} trainer rank(s) and "
             f"{len(cfg.engine_url) or len(placement.engines)} engine(s) for {self.checkpoint} ...",
@@ -381,14 +382,6 @@ class _Runtime:
                 adaptive_threads=cfg.cpu_threads == "adaptive",
                 min_threads=floor,
             )
-        if cfg.rollout_num_workers > 1:
-            from agentrl.runtime.rollout_workers import RolloutWorkerGroup
-
-            self.rollout_workers = RolloutWorkerGroup(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
-            print(
-                f"{cfg.rollout_num_workers} rollout workers on {len(set(self.rollout_workers.node_ids()))} node(s)",
-                file=sys.stderr,
-            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -396,8 +389,14 @@ class _Runtime:
             self.metrics.close()
         if self.rollout_workers is not None:
             with contextlib.suppress(Exception):
-                self.rollout_workers.shutdown()
+                self.rollout_workers.shutdown()  # (gives their bundles back too)
             self.rollout_workers = None
+        elif self.worker_placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.worker_placement)
+        self.worker_placement = None
         if getattr(self, "env_pool", None) is not None:
             self.env_pool.shutdown()  # idle workers end; hung ones are daemon threads
         for part in (self.trainers, self.critic, self.engines):
@@ -513,6 +512,19 @@ class _Runtime:
         cfg = self.cfg
         ctx = self._context(args, resume_step)
         engine = ctx.engine
+        if cfg.rollout_num_workers > 1:
+            from agentrl.runtime.rollout_workers import RolloutWorkerGroup
+
+            self.rollout_workers = RolloutWorkerGroup(
+                cfg,
+                self.checkpoint,
+                self.engines.urls,
+                self.engines.api_key,
+                placement_group=self.worker_placement,
+                args=args,
+            )
+            nodes = len(set(self.rollout_workers.node_ids()))
+            print(f"{cfg.rollout_num_workers} rollout workers on {nodes} node(s)", file=sys.stderr)
         evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args, custom_generate) if eval_sets else None
         return TrainLoop(
             cfg,
@@ -583,6 +595,8 @@ class _Runtime:
                 if group.restarts != seen["restarts"]:
                     seen["restarts"] = list(group.restarts)
                     _follow_urls(router, group.urls, group.api_key)
+                    if self.rollout_workers is not None:  # their routers too
+                        await asyncio.to_thread(self.rollout_workers.follow_urls, group.urls)
                     await asyncio.to_thread(self.trainers.reset_weight_transport)
                 yield
 
