@@ -658,7 +658,7 @@ class RunConfig:
     rollout_worker_timeout: float = option(
         120.0,
         help="seconds a busy rollout worker may leave a health check unanswered before it is replaced (its "
-        "in-flight groups re-run on another worker)",
+        "in-flight groups re-run on another worker); a starting worker gets max(120, this) seconds to load",
     )
     actor_num_nodes: int = option(1, help="nodes for the trainer")
     actor_num_gpus_per_node: int = option(0, help="GPUs per node for the trainer (0: CPU)")

@@ -29,12 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _claim(path: Path, rec: dict) -> bool:
     """Create ``path`` holding ``rec`` unless it exists (one process wins, whichever node it is on)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec))  # complete before it appears under its name: a reader never sees it half-written
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.link(tmp, path)
     except FileExistsError:
         return False
-    os.write(fd, json.dumps(rec).encode())
-    os.close(fd)
+    finally:
+        tmp.unlink()
     return True
 
 

@@ -276,7 +276,7 @@ def test_a_worker_that_reaches_no_engine_refuses_to_start_naming_the_flag():
     from agentrl.runtime.rollout_workers import _check_reachable
 
     with pytest.raises(RuntimeError, match="--engine-host 0.0.0.0"):
-        _check_reachable(["http://127.0.0.1:9"], None)  # nothing listens on the discard port
+        _check_reachable(["http://127.0.0.1:9"])  # nothing listens on the discard port
 
 
 @pytest.mark.e2e
@@ -301,3 +301,30 @@ def test_a_replacement_that_cannot_start_fails_its_group_instead_of_hanging(tiny
         assert group.restarts == MAX_GROUP_ATTEMPTS and group.groups_rerun == MAX_GROUP_ATTEMPTS - 1
     finally:
         group.shutdown()
+
+
+def test_args_the_workers_cannot_receive_are_refused_naming_the_attribute():
+    import argparse
+    import threading
+
+    from agentrl.runtime.rollout_workers import check_worker_args
+
+    ok = argparse.Namespace(lr=1e-6, tags=["a"], engine=threading.Lock())  # engine: bound in each worker itself
+    check_worker_args(ok)
+    with pytest.raises(ValueError, match=r"cannot be pickled: lock \(lock"):
+        check_worker_args(argparse.Namespace(lr=1e-6, lock=threading.Lock()))
+    with pytest.raises(ValueError, match="a tuple has none"):
+        check_worker_args((1, 2))
+
+
+@pytest.mark.e2e
+def test_placement_counts_in_rays_units(ray_local):
+    """2 free CPUs hold ten workers of 0.2 (2.0 // 0.2 is 9.0 in floats), not eleven."""
+    from agentrl.runtime.rollout_workers import RolloutWorkerGroup
+
+    free = ray_local.available_resources().get("CPU", 0.0)
+    n = round(free / 0.2)
+    assert n >= 5 and abs(n * 0.2 - free) < 1e-9, free  # whole multiples of 0.2 free (the test cluster has 2)
+    RolloutWorkerGroup.check_placement(_cfg(rollout_num_workers=n, rollout_worker_cpus=0.2))
+    with pytest.raises(ValueError, match=f"--rollout-num-workers {n + 1} needs {n + 1} x 0.2 CPU"):
+        RolloutWorkerGroup.check_placement(_cfg(rollout_num_workers=n + 1, rollout_worker_cpus=0.2))

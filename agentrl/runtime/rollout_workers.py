@@ -97,24 +97,46 @@ def worker_args(args: Any) -> Any:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in BOUND_ARGS})
 
 
-def _check_reachable(urls: Sequence[str], api_key: str | None) -> None:
-    """Refuse to start a worker that reaches none of the engines (a loopback URL from another node)."""
-    import httpx
-
-    from agentrl.engines.http import auth_headers
+def _check_reachable(urls: Sequence[str]) -> None:
+    """Refuse to start a worker that can open a connection to none of the engines (a loopback URL seen
+    from another node). A TCP connect, not a request: a busy or paused engine still accepts it."""
+    from urllib.parse import urlsplit
 
     errors = []
     for url in urls:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            httpx.get(url.rstrip("/") + "/health", headers=auth_headers(api_key), timeout=10)
-            return  # it answered (whatever it said): the address is reachable from here
-        except httpx.HTTPError as exc:
+            with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=5):
+                return
+        except OSError as exc:
             errors.append(f"{url}: {type(exc).__name__}")
     raise RuntimeError(
         f"a rollout worker on {socket.gethostname()} reaches none of the engines ({'; '.join(errors)}): engines a "
         "run starts listen on --engine-host (default 127.0.0.1, this node only); with workers on other nodes pass "
         "--engine-host 0.0.0.0, or --engine-url addresses every node can reach"
     )
+
+
+def check_worker_args(args: Any) -> None:
+    """Refuse (before Ray starts) an ``args`` the workers cannot receive: each gets a pickled copy."""
+    import ray.cloudpickle as cloudpickle
+
+    if not hasattr(args, "__dict__"):
+        raise ValueError(
+            f"--rollout-num-workers sends `args` to every worker as attributes: a {type(args).__name__} has none"
+        )
+    bad = []
+    for name, value in vars(worker_args(args)).items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any reason it cannot travel
+            bad.append(f"{name} ({type(value).__name__}: {type(exc).__name__})")
+    if bad:
+        raise ValueError(
+            "--rollout-num-workers: each rollout worker gets a copy of `args`, and these attributes cannot be "
+            f"pickled: {', '.join(bad)}; drop them from args or create them in your functions"
+        )
 
 
 class RolloutWorker:
@@ -138,7 +160,7 @@ class RolloutWorker:
         for entry in driver_path or []:  # modules the driver could import (a test's or a script's own folder)
             if entry not in sys.path:
                 sys.path.append(entry)
-        _check_reachable(urls, api_key)
+        _check_reachable(urls)
         self.index = index
         self.cfg = cfg
         self.api_key = api_key
@@ -235,10 +257,12 @@ class _WorkerUnavailable(RuntimeError):
 
 
 class _Starting:
-    """Holds a worker slot while its replacement is started; ``event`` is set once that attempt is over."""
+    """Holds a worker slot while its replacement is started; ``event`` is set once that attempt is over
+    (``error`` then says why none could be created)."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.error = ""
 
 
 def worker_bundle(cfg: RunConfig) -> dict[str, float]:
@@ -283,10 +307,13 @@ class RolloutWorkerGroup:
         self.reaped = 0  # sandboxes of dead workers removed on their nodes
         self._reported = (0, 0, 0)
         self._tasks: set[asyncio.Task] = set()  # background work (replacements starting, reaps): kept alive
-        starting = [self._spawn(i) for i in range(cfg.rollout_num_workers)]
-        self.workers = [w for w, _ in starting]
         try:
-            self.infos = ray.get([ref for _, ref in starting], timeout=self.start_timeout)
+            ready = []
+            for i in range(cfg.rollout_num_workers):
+                worker, info = self._spawn(i)
+                self.workers.append(worker)  # (each one made is shut down if a later one fails)
+                ready.append(info)
+            self.infos = ray.get(ready, timeout=self.start_timeout)
         except Exception as exc:
             available = ray.available_resources()
             self.shutdown()
@@ -338,7 +365,8 @@ class RolloutWorkerGroup:
                     f"(the most any node has is {biggest:g}); lower --rollout-worker-cpus / --rollout-worker-resources "
                     "or start nodes with that resource"
                 )
-            fits = sum(int(float(r.get(name, 0.0)) // amount) for r in nodes)  # a worker cannot span nodes
+            # a worker cannot span nodes; Ray counts in units of 1e-4 (2.0 // 0.2 is 9.0 in floats)
+            fits = sum(round(float(r.get(name, 0.0)) * 1e4) // max(1, round(amount * 1e4)) for r in nodes)
             free = float(available.get(name, 0.0))
             if fits < n or free < n * amount - 1e-9:
                 raise ValueError(
@@ -385,26 +413,34 @@ class RolloutWorkerGroup:
             "rollout_sandboxes_reaped": reaped,
         }
 
-    def hung_threads(self) -> int:
-        """Blocking env calls the live workers wrote off (their threads still running)."""
+    def _live(self) -> list[Any]:
+        """Handles of the workers that have started (not a slot whose replacement is still loading)."""
+        return [
+            w for w, info in zip(self.workers, self.infos) if not isinstance(w, _Starting) and not info.get("starting")
+        ]
+
+    def _ask_all(self, method: str, *args: Any, timeout: float = 10.0) -> list[Any]:
+        """``method`` on every live worker; the answers of those that answered in ``timeout`` seconds."""
         import ray
 
-        refs = [w.hung_threads.remote() for w in self.workers if not isinstance(w, _Starting)]
-        try:
-            return sum(ray.get(refs, timeout=10))
-        except Exception:  # noqa: BLE001 - a worker being replaced: counted again next step
-            return 0
+        refs = [getattr(w, method).remote(*args) for w in self._live()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        found = []
+        for ref in ready:
+            try:
+                found.append(ray.get(ref))
+            except Exception:  # noqa: BLE001 - a worker that just died answers nothing; it is replaced
+                continue
+        return found
+
+    def hung_threads(self) -> int:
+        """Blocking env calls the live workers wrote off (their threads still running)."""
+        return int(sum(self._ask_all("hung_threads")))
 
     def follow_urls(self, urls: Sequence[str]) -> None:
         """Engines came back on other addresses: every worker's router (and replacements) follow."""
-        import ray
-
-        self.urls = list(urls)
-        try:
-            live = [w for w in self.workers if not isinstance(w, _Starting)]  # (a starting one gets the new URLs)
-            ray.get([w.follow_urls.remote(self.urls) for w in live], timeout=30)
-        except Exception as exc:  # noqa: BLE001 - a dead worker is replaced with the new URLs
-            log.warning("a rollout worker could not follow the engines' new addresses: %s", exc)
+        self.urls = list(urls)  # what replacements start with
+        self._ask_all("follow_urls", self.urls, timeout=5.0)
 
     async def run_groups(self, rows: Sequence[dict[str, Any]], seed: int) -> list[list[Sample]]:
         """Every row as one group (index = its position), spread over the workers; returns them in order.
@@ -460,7 +496,7 @@ class RolloutWorkerGroup:
         if isinstance(slot, _Starting):
             await slot.event.wait()
             if isinstance(self.workers[w], _Starting):
-                raise _WorkerUnavailable(f"the replacement for rollout worker {w} could not be started")
+                raise _WorkerUnavailable(f"the replacement for rollout worker {w} could not be created: {slot.error}")
         return self.workers[w]
 
     def _replace(self, w: int, generation: int) -> None:
@@ -473,7 +509,8 @@ class RolloutWorkerGroup:
         self.generation[w] += 1
         self.in_flight[w] = 0
         self.restarts += 1
-        ray.kill(dead, no_restart=True)
+        if not isinstance(dead, _Starting):
+            ray.kill(dead, no_restart=True)
         self.infos[w] = {**info, "starting": True}
         stand_in = self.workers[w] = _Starting()  # groups sent to slot w wait until the new worker exists
         self._background(self._reap_then_start(w, info, stand_in))
@@ -483,6 +520,7 @@ class RolloutWorkerGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        worker = ready = None
         try:
             run_id = info.get("sandbox_run_id")
             if run_id and not info.get("starting"):
@@ -494,13 +532,20 @@ class RolloutWorkerGroup:
                     log.warning("could not remove the sandboxes of dead rollout worker %d: %s", w, exc)
             worker, ready = self._spawn(w)
             self.workers[w] = worker
+        except Exception as exc:  # noqa: BLE001 - its waiting groups fail with this reason and replace it again
+            stand_in.error = f"{type(exc).__name__}: {exc}"
+            log.warning("could not create a replacement for rollout worker %d: %s", w, stand_in.error)
         finally:
             stand_in.event.set()  # whatever happened: waiting groups go on (or fail and replace it again)
+        if worker is None or ready is None:
+            self.infos[w] = {**info, "starting": False}  # the next group there fails and replaces it again
+            return
         try:
             self.infos[w] = await asyncio.wait_for(asyncio.wrap_future(ready.future()), self.start_timeout)
         except Exception as exc:  # noqa: BLE001 - its groups fail, and it is replaced again (bounded per group)
             log.warning("replacement rollout worker %d did not start in %.0f s: %s", w, self.start_timeout, exc)
             ray.kill(worker, no_restart=True)
+            self.infos[w] = {**info, "starting": False}  # not left aside: the next group there replaces it
 
     async def _monitor(self) -> None:
         """Every few seconds, ask each busy worker to answer; one that stays silent past the timeout is replaced."""
@@ -534,17 +579,7 @@ class RolloutWorkerGroup:
 
     def peak_rss_mb(self) -> float | None:
         """The largest peak resident memory (MiB) among the live workers (None when none answers in 10 s)."""
-        import ray
-
-        refs = [w.peak_rss_mb.remote() for w in self.workers if not isinstance(w, _Starting)]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-        found = []
-        for ref in ready:
-            try:
-                found.append(ray.get(ref))
-            except Exception:  # noqa: BLE001 - a worker that just died reports nothing
-                continue
-        return max(found, default=None)
+        return max(self._ask_all("peak_rss_mb"), default=None)
 
     def node_ids(self) -> list[str]:
         """The Ray node of each worker (as started)."""

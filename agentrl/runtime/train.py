@@ -127,6 +127,10 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
                 f"from --num-epoch {cfg.num_epoch}): the actor would never train"
             )
     args = args if args is not None else argparse_namespace(cfg)
+    if cfg.rollout_num_workers > 1:  # each worker gets a pickled copy: refused now, not after the models load
+        from agentrl.runtime.rollout_workers import check_worker_args
+
+        check_worker_args(args)
     source = _data_source(cfg, rows, args) if not cfg.is_sft else None
     resume_from = _resume_point(cfg)
     resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
@@ -389,9 +393,9 @@ class _Runtime:
             self.metrics.close()
         if self.rollout_workers is not None:
             with contextlib.suppress(Exception):
-                self.rollout_workers.shutdown()  # (gives their bundles back too)
+                self.rollout_workers.shutdown()
             self.rollout_workers = None
-        elif self.worker_placement is not None:
+        if self.worker_placement is not None:  # the workers' bundles, whatever shutdown managed
             from ray.util.placement_group import remove_placement_group
 
             with contextlib.suppress(Exception):
