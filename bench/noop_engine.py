@@ -59,6 +59,21 @@ def make_app(turn_ids: list[int]):
     return app
 
 
+def wait_healthy(url: str, attempts: int = 100) -> None:
+    """Wait until the engine at ``url`` answers ``/health`` (about 10 s at most)."""
+    import time
+
+    import httpx
+
+    for _ in range(attempts):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the no-op engine at {url} did not answer /health")
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)

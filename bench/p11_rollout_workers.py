@@ -42,6 +42,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import httpx  # noqa: E402
 
 import agentrl  # noqa: E402
+from bench.noop_engine import wait_healthy  # noqa: E402
 
 WORK_S = 0.02
 
@@ -149,12 +150,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     init_ray(num_cpus=2)
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         if a.memory:
             memory_report(a, tmp / "tok", url, RolloutWorkerGroup, peak_rss_mb)
             return
@@ -203,12 +199,7 @@ def main() -> None:
 
 def _served(urls: list[str]) -> list[int]:
     for u in urls:
-        for _ in range(100):
-            try:
-                if httpx.get(u + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(u)
     return [int(httpx.get(u + "/count").json()["generate"]) for u in urls]
 
 

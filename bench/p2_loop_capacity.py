@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
 
 import agentrl  # noqa: E402
 from agentrl.chat import ChatTemplate  # noqa: E402
@@ -28,6 +27,7 @@ from agentrl.engines.local.process import free_port  # noqa: E402
 from agentrl.rollout.episode import EpisodeContext  # noqa: E402
 from agentrl.rollout.generate import generate_rollout  # noqa: E402
 from agentrl.tiny import build_tokenizer  # noqa: E402
+from bench.noop_engine import wait_healthy  # noqa: E402
 from bench.replay import RecordingEngine, replay  # noqa: E402
 
 
@@ -84,12 +84,7 @@ def main() -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         ratios = []
         for r in range(a.rounds):
             t_sdk, calls = asyncio.run(sdk_run(url, template, a.episodes, a.concurrency, a.turns))
