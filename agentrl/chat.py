@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.images import Image, count_images, template_messages
 from agentrl.types import Message
 
 BUILTIN_TOOL_TEMPLATE = """\
@@ -98,12 +99,15 @@ class ChatTemplate:
     the model's; ``"builtin"`` always the built-in one.
     """
 
-    def __init__(self, tokenizer: Any, *, template: str | None = None, tool_template: str = "auto"):
+    def __init__(self, tokenizer: Any, *, template: str | None = None, tool_template: str = "auto", vision: Any = None):
+        """``vision``: the checkpoint's :class:`~agentrl.vlm.VisionFamily` (its processor expands image
+        markers into placeholder tokens); None for a text-only model, which refuses image parts."""
         if tool_template not in ("auto", "native", "builtin"):
             raise ValueError(f"tool_template must be auto, native or builtin, not {tool_template!r}")
         self.tokenizer = tokenizer
         self.native = _template_source(tokenizer, template)
         self.tool_template = tool_template
+        self.vision = vision
         if self.native is None and tool_template == "native":
             raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
         self.native_supports_tools = bool(self.native) and "tools" in self.native
@@ -133,6 +137,8 @@ class ChatTemplate:
         than the rendering itself. Anything else goes through ``apply_chat_template``.
         """
         source = self.template_for(tools)
+        if any(isinstance(m.get("content"), list) for m in messages):
+            messages = template_messages(messages)
         if _compile_jinja_template is not None and all(_plain(m) for m in messages):
             return _compile_jinja_template(source).render(
                 messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
@@ -179,11 +185,42 @@ class ChatTemplate:
         )
 
     def prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
-        """The first observation as prompt text and ids, ending with the generation prompt."""
+        """The first observation as prompt text and ids, ending with the generation prompt.
+
+        Text only: a conversation with images goes through :meth:`prompt_images`.
+        """
+        if not messages:
+            raise TemplateError("the first observation has no messages")
+        if count_images(messages):
+            raise TemplateError("the messages hold images: render them with prompt_images()")
+        text = self.render(messages, tools, add_generation_prompt=True)
+        return text, self.encode(text)
+
+    def prompt_images(
+        self, messages: Sequence[Message], images: Sequence[Image], tools: Sequence[dict] | None = None
+    ) -> tuple[str, Any]:
+        """The prompt of a conversation whose image parts are ``images`` (decoded, in order): its text and
+        :class:`~agentrl.vlm.Expanded` (ids with every image's placeholder tokens, and the images' pixels)."""
         if not messages:
             raise TemplateError("the first observation has no messages")
         text = self.render(messages, tools, add_generation_prompt=True)
-        return text, self.encode(text)
+        return text, self.encode_images(text, images)
+
+    def encode_images(self, text: str, images: Sequence[Image]) -> Any:
+        """Template text holding image markers, tokenized with each marker expanded by the model's processor."""
+        if self.vision is None:
+            if not images:
+                from agentrl.vlm import Expanded
+
+                return Expanded(self.encode(text), [], [])
+            raise TemplateError(
+                f"the observation holds {len(images)} image(s) but the model is text-only (no image processor): "
+                "serve a vision-language checkpoint (--hf-checkpoint) whose processor agentrl supports"
+            )
+        try:
+            return self.vision.expand(text, images)
+        except ValueError as exc:
+            raise TemplateError(str(exc)) from None
 
     # -- deltas --------------------------------------------------------------------------------
     def _stand_in(self, messages: Sequence[Message]) -> list[Message]:

@@ -539,8 +539,10 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.generate import bind_engine_args
     from agentrl.sandbox import close_default_pool
+    from agentrl.vlm import vision_for
 
-    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template)
+    vision = vision_for(getattr(tokenizer, "name_or_path", None))  # the tokenizer was loaded from the checkpoint
+    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template, vision=vision)
     engine: Any
     if args.engine_api == "chat":
         # the engine this command started wants its own key; a given URL, the user's API key

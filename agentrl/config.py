@@ -396,6 +396,11 @@ class TrainConfig:
         None, help="at most this many samples per packed micro-batch (default: only --max-tokens-per-gpu)"
     )
     gradient_checkpointing: bool = option(False, help="recompute activations in backward (less memory, more compute)")
+    freeze_vision_tower: bool = option(
+        True,
+        help="vision-language models: keep the vision encoder's weights fixed (the connector and the language "
+        "model train); false trains it too",
+    )
     dtype: str = option(
         "auto",
         help="trainer parameter dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16",

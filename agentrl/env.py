@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from concurrent.futures import Executor
 from typing import Any, cast
 
+from agentrl.images import ImageError, check_content
 from agentrl.parsing import format_tool_error
 from agentrl.sandbox import Sandbox, SandboxPool, default_pool
 from agentrl.tool import Tool, ToolResult, call_tool, find_tool
@@ -55,7 +56,10 @@ def check_messages(obs: Any, where: str) -> list[Message]:
         if m.get("role") not in ROLES:
             raise EnvContractError(f"{where}: message {i} has role {m.get('role')!r}; expected one of {sorted(ROLES)}")
         if not isinstance(m.get("content"), str):
-            raise EnvContractError(f"{where}: message {i} content must be a str, got {type(m.get('content')).__name__}")
+            try:  # a list of OpenAI content parts (text, images); images are decoded later, per sample
+                check_content(m.get("content"), f"{where}: message {i}")
+            except ImageError as exc:
+                raise EnvContractError(str(exc)) from None
     return list(obs)
 
 

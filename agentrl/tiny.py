@@ -108,3 +108,101 @@ def build_model(
     model.save_pretrained(out, safe_serialization=True)
     (out / "agentrl_tiny.json").write_text(json.dumps({"mean_turn_tokens": mean_turn_tokens, "seed": seed}))
     return out
+
+
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML whose image parts render as Idefics3's ``<image>`` marker (the processor expands it)."""
+
+
+def build_vlm(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    image_size: int = 32,
+    patch_size: int = 8,
+    mean_turn_tokens: float = 12.0,
+    seed: int = 0,
+) -> Path:
+    """Build a tiny Idefics3 (SmolVLM's architecture) checkpoint with its processor in ``out_dir``.
+
+    A SigLIP vision tower (one layer) and a pixel-shuffle connector in front of the chatty 2-layer Llama
+    of :func:`build_model`; images are resized to ``image_size`` pixels (no splitting), so each image is
+    ``(image_size / patch_size)**2 / 4`` placeholder tokens (4 by default). The output head never favours
+    the ``<image>`` placeholder (a large negative logit), as a trained VLM never emits it.
+    """
+    import torch
+    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, chat_template=VLM_CHAT_TEMPLATE)
+    # SmolVLM's tokenizer has these as added tokens; Idefics3Processor adds only the first two itself
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": image_size},
+        max_image_size={"longest_edge": image_size},
+    )
+    scale = 2
+    seq_len = (image_size // patch_size) ** 2 // scale**2
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=seq_len, chat_template=VLM_CHAT_TEMPLATE
+    )
+    processor.save_pretrained(out)
+    torch.manual_seed(seed)
+    text = {
+        "model_type": "llama",
+        "vocab_size": len(tok),
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    image_token = tok.convert_tokens_to_ids("<image>")
+    cfg = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=scale,
+        image_token_id=image_token,
+        tie_word_embeddings=False,
+    )
+    model = Idefics3ForConditionalGeneration(cfg).eval()
+    eos = tok.eos_token_id
+    body = model.model.text_model
+    with torch.no_grad():  # the chatty trick of build_model (see there), plus a silenced placeholder
+        body.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        probe = torch.randint(0, len(tok), (1, 64))
+        h0 = body(probe).last_hidden_state[0, :, 0].mean().item()
+        target = math.log((len(tok) - 1) / max(mean_turn_tokens - 1.0, 1e-3))
+        model.lm_head.weight[eos, 0] = target / h0
+        model.lm_head.weight[image_token, 0] = -30.0 / h0
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "agentrl_tiny.json").write_text(json.dumps({"mean_turn_tokens": mean_turn_tokens, "seed": seed}))
+    return out

@@ -158,6 +158,11 @@ def _record(row: dict[str, Any], i: int) -> dict[str, Any]:
         | _sample_extras(row),
         "bad": "; ".join(bad) or None,
     }
+    images, unsafe = _images(row)
+    if images:
+        rec["img"] = images
+    if unsafe:
+        rec["bad"] = "; ".join(filter(None, [rec["bad"], f"{unsafe} image(s) not base64 image data URLs (not drawn)"]))
     if row.get("label") is not None:
         label = row["label"]
         rec["lab"] = label if isinstance(label, str) else json.dumps(label, ensure_ascii=False, default=str)
@@ -188,10 +193,35 @@ def _sample_extras(row: dict[str, Any]) -> dict[str, str]:
     spec = row.get("spec_info")
     if isinstance(spec, dict) and any(spec.values()):
         out["spec_info"] = json.dumps(spec)
-    for k in ("multimodal_inputs", "multimodal_train_inputs"):
-        if row.get(k) is not None:
-            out[k] = json.dumps(row[k], ensure_ascii=False, default=str)[:200]
+    mm = row.get("multimodal_inputs")
+    if isinstance(mm, dict) and isinstance(mm.get("images"), list):
+        out["images"] = str(len(mm["images"]))  # drawn in the sample's body
+    elif mm is not None:
+        out["multimodal_inputs"] = json.dumps(mm, ensure_ascii=False, default=str)[:200]
     return out
+
+
+_SAFE_IMAGE = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/]+={0,2}")
+_PLACEHOLDERS = ("<image>", "<|image_pad|>", "<image_soft_token>")
+"""Image placeholder tokens of the VLM families' tokenizers: an image is drawn where its run of them starts."""
+
+
+def _images(row: dict[str, Any]) -> tuple[list[str], int]:
+    """The sample's images that are safe to put in an ``<img src>`` (base64 image data URLs), and how many were not."""
+    mm = row.get("multimodal_inputs")
+    urls = mm.get("images") if isinstance(mm, dict) else None
+    if not isinstance(urls, list):
+        return [], 0
+    ok = [u for u in urls if isinstance(u, str) and _SAFE_IMAGE.fullmatch(u)]
+    return ok, len(urls) - len(ok)
+
+
+def _image_anchors(tokens: list[int], placeholder: int | None, count: int) -> list[int]:
+    """Token positions where each of ``count`` images' placeholder runs starts (empty when they cannot be found)."""
+    if placeholder is None:
+        return []
+    starts = [j for j, t in enumerate(tokens) if t == placeholder and (j == 0 or tokens[j - 1] != placeholder)]
+    return starts if len(starts) == count else []
 
 
 def _reward(r: Any) -> Any:
@@ -210,6 +240,11 @@ def render_html(samples: list[dict | Sample], tokenizer: Any, *, title: str = "a
         table, special = {str(i): f"[{i}]" for i in all_ids}, []
     else:
         table, special = token_table(tokenizer, all_ids)
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    placeholder = next((vocab[t] for t in _PLACEHOLDERS if t in vocab), None)
+    for r in records:
+        if r.get("img"):
+            r["ia"] = _image_anchors(r["t"], placeholder, len(r["img"]))
     data = json.dumps(
         {"vocab": table, "special": special, "samples": records},
         ensure_ascii=False,
@@ -348,6 +383,7 @@ h1{font-size:16px;margin:0 12px 4px 0;display:inline-block}
 .badge{font-size:12px;padding:0 5px;border-radius:3px;background:#fde68a}
 .errl{color:#b91c1c;max-width:50em;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 .dim{color:#6b7280}
+.pic{display:inline-block;vertical-align:middle;max-width:256px;max-height:256px;margin:2px 4px;border:2px solid #93c5fd;image-rendering:pixelated}
 .bd{padding:4px 12px 12px}
 .toks{font:13px/1.7 ui-monospace,Menlo,Consolas,monospace;white-space:pre-wrap;word-break:break-all}
 .toks span{box-shadow:inset -1px 0 rgba(0,0,0,.15)}
@@ -411,9 +447,13 @@ function show(s) {
   if (WS) s = s.replace(/ /g, "·");
   return s.replace(/\n/g, "↵\n");
 }
+function pic(r, n) {
+  return '<img class="pic" alt="image ' + (n + 1) + '" title="image ' + (n + 1) + '" src="' + esc(r.img[n]) + '">';
+}
 function tokens(r) {
-  const ps = pieces(r.t), out = [];
+  const ps = pieces(r.t), out = [], at = new Map((r.ia || []).map((j, n) => [j, n]));
   for (let j = 0; j < r.t.length; j++) {
+    if (at.has(j)) out.push(pic(r, at.get(j)));
     const id = r.t[j], k = j - r.p, m = k < 0 ? -1 : r.m ? r.m[k] : 1;
     let cls = m < 0 ? "tk-p" : m ? "tk-s" : "tk-e", txt = ps[j], what = JSON.stringify(txt);
     if (txt === null) { txt = hex(V[id]); what = "bytes " + txt + " (part of a character)"; cls += " tk-x"; }
@@ -446,6 +486,7 @@ function header(r) {
 function body(r) {
   let h = r.err ? '<pre class="err">' + esc(r.err) + "</pre>" : "";
   if (r.bad) h += '<pre class="err">' + esc(r.bad) + "</pre>";
+  if (r.img && !(r.ia && r.ia.length && r.t.length)) h += '<div class="pics">' + r.img.map((_, n) => pic(r, n)).join("") + "</div>";
   h += r.t.length ? '<div class="toks">' + tokens(r) + "</div>"
                   : '<div class="dim">no tokens</div>' + (r.txt ? "<pre>" + esc(r.txt) + "</pre>" : "");
   if (r.meta) h += "<details><summary>metadata</summary><pre>" + esc(r.meta) + "</pre></details>";

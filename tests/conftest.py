@@ -24,7 +24,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # engine process, no Ray, no sandbox, no browser. The e2e tier is what does, or trains end to end.
 # A test is e2e when it uses one of these fixtures (directly or through another fixture), sits in
 # a module marked `pytestmark = pytest.mark.e2e`, or carries `@pytest.mark.e2e` itself.
-E2E_FIXTURES = frozenset({"tiny_server", "ray_local", "docker_image", "sandbox_backend", "openenv_url"})
+E2E_FIXTURES = frozenset(
+    {"tiny_server", "tiny_vlm_server", "ray_local", "docker_image", "sandbox_backend", "openenv_url"}
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
@@ -82,6 +84,24 @@ def tiny_server(tiny_ckpt, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("logs") / "engine.log"
     with local_server(tiny_ckpt, log_path=log, extra_args=["--seed", "0"], startup_timeout=120) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny Idefics3 (SmolVLM's architecture) with its processor: 4 placeholder tokens per image."""
+    from agentrl.tiny import build_vlm
+
+    return build_vlm(tmp_path_factory.mktemp("tiny_vlm") / "model", mean_turn_tokens=10.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_server(tiny_vlm, tmp_path_factory):
+    """URL of ``agentrl serve`` running the tiny VLM (session-wide, seeded)."""
+    from agentrl.engines.local.process import local_server
+
+    log = tmp_path_factory.mktemp("logs") / "vlm_engine.log"
+    with local_server(tiny_vlm, log_path=log, extra_args=["--seed", "0"], startup_timeout=120) as url:
         yield url
 
 

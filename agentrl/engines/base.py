@@ -169,6 +169,9 @@ class Engine(abc.ABC):
     token_exact: bool = True
     """False for engines that see text, not ids (the samples they make are flagged, never trained on silently)."""
 
+    accepts_images: bool = False
+    """True for engines whose :meth:`generate` takes ``image_data`` (SGLang's field: one entry per image)."""
+
     @abc.abstractmethod
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
@@ -183,14 +186,23 @@ class Engine(abc.ABC):
         key: str | None = None,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        image_data: Sequence[str] = (),
     ) -> GenerateOutput:
         """One assistant turn of an episode.
 
         The loop hands over both views of the conversation: ``input_ids`` (the ledger's exact ids)
         and ``messages``/``tools`` (the same conversation as chat messages). A token engine
         continues the ids and ignores the messages; an adapter for a text-only API sends the
-        messages and re-tokenizes the reply (then :attr:`token_exact` is False).
+        messages and re-tokenizes the reply (then :attr:`token_exact` is False). ``image_data``: the
+        conversation's images (PNG data URLs) in the order of their placeholder tokens in ``input_ids``;
+        passed only when there are some, and refused by an engine that cannot take them.
         """
+        if image_data:
+            if not self.accepts_images:
+                from agentrl.engines.http import EngineRequestError
+
+                raise EngineRequestError(f"{type(self).__name__} does not take images (image_data)")
+            return await self.generate(input_ids, sampling_params, key=key, image_data=list(image_data))  # type: ignore[call-arg]
         return await self.generate(input_ids, sampling_params, key=key)
 
     @abc.abstractmethod

@@ -153,15 +153,26 @@ class SGLangEngine(Engine):
         self._pending_aborts.add(task)
         task.add_done_callback(self._pending_aborts.discard)
 
+    accepts_images = True
+
     async def generate(
-        self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        key: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> GenerateOutput:
-        payload = {
+        """SGLang's ``/generate``; ``image_data``: one image per placeholder span of ``input_ids``, in order
+        (data URLs; SGLang and the embedded engine run the model's processor on them)."""
+        payload: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params.to_json(),
             "return_logprob": True,
             "rid": "",
         }
+        if image_data:
+            payload["image_data"] = list(image_data)
         if self.return_routed_experts:
             payload["return_routed_experts"] = True
         status, out = await self._post("/generate", payload, parse=self._parse_generate)
@@ -400,6 +411,7 @@ class ChatCompletionsEngine(Engine):
     """
 
     token_exact = False
+    accepts_images = True  # as image_url parts of the messages
 
     def __init__(
         self,
@@ -439,8 +451,11 @@ class ChatCompletionsEngine(Engine):
         key: str | None = None,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        image_data: Sequence[str] = (),
     ) -> GenerateOutput:
-        """Send ``messages``/``tools``; return the reply re-tokenized, with its assistant message."""
+        """Send ``messages``/``tools``; return the reply re-tokenized, with its assistant message.
+
+        ``image_data`` is not sent: the messages carry the same images as ``image_url`` parts."""
         if not messages:
             raise EngineError(f"{self.base_url}: generate_turn needs the conversation's messages")
         msg, finish_reason = await self.chat(list(messages), list(tools), sampling_params)

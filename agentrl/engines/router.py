@@ -63,6 +63,11 @@ class Router(Engine):
         """Token-exact only when every engine behind it is."""
         return all(e.token_exact for e in self.engines)
 
+    @property
+    def accepts_images(self) -> bool:  # type: ignore[override]
+        """Takes images only when every engine behind it does."""
+        return all(e.accepts_images for e in self.engines)
+
     async def generate(
         self, input_ids: list[int], sampling_params: SamplingParams, *, key: str | None = None
     ) -> GenerateOutput:
@@ -76,9 +81,12 @@ class Router(Engine):
         key: str | None = None,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        image_data: Sequence[str] = (),
     ) -> GenerateOutput:
+        extra = {"image_data": image_data} if image_data else {}  # engines that predate images never see the key
         return await self._route(
-            lambda e: e.generate_turn(input_ids, sampling_params, key=key, messages=messages, tools=tools), key
+            lambda e: e.generate_turn(input_ids, sampling_params, key=key, messages=messages, tools=tools, **extra),
+            key,
         )
 
     async def _route(self, call: Callable[[Engine], Awaitable[GenerateOutput]], key: str | None) -> GenerateOutput:

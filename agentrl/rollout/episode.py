@@ -38,7 +38,9 @@ from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
 from agentrl.env import Env, EnvContractError, call_env, check_messages, check_reset, check_step
+from agentrl.images import ImageError
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
+from agentrl.rollout.vision import Pictures, observe, sampled_placeholder
 from agentrl.types import Action, Message, Sample, Status
 
 _PARSER_ID = re.compile(r"call_\d+")
@@ -261,14 +263,22 @@ async def run_episode(
         with _env_clock(sample):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
             obs, info = check_reset(await _timed(reset, step_timeout, "reset()"))
+        obs, images = await _observe(obs)
         sample.prompt = obs
         sample.metadata["reset_info"] = info
         tools = env.tool_schemas()
+        pictures = Pictures()
         try:
-            _, prompt_ids = ctx.template.prompt(obs, tools)
+            if images or ctx.template.vision is not None:
+                _, expanded = ctx.template.prompt_images(obs, images, tools)
+                prompt_ids = expanded.ids
+                pictures.add(images, expanded, sample)
+            else:
+                _, prompt_ids = ctx.template.prompt(obs, tools)
             delta_context = ctx.template.delta_context(tools, obs)
         except TemplateError as exc:
             raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+        convo_images = list(images)  # every image of the conversation, in order (a new segment's prompt holds them all)
         ledger = TokenLedger(prompt_ids)
         convo = list(obs)
         seen_ids: set[str] = set()  # tool-call ids of this episode (unique_call_ids)
@@ -291,8 +301,15 @@ async def run_episode(
                 budget = min(budget, context_len - 1 - len(ledger))
                 if budget < 1:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
-            out = await _generate_turn(ctx, sample, ledger, budget, key, convo, tools)
+            out = await _generate_turn(ctx, sample, ledger, budget, key, convo, tools, pictures.urls)
             meta["finish_reasons"].append(out.finish_reason)
+            if sampled_placeholder(ctx, out.output_ids):
+                raise _EndEpisode(
+                    Status.FAILED,
+                    "image_token_sampled",
+                    f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
+                    "and the trainer would take it for a picture that does not exist",
+                )
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
                 spent = whole is not None and len(ledger) - prompt_len >= whole
@@ -318,7 +335,9 @@ async def run_episode(
                 break
             if turn == max_turns - 1:
                 break
+            obs, images = await _observe(obs)
             convo.extend(obs)
+            convo_images.extend(images)
             rewritten = None
             if rewrites:
                 rewritten = await _rewrite_history(ctx, env, hook, convo, task, step_timeout, sample)
@@ -326,7 +345,7 @@ async def run_episode(
                     if rewritten == convo:
                         rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
                     else:
-                        convo = rewritten
+                        convo, convo_images = await _observe(rewritten)
                         meta["history_rewrites"] = meta.get("history_rewrites", 0) + 1
             if rewritten is None:
                 try:
@@ -337,19 +356,26 @@ async def run_episode(
                     raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
                 if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
-                delta_ids = await _encode(ctx, delta)
+                expanded = None
+                if images or ctx.template.vision is not None:
+                    expanded = await _encode_images(ctx, delta, images)
+                    delta_ids = expanded.ids
+                else:
+                    delta_ids = await _encode(ctx, delta)
                 if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
                 if whole is not None and len(ledger) + len(delta_ids) - prompt_len >= whole:
                     raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
                 ledger.append_env(delta_ids)
+                if expanded is not None:
+                    pictures.add(images, expanded, sample)
             # what the chat template makes of the conversation now: the rewritten history's prompt, or (to
             # detect a template break) the whole conversation re-rendered; in exact mode only until the first
             # break of the sample (the ledger differs from then on anyway), and never when rendering fails
             if rewritten is None and not (cfg.history_mode == "template" or checking):
                 continue
             try:
-                rendered = await _render_prompt(ctx, convo, tools)
+                rendered, rendered_expanded = await _render_prompt(ctx, convo, tools, convo_images)
             except _EndEpisode:
                 if rewritten is not None or cfg.history_mode == "template":
                     raise
@@ -364,6 +390,10 @@ async def run_episode(
                     if whole is not None and len(rendered) - prompt_len >= whole:
                         raise _EndEpisode(Status.TRUNCATED, "response_budget")
                     ledger.append_env(extra_ids)
+                    if rendered_expanded is not None and len(rendered_expanded.pixels) > len(pictures.images):
+                        new = len(pictures.images)  # the rewrite's new images sit in the appended tail
+                        tail = dataclasses.replace(rendered_expanded, pixels=rendered_expanded.pixels[new:])
+                        pictures.add(convo_images[new:], tail, sample)
                 continue
             if rewritten is None:
                 meta["template_breaks"] = meta.get("template_breaks", 0) + 1
@@ -376,6 +406,9 @@ async def run_episode(
             done.append((sample, ledger))
             sample = _next_segment(sample, convo)
             ledger = TokenLedger(rendered)
+            pictures = Pictures()
+            if rendered_expanded is not None:
+                pictures.add(convo_images, rendered_expanded, sample)
             prompt_len, checking = len(ledger), True
             try:
                 delta_context = ctx.template.delta_context(tools, convo)
@@ -387,6 +420,9 @@ async def run_episode(
             sample.metadata["error"] = end.error
     except EnvContractError as exc:  # reset()/step()/rewrite_history() returned the wrong shapes
         status, reason = Status.FAILED, "env_contract"
+        sample.metadata["error"] = str(exc)
+    except ImageError as exc:  # an undecodable or oversized image fails its sample only
+        status, reason = Status.FAILED, "image"
         sample.metadata["error"] = str(exc)
     except asyncio.CancelledError:
         raise
@@ -447,6 +483,7 @@ async def _generate_turn(
     key: str,
     convo: list[Message],
     tools: list[dict],
+    image_data: list[str],
 ) -> GenerateOutput:
     """One assistant turn into ``ledger``: the engine's ids verbatim (mask 1, log-probs) and its
     weight version in ``sample.weight_versions``.
@@ -463,7 +500,12 @@ async def _generate_turn(
     for attempt in range(MAX_RESUMES + 1):
         try:
             out = await ctx.engine.generate_turn(
-                ledger.tokens, cfg.sampling(budget - len(turn_ids)), key=key, messages=convo, tools=tools
+                ledger.tokens,
+                cfg.sampling(budget - len(turn_ids)),
+                key=key,
+                messages=convo,
+                tools=tools,
+                **({"image_data": image_data} if image_data else {}),
             )
         except EngineError as exc:
             raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
@@ -559,18 +601,40 @@ def _next_segment(prev: Sample, convo: list[Message]) -> Sample:
     return nxt
 
 
+async def _observe(obs: list[Message]) -> tuple[list[Message], list[Any]]:
+    """:func:`~agentrl.rollout.vision.observe`; an image that cannot be used fails the sample."""
+    try:
+        return await observe(obs)
+    except ImageError as exc:
+        raise _EndEpisode(Status.FAILED, "image", str(exc)) from None
+
+
+async def _encode_images(ctx: EpisodeContext, text: str, images: list[Any]) -> Any:
+    """An observation delta's ids with its images' placeholders (the processor, in a worker thread)."""
+    try:
+        return await asyncio.to_thread(ctx.template.encode_images, text, images)
+    except TemplateError as exc:
+        raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
+
+
 async def _encode(ctx: EpisodeContext, text: str) -> list[int]:
     if len(text) > _BIG_OBSERVATION:  # seconds of tokenizing must not stall every other episode
         return await asyncio.to_thread(ctx.template.encode, text)
     return ctx.template.encode(text)
 
 
-async def _render_prompt(ctx: EpisodeContext, convo: list[Message], tools: list[dict]) -> list[int]:
-    """The chat template's prompt ids for the whole conversation (a worker thread when it is long)."""
+async def _render_prompt(
+    ctx: EpisodeContext, convo: list[Message], tools: list[dict], images: list[Any]
+) -> tuple[list[int], Any]:
+    """The chat template's prompt ids for the whole conversation (a worker thread when it is long or holds
+    images), and for a vision model its :class:`~agentrl.vlm.Expanded` (None for a text-only one)."""
     try:
+        if images or ctx.template.vision is not None:
+            expanded = (await asyncio.to_thread(ctx.template.prompt_images, convo, images, tools))[1]
+            return expanded.ids, expanded
         if sum(len(str(m.get("content") or "")) for m in convo) > _BIG_OBSERVATION:
-            return (await asyncio.to_thread(ctx.template.prompt, convo, tools))[1]
-        return ctx.template.prompt(convo, tools)[1]
+            return (await asyncio.to_thread(ctx.template.prompt, convo, tools))[1], None
+        return ctx.template.prompt(convo, tools)[1], None
     except Exception as exc:  # agentrl's TemplateError, or jinja's own (a template's raise_exception)
         raise _EndEpisode(Status.FAILED, "template", f"{type(exc).__name__}: {exc}") from None
 

@@ -61,9 +61,10 @@ def episode_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str],
     from agentrl.engines.router import Router
     from agentrl.rollout.episode import EpisodeContext
     from agentrl.rollout.threads import SyncPool
+    from agentrl.vlm import vision_for
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template)
+    template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template, vision=vision_for(checkpoint))
     routed = cfg.rollout_return_routed_experts
     engine = Router([SGLangEngine(u, api_key=api_key, return_routed_experts=routed) for u in urls])
     # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step

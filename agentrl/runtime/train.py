@@ -137,6 +137,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     cfg.hf_checkpoint = str(ckpt)
     _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
+    _check_vision(cfg, ckpt)
     if cfg.critic_hf_checkpoint:  # checked before Ray starts, as the policy's
         with naming_flag("--critic-hf-checkpoint", cfg.critic_hf_checkpoint):
             critic_ckpt = resolve_hf_checkpoint(cfg.critic_hf_checkpoint)
@@ -753,3 +754,21 @@ def _evaluator(
         return out
 
     return run
+
+
+def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
+    """A vision-language policy: refuse what cannot train it, before Ray starts (names the flag)."""
+    from agentrl.vlm import is_vision_checkpoint, vision_for
+
+    if not is_vision_checkpoint(ckpt):
+        return
+    vision_for(ckpt)  # an unsupported family (or a checkpoint without its processor) is refused here
+    if cfg.train_backend == "megatron":
+        raise ValueError(
+            f"--train-backend megatron: {ckpt} is a vision-language model, and agentrl's megatron backend builds "
+            "text-only GPT models (megatron-core's multimodal LLaVA model is not wired in); use --train-backend torch"
+        )
+    if cfg.critic_hf_checkpoint or cfg.train.advantage_estimator == "ppo":
+        raise ValueError(
+            "a vision-language policy trains without a critic here: use a critic-free --advantage-estimator"
+        )

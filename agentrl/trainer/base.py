@@ -47,6 +47,8 @@ class TrainSample:
     """ppo: the critic's values when the advantages were computed (the value clip's anchor)."""
     returns: list[float] | None = None
     """ppo: the critic's regression targets (GAE returns)."""
+    multimodal_train_inputs: dict | None = None
+    """The sample's processed images (``Sample.multimodal_train_inputs``: per-image arrays, placeholder order)."""
 
     @property
     def prompt_length(self) -> int:

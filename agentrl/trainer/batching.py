@@ -86,6 +86,8 @@ class PackedBatch:
     train_metadata: list[dict | None] = field(default_factory=list)  # per packed sample, for a custom loss
     values: torch.Tensor | None = None  # [N] ppo: the critic's values at advantage time
     returns: torch.Tensor | None = None  # [N] ppo: the critic's targets
+    images: list[dict] = field(default_factory=list)  # per image, in row order: its processed arrays
+    image_positions: torch.Tensor | None = None  # [M] long: row positions of the images' placeholders
 
     @property
     def num_tokens(self) -> int:
@@ -121,11 +123,16 @@ def _flat(samples: Sequence[TrainSample], attr: str, *, required: bool) -> torch
 
 
 def pack_samples(
-    samples: Sequence[TrainSample], indices: Sequence[int] | None = None, *, need_advantages: bool = False
+    samples: Sequence[TrainSample],
+    indices: Sequence[int] | None = None,
+    *,
+    need_advantages: bool = False,
+    image_token_id: int | None = None,
 ) -> PackedBatch:
     """Build one packed row from ``samples`` (or the subset ``indices`` of it, in that order).
 
     ``need_advantages`` makes missing advantages an error (training) instead of zeros (scoring).
+    ``image_token_id`` (a vision-language model): the row's images and their placeholders' positions.
     """
     idx = list(range(len(samples))) if indices is None else list(indices)
     chosen = [samples[i] for i in idx]
@@ -133,6 +140,8 @@ def pack_samples(
     pos: list[int] = []
     logit_pos: list[int] = []
     seq: list[int] = []
+    images: list[dict] = []
+    image_pos: list[int] = []
     for k, s in enumerate(chosen):
         if s.prompt_length < 1:
             raise ValueError(
@@ -144,6 +153,8 @@ def pack_samples(
         start = len(ids) + s.prompt_length - 1  # logits here predict the first response token
         logit_pos.extend(range(start, start + s.response_length))
         seq.extend([k] * s.response_length)
+        if image_token_id is not None:
+            _pack_images(s, len(ids), image_token_id, images, image_pos)
         ids.extend(s.tokens)
         pos.extend(range(len(s.tokens)))
     targets = [t for s in chosen for t in s.tokens[s.prompt_length :]]
@@ -166,7 +177,25 @@ def pack_samples(
         train_metadata=[s.train_metadata for s in chosen],
         values=_flat(chosen, "values", required=False),
         returns=_flat(chosen, "returns", required=False),
+        images=images,
+        image_positions=torch.tensor(image_pos, dtype=torch.long) if images else None,
     )
+
+
+def _pack_images(s: TrainSample, offset: int, image_token_id: int, images: list[dict], positions: list[int]) -> None:
+    """Append one sample's images (per-image dicts of arrays) and its placeholders' row positions."""
+    from agentrl.vlm import image_positions
+
+    found = image_positions(s.tokens, image_token_id)
+    mm = s.multimodal_train_inputs or {}
+    lists = [v for v in mm.values() if isinstance(v, list)]
+    n = len(lists[0]) if lists else 0
+    if any(len(v) != n for v in lists):
+        raise ValueError("TrainSample.multimodal_train_inputs: its per-image lists differ in length")
+    if n == 0 and len(found):
+        raise ValueError(f"a TrainSample holds {len(found)} image placeholder tokens but no multimodal_train_inputs")
+    images.extend({k: v[j] for k, v in mm.items() if isinstance(v, list)} for j in range(n))
+    positions.extend(int(p) + offset for p in found)
 
 
 def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

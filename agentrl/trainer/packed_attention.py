@@ -42,6 +42,16 @@ def segments(position_ids: torch.Tensor) -> Iterator[None]:
         _SEGMENTS.reset(token)
 
 
+@contextlib.contextmanager
+def no_segments() -> Iterator[None]:
+    """Within this block attention is plain SDPA again (a vision tower's patches are not the row's samples)."""
+    token = _SEGMENTS.set(None)
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -62,6 +62,7 @@ from agentrl.trainer.base import (
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, plain_head
 from agentrl.trainer.lean_activations import make_lean
+from agentrl.vlm import load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
@@ -153,7 +154,12 @@ class TorchTrainer(Trainer):
         torch.manual_seed(cfg.seed + rank)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", rank=rank, world_size=world_size)
-        self.model = load_causal_lm(self.checkpoint_path, torch.float32, self.device)
+        # a vision-language checkpoint: its family computes image features, merged here as inputs_embeds
+        self.vision = vision_for(self.checkpoint_path)
+        self.model = self._load(torch.float32)
+        if self.vision is not None and cfg.freeze_vision_tower:
+            for module in self.vision.vision_modules(self.model):
+                module.requires_grad_(False)
         # per-sample attention inside packed rows (no cross-sample T x T work), where transformers allows
         self.packed_attention = packed_attention.enable(self.model)
         self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
@@ -165,7 +171,7 @@ class TorchTrainer(Trainer):
             _enable_activation_checkpointing(self.model)
         self.ref_model = None
         if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
-            self.ref_model = load_causal_lm(self.checkpoint_path, self.dtype, self.device).eval()
+            self.ref_model = self._load(self.dtype).eval()
             self.ref_model.requires_grad_(False)
             if self.packed_attention and not packed_attention.enable(self.ref_model):
                 self.packed_attention, self.explicit_mask = False, not _packing_is_isolated(self.model, self.device)
@@ -185,7 +191,7 @@ class TorchTrainer(Trainer):
         # GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
         self.fused_adamw = self.keep_grads = measured if resident_state is None else bool(resident_state)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
@@ -202,6 +208,29 @@ class TorchTrainer(Trainer):
         # CPU: a CoreShare re-sizing torch's threads before every micro-batch (the trainer actor sets it
         # with --cpu-threads adaptive); None keeps the threads as they are
         self.core_share: CoreShare | None = None
+
+    def _load(self, dtype: torch.dtype) -> nn.Module:
+        if self.vision is not None:
+            return load_vision_model(self.checkpoint_path, dtype, self.device)
+        return load_causal_lm(self.checkpoint_path, dtype, self.device)
+
+    def _inputs(self, model: nn.Module, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """The row as the model reads it: its ids, or (images in it) embeddings with the image features
+        written at the placeholders (:mod:`agentrl.vlm` says why the SDK merges them itself)."""
+        if not batch.images:
+            return {"input_ids": batch.input_ids}
+        assert self.vision is not None and batch.image_positions is not None
+        with packed_attention.no_segments():
+            feats = torch.cat([self.vision.features(model, px) for px in batch.images])
+        pos = batch.image_positions
+        if feats.shape[0] != pos.numel():
+            raise ValueError(
+                f"the row's {len(batch.images)} image(s) give {feats.shape[0]} feature rows for {pos.numel()} "
+                "placeholder tokens: the samples' multimodal_train_inputs do not match their tokens"
+            )
+        embeds = model.get_input_embeddings()(batch.input_ids)  # [1, T, hidden]
+        embeds = embeds.index_put((torch.zeros_like(pos), pos), feats.to(embeds.dtype))
+        return {"inputs_embeds": embeds}
 
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""
@@ -242,7 +271,7 @@ class TorchTrainer(Trainer):
         mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
         with self._autocast(), self._segments(batch):
             out = model(
-                input_ids=batch.input_ids,
+                **self._inputs(model, batch),
                 position_ids=batch.position_ids,
                 attention_mask=mask,
                 use_cache=False,
@@ -275,7 +304,7 @@ class TorchTrainer(Trainer):
         mask = block_causal_mask(batch.position_ids, self.dtype) if self.explicit_mask else None
         with self._autocast(), self._segments(batch):
             hidden = model.get_decoder()(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+                **self._inputs(model, batch), position_ids=batch.position_ids, attention_mask=mask, use_cache=False
             ).last_hidden_state[0, batch.logit_positions]
             return chunked_log_probs(
                 hidden, head, batch.targets, temperature=self.cfg.logit_temperature, with_entropy=entropy
@@ -299,7 +328,10 @@ class TorchTrainer(Trainer):
             t = torch.tensor([n], dtype=torch.long, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n = int(t.item())
-        batches: list[PackedBatch | None] = [pack_samples(samples, g, need_advantages=train) for g in groups]
+        image_token = self.vision.image_token_id if self.vision is not None else None
+        batches: list[PackedBatch | None] = [
+            pack_samples(samples, g, need_advantages=train, image_token_id=image_token) for g in groups
+        ]
         return batches + [None] * (n - len(groups))
 
     @torch.no_grad()

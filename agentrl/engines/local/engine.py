@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.engines.local.images import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
 from agentrl.engines.local.weights import WeightUpdateError, apply_weights, read_source
@@ -70,7 +71,9 @@ class _Request:
         self.rid, self.input_ids, self.sp = rid, input_ids, sp
         self.return_logprob, self.return_text_in_logprobs = logprob
         self.future, self.loop = future, loop
+        # the prefix-cache key: the ids, with image placeholders as content-derived negative ids (images.py)
         self.prompt = np.asarray(input_ids, dtype=np.int64)
+        self.images: RequestImages | None = None
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.row = -1
@@ -126,20 +129,28 @@ class LocalEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from agentrl.cpu_share import CoreShare
+        from agentrl.vlm import load_vision_model, vision_for
 
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype), local_files_only=True)
-            .to(device)
-            .eval()
-        )
+        family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
+        if family is not None:
+            self.model = load_vision_model(self.model_path, getattr(torch, dtype), device).eval()
+            self.body = self.model.get_decoder()  # the text model the cached forward runs
+        else:
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(
+                    self.model_path, dtype=getattr(torch, dtype), local_files_only=True
+                )
+                .to(device)
+                .eval()
+            )
+            self.body = self.model.model
         self.model.requires_grad_(False)
-        cfg = self.model.config
+        self.vision = EngineVision(family, self.model) if family is not None else None
+        cfg = getattr(self.body, "config", None) or self.model.config
         ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
-        windows = [
-            w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.model.model.layers) if w
-        ]
+        windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
         if windows and min(windows) < ctx:
             log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
             ctx = min(windows)
@@ -147,7 +158,9 @@ class LocalEngine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.enable_memory_saver = bool(enable_memory_saver)
-        self.runner = CachedForward(self.model, rows=max_running_requests, max_capacity=self.context_length)
+        self.runner = CachedForward(
+            self.model, rows=max_running_requests, max_capacity=self.context_length, body=self.body
+        )
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
         self.eos_token_ids = self._eos_ids()
@@ -231,6 +244,7 @@ class LocalEngine:
             bool(options.get("return_text_in_logprobs")),
             options.get("logprob_start_len", -1),
             options.get("top_logprobs_num", 0),
+            options.get("image_data"),
         ).future.cancel()
 
     async def generate(
@@ -243,8 +257,12 @@ class LocalEngine:
         return_text_in_logprobs: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        image_data: Any = None,
     ) -> dict:
         """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
+
+        ``image_data`` (a vision-language model): one image per placeholder span of ``input_ids``, in
+        order, as data:/file:// URLs or base64 (see :mod:`agentrl.engines.local.images`).
 
         With ``return_logprob``: ``output_token_logprobs``; ``top_logprobs_num > 0`` adds
         ``output_top_logprobs``; ``input_token_logprobs`` (and ``input_top_logprobs``) cover the prompt
@@ -263,6 +281,7 @@ class LocalEngine:
             return_text_in_logprobs,
             logprob_start_len,
             top_logprobs_num,
+            image_data,
         )
         if req.finish is not None:
             return self._response(req)
@@ -283,6 +302,7 @@ class LocalEngine:
         return_text_in_logprobs: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        image_data: Any = None,
     ) -> AsyncIterator[dict]:
         """:meth:`generate`, yielding SGLang's cumulative response (text and ids so far, ``finish_reason``
         None) every ``stream_interval`` tokens as they are sampled, then the final response.
@@ -297,6 +317,7 @@ class LocalEngine:
             return_text_in_logprobs,
             logprob_start_len,
             top_logprobs_num,
+            image_data,
         )
         if req.finish is not None:
             yield self._response(req)
@@ -331,10 +352,16 @@ class LocalEngine:
         return_text_in_logprobs: bool,
         logprob_start_len: int,
         top_logprobs_num: int,
+        image_data: Any = None,
     ) -> _Request:
         if self._stop or not self._thread.is_alive():
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
+        key, images = None, None
+        if self.vision is not None:
+            key, images = self.vision.prepare(ids, image_data)
+        elif image_data not in (None, []):
+            raise InvalidRequestError("image_data: the served model is text-only (not a vision-language checkpoint)")
         sp = SamplingConfig.from_dict(sampling_params or {})
         bad = [k for k in sp.logit_bias or {} if int(k) >= self.vocab_size]
         if bad:
@@ -362,6 +389,8 @@ class LocalEngine:
         req = _Request(
             rid or uuid.uuid4().hex, ids, sp, (return_logprob, return_text_in_logprobs), loop.create_future(), loop
         )
+        if key is not None:
+            req.prompt, req.images = key, images
         if return_logprob:
             req.logprob_start_len = logprob_start_len if logprob_start_len >= 0 else len(ids) - 1
             req.top_logprobs_num = top_logprobs_num
@@ -624,6 +653,8 @@ class LocalEngine:
         except WeightUpdateError as exc:
             return {"success": False, "message": str(exc), "num_paused_requests": 0}
         self.store.clear()
+        if self.vision is not None:
+            self.vision.clear()
         self._version_counter += 1
         if version is not None or not partial:
             self.weight_version = version if version is not None else str(self._version_counter)
@@ -729,7 +760,13 @@ class LocalEngine:
         tops: list[Any] = [None]
         if start + 1 < L:
             ids = torch.tensor([r.input_ids], device=dev)
-            hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+            if r.images is None:
+                hidden = self.body(input_ids=ids, use_cache=False).last_hidden_state[0]
+            else:
+                embeds = self.body.embed_tokens(ids)
+                at, feats = self.vision.rows(r.images, 0, L)  # type: ignore[union-attr,misc]
+                embeds[0, torch.from_numpy(at)] = feats.to(embeds.dtype)
+                hidden = self.body(inputs_embeds=embeds, use_cache=False).last_hidden_state[0]
             temp = 1.0 if r.sp.greedy else float(r.sp.temperature)
             for c in range(start + 1, L, 256):
                 end = min(c + 256, L)
@@ -776,14 +813,21 @@ class LocalEngine:
     def _prefill_chunk(self, group: list[_Request]) -> None:
         lens = [min(len(r.prompt) - r.kv_len, self.chunked_prefill_size) for r in group]
         ids = torch.zeros(len(group), max(lens), dtype=torch.long)
+        inject = []
         for i, (r, n) in enumerate(zip(group, lens)):
-            ids[i, :n] = torch.from_numpy(r.prompt[r.kv_len : r.kv_len + n])
+            ids[i, :n] = torch.from_numpy(r.prompt[r.kv_len : r.kv_len + n]).clamp(
+                min=0
+            )  # a copy: the key keeps its ids
+            found = self.vision.rows(r.images, r.kv_len, r.kv_len + n) if r.images is not None else None  # type: ignore[union-attr]
+            if found is not None:
+                inject.append((i, torch.from_numpy(found[0]), found[1]))
         dev = self.runner.device
         logits = self.runner.forward(
             ids.to(dev),
             torch.tensor([r.row for r in group], device=dev),
             torch.tensor([r.kv_len for r in group], device=dev),
             torch.tensor(lens, device=dev) - 1,
+            inject or None,
         )
         done = []
         for i, (r, n) in enumerate(zip(group, lens)):

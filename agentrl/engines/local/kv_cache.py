@@ -154,10 +154,12 @@ class CachedForward:
     fp32 logits ``[n, vocab]`` at token index ``last[i]`` of each row (lm_head runs on those only).
     """
 
-    def __init__(self, model: torch.nn.Module, *, rows: int, max_capacity: int):
-        cfg = model.config
+    def __init__(self, model: torch.nn.Module, *, rows: int, max_capacity: int, body: torch.nn.Module | None = None):
+        """``body``: the decoder stack (embeddings, layers, norm, rotary); default ``model.model`` (a VLM
+        passes its text model)."""
+        cfg = getattr(body, "config", None) or model.config
         self.model = model
-        self.body = model.model
+        self.body = body if body is not None else model.model
         self.layers = list(self.body.layers)
         attn = self.layers[0].self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"):
@@ -181,8 +183,15 @@ class CachedForward:
         self.device = p.device
 
     def forward(
-        self, ids: torch.Tensor, rows: slice | torch.Tensor, start: torch.Tensor, last: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        rows: slice | torch.Tensor,
+        start: torch.Tensor,
+        last: torch.Tensor,
+        inject: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
+        """``inject``: ``(i, t, rows)`` replaces the embeddings of row ``i`` at token indices ``t`` with
+        ``rows`` (image features at their placeholders; ``ids`` there may be anything >= 0)."""
         n, T = ids.shape
         G, KV, H, D = self.groups, self.kv_heads, self.heads, self.head_dim
         pos = start[:, None] + torch.arange(T, device=self.device)[None, :]  # [n, T]
@@ -201,6 +210,8 @@ class CachedForward:
             (row_idx[:, None, None] * KV + torch.arange(KV, device=self.device)[None, :, None]) * cap + pos[:, None, :]
         ).reshape(-1)
         h = self.body.embed_tokens(ids)  # [n, T, hidden]
+        for i, t, feats in inject or ():
+            h[i, t] = feats.to(h.dtype)
         cos, sin = self.body.rotary_emb(h, pos)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn

@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,10 +137,13 @@ def add_openai_routes(
     async def chat_completions(request: Request):
         req = P.ChatCompletionRequest.parse(await json_body(request))
         tools, prefix, parse = _tool_plan(req, tool_parser)
-        ids = _render_chat(tok, chat_template, req.message_dicts(), tools, req.chat_template_kwargs or {})
+        messages, images = _chat_images(engine, req.message_dicts())
+        ids = _render_chat(tok, chat_template, messages, tools, req.chat_template_kwargs or {}, engine, images)
         if prefix:
             ids = ids + tok.encode(prefix, add_special_tokens=False)
         jobs = [{"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs} for sp in _samples(req)]
+        for job in jobs if images else ():
+            job["image_data"] = [im.url for im in images]
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -402,9 +405,43 @@ def _stops(sp: dict) -> list[str]:
 # ---------------------------------------------------------------- shapes
 
 
-def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any, kwargs: dict) -> list[int]:
+def _chat_images(engine: LocalEngine, messages: list[dict]) -> tuple[list[dict], list[Any]]:
+    """The messages' images decoded and checked (400 naming the problem), and the messages as the chat
+    template reads them; a text-only model refuses image parts."""
+    from agentrl.images import ImageError, count_images, normalize, template_messages
+
+    if not count_images(messages):
+        return messages, []
+    if engine.vision is None:
+        i, j = next(
+            (i, j)
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"])
+            if p.get("type") == "image_url"
+        )
+        raise InvalidRequestError(
+            f"messages.{i}.content.{j}: image_url parts need a vision-language model; this one is text-only"
+        )
+    try:
+        messages, images = normalize(messages)
+    except ImageError as exc:
+        raise InvalidRequestError(f"messages: {exc}") from None
+    return template_messages(messages), images
+
+
+def _render_chat(
+    tok: Any,
+    chat: ChatTemplate,
+    messages: list[dict],
+    tools: Any,
+    kwargs: dict,
+    engine: LocalEngine | None = None,
+    images: Sequence[Any] = (),
+) -> list[int]:
     """Render with the model's template, or agentrl's built-in tool template when tools are offered
-    and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped."""
+    and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped.
+    With ``images`` the model's processor expands their markers (``engine.vision``)."""
     try:
         text = tok.apply_chat_template(
             messages,
@@ -416,6 +453,12 @@ def _render_chat(tok: Any, chat: ChatTemplate, messages: list[dict], tools: Any,
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
         raise InvalidRequestError(f"chat template failed: {exc}") from exc
+    if images:
+        assert engine is not None and engine.vision is not None
+        try:
+            return engine.vision.family.expand(text, images).ids
+        except ValueError as exc:
+            raise InvalidRequestError(f"messages: {exc}") from None
     return tok.encode(text, add_special_tokens=False)
 
 

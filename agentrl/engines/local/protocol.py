@@ -21,6 +21,7 @@ from agentrl.engines.local.sampling import INT32, Flag, InvalidRequestError, val
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], Field(min_length=1)]
 Count = Annotated[int, Field(strict=True, ge=0, le=INT32)]
 StartLen = Annotated[int, Field(strict=True, ge=-1, le=INT32)]
+ImageItem = Annotated[str, Field(strict=True, min_length=1)]
 
 
 class _Body(BaseModel):
@@ -60,7 +61,6 @@ class GenerateRequest(_Body):
         "token_ids_logprob": (None,),
         "return_hidden_states": (None, False),
         "return_routed_experts": (None, False),
-        "image_data": (None,),
         "audio_data": (None,),
         "video_data": (None,),
         "lora_path": (None,),
@@ -85,6 +85,9 @@ class GenerateRequest(_Body):
     return_logprob: Flag | list[Flag] | None = None
     logprob_start_len: StartLen | list[StartLen] | None = None
     top_logprobs_num: Count | list[Count] | None = None
+    image_data: ImageItem | list[ImageItem | None] | list[list[ImageItem] | None] | None = None
+    """SGLang's images: one request's list (or one image), or per batch entry a list; each a data:/file:// URL or
+    base64 (decoded and checked by the engine; a text-only model refuses them)."""
     return_text_in_logprobs: Flag = False
     stream: Flag = False
 
@@ -96,11 +99,27 @@ class GenerateRequest(_Body):
 
 
 class ContentPart(BaseModel):
-    """An OpenAI content part; only text parts can be served by a text-only model."""
+    """An OpenAI text content part."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: Annotated[str, Field(strict=True)]
+
+
+class ImageUrl(BaseModel):
+    """OpenAI's ``image_url`` object: a data: or file:// URL (remote URLs are refused when decoded)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: Annotated[str, Field(strict=True, min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """An OpenAI image content part; served by a vision-language model only."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageUrl
 
 
 class ChatMessage(BaseModel):
@@ -108,7 +127,11 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(strict=True)] | list[ContentPart] | None = None
+    content: (
+        Annotated[str, Field(strict=True)]
+        | list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]]
+        | None
+    ) = None
     name: Annotated[str, Field(strict=True)] | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: Annotated[str, Field(strict=True)] | None = None
@@ -228,10 +251,16 @@ class ChatCompletionRequest(_OpenAIBody):
     chat_template_kwargs: dict | None = None
 
     def message_dicts(self) -> list[dict]:
-        """The messages for the chat template: content parts joined into one string."""
+        """The messages for the chat template: text parts joined into one string; a message with images keeps
+        its parts (``image_url`` parts, in order)."""
         out = []
         for m in self.messages:
-            content = "".join(p.text for p in m.content) if isinstance(m.content, list) else m.content
+            content: Any = m.content
+            if isinstance(m.content, list):
+                if any(isinstance(p, ImagePart) for p in m.content):
+                    content = [p.model_dump(exclude_none=True) for p in m.content]
+                else:
+                    content = "".join(p.text for p in m.content if isinstance(p, ContentPart))
             d: dict[str, Any] = {"role": m.role, "content": content, **(m.model_extra or {})}
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:

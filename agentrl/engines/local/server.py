@@ -498,6 +498,9 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
         batch = isinstance(text, list)
         texts = text if batch else [text]
         ids = [engine.tokenizer.encode(t) for t in texts]
+    images = _image_items(body.get("image_data"), batch, len(ids))
+    if body.get("input_ids") is None and engine.vision is not None:  # text in: the processor expands the markers
+        ids = [_expand_text(engine, t, imgs) if imgs else i for t, i, imgs in zip(texts, ids, images)]
 
     def per_item(key: str, default: Any) -> list:
         value = body.get(key, default)
@@ -519,17 +522,42 @@ def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
             "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
             "logprob_start_len": -1 if start is None else start,
             "top_logprobs_num": top or 0,
+            "image_data": imgs,
         }
-        for i, sp, rid, lp, start, top in zip(
+        for i, sp, rid, lp, start, top, imgs in zip(
             ids,
             per_item("sampling_params", {}),
             rids,
             per_item("return_logprob", False),
             per_item("logprob_start_len", -1),
             per_item("top_logprobs_num", 0),
+            images,
         )
     ]
     return batch, jobs
+
+
+def _image_items(value: Any, batch: bool, n: int) -> list[list[str] | None]:
+    """SGLang's ``image_data`` as one list (or None) per input."""
+    if value is None:
+        return [None] * n
+    if not batch:
+        return [value if isinstance(value, list) else [value]]
+    if not isinstance(value, list) or len(value) != n:
+        raise InvalidRequestError(f"image_data: a batch of {n} inputs needs a list of {n} entries (one per input)")
+    return [None if v is None else v if isinstance(v, list) else [v] for v in value]
+
+
+def _expand_text(engine: LocalEngine, text: str, items: list[str]) -> list[int]:
+    """A text prompt holding the model's image markers, expanded by its processor for ``items``."""
+    from agentrl.images import ImageError, load_image
+
+    assert engine.vision is not None
+    try:
+        images = [load_image(x) for x in items]
+        return engine.vision.family.expand(text, images).ids
+    except (ImageError, ValueError) as exc:
+        raise InvalidRequestError(f"image_data: {exc}") from None
 
 
 def _version() -> str:

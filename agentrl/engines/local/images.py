@@ -1,0 +1,130 @@
+"""Images for the embedded engine: SGLang's ``image_data``, checked, keyed by content, turned into features.
+
+A request carries ``input_ids`` in which every image already occupies its placeholder tokens (the
+caller ran the model's processor, as slime does before SGLang's ``/generate``) and ``image_data``:
+one image per placeholder span, in order. :meth:`EngineVision.prepare` decodes and checks the images
+(a bad one refuses the request with HTTP 400 naming ``image_data[i]``), checks that the placeholder
+count matches what the processor makes of them, and returns the request's *key*: its ids with each
+placeholder replaced by a negative id derived from the image's content digest and the offset in it.
+The prefix cache compares keys, so two prompts with the same placeholders but different pictures
+share nothing past the first picture (SGLang pads its radix-tree keys with image hashes the same way).
+
+The features (vision tower + connector, the engine's current weights) are computed in the worker
+thread when a prefill chunk first touches an image's placeholders, and cached by digest (LRU) for the
+next turn of the episode; a weight update clears the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentrl.engines.local.sampling import InvalidRequestError
+from agentrl.images import Image, ImageError, load_image
+
+MAX_IMAGES_PER_REQUEST = 64
+
+
+@dataclass
+class RequestImages:
+    """One request's images and where their placeholder rows sit in its prompt."""
+
+    images: list[Image]
+    pixels: list[dict[str, np.ndarray]]
+    positions: np.ndarray  # [P] prompt positions of the placeholders, ascending
+    owner: np.ndarray  # [P] which image each placeholder belongs to
+    offset: np.ndarray  # [P] its row in that image's features
+
+
+def _key_id(digest: str, offset: int) -> int:
+    """A negative int64 standing for row ``offset`` of the image with ``digest`` (never a real token id)."""
+    h = hashlib.blake2b(f"{digest}:{offset}".encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(h, "little") & (2**62 - 1))
+
+
+class EngineVision:
+    """The served VLM's :class:`~agentrl.vlm.VisionFamily`, its model, and a feature cache."""
+
+    def __init__(self, family: Any, model: Any, *, cache_images: int = 64):
+        self.family = family
+        self.model = model
+        self.cache_images = cache_images
+        self._features: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def clear(self) -> None:
+        """Forget cached features (the weights changed)."""
+        self._features.clear()
+
+    def prepare(self, input_ids: list[int], image_data: Any) -> tuple[np.ndarray, RequestImages | None]:
+        """The request's prefix-cache key and images; :class:`InvalidRequestError` for a bad request."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        placeholder = self.family.image_token_id
+        where = np.flatnonzero(ids == placeholder)
+        if image_data is None or (isinstance(image_data, list) and not image_data):
+            if len(where):
+                raise InvalidRequestError(
+                    f"input_ids hold {len(where)} image placeholder token(s) (id {placeholder}) but no image_data"
+                )
+            return ids, None
+        items = image_data if isinstance(image_data, list) else [image_data]
+        if len(items) > MAX_IMAGES_PER_REQUEST:
+            raise InvalidRequestError(f"image_data: {len(items)} images; at most {MAX_IMAGES_PER_REQUEST} per request")
+        images, pixels, counts = [], [], []
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise InvalidRequestError(f"image_data[{i}] must be a string (data: URL, file:// URL or base64)")
+            try:
+                img = load_image(item)
+                px = self.family.pixels(img)
+            except ImageError as exc:
+                raise InvalidRequestError(f"image_data[{i}]: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - the processor refusing an image is the request's fault
+                raise InvalidRequestError(
+                    f"image_data[{i}]: the processor refused it ({type(exc).__name__}: {exc})"
+                ) from None
+            images.append(img)
+            pixels.append(px)
+            counts.append(self.family.tokens_for(px))
+        if sum(counts) != len(where):
+            raise InvalidRequestError(
+                f"image_data: {len(items)} image(s) take {sum(counts)} placeholder tokens ({counts}), "
+                f"input_ids hold {len(where)} (id {placeholder}): expand the prompt with the model's processor"
+            )
+        owner = np.repeat(np.arange(len(counts)), counts)
+        offset = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0, np.int64)
+        key = ids.copy()
+        key[where] = [_key_id(images[o].digest, int(j)) for o, j in zip(owner, offset)]
+        return key, RequestImages(images, pixels, where, owner, offset)
+
+    def features(self, req: RequestImages, index: int) -> torch.Tensor:
+        """Image ``index``'s feature rows (cached by digest)."""
+        digest = req.images[index].digest
+        feats = self._features.get(digest)
+        if feats is None:
+            feats = self.family.features(self.model, req.pixels[index])
+            self._features[digest] = feats
+            while len(self._features) > self.cache_images:
+                self._features.popitem(last=False)
+        else:
+            self._features.move_to_end(digest)
+        return feats
+
+    def rows(self, req: RequestImages, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor] | None:
+        """Placeholder positions in ``[start, stop)`` (relative to ``start``) and their feature rows."""
+        lo, hi = np.searchsorted(req.positions, [start, stop])
+        if lo == hi:
+            return None
+        owners, offsets = req.owner[lo:hi], req.offset[lo:hi]
+        parts = []
+        for o in np.unique(owners):
+            sel = owners == o
+            parts.append((np.flatnonzero(sel), self.features(req, int(o))[torch.from_numpy(offsets[sel])]))
+        feats = torch.empty(hi - lo, parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=parts[0][1].device)
+        for idx, f in parts:
+            feats[torch.from_numpy(idx)] = f
+        return req.positions[lo:hi] - start, feats
