@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.images import Image, count_images, template_messages
+from agentrl.images import Image, count_images, flat_text, template_messages
 from agentrl.types import Message
 
 BUILTIN_TOOL_TEMPLATE = """\
@@ -139,6 +139,9 @@ class ChatTemplate:
         source = self.template_for(tools)
         if any(isinstance(m.get("content"), list) for m in messages):
             messages = template_messages(messages)
+            if source is BUILTIN_TOOL_TEMPLATE:  # it writes contents as strings: images as the model's marker
+                marker = self.vision.marker if self.vision is not None else "<image>"
+                messages = [{**m, "content": flat_text(m.get("content"), marker)} for m in messages]
         if _compile_jinja_template is not None and all(_plain(m) for m in messages):
             return _compile_jinja_template(source).render(
                 messages=[{k: v for k, v in m.items() if v is not None} for m in messages],

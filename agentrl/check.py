@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step, reset_once
+from agentrl.images import ImageError, count_images, normalize, text_of
 from agentrl.parsing import Llama3JsonParser, get_parser
 from agentrl.rollout.roles import check_roles_reset, check_roles_step
 from agentrl.types import Action
@@ -274,8 +275,14 @@ async def _first_look(
     async with reset_once(env, task, seed=seed, call=guarded) as reset:
         check_roles_reset(reset, roles) if roles else check_reset(reset)
     last = _last_messages(reset, roles)
-    if any(m["content"].strip() in _BLANK for m in last):
-        shown = [m["content"][:40] for m in last]
+    pictures = count_images(last)
+    if pictures:
+        try:  # what the episode loop will do with them: an image that cannot be used fails every sample
+            normalize(last)
+        except ImageError as exc:
+            raise EnvContractError(f"reset(): {exc}") from None
+    if not pictures and any(text_of(m["content"]).strip() in _BLANK for m in last):
+        shown = [text_of(m["content"])[:40] for m in last]
         raise EnvContractError(f"reset() shows the model nothing to act on: its last message reads {shown}")
     schema = getattr(env, "action_schema", None)
     if isinstance(schema, dict):
@@ -287,7 +294,8 @@ async def _first_look(
                 "but the env offers the model no tools: the model cannot write a valid action"
             )
     tools = f"; {len(env.tools)} tool(s) offered: {', '.join(t.name for t in env.tools)}" if env.tools else ""
-    return env, f"{sum(len(m['content']) for m in last)} characters{tools}"
+    seen = f" and {pictures} image(s)" if pictures else ""
+    return env, f"{sum(len(text_of(m['content'])) for m in last)} characters{seen}{tools}"
 
 
 async def _replayed(label: str, run: Callable[[], Any], rng: random.Random, report: CheckReport) -> Any:

@@ -225,6 +225,13 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+def flat_text(content: Any, marker: str) -> Any:
+    """A template-form content (:func:`template_messages`) as one string, each image part as ``marker``."""
+    if not isinstance(content, list):
+        return content
+    return "".join(marker if p.get("type") == "image" else str(p.get("text", "")) for p in content)
+
+
 def text_of(content: Any) -> str:
     """A content's text (parts joined, images as ``[image]``): for logs, viewers and text-only tools."""
     if isinstance(content, str):

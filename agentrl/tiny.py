@@ -133,12 +133,15 @@ def build_vlm(
     patch_size: int = 8,
     mean_turn_tokens: float = 12.0,
     seed: int = 0,
+    split_images: bool = False,
 ) -> Path:
     """Build a tiny Idefics3 (SmolVLM's architecture) checkpoint with its processor in ``out_dir``.
 
     A SigLIP vision tower (one layer) and a pixel-shuffle connector in front of the chatty 2-layer Llama
     of :func:`build_model`; images are resized to ``image_size`` pixels (no splitting), so each image is
-    ``(image_size / patch_size)**2 / 4`` placeholder tokens (4 by default). The output head never favours
+    ``(image_size / patch_size)**2 / 4`` placeholder tokens (4 by default). ``split_images``: as SmolVLM's
+    own processor, an image larger than ``image_size`` is cut into ``image_size`` crops (up to 2x2 here)
+    plus a downscaled global view, each crop its own run of placeholders. The output head never favours
     the ``<image>`` placeholder (a large negative logit), as a trained VLM never emits it.
     """
     import torch
@@ -148,10 +151,13 @@ def build_vlm(
     out = Path(out_dir)
     tok = build_tokenizer(out, chat_template=VLM_CHAT_TEMPLATE)
     # SmolVLM's tokenizer has these as added tokens; Idefics3Processor adds only the first two itself
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+    crops = [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]  # split images name their crops
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>", *crops]}
+    )
     images = Idefics3ImageProcessorPil(
-        do_image_splitting=False,
-        size={"longest_edge": image_size},
+        do_image_splitting=split_images,
+        size={"longest_edge": 2 * image_size if split_images else image_size},
         max_image_size={"longest_edge": image_size},
     )
     scale = 2

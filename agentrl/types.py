@@ -168,9 +168,12 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     token_exact: bool = True
     multimodal_inputs: dict[str, Any] | None = None
-    """Raw multimodal data (images, ...) as slime keeps it; carried through dumps (the vision path is its own work)."""
+    """Raw multimodal data as slime keeps it: ``{"images": [PNG data URLs]}``, in the order of their placeholder
+    tokens in ``tokens`` (:mod:`agentrl.images`); carried through dumps."""
     multimodal_train_inputs: dict[str, Any] | None = None
-    """Processed multimodal data (pixel values, ...) as slime keeps it; carried through dumps."""
+    """Processed multimodal data as slime keeps it: per-image arrays (``{"pixel_values": [...], ...}``, one entry
+    per image). Not written by :meth:`to_dict` (it is the processor's function of the images, often 100x their
+    size): a sample read back has None, and the trainer processes its images again."""
     remove_sample: bool = False
     """Set by a custom generate / reward / ``--rollout-sample-filter-path`` function: the sample stays in its
     group's advantage normalization, dumps and metrics, but its loss mask is zeroed for training (as slime)."""
@@ -331,7 +334,8 @@ class Sample:
             raise ValueError(f"turn_rewards must be a list of numbers, not {rewards!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """A shallow dict of the fields (``status`` as its string value), ready for ``json.dumps``.
+        """A shallow dict of the fields (``status`` as its string value), ready for ``json.dumps``; without
+        ``multimodal_train_inputs`` (see there).
 
         Shallow on purpose: ``metadata`` may hold whatever an env put in its ``info`` (locks, arrays);
         a deep copy could fail on those, so serializers pass ``default=str`` instead.
@@ -341,8 +345,8 @@ class Sample:
         d["spec_info"] = self.spec_info.to_dict()
         if self.rollout_routed_experts is not None:
             d["rollout_routed_experts"] = encode_int32_array(self.rollout_routed_experts)
-        if self.multimodal_train_inputs:
-            d["multimodal_train_inputs"] = _map_arrays(self.multimodal_train_inputs, encode_array)
+        if self.multimodal_train_inputs:  # the processor's function of the images, often 100x their size
+            d["multimodal_train_inputs"] = None
         return d
 
     def to_json(self) -> str:
@@ -360,66 +364,11 @@ class Sample:
             known["spec_info"] = Sample.SpecInfo.from_dict(known.get("spec_info"))
         if isinstance(known.get("rollout_routed_experts"), dict):
             known["rollout_routed_experts"] = decode_int32_array(known["rollout_routed_experts"])
-        if isinstance(known.get("multimodal_train_inputs"), dict):
-            known["multimodal_train_inputs"] = _map_arrays(known["multimodal_train_inputs"], decode_array)
         s = cls(**known)
         s.status = Status(s.status)
         if extra:
             s.metadata.setdefault("extra", {}).update(extra)
         return s
-
-
-_ARRAY_DTYPES = ("float32", "float16", "int64", "int32", "uint8", "bool")
-
-
-def _is_encoded(x: Any) -> bool:
-    return isinstance(x, dict) and {"dtype", "shape", "base64"} <= x.keys()
-
-
-def _map_arrays(d: dict[str, Any], fn: Any) -> dict[str, Any]:
-    """``d`` with ``fn`` applied to every array (numpy or encoded), also inside per-image lists."""
-    import numpy as np
-
-    def one(x: Any) -> Any:
-        return fn(x) if isinstance(x, np.ndarray) or _is_encoded(x) else x
-
-    return {k: [one(x) for x in v] if isinstance(v, list) else one(v) for k, v in d.items()}
-
-
-def encode_array(array: Any) -> Any:
-    """A numpy array as JSON: ``{"dtype", "shape", "base64"}`` (raw little-endian bytes); exact, unlike ``str()``."""
-    import base64
-
-    import numpy as np
-
-    a = np.ascontiguousarray(array)
-    if a.dtype.name not in _ARRAY_DTYPES:
-        raise ValueError(f"cannot encode a {a.dtype} array (only {', '.join(_ARRAY_DTYPES)})")
-    raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "base64": base64.b64encode(raw).decode("ascii")}
-
-
-def decode_array(d: Any) -> Any:
-    """Inverse of :func:`encode_array`; a malformed entry raises ``ValueError`` naming what is wrong."""
-    import base64
-    import binascii
-
-    import numpy as np
-
-    if not _is_encoded(d):
-        return d
-    try:
-        if d["dtype"] not in _ARRAY_DTYPES:
-            raise ValueError(f"dtype {d['dtype']!r}")
-        shape = d["shape"]
-        if not isinstance(shape, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
-        ):
-            raise ValueError(f"shape {shape!r} is not a list of sizes >= 0")
-        raw = base64.b64decode(str(d["base64"]).encode("ascii"), validate=True)
-        return np.frombuffer(raw, dtype=np.dtype(d["dtype"]).newbyteorder("<")).reshape(shape).copy()
-    except (TypeError, ValueError, binascii.Error) as exc:
-        raise ValueError(f"multimodal_train_inputs: not an encoded array ({exc})") from None
 
 
 def encode_int32_array(array: Any) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def test_every_slime_field_round_trips_through_a_dump():
         "completion_token_num": 9,
     }
     back = Sample.from_dict(d)
+    # the processed arrays are not written (the trainer processes the images again): everything else is
+    assert d["multimodal_train_inputs"] is None and back.multimodal_inputs == {"images": ["a.png"]}
+    back.multimodal_train_inputs = s.multimodal_train_inputs
     assert back == s and back.spec_info.spec_accept_rate == 0.75 and back.spec_info.spec_accept_length == 4.5
 
 

@@ -43,6 +43,7 @@ def _train_samples(samples: list[Sample]) -> list[TrainSample]:
             loss_mask=list(s.loss_mask),
             rollout_log_probs=list(s.rollout_log_probs),
             advantages=[1.0 if i % 2 else -1.0] * s.response_length,
+            multimodal_inputs=s.multimodal_inputs,
             multimodal_train_inputs=s.multimodal_train_inputs,
         )
         for i, s in enumerate(samples)
@@ -75,8 +76,11 @@ async def test_two_picture_episodes_are_token_exact_and_train(tiny_vlm_server, t
     for s, lp in zip(batch, old):
         m = torch.tensor(s.loss_mask, dtype=torch.bool)
         assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4
-    # a dump round-trips: the same log-probs from the samples read back
+    # a dump round-trips: the pictures kept, processed again by the trainer into the same log-probs
     back = [Sample.from_dict(json.loads(s.to_json())) for s in samples]
+    assert all(
+        b.multimodal_train_inputs is None and b.multimodal_inputs == s.multimodal_inputs for b, s in zip(back, samples)
+    )
     assert trainer.compute_log_probs(_train_samples(back), ref=False).old == old
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train_step(batch)
@@ -169,3 +173,44 @@ def test_agentrl_train_runs_the_shapes_env_on_a_vlm_and_view_draws_its_pictures(
     shown = run_cli("view", str(save / "rollouts" / "rollout_000001.jsonl"), "--output", str(page))
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert dump[0]["multimodal_inputs"]["images"][0] in page.read_text()
+
+
+class LastPictureOnly(Shapes):
+    """Keeps only the newest picture in the conversation (what a GUI agent does with old screenshots)."""
+
+    async def rewrite_history(self, messages):
+        pictures = [i for i, m in enumerate(messages) if isinstance(m.get("content"), list)]
+        out = []
+        for i, m in enumerate(messages):
+            if i in pictures[:-1]:
+                text = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+                m = {**m, "content": "[an earlier picture] " + text}
+            out.append(m)
+        return out
+
+
+async def test_a_history_rewrite_that_drops_old_pictures_starts_segments_with_their_own_images(
+    tiny_vlm_server, tiny_vlm
+):
+    ctx = _ctx(tiny_vlm_server, tiny_vlm, n_samples_per_prompt=1)
+    tasks = Shapes.tasks(2, seed=5, pictures=3)
+    samples, _ = await generate_rollout(ctx, LastPictureOnly, tasks)
+    await ctx.engine.close()
+    assert len(samples) == 2 * 3  # a segment per picture: each rewrite changed an earlier turn
+    vision = ctx.template.vision
+    for s in samples:
+        s.validate()
+        assert s.status == Status.COMPLETED, s.metadata
+        images = s.multimodal_inputs["images"]
+        assert len(images) == 1 and s.tokens.count(vision.image_token_id) == 4  # only the newest picture
+        counts = [int(c) for c in s.label.split(",")]
+        assert count_regions(images[0]) == counts[s.metadata["segment"]]
+    batch = _train_samples(samples)
+    old = (
+        TorchTrainer(tiny_vlm, TrainConfig(global_batch_size=len(batch), seed=0))
+        .compute_log_probs(batch, ref=False)
+        .old
+    )
+    for s, lp in zip(batch, old):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4

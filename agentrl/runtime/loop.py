@@ -396,6 +396,7 @@ class TrainLoop:
                 loss_mask=[0] * s.response_length if self.masked(s) else list(s.loss_mask),
                 rollout_log_probs=list(s.rollout_log_probs),
                 train_metadata=s.train_metadata,
+                multimodal_inputs=s.multimodal_inputs,
                 multimodal_train_inputs=s.multimodal_train_inputs,
             )
             for s in samples

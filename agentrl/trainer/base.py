@@ -47,8 +47,10 @@ class TrainSample:
     """ppo: the critic's values when the advantages were computed (the value clip's anchor)."""
     returns: list[float] | None = None
     """ppo: the critic's regression targets (GAE returns)."""
+    multimodal_inputs: dict | None = None
+    """The sample's images (``Sample.multimodal_inputs``: ``{"images": [data URLs]}``, placeholder order)."""
     multimodal_train_inputs: dict | None = None
-    """The sample's processed images (``Sample.multimodal_train_inputs``: per-image arrays, placeholder order)."""
+    """Their processed arrays (``Sample.multimodal_train_inputs``); None = the trainer processes the images."""
 
     @property
     def prompt_length(self) -> int:

@@ -232,6 +232,19 @@ class TorchTrainer(Trainer):
         embeds = embeds.index_put((torch.zeros_like(pos), pos), feats.to(embeds.dtype))
         return {"inputs_embeds": embeds}
 
+    def _process_images(self, samples: Sequence[TrainSample]) -> None:
+        """Fill ``multimodal_train_inputs`` of samples that carry only their images (read from a dump, or
+        made by a custom generate function) with the processor's arrays, as the rollout would have."""
+        from agentrl.images import load_image
+
+        for s in samples:
+            urls = (s.multimodal_inputs or {}).get("images")
+            if s.multimodal_train_inputs or not urls:
+                continue
+            assert self.vision is not None
+            pixels = [self.vision.pixels(load_image(u)) for u in urls]
+            s.multimodal_train_inputs = {k: [p[k] for p in pixels] for k in pixels[0]}
+
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""
 
@@ -329,6 +342,8 @@ class TorchTrainer(Trainer):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n = int(t.item())
         image_token = self.vision.image_token_id if self.vision is not None else None
+        if self.vision is not None:
+            self._process_images(samples)
         batches: list[PackedBatch | None] = [
             pack_samples(samples, g, need_advantages=train, image_token_id=image_token) for g in groups
         ]
