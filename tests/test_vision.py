@@ -477,3 +477,37 @@ def test_split_images_take_one_placeholder_run_per_crop_and_match_transformers(t
     ids = ex.ids + [t for _, t, _ in lps]
     ref = _hf_log_probs(load_vision_model(ckpt, torch.float32, "cpu").eval(), ids, ex.pixels)[len(ex.ids) - 1 :]
     assert (ref - torch.tensor([lp for lp, _, _ in lps])).abs().max() < 1e-4
+
+
+async def test_demonstrations_with_pictures_lay_down_the_placeholders_a_rollout_would(template):
+    """Warm starts for VLM agents: a scripted solver's episodes and conversation rows with image parts become
+    samples whose pictures' placeholders are mask 0, as the episode loop lays them down."""
+    from agentrl.rollout.demo_checks import DemoError
+    from agentrl.rollout.demos import conversation_samples, scripted_samples
+
+    samples, stats = await scripted_samples(Shapes, solver_policy, Shapes.tasks(3, seed=2), template)
+    ph = template.vision.image_token_id
+    assert len(samples) == 3 and stats.rows == 3
+    for s in samples:
+        assert s.token_exact and len(s.multimodal_inputs["images"]) == 2
+        assert [len(v) for v in s.multimodal_train_inputs.values()] == [2, 2]
+        assert s.tokens.count(ph) == 8 and s.tokens[: s.prompt_length].count(ph) == 4
+        resp = s.tokens[s.prompt_length :]
+        assert all(m == 0 for t, m in zip(resp, s.loss_mask) if t == ph)
+        assert s.prompt[0]["content"][0]["type"] == "image_url"  # JSON-safe: the PIL picture became a data URL
+        json.dumps(s.prompt)
+    url = load_image(draw(7, 3)).url
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "n?"}],
+            },
+            {"role": "assistant", "content": "<answer>3</answer>"},
+        ]
+    }
+    (one,), _ = conversation_samples([("row 1", row)], template)
+    assert one.multimodal_inputs == {"images": [url]} and one.tokens.count(ph) == 4
+    bad = {"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]}
+    with pytest.raises(DemoError, match=r"row 2: messages\[0\] part 0: content part type 'video'"):
+        conversation_samples([("row 2", bad)], template)

@@ -214,3 +214,26 @@ async def test_a_history_rewrite_that_drops_old_pictures_starts_segments_with_th
     for s, lp in zip(batch, old):
         m = torch.tensor(s.loss_mask, dtype=torch.bool)
         assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4
+
+
+async def test_a_policy_that_samples_the_placeholder_token_fails_its_sample(tmp_path):
+    """A sampled ``<image>`` would be taken for a picture by the engine's next request and by the trainer:
+    the sample ends there, failed with the reason, and the run goes on."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    from agentrl.engines.local.process import local_server
+    from agentrl.tiny import build_vlm
+
+    ckpt = build_vlm(tmp_path / "vlm")
+    model = Idefics3ForConditionalGeneration.from_pretrained(ckpt)
+    with torch.no_grad():  # the placeholder's logit far above every other token's
+        model.lm_head.weight[model.config.image_token_id] = model.model.text_model.embed_tokens.weight.mean(0) * 50
+        model.lm_head.weight[model.config.image_token_id, 0] = 50.0
+    model.save_pretrained(ckpt)
+    with local_server(ckpt, log_path=tmp_path / "engine.log", extra_args=["--seed", "0"], startup_timeout=120) as url:
+        ctx = _ctx(url, ckpt)
+        samples, _ = await generate_rollout(ctx, Shapes, Shapes.tasks(2))
+        await ctx.engine.close()
+    for s in samples:
+        assert s.status == Status.FAILED and s.status_reason == "image_token_sampled", s.metadata
+        assert "'<image>'" in s.metadata["error"] and len(s.turn_spans) == 1

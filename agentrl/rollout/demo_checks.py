@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.images import ImageError, check_content
 from agentrl.tool import Tool, ToolError
 from agentrl.types import ROLES, Message
 
@@ -184,7 +185,12 @@ def check_conversation(
         if role not in ROLES:
             raise DemoError(f"{at} has role {role!r}; expected one of {', '.join(ROLES)}")
         content = m.get("content")
-        if not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
+        if isinstance(content, list) and role != "assistant":  # text and image parts (decoded when laid down)
+            try:
+                check_content(content, at)
+            except ImageError as exc:
+                raise DemoError(str(exc)) from None
+        elif not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
             raise DemoError(f"{at} ({role}): content must be a string, got {type(content).__name__}")
         if i == 0 and role not in ("system", "user"):
             raise DemoError(f"{at}: a conversation starts with a system or user message, not {role}")

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
+from agentrl.images import ImageError, count_images, normalize
 from agentrl.metrics import scalar_reward
 from agentrl.rollout.demo_checks import DemoError, check_conversation, check_row
+from agentrl.rollout.vision import Pictures
 from agentrl.types import Message, Sample, Status
 
 __all__ = [
@@ -84,6 +86,17 @@ class DemoStats:
         return ", ".join(parts)
 
 
+def _pictures(messages: Sequence[Message]) -> tuple[list[Message], list[Any]]:
+    """Messages with their images decoded and checked (data-URL parts), and the images; a bad one is a TemplateError
+    (the demonstration is refused with the reason)."""
+    if not count_images(messages):
+        return list(messages), []
+    try:
+        return normalize(messages)
+    except ImageError as exc:
+        raise TemplateError(str(exc)) from None
+
+
 def _stop_token(template: ChatTemplate, tail: str) -> tuple[int, str]:
     """The end-of-turn token the model samples: the one whose text starts the template's assistant tail."""
     for tid in template.eos_token_ids:
@@ -106,8 +119,15 @@ class DemoBuilder:
     """
 
     def __init__(self, template: ChatTemplate, first: Sequence[Message], tools: Sequence[dict] | None):
-        self.template, self.tools, self.first = template, list(tools or []) or None, list(first)
-        _, prompt_ids = template.prompt(self.first, self.tools)
+        self.tools = list(tools or []) or None
+        self.first, images = _pictures(first)
+        self.template, self.pictures = template, Pictures()
+        if images or template.vision is not None:  # a vision-language model: placeholders as the rollout lays them
+            _, expanded = template.prompt_images(self.first, images, self.tools)
+            prompt_ids = expanded.ids
+            self.pictures.add(images, expanded)
+        else:
+            _, prompt_ids = template.prompt(self.first, self.tools)
         self.context = template.delta_context(self.tools, self.first)
         self.stop_id, self.stop_text = _stop_token(template, self.context[2])
         self.ledger = TokenLedger(prompt_ids)
@@ -131,10 +151,16 @@ class DemoBuilder:
         self.ledger.append_model(ids, [0.0] * len(ids))
 
     def observe(self, messages: Sequence[Message]) -> None:
+        messages, images = _pictures(messages)
         delta = self.template.observation_delta(
             messages, self.tools, last_token_text=self.stop_text, context=self.context
         )
-        self.ledger.append_env(self.template.encode(delta))
+        if images or self.template.vision is not None:
+            expanded = self.template.encode_images(delta, images)
+            self.ledger.append_env(expanded.ids)
+            self.pictures.add(images, expanded)
+        else:
+            self.ledger.append_env(self.template.encode(delta))
 
     def difference(self, conversation: Sequence[Message]) -> str | None:
         """Where the ledger differs from the template's rendering of ``conversation`` (None: it does not).
@@ -143,7 +169,12 @@ class DemoBuilder:
         the assistant tail after the stop token (e.g. ChatML's ``\\n``), which a rollout writes at
         the start of the next observation.
         """
-        full = self.template.encode(self.template.render(conversation, self.tools, add_generation_prompt=False))
+        conversation, images = _pictures(conversation)
+        text = self.template.render(conversation, self.tools, add_generation_prompt=False)
+        if images or self.template.vision is not None:
+            full = self.template.encode_images(text, images).ids
+        else:
+            full = self.template.encode(text)
         ours = self.ledger.tokens
         bridge = self.context[2][len(self.stop_text) :]
         if full[: len(ours)] == ours and self.template.decode(full[len(ours) :]) == bridge:
@@ -186,6 +217,7 @@ class DemoBuilder:
             token_exact=token_exact,
         )
         s.turn_rewards, s.turn_spans, s.env_spans = turn_rewards, led.model_spans, led.env_spans
+        self.pictures.write(s)
         s.status_reason = "demonstration"
         s.validate()
         return s
@@ -223,7 +255,7 @@ def conversation_sample(
     problem = b.difference(messages[: last_assistant + 1])
     if problem is not None and not allow_non_token_exact:
         raise DemoError(f"{where}: {problem} (pass --allow-non-token-exact to keep such rows as token_exact=false)")
-    sample = b.sample(prompt=first, label=label, token_exact=problem is None, source=where)
+    sample = b.sample(prompt=b.first, label=label, token_exact=problem is None, source=where)
     return sample, len(messages) - last_assistant - 1
 
 
@@ -278,21 +310,24 @@ def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
     observations as deltas (the last observation, after the final turn, is not part of an episode)."""
     msgs = result.messages
     first_assistant = next(i for i, m in enumerate(msgs) if m.get("role") == "assistant")
-    b = DemoBuilder(template, msgs[:first_assistant], result.tools)
-    conversation = list(msgs[:first_assistant])
-    asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
-    for k, (i, text) in enumerate(zip(asst, result.texts)):
-        b.assistant(text)
-        conversation.append({"role": "assistant", "content": text})
-        if k + 1 < len(asst):
-            obs = msgs[i + 1 : asst[k + 1]]
-            b.observe(obs)
-            conversation.extend(obs)
-    problem = b.difference(conversation)
+    try:
+        b = DemoBuilder(template, msgs[:first_assistant], result.tools)
+        conversation = list(msgs[:first_assistant])
+        asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        for k, (i, text) in enumerate(zip(asst, result.texts)):
+            b.assistant(text)
+            conversation.append({"role": "assistant", "content": text})
+            if k + 1 < len(asst):
+                obs = msgs[i + 1 : asst[k + 1]]
+                b.observe(obs)
+                conversation.extend(obs)
+        problem = b.difference(conversation)
+    except TemplateError as exc:
+        raise DemoError(f"{where}: {exc}") from None
     if problem is not None:
         raise DemoError(f"{where}: {problem}")
     return b.sample(
-        prompt=list(msgs[:first_assistant]),
+        prompt=b.first,
         label=result.task.get("label"),
         reward=result.reward,
         turn_rewards=result.rewards,

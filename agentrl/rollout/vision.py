@@ -28,12 +28,20 @@ class Pictures:
     images: list[Image] = field(default_factory=list)
     pixels: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, images: Sequence[Image], expanded: Any, sample: Sample) -> None:
-        """Record ``images`` whose placeholders were just appended (``expanded``: :class:`~agentrl.vlm.Expanded`)."""
+    def add(self, images: Sequence[Image], expanded: Any, sample: Sample | None = None) -> None:
+        """Record ``images`` whose placeholders were just appended (``expanded``: :class:`~agentrl.vlm.Expanded`),
+        and :meth:`write` them to ``sample`` when given."""
         if not images:
             return
         self.images.extend(images)
         self.pixels.extend(expanded.pixels)
+        if sample is not None:
+            self.write(sample)
+
+    def write(self, sample: Sample) -> None:
+        """Set the sample's ``multimodal_inputs`` and ``multimodal_train_inputs`` (left None without images)."""
+        if not self.images:
+            return
         sample.multimodal_inputs = {"images": [im.url for im in self.images]}
         train: dict[str, list] = {}
         for p in self.pixels:

@@ -44,8 +44,13 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
 
     from agentrl.chat import ChatTemplate
     from agentrl.rollout import demos
+    from agentrl.vlm import vision_for
 
-    template = ChatTemplate(AutoTokenizer.from_pretrained(str(checkpoint)), tool_template=cfg.rollout.tool_template)
+    template = ChatTemplate(
+        AutoTokenizer.from_pretrained(str(checkpoint)),
+        tool_template=cfg.rollout.tool_template,
+        vision=vision_for(checkpoint),
+    )
     if cfg.sft_data:
         from agentrl.data import read_rows
 
@@ -228,6 +233,8 @@ class SFTLoop:
                 response_length=s.response_length,
                 loss_mask=list(s.loss_mask or []),
                 advantages=[0.0] * s.response_length,
+                multimodal_inputs=s.multimodal_inputs,
+                multimodal_train_inputs=s.multimodal_train_inputs,
             )
             for s in picked
         ]
