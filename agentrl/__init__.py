@@ -12,6 +12,8 @@ unmodified agent program written against the OpenAI API, recorded token-exact) a
 :class:`EnvServer` (``agentrl env-serve``: any env over OpenEnv's protocol). Warm starts (``agentrl sft``) train on demonstrations made
 token-exact by :func:`conversation_samples` (OpenAI-format conversations, read by :func:`read_rows`),
 :func:`scripted_samples` (a scripted policy) or :func:`rejection_samples` (an engine's best episodes).
+Observations may hold pictures (OpenAI image content parts or PIL images, checked by :func:`load_image`,
+refused with :class:`ImageError`) for a vision-language policy (:func:`vision_for` its :class:`VisionFamily`).
 
 The scale path is imported on first use (it pulls in megatron-core and Ray): the trainer backends
 :class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
@@ -23,6 +25,7 @@ from agentrl.check import check_env
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 from agentrl.data import read_rows
 from agentrl.env import Env, ToolEnv
+from agentrl.images import ImageError, load_image
 from agentrl.registry import load_env, make, register
 from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
 from agentrl.rollout.scripted import play
@@ -38,6 +41,7 @@ __all__ = [
     "Env",
     "ExecResult",
     "GymnasiumEnv",
+    "ImageError",
     "Message",
     "OpenEnvEnv",
     "ParseError",
@@ -57,6 +61,7 @@ __all__ = [
     "conversation_samples",
     "create_sandbox",
     "load_env",
+    "load_image",
     "make",
     "play",
     "read_rows",
@@ -68,6 +73,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "VisionFamily": "agentrl.vlm",
+    "vision_for": "agentrl.vlm",
     "Trainer": "agentrl.trainer.base",
     "TorchTrainer": "agentrl.trainer.torch_trainer",
     "MegatronTrainer": "agentrl.trainer.megatron_trainer",

@@ -24,7 +24,7 @@ import base64
 import binascii
 import hashlib
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,7 +175,7 @@ def check_content(content: Any, where: str) -> None:
         _part_image(part, f"{where} part {j}")
 
 
-def count_images(messages: Sequence[dict]) -> int:
+def count_images(messages: Sequence[Mapping[str, Any]]) -> int:
     """How many image parts ``messages`` hold (cheap: nothing is decoded; malformed parts raise)."""
     n = 0
     for i, m in enumerate(messages):
@@ -185,11 +185,13 @@ def count_images(messages: Sequence[dict]) -> int:
     return n
 
 
-def normalize(messages: Sequence[dict], *, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[list[dict], list[Image]]:
+def normalize(
+    messages: Sequence[Mapping[str, Any]], *, max_pixels: int = MAX_IMAGE_PIXELS
+) -> tuple[list[Any], list[Image]]:
     """Decode and check every image of ``messages``; return them with each image part rewritten as an
     OpenAI ``image_url`` part holding the image's PNG data URL (JSON-safe: what the conversation keeps,
     what a chat-completions engine is sent), and the images in order. String contents are untouched."""
-    out: list[dict] = []
+    out: list[Any] = []
     images: list[Image] = []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -209,10 +211,10 @@ def normalize(messages: Sequence[dict], *, max_pixels: int = MAX_IMAGE_PIXELS) -
     return out, images
 
 
-def template_messages(messages: Sequence[dict]) -> list[dict]:
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
     """Messages as transformers' multimodal chat templates read them: each image part becomes
     ``{"type": "image"}`` (rendered as the model's image marker), text parts stay, nothing is decoded."""
-    out: list[dict] = []
+    out: list[Any] = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if not isinstance(content, list):
