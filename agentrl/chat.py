@@ -105,6 +105,8 @@ class ChatTemplate:
         if tool_template not in ("auto", "native", "builtin"):
             raise ValueError(f"tool_template must be auto, native or builtin, not {tool_template!r}")
         self.tokenizer = tokenizer
+        if template is None and vision is not None and getattr(vision.processor, "chat_template", None):
+            template = vision.processor.chat_template  # the multimodal one (chat_template.json of VLM repos)
         self.native = _template_source(tokenizer, template)
         self.tool_template = tool_template
         self.vision = vision
@@ -126,6 +128,19 @@ class ChatTemplate:
             return BUILTIN_TOOL_TEMPLATE
         return self.native
 
+    def prepared(self, messages: Sequence[Any], tools: Sequence[dict] | None) -> tuple[str, list[Any]]:
+        """The template source for ``tools`` and ``messages`` as it reads them: content parts in transformers'
+        form (an image part as ``{"type": "image"}``); for the built-in tool template, which writes contents
+        as strings, each content as one string with images as the model's marker."""
+        source = self.template_for(tools)
+        if not any(isinstance(m.get("content"), list) for m in messages):
+            return source, list(messages)
+        out = template_messages(messages)
+        if source is BUILTIN_TOOL_TEMPLATE:
+            marker = self.vision.marker if self.vision is not None else "<image>"
+            out = [{**m, "content": flat_text(m.get("content"), marker)} for m in out]
+        return source, out
+
     def render(
         self, messages: Sequence[Message], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool
     ) -> str:
@@ -136,12 +151,7 @@ class ChatTemplate:
         renders every observation, and ``apply_chat_template``'s generic preprocessing cost more
         than the rendering itself. Anything else goes through ``apply_chat_template``.
         """
-        source = self.template_for(tools)
-        if any(isinstance(m.get("content"), list) for m in messages):
-            messages = template_messages(messages)
-            if source is BUILTIN_TOOL_TEMPLATE:  # it writes contents as strings: images as the model's marker
-                marker = self.vision.marker if self.vision is not None else "<image>"
-                messages = [{**m, "content": flat_text(m.get("content"), marker)} for m in messages]
+        source, messages = self.prepared(messages, tools)
         if _compile_jinja_template is not None and all(_plain(m) for m in messages):
             return _compile_jinja_template(source).render(
                 messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
@@ -241,8 +251,12 @@ class ChatTemplate:
         system message): the episode loop computes it once and passes it to
         :meth:`observation_delta` as ``context``.
         """
-        key = json.dumps([tools or [], list(first_messages[:1])], sort_keys=True, default=str)
+        # the stand-in reads only a system message: a user message (a picture's data URL) must not key the cache
+        head = [m for m in first_messages[:1] if m.get("role") == "system"]
+        key = json.dumps([tools or [], head], sort_keys=True, default=str)
         if key not in self._tail_cache:
+            if len(self._tail_cache) >= 256:  # distinct tool sets / system messages: bounded
+                self._tail_cache.pop(next(iter(self._tail_cache)))
             stand_in = self._stand_in(first_messages)
             r0 = self.render(stand_in, tools, add_generation_prompt=False)
             idx = r0.rfind(_SENTINEL)

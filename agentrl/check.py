@@ -238,6 +238,7 @@ async def _play(
                 obs = by_role.get(role, [])
             else:
                 obs, _, terminated, truncated, _ = check_step(raw)
+                _decodable(obs, "step()")
             if calls or errors:
                 answered = {m.get("tool_call_id") for m in obs if m.get("role") == "tool"}
                 missing = [c.id for c in calls if c.id not in answered]
@@ -263,6 +264,15 @@ def _last_messages(reset: Any, roles: tuple[str, ...]) -> list[Any]:
     return [obs[-1]]
 
 
+def _decodable(messages: list[Any], where: str) -> None:
+    """Decode the pictures as the episode loop will: one it cannot use fails every sample that meets it."""
+    if count_images(messages):
+        try:
+            normalize(messages)
+        except ImageError as exc:
+            raise EnvContractError(f"{where}: {exc}") from None
+
+
 async def _first_look(
     factory: Callable[[], Env], task: dict, *, seed: int, timeout: float, block_threshold: float
 ) -> tuple[Env, str]:
@@ -276,11 +286,7 @@ async def _first_look(
         check_roles_reset(reset, roles) if roles else check_reset(reset)
     last = _last_messages(reset, roles)
     pictures = count_images(last)
-    if pictures:
-        try:  # what the episode loop will do with them: an image that cannot be used fails every sample
-            normalize(last)
-        except ImageError as exc:
-            raise EnvContractError(f"reset(): {exc}") from None
+    _decodable(last, "reset()")
     if not pictures and any(text_of(m["content"]).strip() in _BLANK for m in last):
         shown = [text_of(m["content"])[:40] for m in last]
         raise EnvContractError(f"reset() shows the model nothing to act on: its last message reads {shown}")

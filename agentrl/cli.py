@@ -541,7 +541,9 @@ async def _context(args, cfg, urls, tokenizer, template_src):
     from agentrl.sandbox import close_default_pool
     from agentrl.vlm import vision_for
 
-    vision = vision_for(getattr(tokenizer, "name_or_path", None))  # the tokenizer was loaded from the checkpoint
+    vision = vision_for(
+        getattr(tokenizer, "name_or_path", None), strict=False
+    )  # the tokenizer came from the checkpoint
     template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template, vision=vision)
     engine: Any
     if args.engine_api == "chat":

@@ -399,7 +399,7 @@ class TrainConfig:
     freeze_vision_tower: bool = option(
         True,
         help="vision-language models: keep the vision encoder's weights fixed (the connector and the language "
-        "model train); false trains it too",
+        "model train); --no-freeze-vision-tower trains it too",
     )
     dtype: str = option(
         "auto",

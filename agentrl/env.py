@@ -147,7 +147,8 @@ class Env:
 
         Returns:
             ``(messages, info)``: a non-empty list of chat messages (``role`` one of system, user,
-            assistant, tool; ``content`` a str), rendered through the chat template as the prompt
+            assistant, tool; ``content`` a str, or a list of OpenAI content parts: text and images, see
+            :mod:`agentrl.images`), rendered through the chat template as the prompt
             (its tokens get loss mask 0); and a dict the loop keeps in ``sample.metadata["reset_info"]``.
 
         A wrong shape fails the sample with ``status_reason`` ``env_contract``; an exception (any,

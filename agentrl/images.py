@@ -6,9 +6,9 @@ An observation message's ``content`` is a string, or a list of OpenAI content pa
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..." | "file:///abs/path.png"}}
     {"type": "image", "image": <PIL.Image.Image> | "<data or file URL>"}      (a Python env's shortcut)
 
-A PIL image on its own is accepted as a part too. Every image is decoded here once, checked against
+A PIL image on its own is accepted as a part too. Every image is decoded and checked here against
 the limits below (a bad image fails its sample with the reason, never the run), and from then on
-travels as a lossless PNG data URL: that is what ``Sample.multimodal_inputs["images"]`` keeps, what a
+travels as a lossless PNG data URL (transparent pixels composited onto white, as transformers does): that is what ``Sample.multimodal_inputs["images"]`` keeps, what a
 trajectory dump writes, and what SGLang's ``image_data`` carries to an engine (the embedded engine
 decodes the same bytes, so both sides see identical pixels). Why not keep PIL objects (as slime
 does): samples cross process boundaries (Ray, HTTP, JSONL dumps), and a data URL survives all three.
@@ -37,6 +37,9 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 """Largest decoded image accepted (width x height): a decompression bomb stops here, before decoding."""
 
 MIN_IMAGE_SIDE = 1
+
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
+"""Image formats decoded (PIL would otherwise try every plugin it has, EPS through Ghostscript among them)."""
 
 
 class ImageError(ValueError):
@@ -74,7 +77,7 @@ def _decode_bytes(raw: bytes, what: str, max_pixels: int) -> Any:
     if len(raw) > MAX_IMAGE_BYTES:
         raise ImageError(f"{what}: {len(raw)} bytes is over the {MAX_IMAGE_BYTES}-byte limit")
     try:
-        img = PILImage.open(io.BytesIO(raw))
+        img = PILImage.open(io.BytesIO(raw), formats=FORMATS)
         w, h = img.size  # read from the header: nothing decoded yet
         if w * h > max_pixels:
             raise ImageError(f"{what}: {w}x{h} pixels is over the {max_pixels}-pixel limit")
@@ -86,7 +89,7 @@ def _decode_bytes(raw: bytes, what: str, max_pixels: int) -> Any:
     return img
 
 
-def _from_url(url: str, max_pixels: int) -> Any:
+def _from_url(url: str, max_pixels: int, files: bool) -> Any:
     if url.startswith("data:"):
         head, sep, payload = url.partition(",")
         if not sep or ";base64" not in head:
@@ -100,6 +103,10 @@ def _from_url(url: str, max_pixels: int) -> Any:
         return _decode_bytes(raw, "image data URL", max_pixels)
     parsed = urlparse(url)
     if parsed.scheme == "file":
+        if not files:
+            raise ImageError("file:// image URLs are not read here: send the bytes as a data: URL")
+        if parsed.netloc not in ("", "localhost"):
+            raise ImageError(f"image file URL {url[:80]!r} names host {parsed.netloc!r}: use file:///absolute/path")
         path = Path(unquote(parsed.path))
         if not path.is_file():
             raise ImageError(f"image file {str(path)!r} does not exist")
@@ -117,8 +124,26 @@ def _from_url(url: str, max_pixels: int) -> Any:
     raise ImageError(f"image URL scheme {parsed.scheme!r} is not supported (data: or file://)")
 
 
-def load_image(source: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
-    """Decode and check one image (a PIL image, a data/file URL, or bare base64); raise :class:`ImageError`."""
+def _rgb(img: Any) -> Any:
+    """RGB as transformers' ``convert_to_rgb`` makes it: transparent pixels composited onto white, not black."""
+    PILImage = _pil()
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if "A" in img.getbands():
+        rgba = img.convert("RGBA")
+        white = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PILImage.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_image(source: Any, *, max_pixels: int = MAX_IMAGE_PIXELS, url: bool = True, files: bool = True) -> Image:
+    """Decode and check one image (a PIL image, a data/file URL, or bare base64); raise :class:`ImageError`.
+
+    ``url=False`` skips the PNG encoding (the image's ``url`` is then empty: an engine needs only pixels and
+    digest); ``files=False`` refuses ``file://`` URLs (an HTTP server must not read its own disk for a client).
+    """
     PILImage = _pil()
     if isinstance(source, PILImage.Image):
         w, h = source.size
@@ -126,17 +151,19 @@ def load_image(source: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
             raise ImageError(f"image: {w}x{h} pixels is over the {max_pixels}-pixel limit")
         img = source
     elif isinstance(source, str):
-        img = _from_url(source, max_pixels)
+        img = _from_url(source, max_pixels, files)
     else:
         raise ImageError(f"an image must be a PIL image or a data:/file:// URL, not {type(source).__name__}")
     if min(img.size) < MIN_IMAGE_SIDE:
         raise ImageError(f"image: {img.size[0]}x{img.size[1]} has no pixels")
-    rgb = img.convert("RGB")
-    buf = io.BytesIO()
-    rgb.save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    rgb = _rgb(img)
+    data = ""
+    if url:
+        buf = io.BytesIO()
+        rgb.save(buf, format="PNG")
+        data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
     digest = hashlib.sha256(f"{rgb.mode}{rgb.size}".encode() + rgb.tobytes()).hexdigest()
-    return Image(url=url, pil=rgb, digest=digest)
+    return Image(url=data, pil=rgb, digest=digest)
 
 
 def _part_image(part: Any, where: str) -> Any:
@@ -186,7 +213,7 @@ def count_images(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 def normalize(
-    messages: Sequence[Mapping[str, Any]], *, max_pixels: int = MAX_IMAGE_PIXELS
+    messages: Sequence[Mapping[str, Any]], *, max_pixels: int = MAX_IMAGE_PIXELS, files: bool = True
 ) -> tuple[list[Any], list[Image]]:
     """Decode and check every image of ``messages``; return them with each image part rewritten as an
     OpenAI ``image_url`` part holding the image's PNG data URL (JSON-safe: what the conversation keeps,
@@ -204,7 +231,7 @@ def normalize(
             if src is None:
                 parts.append({"type": "text", "text": part["text"]})
             else:
-                img = load_image(src, max_pixels=max_pixels)
+                img = load_image(src, max_pixels=max_pixels, files=files)
                 images.append(img)
                 parts.append({"type": "image_url", "image_url": {"url": img.url}})
         out.append({**m, "content": parts})
@@ -213,7 +240,8 @@ def normalize(
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
     """Messages as transformers' multimodal chat templates read them: each image part becomes
-    ``{"type": "image"}`` (rendered as the model's image marker), text parts stay, nothing is decoded."""
+    ``{"type": "image"}`` (rendered as the model's image marker), text parts stay, nothing is decoded.
+    A list of text parts only becomes one string (OpenAI's meaning), which text-only templates can render."""
     out: list[Any] = []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -223,7 +251,10 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
         parts = []
         for j, p in enumerate(content):
             parts.append({"type": "image"} if _part_image(p, f"message {i} part {j}") is not None else dict(p))
-        out.append({**m, "content": parts})
+        if all(p["type"] == "text" for p in parts):
+            out.append({**m, "content": "".join(p["text"] for p in parts)})
+        else:
+            out.append({**m, "content": parts})
     return out
 
 

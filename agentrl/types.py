@@ -20,14 +20,15 @@ from typing import Any, Literal, TypedDict
 class Message(TypedDict, total=False):
     """One OpenAI-style chat message, as envs return them and chat templates render them.
 
-    ``role`` and ``content`` are what every env writes (the loop checks both); ``tool_calls`` (the
+    ``role`` and ``content`` are what every env writes (the loop checks both; ``content`` is a string, or a
+    list of OpenAI content parts, text and images, for a vision-language policy: :mod:`agentrl.images`); ``tool_calls`` (the
     OpenAI shape: ``{"id", "type": "function", "function": {"name", "arguments"}}``) is set on
     assistant messages, ``tool_call_id`` and ``name`` on tool results. At run time it is a plain
     dict (a TypedDict only types it), so templates that read other keys still get them.
     """
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[dict[str, Any]]
     tool_calls: list[dict[str, Any]]
     tool_call_id: str
     name: str

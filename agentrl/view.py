@@ -216,11 +216,20 @@ def _images(row: dict[str, Any]) -> tuple[list[str], int]:
     return ok, len(urls) - len(ok)
 
 
-def _image_anchors(tokens: list[int], placeholder: int | None, count: int) -> list[int]:
-    """Token positions where each of ``count`` images' placeholder runs starts (empty when they cannot be found)."""
+def _image_anchors(tokens: list[int], placeholder: int | None, count: int, sizes: Any) -> list[int]:
+    """Token positions where each of ``count`` images' placeholders start (empty when they cannot be found).
+
+    ``sizes`` (the sample's ``metadata["image_tokens"]``: placeholders per image) places an image split into
+    crops, whose placeholders come in several runs; without it each run is taken for one image."""
     if placeholder is None:
         return []
-    starts = [j for j, t in enumerate(tokens) if t == placeholder and (j == 0 or tokens[j - 1] != placeholder)]
+    at = [j for j, t in enumerate(tokens) if t == placeholder]
+    if isinstance(sizes, list) and len(sizes) == count and all(isinstance(n, int) and n > 0 for n in sizes):
+        if sum(sizes) != len(at):
+            return []
+        firsts = [sum(sizes[:k]) for k in range(count)]
+        return [at[k] for k in firsts]
+    starts = [j for j in at if j == 0 or tokens[j - 1] != placeholder]
     return starts if len(starts) == count else []
 
 
@@ -242,9 +251,10 @@ def render_html(samples: list[dict | Sample], tokenizer: Any, *, title: str = "a
         table, special = token_table(tokenizer, all_ids)
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     placeholder = next((vocab[t] for t in _PLACEHOLDERS if t in vocab), None)
-    for r in records:
+    for r, row in zip(records, rows):
         if r.get("img"):
-            r["ia"] = _image_anchors(r["t"], placeholder, len(r["img"]))
+            meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
+            r["ia"] = _image_anchors(r["t"], placeholder, len(r["img"]), meta.get("image_tokens"))
     data = json.dumps(
         {"vocab": table, "special": special, "samples": records},
         ensure_ascii=False,

@@ -12,18 +12,23 @@ One small interface, one implementation per family, picked by the checkpoint's `
   ``[num_placeholder_tokens, hidden]``, the rows that replace the placeholders' embeddings.
 
 Why the SDK merges image features itself (``inputs_embeds``) instead of handing ``pixel_values`` to
-the model's ``forward``: transformers finds the placeholders by token id, so a placeholder id the
-*policy* happened to sample would shift every image after it. Here the positions are the ledger's
-(placeholder ids outside the sampled spans), and the count is checked against the features.
+the model's ``forward``: the engine and the trainer see the same merge (one function, per picture, with
+the trainer's packing), and the count of placeholders is checked against the features with a message
+naming both. The placeholders are found by token id, as transformers finds them: an episode whose policy
+*sampled* the placeholder token fails there (``image_token_sampled``), so no sampled id is taken for one.
 
 Families: Idefics3 / SmolVLM (SigLIP encoder, pixel-shuffle connector, a Llama text model with
 plain 1-D rotary positions, which the embedded engine's cached forward already serves). Qwen2-VL's
-3-D rotary positions are not implemented: such a checkpoint is refused with that reason.
+3-D rotary positions are not implemented: such a checkpoint is refused with that reason (rollouts
+against an engine that serves it still run text-only episodes: :func:`vision_for` with ``strict=False``).
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from agentrl.images import Image
+
+log = logging.getLogger(__name__)
 
 
 class VisionError(ValueError):
@@ -52,11 +59,16 @@ class VisionFamily(abc.ABC):
 
     model_types: tuple[str, ...] = ()
 
+    cache_images = 256
+    """Processed pictures kept by digest: an episode's every turn (and its template check) renders them all."""
+
     def __init__(self, processor: Any):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.marker: str = processor.image_token
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.marker))
+        self._pixels: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()  # episodes process pictures in worker threads
 
     def expand(self, text: str, images: Sequence[Image]) -> Expanded:
         """Ids of ``text`` with each image marker expanded for ``images`` (in order), and their pixels."""
@@ -78,9 +90,24 @@ class VisionFamily(abc.ABC):
             raise VisionError(f"the processor wrote {found} placeholder tokens for {sum(num_tokens)} feature rows")
         return Expanded(ids, pixels, num_tokens)
 
-    @abc.abstractmethod
     def pixels(self, image: Image) -> dict[str, np.ndarray]:
-        """One image's processed tensors, as numpy arrays without a batch axis."""
+        """One image's processed tensors, as numpy arrays without a batch axis (cached by the image's digest;
+        the arrays are shared: read them, never write them)."""
+        with self._lock:
+            hit = self._pixels.get(image.digest)
+            if hit is not None:
+                self._pixels.move_to_end(image.digest)
+                return hit
+        out = self.process(image)
+        with self._lock:
+            self._pixels[image.digest] = out
+            while len(self._pixels) > self.cache_images:
+                self._pixels.popitem(last=False)
+        return out
+
+    @abc.abstractmethod
+    def process(self, image: Image) -> dict[str, np.ndarray]:
+        """One image through the processor's image half (:meth:`pixels` caches it)."""
 
     @abc.abstractmethod
     def tokens_for(self, pixels: dict[str, np.ndarray]) -> int:
@@ -105,7 +132,7 @@ class Idefics3Family(VisionFamily):
         super().__init__(processor)
         self.seq_len = int(processor.image_seq_len)
 
-    def pixels(self, image: Image) -> dict[str, np.ndarray]:
+    def process(self, image: Image) -> dict[str, np.ndarray]:
         out = self.processor.image_processor(images=[image.pil], return_tensors="np")
         pv = np.asarray(out["pixel_values"], dtype=np.float32)[0]  # [crops, 3, H, W]
         mask = out.get("pixel_attention_mask")
@@ -156,13 +183,20 @@ def is_vision_checkpoint(checkpoint: str | Path) -> bool:
         return False
 
 
+_NOT_YET = {
+    "qwen2_vl": "its 3-D (multimodal) rotary positions are not implemented in the embedded engine and trainer",
+    "qwen2_5_vl": "its 3-D (multimodal) rotary positions are not implemented in the embedded engine and trainer",
+}
+
+
 def family_class(mtype: str | None) -> type[VisionFamily]:
     """The family serving ``model_type``, or :class:`VisionError` naming the ones that exist."""
     for fam in FAMILIES:
         if mtype in fam.model_types:
             return fam
     known = sorted(t for f in FAMILIES for t in f.model_types)
-    raise VisionError(f"vision-language model_type {mtype!r} is not supported (supported: {', '.join(known)})")
+    why = f": {_NOT_YET[mtype]}" if mtype in _NOT_YET else ""
+    raise VisionError(f"vision-language model_type {mtype!r} is not supported{why} (supported: {', '.join(known)})")
 
 
 def load_family(checkpoint: str | Path, processor: Any = None) -> VisionFamily:
@@ -204,10 +238,18 @@ def image_positions(tokens: Sequence[int], image_token_id: int) -> np.ndarray:
     return np.flatnonzero(np.asarray(tokens, dtype=np.int64) == image_token_id)
 
 
-def vision_for(checkpoint: str | Path | None) -> VisionFamily | None:
+def vision_for(checkpoint: str | Path | None, *, strict: bool = True) -> VisionFamily | None:
     """The checkpoint's :class:`VisionFamily` when it is a vision-language model, else None (text-only).
 
-    An unsupported vision-language family raises :class:`VisionError` (refused before anything runs)."""
+    An unsupported vision-language family raises :class:`VisionError` (training must build the model);
+    ``strict=False`` (rollouts against an engine that serves it) logs a warning and returns None: text
+    episodes run as before, and an observation with a picture fails its sample with the reason."""
     if checkpoint is None or not is_vision_checkpoint(checkpoint):
         return None
-    return load_family(checkpoint)
+    try:
+        return load_family(checkpoint)
+    except VisionError as exc:
+        if strict:
+            raise
+        log.warning("%s; episodes with pictures will fail (text-only episodes run as before)", exc)
+        return None

@@ -477,6 +477,15 @@ def test_split_images_take_one_placeholder_run_per_crop_and_match_transformers(t
     ids = ex.ids + [t for _, t, _ in lps]
     ref = _hf_log_probs(load_vision_model(ckpt, torch.float32, "cpu").eval(), ids, ex.pixels)[len(ex.ids) - 1 :]
     assert (ref - torch.tensor([lp for lp, _, _ in lps])).abs().max() < 1e-4
+    # the viewer finds each split picture's first placeholder from the sample's per-image counts
+    s = Sample(
+        tokens=ids, response_length=len(lps), loss_mask=[1] * len(lps), rollout_log_probs=[lp for lp, _, _ in lps]
+    )
+    s.multimodal_inputs, s.metadata["image_tokens"] = {"images": [im.url for im in images]}, ex.num_tokens
+    page = render_html([s], template.tokenizer)
+    blob = page.split('<script type="application/json" id="agentrl-data">', 1)[1].split("</script>", 1)[0]
+    at = [j for j, t in enumerate(ids) if t == template.vision.image_token_id]
+    assert json.loads(blob)["samples"][0]["ia"] == [at[0], at[20]]
 
 
 async def test_demonstrations_with_pictures_lay_down_the_placeholders_a_rollout_would(template):
@@ -511,3 +520,125 @@ async def test_demonstrations_with_pictures_lay_down_the_placeholders_a_rollout_
     bad = {"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]}
     with pytest.raises(DemoError, match=r"row 2: messages\[0\] part 0: content part type 'video'"):
         conversation_samples([("row 2", bad)], template)
+
+
+def test_transparent_pixels_become_white_as_transformers_makes_them(tmp_path):
+    rgba = PILImage.new("RGBA", (4, 2), (10, 20, 30, 0))  # fully transparent
+    rgba.putpixel((0, 0), (200, 0, 0, 255))  # one opaque red pixel
+    img = load_image(png_url(rgba))
+    assert img.pil.getpixel((0, 0)) == (200, 0, 0) and img.pil.getpixel((1, 0)) == (255, 255, 255)
+    palette = PILImage.new("P", (2, 1))
+    palette.putpalette([0, 0, 0, 9, 9, 9] + [0] * 762)
+    palette.info["transparency"] = 0
+    assert load_image(palette).pil.getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_file_urls_name_a_local_absolute_path_and_servers_refuse_them(tmp_path):
+    path = tmp_path / "a.png"
+    picture().save(path)
+    with pytest.raises(ImageError, match="names host 'images'"):
+        load_image("file://images/a.png")
+    assert load_image(f"file://localhost{path}").digest == load_image(picture()).digest
+    with pytest.raises(ImageError, match="file:// image URLs are not read here"):
+        load_image(f"file://{path}", files=False)
+
+
+def test_text_parts_alone_render_as_one_string_on_a_text_model(tiny_tokenizer):
+    text_only = ChatTemplate(tiny_tokenizer)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "2 + 2?"}]}]
+    assert text_only.prompt(parts) == text_only.prompt([{"role": "user", "content": "what is 2 + 2?"}])
+
+
+def test_a_text_episode_on_a_vlm_tokenizes_as_the_tokenizer_does(template):
+    msgs = [{"role": "user", "content": "no picture here"}]
+    text, ex = template.prompt_images(msgs, [])
+    assert ex.ids == template.encode(text) and ex.pixels == [] and ex.num_tokens == []
+
+
+def test_the_freeze_flag_parses_and_defaults_to_frozen():
+    from agentrl.cli import build_parser
+    from agentrl.flags import run_config_from_values
+
+    parser = build_parser()
+    config = lambda *argv: run_config_from_values(vars(parser.parse_args(["train", *argv])))  # noqa: E731
+    assert config().train.freeze_vision_tower is True
+    assert config("--no-freeze-vision-tower").train.freeze_vision_tower is False
+    assert config("--freeze-vision-tower").train.freeze_vision_tower is True
+
+
+def test_prompt_log_probs_with_pictures_equal_transformers(template, tiny_vlm):
+    """``input_token_logprobs`` from position 0 (slime's teacher scoring) over a prompt holding a picture."""
+    msgs, images = normalize(
+        [{"role": "user", "content": [{"type": "image", "image": draw(3, 4)}, {"type": "text", "text": "count"}]}]
+    )
+    _, ex = template.prompt_images(msgs, images)
+
+    async def run():
+        engine = LocalEngine(tiny_vlm, seed=0)
+        try:
+            return await engine.generate(
+                ex.ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0, image_data=[images[0].url]
+            )
+        finally:
+            await engine.close()
+
+    scored = asyncio.run(run())["meta_info"]["input_token_logprobs"]
+    ref = _hf_log_probs(load_vision_model(tiny_vlm, torch.float32, "cpu").eval(), ex.ids, ex.pixels)
+    assert scored[0][0] is None and len(scored) == len(ex.ids)
+    assert (ref - torch.tensor([lp for lp, _, _ in scored[1:]])).abs().max() < 1e-4
+
+
+def test_a_weight_update_recomputes_the_pictures_features(template, tiny_vlm, tmp_path):
+    """Features are cached by picture; new weights (the vision tower's among them) must not reuse them."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    changed = tmp_path / "changed"
+    model = Idefics3ForConditionalGeneration.from_pretrained(tiny_vlm)
+    with torch.no_grad():
+        for p in model.model.vision_model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(changed)
+    msgs, images = normalize([{"role": "user", "content": [{"type": "image", "image": draw(5, 3)}]}])
+    _, ex = template.prompt_images(msgs, images)
+
+    async def run():
+        engine = LocalEngine(tiny_vlm, seed=0)
+        try:
+            args = dict(return_logprob=True, logprob_start_len=0, image_data=[images[0].url])
+            before = await engine.generate(ex.ids, {"max_new_tokens": 0}, **args)
+            out = await engine.update_weights_from_disk(str(changed))
+            assert out["success"], out
+            after = await engine.generate(ex.ids, {"max_new_tokens": 0}, **args)
+            return before, after
+        finally:
+            await engine.close()
+
+    before, after = asyncio.run(run())
+    ref = _hf_log_probs(load_vision_model(changed, torch.float32, "cpu").eval(), ex.ids, ex.pixels)
+    got = torch.tensor([lp for lp, _, _ in after["meta_info"]["input_token_logprobs"][1:]])
+    old = torch.tensor([lp for lp, _, _ in before["meta_info"]["input_token_logprobs"][1:]])
+    assert (ref - got).abs().max() < 1e-4 and (old - got).abs().max() > 1e-3
+
+
+def test_the_chunked_head_path_trains_packed_rows_with_pictures(template, tiny_vlm):
+    """Above ``chunk_logits_above`` the trainer runs the decoder on inputs_embeds and the head in chunks."""
+    samples, _ = _rollout(template, tiny_vlm, n=2)
+    trainer = TorchTrainer(tiny_vlm, TrainConfig(global_batch_size=2, seed=0))
+    assert trainer.chunked_logprobs
+    trainer.chunk_logits_above = 0
+    for s, lp in zip(samples, trainer.compute_log_probs(samples, ref=False).old):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4
+
+
+def test_the_processors_chat_template_renders_when_the_tokenizer_has_none(tiny_vlm):
+    """VLM repos keep their multimodal template with the processor (chat_template.json); AutoTokenizer may load none."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    tok.chat_template = None
+    vision = vision_for(tiny_vlm)
+    template = ChatTemplate(tok, vision=vision)
+    assert template.native == vision.processor.chat_template
+    msgs, images = normalize([{"role": "user", "content": [{"type": "image", "image": picture()}]}])
+    assert template.prompt_images(msgs, images)[0] == "<|im_start|>user\n<image><|im_end|>\n<|im_start|>assistant\n"

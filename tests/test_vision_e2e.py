@@ -119,41 +119,60 @@ async def test_a_bad_picture_fails_only_its_sample_with_the_reason(tiny_vlm_serv
         assert len(s.turn_spans) == 1 and len(s.multimodal_inputs["images"]) == 1  # the first turn is kept
 
 
-async def test_the_served_chat_endpoint_takes_image_parts(tiny_vlm_server, tiny_vlm):
+async def test_the_served_endpoints_take_pictures(tiny_vlm_server, tiny_vlm):
+    """``/v1/chat/completions`` with image parts (and tools), ``/generate`` with ``image_data`` for a text prompt,
+    a batch and a stream: each prompt holds exactly the processor's placeholders; a bad picture is a 400."""
     from transformers import AutoTokenizer
 
-    img = PILImage.new("RGB", (24, 24), (30, 200, 30))
     from agentrl.images import load_image
 
-    url = load_image(img).url
-    body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": url}}],
-            }
-        ],
-        "max_tokens": 4,
-        "seed": 1,
-    }
-    async with httpx.AsyncClient(base_url=tiny_vlm_server) as http:
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    expansion = "<fake_token_around_image><global-img>" + "<image>" * 4 + "<fake_token_around_image>"
+    url = load_image(PILImage.new("RGB", (24, 24), (30, 200, 30))).url
+    part = {"type": "image_url", "image_url": {"url": url}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}], "max_tokens": 4}
+    tool = {"type": "function", "function": {"name": "zoom", "parameters": {"type": "object", "properties": {}}}}
+    async with httpx.AsyncClient(base_url=tiny_vlm_server, timeout=60) as http:
         ok = await http.post("/v1/chat/completions", json=body)
         assert ok.status_code == 200, ok.text
-        assert ok.json()["usage"]["prompt_tokens"] > 4  # the picture's placeholders were counted
-        body["messages"][0]["content"][1]["image_url"]["url"] = "data:image/png;base64,AAAA"
-        bad = await http.post("/v1/chat/completions", json=body)
-        assert bad.status_code == 400 and "not a decodable image" in bad.json()["error"]["message"]
+        rendered = "<|im_start|>user\nwhat?" + expansion + "<|im_end|>\n<|im_start|>assistant\n"
+        assert ok.json()["usage"]["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False))
+        with_tools = await http.post("/v1/chat/completions", json={**body, "tools": [tool]})
+        assert with_tools.status_code == 200, with_tools.text  # the built-in tool template writes the marker
+        assert with_tools.json()["usage"]["prompt_tokens"] > ok.json()["usage"]["prompt_tokens"]
+        bad = {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        }
+        refused = await http.post("/v1/chat/completions", json=bad)
+        assert refused.status_code == 400 and "not a decodable image" in refused.json()["error"]["message"]
         # SGLang's native /generate with a text prompt holding the marker: the processor expands it
         text = "<|im_start|>user\n<image>hi"
-        gen = await http.post(
+        want = len(tok.encode(text.replace("<image>", expansion), add_special_tokens=False))
+        one = await http.post(
             "/generate", json={"text": text, "image_data": url, "sampling_params": {"max_new_tokens": 2}}
         )
-        assert gen.status_code == 200, gen.text
-        expanded = text.replace(
-            "<image>", "<fake_token_around_image><global-img>" + "<image>" * 4 + "<fake_token_around_image>"
-        )
-        want = AutoTokenizer.from_pretrained(tiny_vlm).encode(expanded, add_special_tokens=False)
-        assert gen.json()["meta_info"]["prompt_tokens"] == len(want)
+        assert one.status_code == 200 and one.json()["meta_info"]["prompt_tokens"] == want, one.text
+        # a batch: one list of pictures per input (None for a text-only one); a bad picture refuses the batch
+        ids = tok.encode(text.replace("<image>", expansion), add_special_tokens=False)
+        batch = {"input_ids": [ids, [1, 2, 3]], "image_data": [[url], None], "sampling_params": {"max_new_tokens": 2}}
+        both = await http.post("/generate", json=batch)
+        assert both.status_code == 200 and [o["meta_info"]["prompt_tokens"] for o in both.json()] == [want, 3]
+        broken = await http.post("/generate", json={**batch, "image_data": [["data:image/png;base64,AAAA"], None]})
+        assert broken.status_code == 400 and "image_data[0]" in broken.text
+        # a stream with a picture ends as the same request would
+        chunks = []
+        async with http.stream(
+            "POST",
+            "/generate",
+            json={"input_ids": ids, "image_data": [url], "stream": True, "sampling_params": {"max_new_tokens": 3}},
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    chunks.append(json.loads(line[5:]))
+        assert chunks and chunks[-1]["meta_info"]["prompt_tokens"] == want and chunks[-1]["meta_info"]["finish_reason"]
 
 
 def test_agentrl_train_runs_the_shapes_env_on_a_vlm_and_view_draws_its_pictures(tiny_vlm, tmp_path, ray_local):
@@ -237,3 +256,75 @@ async def test_a_policy_that_samples_the_placeholder_token_fails_its_sample(tmp_
     for s in samples:
         assert s.status == Status.FAILED and s.status_reason == "image_token_sampled", s.metadata
         assert "'<image>'" in s.metadata["error"] and len(s.turn_spans) == 1
+
+
+async def test_pictures_cross_the_openenv_boundary_as_data_urls():
+    """``agentrl env-serve`` sends a Python env's PIL pictures as data-URL image parts; the ``openenv:``
+    adapter hands them to the episode as such, and the solver reads the same pictures through it."""
+    from agentrl.adapters.openenv_server import EnvServer
+    from agentrl.envs.shapes import solver_policy
+    from agentrl.rollout.scripted import play
+    from tests.serving import serve_app
+
+    tasks = Shapes.tasks(3, seed=9)
+    with serve_app(EnvServer(Shapes, tasks=tasks, max_sessions=4).app()) as url:
+        remote = agentrl.load_env(f"openenv:{url}")
+        results = await play(remote, solver_policy, tasks)
+    assert [r.error for r in results] == [None] * 3
+    assert all(r.reward == pytest.approx(1.0) for r in results)
+    first = results[0].messages[0]["content"]
+    assert first[0]["type"] == "image_url" and first[0]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+class CaptionNewest(Shapes):
+    """Rewrites only the newest observation (a caption on its picture): the ledger extends, one sample."""
+
+    async def rewrite_history(self, messages):
+        last = messages[-1]
+        return [*messages[:-1], {**last, "content": [*last["content"], {"type": "text", "text": " (newest)"}]}]
+
+
+class SwapFirst(Shapes):
+    """Replaces the first picture with another of the same size (nine shapes) after the first turn."""
+
+    async def rewrite_history(self, messages):
+        from agentrl.envs.shapes import draw
+
+        first = messages[0]
+        if count_regions(first["content"][0]["image_url"]["url"]) == 9:
+            return None
+        picture = {"type": "image", "image": draw(1, 9, size=self.size)}
+        return [{**first, "content": [picture, *first["content"][1:]]}, *messages[1:]]
+
+
+async def test_a_rewrite_that_only_extends_keeps_one_sample_with_every_picture(tmp_path):
+    """The re-rendered conversation must reproduce every sampled id for the rewrite to extend the ledger: a
+    model that ends each turn at once (its turns re-tokenize exactly) isolates what the pictures change."""
+    from agentrl.engines.local.process import local_server
+    from agentrl.tiny import build_vlm
+
+    ckpt = build_vlm(tmp_path / "terse", mean_turn_tokens=1.0)
+    with local_server(ckpt, log_path=tmp_path / "engine.log", extra_args=["--seed", "0"], startup_timeout=120) as url:
+        ctx = _ctx(url, ckpt, n_samples_per_prompt=1)
+        samples, _ = await generate_rollout(ctx, CaptionNewest, Shapes.tasks(2, seed=6, pictures=3))
+        await ctx.engine.close()
+        ctx = _ctx(url, ckpt, n_samples_per_prompt=1)
+        swapped, _ = await generate_rollout(ctx, SwapFirst, Shapes.tasks(1, seed=7, pictures=2))
+        await ctx.engine.close()
+    # a picture swapped for another of its size: same placeholder ids, different picture, so a new segment
+    assert [s.metadata["segment"] for s in swapped] == [0, 1]
+    assert [count_regions(u) for u in swapped[1].multimodal_inputs["images"]][0] == 9
+    assert count_regions(swapped[0].multimodal_inputs["images"][0]) == int(swapped[0].label.split(",")[0])
+    tiny_vlm = ckpt
+    for s in samples:
+        s.validate()
+        assert s.status == Status.COMPLETED and s.metadata["history_rewrites"] == 2, s.metadata
+        assert s.metadata.get("num_segments") is None and len(s.turn_spans) == 3
+        assert len(s.multimodal_inputs["images"]) == 3 and s.metadata["image_tokens"] == [4, 4, 4]
+        assert ctx.template.decode(s.tokens).count(" (newest)") == 2
+        assert [count_regions(u) for u in s.multimodal_inputs["images"]] == [int(c) for c in s.label.split(",")]
+    batch = _train_samples(samples)
+    old = TorchTrainer(tiny_vlm, TrainConfig(global_batch_size=2, seed=0)).compute_log_probs(batch, ref=False).old
+    for s, lp in zip(batch, old):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4

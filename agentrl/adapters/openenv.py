@@ -206,14 +206,15 @@ class OpenEnvEnv(Env):
             await self._list_tools()
         messages: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         first = self._message(result)
-        if first["content"].strip() in _BLANK and chat_prompt(task.get("prompt")):
+        text = str(first["content"])  # observation_to_text's: always a string
+        if text.strip() in _BLANK and chat_prompt(task.get("prompt")):
             messages.extend(dict(m) for m in task["prompt"])  # type: ignore[misc]
-        elif first["content"].strip() in _BLANK:
+        elif text.strip() in _BLANK:
             first["content"] = self._blank_prompt(task, seed, metadata)
             messages.append(first)
         else:
             if self._hint and self.system_prompt is None:
-                first["content"] += f"\n\n{self._hint}"
+                first["content"] = f"{text}\n\n{self._hint}"
             messages.append(first)
         return messages, {"observation": result.get("observation", {})}
 

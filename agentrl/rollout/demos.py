@@ -250,9 +250,9 @@ def conversation_sample(
             if j <= last_assistant:
                 b.observe(messages[i + 1 : j])
             i = j
+        problem = b.difference(messages[: last_assistant + 1])
     except TemplateError as exc:
         raise DemoError(f"{where}: {exc}") from None
-    problem = b.difference(messages[: last_assistant + 1])
     if problem is not None and not allow_non_token_exact:
         raise DemoError(f"{where}: {problem} (pass --allow-non-token-exact to keep such rows as token_exact=false)")
     sample = b.sample(prompt=b.first, label=label, token_exact=problem is None, source=where)

@@ -269,15 +269,15 @@ async def run_episode(
         tools = env.tool_schemas()
         pictures = Pictures()
         try:
-            if images or ctx.template.vision is not None:
-                _, expanded = ctx.template.prompt_images(obs, images, tools)
+            if images or ctx.template.vision is not None:  # the processor, in a worker thread
+                _, expanded = await asyncio.to_thread(ctx.template.prompt_images, obs, images, tools)
                 prompt_ids = expanded.ids
                 pictures.add(images, expanded, sample)
             else:
                 _, prompt_ids = ctx.template.prompt(obs, tools)
             delta_context = ctx.template.delta_context(tools, obs)
         except TemplateError as exc:
-            raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+            raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
         convo_images = list(images)  # every image of the conversation, in order (a new segment's prompt holds them all)
         ledger = TokenLedger(prompt_ids)
         convo = list(obs)
@@ -303,13 +303,6 @@ async def run_episode(
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
             out = await _generate_turn(ctx, sample, ledger, budget, key, convo, tools, pictures.urls)
             meta["finish_reasons"].append(out.finish_reason)
-            if sampled_placeholder(ctx, out.output_ids):
-                raise _EndEpisode(
-                    Status.FAILED,
-                    "image_token_sampled",
-                    f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
-                    "and the trainer would take it for a picture that does not exist",
-                )
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
                 spent = whole is not None and len(ledger) - prompt_len >= whole
@@ -342,10 +335,11 @@ async def run_episode(
             if rewrites:
                 rewritten = await _rewrite_history(ctx, env, hook, convo, task, step_timeout, sample)
                 if rewritten is not None:
+                    rewritten, rewritten_images = await _observe(rewritten)  # its pictures as data URLs, as convo's
                     if rewritten == convo:
                         rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
                     else:
-                        convo, convo_images = await _observe(rewritten)
+                        convo, convo_images = rewritten, rewritten_images
                         meta["history_rewrites"] = meta.get("history_rewrites", 0) + 1
             if rewritten is None:
                 try:
@@ -382,7 +376,10 @@ async def run_episode(
                 meta["template_check_error"] = True  # the template cannot re-render this history: keep the tokens
                 checking = False
                 continue
-            if rendered[: len(ledger)] == ledger.tokens:  # an extension of what the ledger holds: one sample
+            same_pictures = [im.digest for im in convo_images[: len(pictures.images)]] == [
+                im.digest for im in pictures.images
+            ]  # a picture swapped for another of its size leaves the placeholder ids as they were
+            if rendered[: len(ledger)] == ledger.tokens and same_pictures:  # an extension of the ledger: one sample
                 if rewritten is not None:
                     extra_ids = rendered[len(ledger) :]
                     if context_len is not None and len(rendered) >= context_len:
@@ -392,7 +389,11 @@ async def run_episode(
                     ledger.append_env(extra_ids)
                     if rendered_expanded is not None and len(rendered_expanded.pixels) > len(pictures.images):
                         new = len(pictures.images)  # the rewrite's new images sit in the appended tail
-                        tail = dataclasses.replace(rendered_expanded, pixels=rendered_expanded.pixels[new:])
+                        tail = dataclasses.replace(
+                            rendered_expanded,
+                            pixels=rendered_expanded.pixels[new:],
+                            num_tokens=rendered_expanded.num_tokens[new:],
+                        )
                         pictures.add(convo_images[new:], tail, sample)
                 continue
             if rewritten is None:
@@ -513,6 +514,13 @@ async def _generate_turn(
             raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
         start = len(ledger.response_ids)
         ledger.append_model(out.output_ids, out.output_logprobs, continues_turn=attempt > 0)
+        if sampled_placeholder(ctx, out.output_ids):  # checked before a resume sends it back to the engine
+            raise _EndEpisode(
+                Status.FAILED,
+                "image_token_sampled",
+                f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
+                "and the trainer would take it for a picture that does not exist",
+            )
         turn_ids += out.output_ids
         turn_lps += out.output_logprobs
         if out.routed_experts is not None:  # the reply covers every token forwarded so far: keep the latest

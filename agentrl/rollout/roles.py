@@ -40,6 +40,7 @@ from typing import Any
 from agentrl.chat import TemplateError, TokenLedger
 from agentrl.engines.base import Engine, EngineError
 from agentrl.env import Env, EnvContractError, call_env, check_messages
+from agentrl.images import count_images
 from agentrl.parsing import get_parser
 from agentrl.types import Action, Message, Sample, Status
 
@@ -76,11 +77,18 @@ def check_roles_reset(result: Any, roles: tuple[str, ...]) -> tuple[dict[str, li
         raise EnvContractError(f"reset() named unknown role(s) {', '.join(unknown)}; the env's roles are {list(roles)}")
     out = {}
     for role in roles:
-        msgs = check_messages(obs.get(role), f"reset() for role {role!r}")
+        msgs = _text_only(check_messages(obs.get(role), f"reset() for role {role!r}"), f"reset() for role {role!r}")
         if not msgs:
             raise EnvContractError(f"reset() gave role {role!r} no messages")
         out[role] = msgs
     return out, info
+
+
+def _text_only(messages: list[Any], where: str) -> list[Any]:
+    """Multi-agent episodes lay down text only (their per-role ledgers have no picture bookkeeping yet)."""
+    if count_images(messages):
+        raise EnvContractError(f"{where}: an image part; multi-agent (roles) episodes take text observations only")
+    return messages
 
 
 def check_roles_step(
@@ -108,7 +116,10 @@ def check_roles_step(
         raise EnvContractError("step() terminated and truncated must be bools")
     if not isinstance(info, dict):
         raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
-    checked = {role: check_messages(msgs, f"step() for role {role!r}") for role, msgs in obs.items()}
+    checked = {
+        role: _text_only(check_messages(msgs, f"step() for role {role!r}"), f"step() for role {role!r}")
+        for role, msgs in obs.items()
+    }
     return checked, {k: float(v) for k, v in rewards.items()}, terminated, truncated, info
 
 

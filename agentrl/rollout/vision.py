@@ -27,6 +27,7 @@ class Pictures:
 
     images: list[Image] = field(default_factory=list)
     pixels: list[dict[str, Any]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # placeholder tokens per image
 
     def add(self, images: Sequence[Image], expanded: Any, sample: Sample | None = None) -> None:
         """Record ``images`` whose placeholders were just appended (``expanded``: :class:`~agentrl.vlm.Expanded`),
@@ -35,6 +36,7 @@ class Pictures:
             return
         self.images.extend(images)
         self.pixels.extend(expanded.pixels)
+        self.tokens.extend(expanded.num_tokens)
         if sample is not None:
             self.write(sample)
 
@@ -43,6 +45,7 @@ class Pictures:
         if not self.images:
             return
         sample.multimodal_inputs = {"images": [im.url for im in self.images]}
+        sample.metadata["image_tokens"] = list(self.tokens)  # where each picture's placeholders end (agentrl view)
         train: dict[str, list] = {}
         for p in self.pixels:
             for k, v in p.items():

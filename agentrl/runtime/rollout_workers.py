@@ -64,7 +64,9 @@ def episode_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str],
     from agentrl.vlm import vision_for
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    template = ChatTemplate(tokenizer, tool_template=cfg.rollout.tool_template, vision=vision_for(checkpoint))
+    template = ChatTemplate(
+        tokenizer, tool_template=cfg.rollout.tool_template, vision=vision_for(checkpoint, strict=False)
+    )
     routed = cfg.rollout_return_routed_experts
     engine = Router([SGLangEngine(u, api_key=api_key, return_routed_experts=routed) for u in urls])
     # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step

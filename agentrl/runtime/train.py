@@ -772,3 +772,8 @@ def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
         raise ValueError(
             "a vision-language policy trains without a critic here: use a critic-free --advantage-estimator"
         )
+    if cfg.trainer_world_size > 1:  # FSDP2 would shard the embeddings and vision tower the SDK calls before forward
+        raise ValueError(
+            f"a vision-language policy trains on one rank here (this run: {cfg.trainer_world_size}): set "
+            "--trainer-num-procs 1 (on GPUs: one trainer GPU)"
+        )

@@ -156,6 +156,10 @@ class TorchTrainer(Trainer):
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", rank=rank, world_size=world_size)
         # a vision-language checkpoint: its family computes image features, merged here as inputs_embeds
         self.vision = vision_for(self.checkpoint_path)
+        if self.vision is not None and world_size > 1:
+            raise ValueError(
+                f"a vision-language policy trains on one rank here, not {world_size} (FSDP2 is not wired in)"
+            )
         self.model = self._load(torch.float32)
         if self.vision is not None and cfg.freeze_vision_tower:
             for module in self.vision.vision_modules(self.model):
@@ -234,16 +238,23 @@ class TorchTrainer(Trainer):
 
     def _process_images(self, samples: Sequence[TrainSample]) -> None:
         """Fill ``multimodal_train_inputs`` of samples that carry only their images (read from a dump, or
-        made by a custom generate function) with the processor's arrays, as the rollout would have."""
+        made by a custom generate function) with the processor's arrays, as the rollout would have. The
+        samples are changed in place (this rank's copies), so later passes over them reuse the arrays; a
+        sample whose images cannot be used stops the step naming it."""
         from agentrl.images import load_image
 
-        for s in samples:
+        for i, s in enumerate(samples):
             urls = (s.multimodal_inputs or {}).get("images")
             if s.multimodal_train_inputs or not urls:
                 continue
             assert self.vision is not None
-            pixels = [self.vision.pixels(load_image(u)) for u in urls]
-            s.multimodal_train_inputs = {k: [p[k] for p in pixels] for k in pixels[0]}
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise ValueError(f"sample {i}: multimodal_inputs['images'] must be a list of image URLs (str)")
+            try:
+                pixels = [self.vision.pixels(load_image(u)) for u in urls]
+            except ValueError as exc:  # ImageError, or the processor refusing it
+                raise ValueError(f"sample {i}: {exc}") from None
+            s.multimodal_train_inputs = {k: [p[k] for p in pixels] for k in pixels[0]}  # kept: later passes reuse it
 
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""

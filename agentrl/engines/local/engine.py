@@ -233,9 +233,11 @@ class LocalEngine:
             "token_capacity": self.max_running_requests * self.context_length,
         }
 
-    def check_request(self, input_ids: Any, sampling_params: dict | None = None, **options: Any) -> None:
+    async def check_request(self, input_ids: Any, sampling_params: dict | None = None, **options: Any) -> None:
         """Raise :class:`InvalidRequestError` where :meth:`generate` would, without running anything
-        (a streaming response must refuse a bad request before its 200 goes out)."""
+        (a streaming response must refuse a bad request before its 200 goes out; its pictures are decoded
+        in a worker thread)."""
+        prepared = await self._prepare_images(input_ids, options.get("image_data"))
         self._new_request(
             input_ids,
             sampling_params,
@@ -245,6 +247,7 @@ class LocalEngine:
             options.get("logprob_start_len", -1),
             options.get("top_logprobs_num", 0),
             options.get("image_data"),
+            prepared,
         ).future.cancel()
 
     async def generate(
@@ -282,6 +285,7 @@ class LocalEngine:
             logprob_start_len,
             top_logprobs_num,
             image_data,
+            await self._prepare_images(input_ids, image_data),
         )
         if req.finish is not None:
             return self._response(req)
@@ -318,6 +322,7 @@ class LocalEngine:
             logprob_start_len,
             top_logprobs_num,
             image_data,
+            await self._prepare_images(input_ids, image_data),
         )
         if req.finish is not None:
             yield self._response(req)
@@ -353,12 +358,15 @@ class LocalEngine:
         logprob_start_len: int,
         top_logprobs_num: int,
         image_data: Any = None,
+        prepared: tuple[np.ndarray, RequestImages | None] | None = None,
     ) -> _Request:
         if self._stop or not self._thread.is_alive():
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
-        key, images = None, None
-        if self.vision is not None:
+        key, images = prepared if prepared is not None else (None, None)
+        if prepared is not None:
+            pass  # decoded and checked by _prepare_images (in a worker thread)
+        elif self.vision is not None:
             key, images = self.vision.prepare(ids, image_data)
         elif image_data not in (None, []):
             raise InvalidRequestError("image_data: the served model is text-only (not a vision-language checkpoint)")
@@ -402,6 +410,14 @@ class LocalEngine:
         if sp.max_new_tokens == 0 and (not return_logprob or req.input_meta):
             req.finish = {"type": "length", "length": 0}  # nothing to compute: answered without the worker
         return req
+
+    async def _prepare_images(self, input_ids: Any, image_data: Any) -> tuple[np.ndarray, RequestImages | None] | None:
+        """:meth:`EngineVision.prepare` in a worker thread (decoding pictures must not stall the event loop);
+        None when there are none to decode (``_new_request`` then checks the request as usual)."""
+        if self.vision is None or image_data in (None, []):
+            return None
+        ids = self._check_input_ids(input_ids)
+        return await asyncio.to_thread(self.vision.prepare, ids, image_data)
 
     def _submit(self, req: _Request) -> None:
         with self._cv:
@@ -706,6 +722,12 @@ class LocalEngine:
         new: list[_Request] = []
         while self._waiting and len(new) < len(free):
             req = self._waiting.popleft()
+            if req.images is not None and req.images.features is None:
+                try:  # the vision tower, now: a picture it cannot take fails this request only
+                    self.vision.compute(req.images)  # type: ignore[union-attr]
+                except BaseException as exc:  # noqa: BLE001
+                    self._fail(req, exc)
+                    continue
             if req.return_logprob and not req.input_meta:
                 try:
                     self._score_prompt(req)

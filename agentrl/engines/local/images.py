@@ -27,7 +27,8 @@ import torch
 from agentrl.engines.local.sampling import InvalidRequestError
 from agentrl.images import Image, ImageError, load_image
 
-MAX_IMAGES_PER_REQUEST = 64
+MAX_IMAGES_PER_REQUEST = 512
+"""More images in one request are refused (HTTP 400): a bound on the work one request can ask for."""
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RequestImages:
     positions: np.ndarray  # [P] prompt positions of the placeholders, ascending
     owner: np.ndarray  # [P] which image each placeholder belongs to
     offset: np.ndarray  # [P] its row in that image's features
+    features: list[torch.Tensor] | None = None  # per image, once computed (:meth:`EngineVision.compute`)
 
 
 def _key_id(digest: str, offset: int) -> int:
@@ -79,7 +81,7 @@ class EngineVision:
             if not isinstance(item, str):
                 raise InvalidRequestError(f"image_data[{i}] must be a string (data: URL, file:// URL or base64)")
             try:
-                img = load_image(item)
+                img = load_image(item, url=False, files=False)  # pixels and digest only; never the server's disk
                 px = self.family.pixels(img)
             except ImageError as exc:
                 raise InvalidRequestError(f"image_data[{i}]: {exc}") from None
@@ -101,29 +103,39 @@ class EngineVision:
         key[where] = [_key_id(images[o].digest, int(j)) for o, j in zip(owner, offset)]
         return key, RequestImages(images, pixels, where, owner, offset)
 
-    def features(self, req: RequestImages, index: int) -> torch.Tensor:
-        """Image ``index``'s feature rows (cached by digest)."""
-        digest = req.images[index].digest
-        feats = self._features.get(digest)
-        if feats is None:
-            feats = self.family.features(self.model, req.pixels[index])
-            self._features[digest] = feats
-            while len(self._features) > self.cache_images:
-                self._features.popitem(last=False)
-        else:
-            self._features.move_to_end(digest)
-        return feats
+    def compute(self, req: RequestImages) -> None:
+        """Every image's feature rows onto ``req`` (from the cache by digest, else the vision tower): the
+        worker calls it when it admits the request, so a failure fails that request alone."""
+        feats = []
+        for i, image in enumerate(req.images):
+            f = self._features.get(image.digest)
+            if f is None:
+                f = self.family.features(self.model, req.pixels[i])
+                if f.shape[0] != self.family.tokens_for(req.pixels[i]):
+                    raise RuntimeError(
+                        f"image {i}: {f.shape[0]} feature rows for {self.family.tokens_for(req.pixels[i])} placeholders"
+                    )
+                self._features[image.digest] = f
+                while len(self._features) > self.cache_images:
+                    self._features.popitem(last=False)
+            else:
+                self._features.move_to_end(image.digest)
+            feats.append(f)
+        req.features = feats
 
     def rows(self, req: RequestImages, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """Placeholder positions in ``[start, stop)`` (relative to ``start``) and their feature rows."""
         lo, hi = np.searchsorted(req.positions, [start, stop])
         if lo == hi:
             return None
+        if req.features is None:
+            self.compute(req)
+        assert req.features is not None
         owners, offsets = req.owner[lo:hi], req.offset[lo:hi]
         parts = []
         for o in np.unique(owners):
             sel = owners == o
-            parts.append((np.flatnonzero(sel), self.features(req, int(o))[torch.from_numpy(offsets[sel])]))
+            parts.append((np.flatnonzero(sel), req.features[int(o)][torch.from_numpy(offsets[sel])]))
         feats = torch.empty(hi - lo, parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=parts[0][1].device)
         for idx, f in parts:
             feats[torch.from_numpy(idx)] = f

@@ -82,7 +82,7 @@ def add_openai_routes(
 ) -> None:
     """Mount the OpenAI endpoints on ``app``; generation passes ``gate`` (pauses) and is counted in ``stats``."""
     tok = engine.tokenizer
-    chat_template = ChatTemplate(tok)
+    chat_template = ChatTemplate(tok, vision=engine.vision.family if engine.vision is not None else None)
 
     @app.get("/v1/models")
     async def models():
@@ -119,8 +119,7 @@ def add_openai_routes(
             "model": name,
         }
         if req.stream:
-            for job in jobs:
-                engine.check_request(**job)
+            await check_jobs(engine, jobs)
             return _sse(_stream_completions(engine, gate, stats, jobs, head, req, tok))
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
@@ -137,8 +136,11 @@ def add_openai_routes(
     async def chat_completions(request: Request):
         req = P.ChatCompletionRequest.parse(await json_body(request))
         tools, prefix, parse = _tool_plan(req, tool_parser)
-        messages, images = _chat_images(engine, req.message_dicts())
-        ids = _render_chat(tok, chat_template, messages, tools, req.chat_template_kwargs or {}, engine, images)
+        messages, kwargs = req.message_dicts(), req.chat_template_kwargs or {}
+        if _has_images(messages):  # decoding and the processor off the event loop
+            ids, images = await asyncio.to_thread(_render_images, tok, chat_template, engine, messages, tools, kwargs)
+        else:
+            ids, images = _render_chat(tok, chat_template, messages, tools, kwargs), []
         if prefix:
             ids = ids + tok.encode(prefix, add_special_tokens=False)
         jobs = [{"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs} for sp in _samples(req)]
@@ -151,8 +153,7 @@ def add_openai_routes(
             "model": name,
         }
         if req.stream:
-            for job in jobs:
-                engine.check_request(**job)
+            await check_jobs(engine, jobs)
             hook = tool_parser if parse else None
             return _sse(_stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix))
         async with gate.admit():
@@ -405,13 +406,26 @@ def _stops(sp: dict) -> list[str]:
 # ---------------------------------------------------------------- shapes
 
 
-def _chat_images(engine: LocalEngine, messages: list[dict]) -> tuple[list[dict], list[Any]]:
-    """The messages' images decoded and checked (400 naming the problem), and the messages as the chat
-    template reads them; a text-only model refuses image parts."""
-    from agentrl.images import ImageError, count_images, normalize, template_messages
+async def check_jobs(engine: LocalEngine, jobs: list[dict]) -> None:
+    """``engine.check_request`` for each job, before any runs (pictures decoded in a worker thread)."""
+    for job in jobs:
+        await engine.check_request(**job)
 
-    if not count_images(messages):
-        return messages, []
+
+def _has_images(messages: list[dict]) -> bool:
+    return any(
+        isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"]) for m in messages
+    )
+
+
+def _render_images(
+    tok: Any, chat: ChatTemplate, engine: LocalEngine, messages: list[dict], tools: Any, kwargs: dict
+) -> tuple[list[int], list[Any]]:
+    """A conversation with image parts: its images decoded and checked (400 naming the problem; a text-only
+    model refuses them, and so does a ``file://`` URL: the server does not read its disk for a client), and
+    its ids with every image's placeholders."""
+    from agentrl.images import ImageError, normalize
+
     if engine.vision is None:
         i, j = next(
             (i, j)
@@ -424,10 +438,10 @@ def _chat_images(engine: LocalEngine, messages: list[dict]) -> tuple[list[dict],
             f"messages.{i}.content.{j}: image_url parts need a vision-language model; this one is text-only"
         )
     try:
-        messages, images = normalize(messages)
+        messages, images = normalize(messages, files=False)
     except ImageError as exc:
         raise InvalidRequestError(f"messages: {exc}") from None
-    return template_messages(messages), images
+    return _render_chat(tok, chat, messages, tools, kwargs, engine, images), images
 
 
 def _render_chat(
@@ -443,10 +457,11 @@ def _render_chat(
     and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped.
     With ``images`` the model's processor expands their markers (``engine.vision``)."""
     try:
+        source, messages = chat.prepared(messages, tools)
         text = tok.apply_chat_template(
             messages,
             tools=tools,
-            chat_template=chat.template_for(tools),
+            chat_template=source,
             add_generation_prompt=True,
             tokenize=False,
             **kwargs,

@@ -56,7 +56,7 @@ from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
-from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, merge_streams
+from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams
 
 log = logging.getLogger(__name__)
 
@@ -304,10 +304,13 @@ def build_app(
     async def generate(request: Request):
         body = await _json_body(request)
         P.GenerateRequest.parse(body)
-        batch, jobs = _generate_jobs(engine, body)
+        if body.get("image_data") is not None:  # a text prompt's markers are expanded by the processor: off the loop
+            batch, jobs = await asyncio.to_thread(_generate_jobs, engine, body)
+        else:
+            batch, jobs = _generate_jobs(engine, body)
+        if body.get("stream") or len(jobs) > 1:  # every job checked before any runs (or streams its 200)
+            await check_jobs(engine, jobs)
         if body.get("stream"):
-            for job in jobs:
-                engine.check_request(**job)
             return StreamingResponse(_stream_generate(engine, gate, jobs, batch), media_type="text/event-stream")
         async with gate.admit():
             outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
@@ -554,10 +557,14 @@ def _expand_text(engine: LocalEngine, text: str, items: list[str]) -> list[int]:
 
     assert engine.vision is not None
     try:
-        images = [load_image(x) for x in items]
-        return engine.vision.family.expand(text, images).ids
+        images = [load_image(x, url=False, files=False) for x in items]
+        ids = engine.vision.family.expand(text, images).ids
     except (ImageError, ValueError) as exc:
         raise InvalidRequestError(f"image_data: {exc}") from None
+    # the special tokens (BOS) the tokenizer adds to a text prompt without pictures, added here too
+    plain, bare = engine.tokenizer.encode(text), engine.tokenizer.encode(text, add_special_tokens=False)
+    head = len(plain) - len(bare) if plain[len(plain) - len(bare) :] == bare else 0
+    return plain[:head] + ids
 
 
 def _version() -> str:
