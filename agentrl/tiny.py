@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -74,7 +75,7 @@ def build_model(
 ) -> Path:
     """Build a tiny chatty Llama checkpoint (safetensors + tokenizer) in ``out_dir``; return it."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     tok = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
@@ -94,19 +95,8 @@ def build_model(
     )
     model = LlamaForCausalLM(cfg).eval()
     eos = tok.eos_token_id
-    with torch.no_grad():
-        # Dimension 0 of every embedding is a constant 1.0, which dominates the residual stream's RMS,
-        # so after the final RMSNorm h[0] ~ sqrt(hidden). A weight on that dimension in the EOS row of
-        # the output head then adds a near-constant logit: P(eos) ~ 1 / mean_turn_tokens.
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        target = math.log((len(tok) - 1) / max(mean_turn_tokens - 1.0, 1e-3))
-        model.lm_head.weight[:, 0] = 0.0
-        probe = torch.randint(0, len(tok), (1, 64))
-        h0 = model(probe, output_hidden_states=True).hidden_states[-1][0, :, 0].mean().item()
-        model.lm_head.weight[eos, 0] = target / h0
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "agentrl_tiny.json").write_text(json.dumps({"mean_turn_tokens": mean_turn_tokens, "seed": seed}))
+    _make_chatty(model, model.model, eos, mean_turn_tokens)
+    _save(model, out, tok, mean_turn_tokens, seed)
     return out
 
 
@@ -145,7 +135,7 @@ def build_vlm(
     the ``<image>`` placeholder (a large negative logit), as a trained VLM never emits it.
     """
     import torch
-    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     out = Path(out_dir)
@@ -200,15 +190,36 @@ def build_vlm(
     model = Idefics3ForConditionalGeneration(cfg).eval()
     eos = tok.eos_token_id
     body = model.model.text_model
-    with torch.no_grad():  # the chatty trick of build_model (see there), plus a silenced placeholder
+    h0 = _make_chatty(model, body, eos, mean_turn_tokens)
+    with torch.no_grad():  # the placeholder's logit far below the others: never sampled
+        model.lm_head.weight[image_token, 0] = -30.0 / h0
+    _save(model, out, tok, mean_turn_tokens, seed)
+    return out
+
+
+def _make_chatty(model: Any, body: Any, eos: int, mean_turn_tokens: float) -> float:
+    """Give the end-of-turn token a near-constant logit so P(eos) ~ 1 / ``mean_turn_tokens``; return h[0].
+
+    Dimension 0 of every embedding is a constant 1.0, which dominates the residual stream's RMS, so after
+    the final RMSNorm h[0] ~ sqrt(hidden). A weight on that dimension in the EOS row of the head then adds
+    a near-constant logit.
+    """
+    import torch
+
+    vocab = body.embed_tokens.weight.shape[0]
+    with torch.no_grad():
         body.embed_tokens.weight[:, 0] = 1.0
         model.lm_head.weight[:, 0] = 0.0
-        probe = torch.randint(0, len(tok), (1, 64))
+        probe = torch.randint(0, vocab, (1, 64))
         h0 = body(probe).last_hidden_state[0, :, 0].mean().item()
-        target = math.log((len(tok) - 1) / max(mean_turn_tokens - 1.0, 1e-3))
+        target = math.log((vocab - 1) / max(mean_turn_tokens - 1.0, 1e-3))
         model.lm_head.weight[eos, 0] = target / h0
-        model.lm_head.weight[image_token, 0] = -30.0 / h0
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    return h0
+
+
+def _save(model: Any, out: Path, tok: Any, mean_turn_tokens: float, seed: int) -> None:
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     (out / "agentrl_tiny.json").write_text(json.dumps({"mean_turn_tokens": mean_turn_tokens, "seed": seed}))
-    return out
