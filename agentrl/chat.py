@@ -106,7 +106,9 @@ class ChatTemplate:
             raise ValueError(f"tool_template must be auto, native or builtin, not {tool_template!r}")
         self.tokenizer = tokenizer
         if template is None and vision is not None and getattr(vision.processor, "chat_template", None):
-            template = vision.processor.chat_template  # the multimodal one (chat_template.json of VLM repos)
+            # the processor's (multimodal) template wins over the tokenizer's, as transformers' processors
+            # render: VLM repos keep it in chat_template.json, which AutoTokenizer does not read
+            template = vision.processor.chat_template
         self.native = _template_source(tokenizer, template)
         self.tool_template = tool_template
         self.vision = vision
@@ -133,6 +135,14 @@ class ChatTemplate:
         form (an image part as ``{"type": "image"}``); for the built-in tool template, which writes contents
         as strings, each content as one string with images as the model's marker."""
         source = self.template_for(tools)
+        if self.vision is not None and source is not BUILTIN_TOOL_TEMPLATE:
+            # a VLM's own template may read only part lists (SmolVLM's chat_template.json): every string
+            # content becomes one text part, as transformers' processors do
+            wrapped = [
+                {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                for m in messages
+            ]
+            return source, template_messages(wrapped, join_text=False)
         if not any(isinstance(m.get("content"), list) for m in messages):
             return source, list(messages)
         out = template_messages(messages)
@@ -216,6 +226,8 @@ class ChatTemplate:
         :class:`~agentrl.vlm.Expanded` (ids with every image's placeholder tokens, and the images' pixels)."""
         if not messages:
             raise TemplateError("the first observation has no messages")
+        if images and self.vision is None:
+            self.encode_images("", images)  # the text-only refusal, before a template meets part lists
         text = self.render(messages, tools, add_generation_prompt=True)
         return text, self.encode_images(text, images)
 

@@ -125,17 +125,15 @@ def _from_url(url: str, max_pixels: int, files: bool) -> Any:
 
 
 def _rgb(img: Any) -> Any:
-    """RGB as transformers' ``convert_to_rgb`` makes it: transparent pixels composited onto white, not black."""
+    """RGB as transformers' ``convert_to_rgb`` makes it (every other mode through RGBA, composited onto white:
+    transparent pixels become white, not black); always a copy, so an env that redraws its canvas in place
+    never changes a picture already taken."""
     PILImage = _pil()
     if img.mode == "RGB":
-        return img
-    if img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-    if "A" in img.getbands():
-        rgba = img.convert("RGBA")
-        white = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return PILImage.alpha_composite(white, rgba).convert("RGB")
-    return img.convert("RGB")
+        return img.copy()
+    rgba = img.convert("RGBA")
+    white = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return PILImage.alpha_composite(white, rgba).convert("RGB")
 
 
 def load_image(source: Any, *, max_pixels: int = MAX_IMAGE_PIXELS, url: bool = True, files: bool = True) -> Image:
@@ -238,10 +236,11 @@ def normalize(
     return out, images
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+def template_messages(messages: Sequence[Mapping[str, Any]], *, join_text: bool = True) -> list[Any]:
     """Messages as transformers' multimodal chat templates read them: each image part becomes
     ``{"type": "image"}`` (rendered as the model's image marker), text parts stay, nothing is decoded.
-    A list of text parts only becomes one string (OpenAI's meaning), which text-only templates can render."""
+    ``join_text``: a list of text parts only becomes one string (OpenAI's meaning), which text-only
+    templates can render (a VLM's template keeps the list)."""
     out: list[Any] = []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -251,7 +250,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
         parts = []
         for j, p in enumerate(content):
             parts.append({"type": "image"} if _part_image(p, f"message {i} part {j}") is not None else dict(p))
-        if all(p["type"] == "text" for p in parts):
+        if join_text and all(p["type"] == "text" for p in parts):
             out.append({**m, "content": "".join(p["text"] for p in parts)})
         else:
             out.append({**m, "content": parts})

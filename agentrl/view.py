@@ -224,7 +224,7 @@ def _image_anchors(tokens: list[int], placeholder: int | None, count: int, sizes
     if placeholder is None:
         return []
     at = [j for j, t in enumerate(tokens) if t == placeholder]
-    if isinstance(sizes, list) and len(sizes) == count and all(isinstance(n, int) and n > 0 for n in sizes):
+    if isinstance(sizes, list) and len(sizes) == count and all(type(n) is int and n > 0 for n in sizes):
         if sum(sizes) != len(at):
             return []
         firsts = [sum(sizes[:k]) for k in range(count)]

@@ -59,8 +59,9 @@ class VisionFamily(abc.ABC):
 
     model_types: tuple[str, ...] = ()
 
-    cache_images = 256
-    """Processed pictures kept by digest: an episode's every turn (and its template check) renders them all."""
+    cache_bytes = 1 << 30
+    """Processed pictures kept by digest, up to this many bytes of arrays: an episode's every turn (and its
+    template check) renders them all, and a split SmolVLM picture is ~55 MB of float32 crops."""
 
     def __init__(self, processor: Any):
         self.processor = processor
@@ -68,6 +69,7 @@ class VisionFamily(abc.ABC):
         self.marker: str = processor.image_token
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.marker))
         self._pixels: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()  # episodes process pictures in worker threads
 
     def expand(self, text: str, images: Sequence[Image]) -> Expanded:
@@ -99,10 +101,15 @@ class VisionFamily(abc.ABC):
                 self._pixels.move_to_end(image.digest)
                 return hit
         out = self.process(image)
+        for a in out.values():
+            a.setflags(write=False)  # shared by every sample that holds this picture
+        size = sum(a.nbytes for a in out.values())
         with self._lock:
             self._pixels[image.digest] = out
-            while len(self._pixels) > self.cache_images:
-                self._pixels.popitem(last=False)
+            self._bytes += size
+            while self._bytes > self.cache_bytes and len(self._pixels) > 1:
+                _, old = self._pixels.popitem(last=False)
+                self._bytes -= sum(a.nbytes for a in old.values())
         return out
 
     @abc.abstractmethod

@@ -106,7 +106,11 @@ class Shapes(agentrl.Env):
         n: int = 64, seed: int = 0, pictures: int = DEFAULT_PICTURES, max_shapes: int = DEFAULT_MAX_SHAPES
     ) -> list[dict[str, Any]]:
         """``n`` episodes (deterministic for a seed) of ``pictures`` pictures with 1..``max_shapes`` shapes each."""
-        for name, value, hi in (("pictures", pictures, Shapes.max_turns), ("max_shapes", max_shapes, GRID * GRID)):
+        for name, value, hi in (
+            ("n", n, 10**6),
+            ("pictures", pictures, Shapes.max_turns),
+            ("max_shapes", max_shapes, GRID * GRID),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
                 raise ValueError(f"Shapes.tasks: {name} must be a whole number from 1 to {hi}, got {value!r}")
         rng = random.Random(seed)

@@ -642,3 +642,44 @@ def test_the_processors_chat_template_renders_when_the_tokenizer_has_none(tiny_v
     assert template.native == vision.processor.chat_template
     msgs, images = normalize([{"role": "user", "content": [{"type": "image", "image": picture()}]}])
     assert template.prompt_images(msgs, images)[0] == "<|im_start|>user\n<image><|im_end|>\n<|im_start|>assistant\n"
+
+
+LIST_ONLY_TEMPLATE = (  # SmolVLM's chat_template.json as published: it reads every content as a part list
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_vlm_template_that_reads_only_part_lists_renders_strings_as_text_parts(tiny_vlm):
+    from transformers import AutoTokenizer
+
+    template = ChatTemplate(
+        AutoTokenizer.from_pretrained(tiny_vlm), template=LIST_ONLY_TEMPLATE, vision=vision_for(tiny_vlm)
+    )
+    msgs, images = normalize(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "image", "image": picture()}, {"type": "text", "text": "n?"}]},
+        ]
+    )
+    text, ex = template.prompt_images(msgs, images)
+    assert text == "<|im_start|>System: be brief<|im_end|>\nUser:<image>n?<|im_end|>\nAssistant:"
+    assert ex.ids.count(template.vision.image_token_id) == 4
+    delta = template.observation_delta(
+        [{"role": "user", "content": "and now?"}], last_token_text="<|im_end|>", first_messages=msgs
+    )
+    assert delta == "\nUser: and now?<|im_end|>\nAssistant:"
+
+
+def test_a_picture_taken_is_a_copy_and_its_arrays_are_read_only(template):
+    canvas = picture((1, 2, 3))
+    taken = load_image(canvas)
+    canvas.putpixel((0, 0), (9, 9, 9))  # the env redraws its canvas in place
+    assert taken.pil.getpixel((0, 0)) == (1, 2, 3) and taken.digest == load_image(picture((1, 2, 3))).digest
+    arrays = template.vision.pixels(taken)
+    assert not arrays["pixel_values"].flags.writeable
+    with pytest.raises(ValueError):
+        arrays["pixel_values"][0, 0, 0, 0] = 1.0

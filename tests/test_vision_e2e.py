@@ -328,3 +328,18 @@ async def test_a_rewrite_that_only_extends_keeps_one_sample_with_every_picture(t
     for s, lp in zip(batch, old):
         m = torch.tensor(s.loss_mask, dtype=torch.bool)
         assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4
+
+
+async def test_a_text_only_model_fails_picture_episodes_with_the_reason(tiny_server, tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    ctx = EpisodeContext(
+        engine=SGLangEngine(tiny_server),
+        template=ChatTemplate(AutoTokenizer.from_pretrained(tiny_ckpt)),
+        config=RolloutConfig(rollout_max_turn_len=16, max_turns=2),
+    )
+    samples, _ = await generate_rollout(ctx, Shapes, Shapes.tasks(2))
+    await ctx.engine.close()
+    for s in samples:
+        assert s.status == Status.FAILED and s.status_reason == "image", s.metadata
+        assert "the model is text-only" in s.metadata["error"]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from agentrl.adapters.gymnasium import json_safe
 from agentrl.env import Env, call_env, check_reset, check_step
-from agentrl.images import count_images, normalize
+from agentrl.images import ImageError, count_images, normalize
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
 from agentrl.rollout.episode import release_episode, unique_call_ids
 from agentrl.types import Action, ToolCall
@@ -114,21 +114,6 @@ class ResetData(BaseModel):
 class _Message(_Strict):
     type: str
     data: dict[str, Any] = Field(default_factory=dict)
-
-
-def _pictures_as_urls(messages: list[Any]) -> list[Any]:
-    """Messages whose pictures (PIL images from a Python env) travel as data-URL image parts: JSON can carry them."""
-    return normalize(messages)[0] if count_images(messages) else messages
-
-
-def _reset_json(result: Any) -> tuple[list[Any], dict]:
-    obs, info = check_reset(result)
-    return _pictures_as_urls(obs), info
-
-
-def _step_json(result: Any) -> tuple[list[Any], float, bool, bool, dict]:
-    obs, reward, terminated, truncated, info = check_step(result)
-    return _pictures_as_urls(obs), reward, terminated, truncated, info
 
 
 class Failed(Exception):
@@ -223,7 +208,8 @@ class Session:
         timeout = getattr(env, "step_timeout", None) or self.server.step_timeout
         episode = Episode(env, req.episode_id or uuid.uuid4().hex, timeout, getattr(env, "max_turns", None))
         self.episode = episode
-        obs, info = await self._call("reset", _reset_json, env.reset, seed=req.seed, options=task)
+        obs, info = await self._call("reset", check_reset, env.reset, seed=req.seed, options=task)
+        obs = await self._json_safe(obs)
         return {"observation": {"messages": obs, "info": info, "truncated": False}, "reward": None, "done": False}
 
     async def step(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +224,8 @@ class Session:
             raise Failed("EXECUTION_ERROR", "the episode is over (done): send reset to start another")
         call_tool = data.get("type") == "call_tool"
         action = self._action(data, ep)
-        messages, reward, terminated, truncated, info = await self._call("step", _step_json, ep.env.step, action)
+        messages, reward, terminated, truncated, info = await self._call("step", check_step, ep.env.step, action)
+        messages = await self._json_safe(messages)
         ep.turns += 1
         if not (terminated or truncated) and ep.max_turns and ep.turns >= ep.max_turns:
             truncated = True  # the rollout loop's own limit, applied here so every client gets it
@@ -290,6 +277,17 @@ class Session:
         log.warning("episode %s failed: %s", ep.episode_id, why)
         await self.end_episode()
         raise Failed("EXECUTION_ERROR", f"the env failed, episode over: {why}")
+
+    async def _json_safe(self, messages: list[Any]) -> list[Any]:
+        """Messages whose pictures (PIL images from a Python env) travel as data-URL image parts (JSON can carry
+        them), encoded in a worker thread; a picture that cannot be used ends the episode, as a bad return."""
+        if not count_images(messages):
+            return messages
+        try:
+            return (await asyncio.to_thread(normalize, messages))[0]
+        except ImageError as exc:
+            await self.end_episode()
+            raise Failed("EXECUTION_ERROR", f"the env failed, episode over: {exc}") from None
 
     async def end_episode(self, keep_state: bool = False) -> None:
         """Close the episode's env (once) and give back its sandbox; errors are logged, not raised."""

@@ -270,14 +270,17 @@ async def run_episode(
         pictures = Pictures()
         try:
             if images or ctx.template.vision is not None:  # the processor, in a worker thread
-                _, expanded = await asyncio.to_thread(ctx.template.prompt_images, obs, images, tools)
+                try:
+                    _, expanded = await asyncio.to_thread(ctx.template.prompt_images, obs, images, tools)
+                except TemplateError as exc:
+                    raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
                 prompt_ids = expanded.ids
                 pictures.add(images, expanded, sample)
             else:
                 _, prompt_ids = ctx.template.prompt(obs, tools)
             delta_context = ctx.template.delta_context(tools, obs)
         except TemplateError as exc:
-            raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
+            raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
         convo_images = list(images)  # every image of the conversation, in order (a new segment's prompt holds them all)
         ledger = TokenLedger(prompt_ids)
         convo = list(obs)
@@ -514,13 +517,6 @@ async def _generate_turn(
             raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
         start = len(ledger.response_ids)
         ledger.append_model(out.output_ids, out.output_logprobs, continues_turn=attempt > 0)
-        if sampled_placeholder(ctx, out.output_ids):  # checked before a resume sends it back to the engine
-            raise _EndEpisode(
-                Status.FAILED,
-                "image_token_sampled",
-                f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
-                "and the trainer would take it for a picture that does not exist",
-            )
         turn_ids += out.output_ids
         turn_lps += out.output_logprobs
         if out.routed_experts is not None:  # the reply covers every token forwarded so far: keep the latest
@@ -531,6 +527,13 @@ async def _generate_turn(
                 sample.metadata.setdefault("version_spans", []).append([start, len(ledger.response_ids)])
         if out.spec is not None:
             sample.spec_info.add(out.spec)
+        if sampled_placeholder(ctx, out.output_ids):  # after the turn's bookkeeping, before a resume sends it back
+            raise _EndEpisode(
+                Status.FAILED,
+                "image_token_sampled",
+                f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
+                "and the trainer would take it for a picture that does not exist",
+            )
         if out.finish_reason != "abort":
             return dataclasses.replace(out, output_ids=turn_ids, output_logprobs=turn_lps)
         # what a restart would have sampled again: every token of the episode so far (earlier turns included)

@@ -42,6 +42,7 @@ from agentrl.engines.base import Engine, EngineError
 from agentrl.env import Env, EnvContractError, call_env, check_messages
 from agentrl.images import count_images
 from agentrl.parsing import get_parser
+from agentrl.rollout.vision import sampled_placeholder
 from agentrl.types import Action, Message, Sample, Status
 
 
@@ -238,6 +239,8 @@ async def run_roles_episode(
             led.append_model(out.output_ids, out.output_logprobs)
             s.weight_versions.append(out.weight_version)
             s.metadata["finish_reasons"].append(out.finish_reason)
+            if sampled_placeholder(ctx, out.output_ids):  # the trainer would take it for a picture
+                raise end_episode(Status.FAILED, "image_token_sampled", f"role {role!r} sampled the image placeholder")
             if out.finish_reason == "length":
                 hit = context_len is not None and len(led) >= context_len - 1
                 spent = whole is not None and len(led) - seat.prompt_len >= whole

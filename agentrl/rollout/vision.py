@@ -45,7 +45,7 @@ class Pictures:
         if not self.images:
             return
         sample.multimodal_inputs = {"images": [im.url for im in self.images]}
-        sample.metadata["image_tokens"] = list(self.tokens)  # where each picture's placeholders end (agentrl view)
+        sample.metadata["image_tokens"] = list(self.tokens)  # placeholders per picture (agentrl view places them)
         train: dict[str, list] = {}
         for p in self.pixels:
             for k, v in p.items():

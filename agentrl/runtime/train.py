@@ -775,5 +775,5 @@ def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
     if cfg.trainer_world_size > 1:  # FSDP2 would shard the embeddings and vision tower the SDK calls before forward
         raise ValueError(
             f"a vision-language policy trains on one rank here (this run: {cfg.trainer_world_size}): set "
-            "--trainer-num-procs 1 (on GPUs: one trainer GPU)"
+            "--trainer-num-procs 1 (on GPUs: --actor-num-nodes 1 --actor-num-gpus-per-node 1)"
         )

@@ -723,8 +723,8 @@ class LocalEngine:
         while self._waiting and len(new) < len(free):
             req = self._waiting.popleft()
             if req.images is not None and req.images.features is None:
-                try:  # the vision tower, now: a picture it cannot take fails this request only
-                    self.vision.compute(req.images)  # type: ignore[union-attr]
+                try:  # the vision tower, now (past the prefix it will reuse): a picture it cannot take fails it only
+                    self.vision.compute(req.images, self._best_prefix(req)[1])  # type: ignore[union-attr]
                 except BaseException as exc:  # noqa: BLE001
                     self._fail(req, exc)
                     continue

@@ -10,8 +10,9 @@ The prefix cache compares keys, so two prompts with the same placeholders but di
 share nothing past the first picture (SGLang pads its radix-tree keys with image hashes the same way).
 
 The features (vision tower + connector, the engine's current weights) are computed in the worker
-thread when a prefill chunk first touches an image's placeholders, and cached by digest (LRU) for the
-next turn of the episode; a weight update clears the cache.
+thread when it admits the request, for the images past the prefix it reuses (a picture the vision tower
+cannot take fails that request alone), and cached by digest (LRU) for the next turn of the episode; a
+weight update clears the cache.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from agentrl.images import Image, ImageError, load_image
 MAX_IMAGES_PER_REQUEST = 512
 """More images in one request are refused (HTTP 400): a bound on the work one request can ask for."""
 
+MAX_REQUEST_PIXELS = 1 << 28
+"""All of a request's pictures together (width x height summed) are refused past this (HTTP 400)."""
+
 
 @dataclass
 class RequestImages:
@@ -40,7 +44,7 @@ class RequestImages:
     positions: np.ndarray  # [P] prompt positions of the placeholders, ascending
     owner: np.ndarray  # [P] which image each placeholder belongs to
     offset: np.ndarray  # [P] its row in that image's features
-    features: list[torch.Tensor] | None = None  # per image, once computed (:meth:`EngineVision.compute`)
+    features: list[torch.Tensor | None] | None = None  # per image, once computed (None: inside a reused prefix)
 
 
 def _key_id(digest: str, offset: int) -> int:
@@ -52,7 +56,7 @@ def _key_id(digest: str, offset: int) -> int:
 class EngineVision:
     """The served VLM's :class:`~agentrl.vlm.VisionFamily`, its model, and a feature cache."""
 
-    def __init__(self, family: Any, model: Any, *, cache_images: int = 64):
+    def __init__(self, family: Any, model: Any, *, cache_images: int = 256):
         self.family = family
         self.model = model
         self.cache_images = cache_images
@@ -91,6 +95,8 @@ class EngineVision:
                 ) from None
             images.append(img)
             pixels.append(px)
+            if sum(im.size[0] * im.size[1] for im in images) > MAX_REQUEST_PIXELS:
+                raise InvalidRequestError(f"image_data: the pictures hold over {MAX_REQUEST_PIXELS} pixels together")
             counts.append(self.family.tokens_for(px))
         if sum(counts) != len(where):
             raise InvalidRequestError(
@@ -103,11 +109,14 @@ class EngineVision:
         key[where] = [_key_id(images[o].digest, int(j)) for o, j in zip(owner, offset)]
         return key, RequestImages(images, pixels, where, owner, offset)
 
-    def compute(self, req: RequestImages) -> None:
-        """Every image's feature rows onto ``req`` (from the cache by digest, else the vision tower): the
-        worker calls it when it admits the request, so a failure fails that request alone."""
-        feats = []
-        for i, image in enumerate(req.images):
+    def compute(self, req: RequestImages, start: int = 0) -> None:
+        """The feature rows of every image with a placeholder at or after prompt position ``start`` onto ``req``
+        (from the cache by digest, else the vision tower; images wholly inside a reused prefix are skipped).
+        The worker calls it when it admits the request, so a failure fails that request alone."""
+        at = int(np.searchsorted(req.positions, start))  # the first placeholder at or after start
+        first = int(req.owner[at]) if at < len(req.positions) else len(req.images)
+        feats: list[torch.Tensor | None] = [None] * first
+        for i, image in enumerate(req.images[first:], start=first):
             f = self._features.get(image.digest)
             if f is None:
                 f = self.family.features(self.model, req.pixels[i])
@@ -128,10 +137,10 @@ class EngineVision:
         lo, hi = np.searchsorted(req.positions, [start, stop])
         if lo == hi:
             return None
-        if req.features is None:
-            self.compute(req)
-        assert req.features is not None
         owners, offsets = req.owner[lo:hi], req.offset[lo:hi]
+        if req.features is None or any(req.features[int(o)] is None for o in np.unique(owners)):
+            self.compute(req, int(req.positions[lo]))  # the prefix reused turned out shorter than at admission
+        assert req.features is not None
         parts = []
         for o in np.unique(owners):
             sel = owners == o

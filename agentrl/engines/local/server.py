@@ -561,10 +561,12 @@ def _expand_text(engine: LocalEngine, text: str, items: list[str]) -> list[int]:
         ids = engine.vision.family.expand(text, images).ids
     except (ImageError, ValueError) as exc:
         raise InvalidRequestError(f"image_data: {exc}") from None
-    # the special tokens (BOS) the tokenizer adds to a text prompt without pictures, added here too
+    # the special tokens (BOS, EOS) the tokenizer adds to a text prompt without pictures, added here too
     plain, bare = engine.tokenizer.encode(text), engine.tokenizer.encode(text, add_special_tokens=False)
-    head = len(plain) - len(bare) if plain[len(plain) - len(bare) :] == bare else 0
-    return plain[:head] + ids
+    at = next((i for i in range(len(plain) - len(bare) + 1) if plain[i : i + len(bare)] == bare), None)
+    if at is None:
+        return ids
+    return plain[:at] + ids + plain[at + len(bare) :]
 
 
 def _version() -> str:
