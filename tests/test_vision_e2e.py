@@ -31,7 +31,8 @@ def _ctx(url, tiny_vlm, **cfg) -> EpisodeContext:
     from transformers import AutoTokenizer
 
     template = ChatTemplate(AutoTokenizer.from_pretrained(tiny_vlm), vision=vision_for(tiny_vlm))
-    config = RolloutConfig(**{"rollout_max_turn_len": 48, "max_turns": 4, **cfg})
+    # 200 tokens: the tiny VLM ends a turn after ~10 (P(a length finish) ~ 0.9**200), so no test sees one
+    config = RolloutConfig(**{"rollout_max_turn_len": 200, "max_turns": 4, **cfg})
     return EpisodeContext(engine=SGLangEngine(url), template=template, config=config)
 
 
@@ -343,3 +344,20 @@ async def test_a_text_only_model_fails_picture_episodes_with_the_reason(tiny_ser
     for s in samples:
         assert s.status == Status.FAILED and s.status_reason == "image", s.metadata
         assert "the model is text-only" in s.metadata["error"]
+
+
+async def test_the_chat_completions_adapter_sends_the_pictures_as_image_parts(tiny_vlm_server, tiny_vlm):
+    """``--engine-api chat`` (evaluation of API models): the conversation goes out with its pictures as OpenAI
+    image parts; the samples are marked not token-exact, as every chat-completions sample is."""
+    from transformers import AutoTokenizer
+
+    from agentrl.engines.http import ChatCompletionsEngine
+
+    template = ChatTemplate(AutoTokenizer.from_pretrained(tiny_vlm), vision=vision_for(tiny_vlm))
+    engine = ChatCompletionsEngine(tiny_vlm_server, template)
+    ctx = EpisodeContext(engine=engine, template=template, config=RolloutConfig(rollout_max_turn_len=200, max_turns=4))
+    samples, _ = await generate_rollout(ctx, Shapes, Shapes.tasks(2, seed=4))
+    await engine.close()
+    for s in samples:
+        assert s.status == Status.COMPLETED and not s.token_exact, s.metadata
+        assert len(s.turn_spans) == 2 and len(s.multimodal_inputs["images"]) == 2
