@@ -239,6 +239,11 @@ def load_vision_model(path: str | Path, dtype: Any, device: Any) -> Any:
     return model.to(device)
 
 
+def by_key(pixels: Sequence[dict[str, np.ndarray]]) -> dict[str, list[np.ndarray]]:
+    """Per-image arrays as ``multimodal_train_inputs`` holds them: one list per key, one entry per image."""
+    return {k: [p[k] for p in pixels] for k in pixels[0]} if pixels else {}
+
+
 def image_positions(tokens: Sequence[int], image_token_id: int) -> np.ndarray:
     """Positions of the image placeholders in ``tokens`` (an episode whose policy sampled the placeholder
     token fails before it reaches a trainer, so every one of them is a picture's)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from agentrl.images import Image, count_images, normalize
 from agentrl.types import Message, Sample
+from agentrl.vlm import by_key
 
 
 @dataclass
@@ -46,11 +47,7 @@ class Pictures:
             return
         sample.multimodal_inputs = {"images": [im.url for im in self.images]}
         sample.metadata["image_tokens"] = list(self.tokens)  # placeholders per picture (agentrl view places them)
-        train: dict[str, list] = {}
-        for p in self.pixels:
-            for k, v in p.items():
-                train.setdefault(k, []).append(v)
-        sample.multimodal_train_inputs = train
+        sample.multimodal_train_inputs = by_key(self.pixels)
 
     @property
     def urls(self) -> list[str]:

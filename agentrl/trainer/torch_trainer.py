@@ -62,7 +62,7 @@ from agentrl.trainer.base import (
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, plain_head
 from agentrl.trainer.lean_activations import make_lean
-from agentrl.vlm import load_vision_model, vision_for
+from agentrl.vlm import by_key, load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
@@ -254,7 +254,7 @@ class TorchTrainer(Trainer):
                 pixels = [self.vision.pixels(load_image(u)) for u in urls]
             except ValueError as exc:  # ImageError, or the processor refusing it
                 raise ValueError(f"sample {i}: {exc}") from None
-            s.multimodal_train_inputs = {k: [p[k] for p in pixels] for k in pixels[0]}  # kept: later passes reuse it
+            s.multimodal_train_inputs = by_key(pixels)  # kept: later passes reuse it
 
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""

@@ -27,6 +27,7 @@ import torch
 
 from agentrl.engines.local.sampling import InvalidRequestError
 from agentrl.images import Image, ImageError, load_image
+from agentrl.vlm import image_positions
 
 MAX_IMAGES_PER_REQUEST = 512
 """More images in one request are refused (HTTP 400): a bound on the work one request can ask for."""
@@ -70,7 +71,7 @@ class EngineVision:
         """The request's prefix-cache key and images; :class:`InvalidRequestError` for a bad request."""
         ids = np.asarray(input_ids, dtype=np.int64)
         placeholder = self.family.image_token_id
-        where = np.flatnonzero(ids == placeholder)
+        where = image_positions(ids, placeholder)
         if image_data is None or (isinstance(image_data, list) and not image_data):
             if len(where):
                 raise InvalidRequestError(
@@ -141,11 +142,9 @@ class EngineVision:
         if req.features is None or any(req.features[int(o)] is None for o in np.unique(owners)):
             self.compute(req, int(req.positions[lo]))  # the prefix reused turned out shorter than at admission
         assert req.features is not None
+        # placeholders run in image order, each image's rows consecutively: one slice per image, in order
         parts = []
         for o in np.unique(owners):
-            sel = owners == o
-            parts.append((np.flatnonzero(sel), req.features[int(o)][torch.from_numpy(offsets[sel])]))
-        feats = torch.empty(hi - lo, parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=parts[0][1].device)
-        for idx, f in parts:
-            feats[torch.from_numpy(idx)] = f
-        return req.positions[lo:hi] - start, feats
+            rows = offsets[owners == o]
+            parts.append(req.features[int(o)][int(rows[0]) : int(rows[-1]) + 1])  # type: ignore[index]
+        return req.positions[lo:hi] - start, torch.cat(parts)

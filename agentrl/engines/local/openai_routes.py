@@ -37,6 +37,7 @@ from fastapi.responses import StreamingResponse
 from agentrl.chat import ChatTemplate
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+from agentrl.images import count_images
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
 """The server's tool-call hook: text -> (content, OpenAI ``tool_calls``). One from
@@ -137,7 +138,7 @@ def add_openai_routes(
         req = P.ChatCompletionRequest.parse(await json_body(request))
         tools, prefix, parse = _tool_plan(req, tool_parser)
         messages, kwargs = req.message_dicts(), req.chat_template_kwargs or {}
-        if _has_images(messages):  # decoding and the processor off the event loop
+        if count_images(messages):  # decoding and the processor off the event loop
             ids, images = await asyncio.to_thread(_render_images, tok, chat_template, engine, messages, tools, kwargs)
         else:
             ids, images = _render_chat(tok, chat_template, messages, tools, kwargs), []
@@ -410,12 +411,6 @@ async def check_jobs(engine: LocalEngine, jobs: list[dict]) -> None:
     """``engine.check_request`` for each job, before any runs (pictures decoded in a worker thread)."""
     for job in jobs:
         await engine.check_request(**job)
-
-
-def _has_images(messages: list[dict]) -> bool:
-    return any(
-        isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"]) for m in messages
-    )
 
 
 def _render_images(
