@@ -19,6 +19,7 @@ import time
 import pytest
 
 from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 
@@ -37,6 +38,52 @@ def _server_processes(ckpt) -> list:
 def _lines(save) -> list[dict]:
     path = save / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+_LOOPBACK_PROBE = """
+import json, psutil, ray
+from agentrl.runtime.cluster import init_ray
+
+init_ray(num_cpus=1)
+
+
+@ray.remote(num_cpus=0)
+def node_ip():
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+session = ray._private.worker._global_node.get_session_dir_path()
+listening = []
+for p in psutil.process_iter(["cmdline"]):
+    if any(session in part for part in p.info["cmdline"] or []):
+        try:
+            listening += [c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
+nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
+print(json.dumps({"nodes": nodes, "actor": ray.get(node_ip.remote()), "listening": listening}))
+"""
+
+
+def test_a_local_cluster_binds_and_dials_loopback_only():
+    """The private cluster ``init_ray`` starts lives on 127.0.0.1: its node address, an actor's view of it,
+    and every TCP socket its GCS and raylet listen on. Ray on Linux would use the machine's network address;
+    the child process starts without the switch the test suite's conftest sets, as a user's run does."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    out = subprocess.run(
+        [sys.executable, "-c", _LOOPBACK_PROBE], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["nodes"] == ["127.0.0.1"] and seen["actor"] == "127.0.0.1", seen
+    listening = {ip.removeprefix("::ffff:") for ip in seen["listening"]}
+    assert listening, "found no listening socket of the cluster's own processes"
+    assert listening <= {"127.0.0.1", "::1"}, seen
 
 
 @pytest.mark.parametrize("weight_sync, async_mode", [("disk", False), ("nccl", False), ("nccl", True)])

@@ -345,11 +345,11 @@ def test_token_balanced_shards():
 def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
     """Two Ray actors sharding with FSDP2 over gloo take the same step as one unsharded rank (< 40 s)."""
     ray = pytest.importorskip("ray")
+    from agentrl.runtime.cluster import init_ray
     from agentrl.runtime.trainer_group import TrainerGroup
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2)
     t0 = time.perf_counter()
     samples = make_samples(8, seed=15)  # at budget 24, each step's two shards pack into 1 and 2 micro-batches
     # lr small: Adam's update g / (|g| + 1e-8) amplifies float-summation-order noise where |g| ~ 1e-8;

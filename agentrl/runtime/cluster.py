@@ -3,7 +3,9 @@
 Locally, ``ray.init()`` starts a private cluster quietly (dashboard off, logs not echoed); with
 ``--ray-address`` or ``RAY_ADDRESS`` it joins an existing one. Ray 2.60 enables token
 authentication for new local clusters (the token lands in ``~/.ray/auth_token``); it stays on,
-``RAY_AUTH_MODE=disabled`` turns it off.
+``RAY_AUTH_MODE=disabled`` turns it off. A private cluster lives on loopback: Ray otherwise binds its
+GCS, raylet and object store to the machine's network address and talks to itself through it, which a
+one-machine run has no reason to do (see :func:`init_ray`).
 
 Placement: one placement group holds a bundle per trainer rank and per engine. ``--colocate``
 puts each engine in the bundle of a trainer rank (they share the device; the engine releases its
@@ -62,7 +64,21 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None
     if address:
         ray.init(address=address, **kwargs)
     else:
+        _loopback_only()
         ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+
+
+def _loopback_only() -> None:
+    """Make a private local cluster bind and dial 127.0.0.1 only, as Ray does on macOS and Windows.
+
+    ``ray.init(_node_ip_address="127.0.0.1")`` is not enough: Ray rewrites a loopback address to the
+    node's network address. Its own switch for single-machine clusters is read from the environment
+    by every process it starts (GCS, raylet, workers inherit it) and from a module constant here.
+    """
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @dataclass
