@@ -98,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="let /release_memory_occupation free the KV cache (SGLang's flag; without it a release frees nothing)",
     )
     s.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="run decode steps through torch.compile (SGLang's flag): compiled before serving (a minute or two on "
+        "CPU, which needs a C++ compiler), ~10%% faster decode on CPU; for long runs",
+    )
+    s.add_argument(
+        "--torch-compile-max-bs",
+        type=int,
+        default=32,
+        help="largest decode batch the compiled step serves (SGLang's flag); bigger ones run eager",
+    )
+    s.add_argument(
         "--tool-call-parser",
         default="hermes",
         help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
@@ -300,6 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         seed=args.seed,
         enable_memory_saver=args.enable_memory_saver,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
         tool_parser=tool_parser,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
     )

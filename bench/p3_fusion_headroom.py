@@ -13,8 +13,9 @@ of ``--reps`` rounds of 5 steps each. Also printed: the compile time of the firs
 batch size, the largest logit and log-prob difference between the two on the same inputs, and from
 ``torch.profiler`` the share of an eager step spent in matmuls and attention.
 
-Not part of the engine: at these numbers (9% on SmolLM2-135M for 2.5 minutes of compiling, see
-bench/README.md, P3) a compiled decode step does not pay for itself in a run the size of the main job.
+The engine offers the compiled step opt-in (``agentrl serve --enable-torch-compile``, SGLang's flag): at these
+numbers (~9% of a SmolLM2-135M step for 1-3 minutes of compiling, bench/README.md, P3) it does not pay for
+itself in a run the size of the main job, so it is off by default.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """P3 limit: the embedded engine's decode tokens/s as a fraction of what this CPU's fp32 GEMMs allow.
 
     python bench/p3_gemm_limit.py [--hf-checkpoint PATH] [--batch 32] [--prompt 100] [--new 128] [--reps 3]
+                                  [--enable-torch-compile]
 
 At batch 32 both the engine and HF ``generate`` are bound by fp32 matmuls (P3's long-story ratio is
 only ~1.2), so the honest yardstick is the machine: how fast can this CPU run the matmuls one decode
@@ -12,6 +13,8 @@ and values (attention at the context length reached). This script times exactly 
 ``--prompt`` random tokens for ``--new`` tokens each (``ignore_eos``); its decode rate excludes
 the prefill (a first call generating 1 token measures it). Reported: engine ÷ limit (1.0 = nothing
 but matmuls), and the GFLOP/s of the GEMMs themselves. Repetitions interleave engine, GEMMs.
+``--enable-torch-compile`` adds a second engine whose decode steps are compiled (``agentrl serve
+--enable-torch-compile``), measured in the same repetitions: engine, compiled engine, GEMMs.
 """
 
 from __future__ import annotations
@@ -100,30 +103,55 @@ async def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="also a second engine with the compiled decode step (agentrl serve --enable-torch-compile), "
+        "measured in the same reps",
+    )
     a = ap.parse_args()
     path = resolve_hf_checkpoint(a.hf_checkpoint)
-    engine = LocalEngine(path, max_running_requests=a.batch, seed=0)
-    cfg = engine.model.config
+    engines = {"engine": LocalEngine(path, max_running_requests=a.batch, seed=0)}
+    if a.enable_torch_compile:
+        t0 = time.perf_counter()
+        engines["compiled"] = LocalEngine(
+            path, max_running_requests=a.batch, seed=0, enable_torch_compile=True, torch_compile_max_bs=a.batch
+        )
+        print(f"compiled engine ready in {time.perf_counter() - t0:.1f}s (load + compile)")
+    cfg = engines["engine"].model.config
     context = a.prompt + a.new // 2  # the mean context length over the decode
     print(f"model {path}, torch threads {torch.get_num_threads()}, batch {a.batch}, mean context {context}")
-    await engine_decode_rate(engine, 4, 16, 8, cfg.vocab_size, 99)  # warm-up
+    for engine in engines.values():
+        await engine_decode_rate(engine, 4, 16, 8, cfg.vocab_size, 99)  # warm-up
     time_gemms(cfg, a.batch, context, iters=2)
-    fractions, rates, limits, gflops = [], [], [], []
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    fractions: dict[str, list[float]] = {name: [] for name in engines}
+    limits, gflops = [], []
     for r in range(a.reps):
-        rate = await engine_decode_rate(engine, a.batch, a.prompt, a.new, cfg.vocab_size, r)
+        got = {
+            name: await engine_decode_rate(e, a.batch, a.prompt, a.new, cfg.vocab_size, r)
+            for name, e in engines.items()
+        }
         t, gf = time_gemms(cfg, a.batch, context)
         limit = a.batch / t
-        rates.append(rate)
         limits.append(limit)
         gflops.append(gf)
-        fractions.append(rate / limit)
-        print(f"rep {r}: engine {rate:.1f} tok/s, GEMM limit {limit:.1f} tok/s ({gf:.1f} GFLOP/s): {rate / limit:.2f}")
-    await engine.close()
-    print(
-        f"P3 limit: engine decode {statistics.median(rates):.1f} tok/s / GEMM-bound "
-        f"{statistics.median(limits):.1f} tok/s = {statistics.median(fractions):.2f} of this CPU's fp32 GEMM limit "
-        f"(median of {a.reps}; GEMMs at {statistics.median(gflops):.1f} GFLOP/s)"
-    )
+        for name, rate in got.items():
+            rates[name].append(rate)
+            fractions[name].append(rate / limit)
+        shown = ", ".join(f"{name} {rate:.1f} tok/s ({rate / limit:.2f})" for name, rate in got.items())
+        print(f"rep {r}: {shown}; GEMM limit {limit:.1f} tok/s ({gf:.1f} GFLOP/s)")
+    for engine in engines.values():
+        await engine.close()
+    for name in engines:
+        print(
+            f"P3 limit ({name}): decode {statistics.median(rates[name]):.1f} tok/s / GEMM-bound "
+            f"{statistics.median(limits):.1f} tok/s = {statistics.median(fractions[name]):.2f} of this CPU's fp32 "
+            f"GEMM limit (median of {a.reps}; GEMMs at {statistics.median(gflops):.1f} GFLOP/s)"
+        )
+    if "compiled" in engines:
+        ratios = [c / e for c, e in zip(rates["compiled"], rates["engine"])]
+        print(f"compiled / eager decode, median of {a.reps}: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

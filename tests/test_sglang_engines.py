@@ -181,6 +181,16 @@ def test_agentrl_command_maps_ignores_and_refuses(caplog):
         )
     with pytest.raises(ValueError, match="no model parallelism"):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", tp_size=2), port=1)
+    # SGLang's torch.compile switches are honoured by agentrl serve (a bare switch when true, nothing when false)
+    compiled = {"enable_torch_compile": True, "torch_compile_max_bs": 16}
+    argv_c = build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args=compiled), port=1)
+    assert argv_c[-3:] == ["--enable-torch-compile", "--torch-compile-max-bs", "16"]
+    off = build_launch_command(
+        SGLangLaunch("/m", binary="agentrl", server_args={"enable_torch_compile": False}), port=1
+    )
+    assert "--enable-torch-compile" not in off
+    with pytest.raises(ValueError, match="--sglang-enable-torch-compile is a switch"):
+        build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"enable_torch_compile": "yes"}), port=1)
     # SGLang's memory saver is a real switch of agentrl serve: colocated launches (and users) turn it on
     assert "--enable-memory-saver" not in argv
     assert (

@@ -54,8 +54,13 @@ EMBEDDED_FLAGS = {
     "max_running_requests": "--max-running-requests",
     "random_seed": "--seed",
     "tool_call_parser": "--tool-call-parser",
+    "enable_torch_compile": "--enable-torch-compile",
+    "torch_compile_max_bs": "--torch-compile-max-bs",
 }
 """ServerArgs fields ``agentrl serve`` understands, and its flag for each."""
+
+EMBEDDED_SWITCHES = frozenset({"enable_torch_compile"})
+"""Of those, the ones ``agentrl serve`` takes as a bare switch (given when true, left out when false)."""
 
 EMBEDDED_IGNORED = frozenset(
     {
@@ -75,8 +80,6 @@ EMBEDDED_IGNORED = frozenset(
         "gpu_id_step",
         "attention_backend",
         "sampling_backend",
-        "enable_torch_compile",
-        "torch_compile_max_bs",
         "chunked_prefill_size",
         "max_prefill_tokens",
         "schedule_policy",
@@ -280,7 +283,11 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
         "--exit-with-stdin",
     ]
     for name, value in extra.items():
-        if name in EMBEDDED_FLAGS:
+        if name in EMBEDDED_SWITCHES:
+            if not isinstance(value, bool):
+                raise ValueError(f"--sglang-{name.replace('_', '-')} is a switch: true or false, got {value!r}")
+            argv += [EMBEDDED_FLAGS[name]] if value else []
+        elif name in EMBEDDED_FLAGS:
             argv += [EMBEDDED_FLAGS[name], str(value)]
     if memory_saver:  # colocated: the trainer's release must free the KV cache
         argv.append("--enable-memory-saver")

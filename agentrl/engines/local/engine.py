@@ -109,6 +109,10 @@ class LocalEngine:
     :class:`~agentrl.cpu_share.CoreShare` (cores left free by other processes, re-checked
     every ~0.2 s of decoding, never below ``min_threads``), so it yields cores to a trainer that
     trains at the same time.
+    ``enable_torch_compile`` / ``torch_compile_max_bs`` (SGLang's server args): decode steps of 2 to
+    ``torch_compile_max_bs`` rows run through ``torch.compile`` (see :meth:`CachedForward.compile_decode`),
+    compiled before the engine takes requests (a minute or two on CPU, which needs a C++ compiler);
+    worth it for long runs only: it wins ~10% of a decode step on CPU.
     """
 
     def __init__(
@@ -125,12 +129,22 @@ class LocalEngine:
         enable_memory_saver: bool = False,
         adaptive_threads: bool = False,
         min_threads: int = 1,
+        enable_torch_compile: bool = False,
+        torch_compile_max_bs: int = 32,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from agentrl.cpu_share import CoreShare
         from agentrl.vlm import load_vision_model, vision_for
 
+        # refused before anything loads: a bad switch, or a compile this machine cannot do
+        self.enable_torch_compile = _strict_bool("enable_torch_compile", enable_torch_compile)
+        bs = torch_compile_max_bs
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= 65536:
+            raise ValueError(f"torch_compile_max_bs must be an integer in [1, 65536], got {bs!r}")
+        self.torch_compile_max_bs = bs
+        if self.enable_torch_compile and torch.device(device).type == "cpu":
+            _check_cpp_compiler()
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
@@ -161,6 +175,8 @@ class LocalEngine:
         self.runner = CachedForward(
             self.model, rows=max_running_requests, max_capacity=self.context_length, body=self.body
         )
+        if self.enable_torch_compile:
+            self._compile()
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
         self.eos_token_ids = self._eos_ids()
@@ -189,6 +205,13 @@ class LocalEngine:
         )
         self._thread = threading.Thread(target=self._run, name="agentrl-local-engine", daemon=True)
         self._thread.start()
+
+    def _compile(self) -> None:
+        """Compile the decode step now, before any request (see the class docstring)."""
+        t0 = time.monotonic()
+        log.info("compiling the decode step (torch.compile, batches of 2 to %d rows) ...", self.torch_compile_max_bs)
+        self.runner.compile_decode(self.torch_compile_max_bs)
+        log.info("decode step compiled in %.1f s", time.monotonic() - t0)
 
     def _eos_ids(self) -> set[int]:
         """EOS ids from the config, the generation config (an int or a list) and the tokenizer."""
@@ -1015,3 +1038,22 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _strict_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _check_cpp_compiler() -> None:
+    """Inductor builds its CPU kernels with the C++ compiler it finds (``$CXX``, else g++ or clang++)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - whatever the lookup raises, the answer is the same
+        raise RuntimeError(
+            f"--enable-torch-compile on CPU needs a C++ compiler for torch's inductor ({exc}): install g++ "
+            "(or set CXX), or drop the flag"
+        ) from exc

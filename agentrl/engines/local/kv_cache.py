@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,6 +182,8 @@ class CachedForward:
             device=p.device,
         )
         self.device = p.device
+        self._compiled: Any = None  # compile_decode(): the compiled decode step
+        self.compile_max_bs = 0
 
     def forward(
         self,
@@ -193,18 +196,69 @@ class CachedForward:
         """``inject``: ``(i, t, rows)`` replaces the embeddings of row ``i`` at token indices ``t`` with
         ``rows`` (image features at their placeholders; ``ids`` there may be anything >= 0)."""
         n, T = ids.shape
+        L = int(start.max()) + T
+        decode = self._compiled is not None and T == 1 and inject is None and isinstance(rows, slice)
+        if decode and rows.start in (0, None) and 2 <= n <= self.compile_max_bs:
+            # one spare position, so the compiled graph never meets a view as long as its buffer (L == capacity
+            # would be a shape case of its own: a recompile mid-run)
+            self.cache.ensure(L + 1)
+            return self._compiled(ids, start, L, self.cache.k, self.cache.v)
+        self.cache.ensure(L)
+        return self._layers(ids, rows, start, L, last, inject, self.cache.k, self.cache.v)
+
+    def compile_decode(self, max_bs: int) -> None:
+        """Run decode steps of 2..``max_bs`` rows through ``torch.compile`` (SGLang's ``--enable-torch-compile``).
+
+        Inductor fuses every op outside the matmuls (norms, rotary, SiLU, residual adds, KV writes) and
+        drops the Python that dispatches them; on CPU that is ~10% of a SmolLM2 decode step
+        (``bench/p3_fusion_headroom.py``). Shapes are dynamic (batch, context, the buffers' capacity): the
+        warm-up compiles the two graphs a run needs (a full batch, a smaller one) before the first request,
+        and a single row (a shape torch always specializes) stays eager, so nothing recompiles while serving.
+        Prefill and picture-bearing forwards stay eager (their shapes vary far more).
+        """
+        self.compile_max_bs = int(max_bs)
+        self._compiled = torch.compile(self._decode, dynamic=True)
+        rows = self.cache.k[0].shape[0]
+        with torch.inference_mode():
+            # the engine grows and re-creates its buffers inside inference mode, and the compiled graph's guards
+            # tell such tensors from ordinary ones: start with buffers of that kind, or the first growth recompiles
+            self.cache.k = [b.clone() for b in self.cache.k]
+            self.cache.v = [b.clone() for b in self.cache.v]
+            for n in sorted({min(max_bs, rows), max(2, min(max_bs, rows) - 1)}, reverse=True):
+                ids = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+                # context 37: not 0/1 (specialized) and unlike any model dimension (equal sizes are traced as one)
+                start = torch.full((n,), 36, dtype=torch.long, device=self.device)
+                self.forward(ids, slice(0, n), start, ids[:, 0])
+
+    def _decode(
+        self, ids: torch.Tensor, start: torch.Tensor, L: int, ks: list[torch.Tensor], vs: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """One decode step of rows ``0..n-1`` (what :meth:`compile_decode` compiles)."""
+        return self._layers(ids, slice(0, ids.shape[0]), start, L, None, None, ks, vs)
+
+    def _layers(
+        self,
+        ids: torch.Tensor,
+        rows: slice | torch.Tensor,
+        start: torch.Tensor,
+        L: int,
+        last: torch.Tensor | None,
+        inject: list[tuple[int, torch.Tensor, torch.Tensor]] | None,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder stack over the KV buffers ``ks``/``vs`` (``last`` None: one token per row)."""
+        n, T = ids.shape
         G, KV, H, D = self.groups, self.kv_heads, self.heads, self.head_dim
         pos = start[:, None] + torch.arange(T, device=self.device)[None, :]  # [n, T]
-        L = int(start.max()) + T
-        self.cache.ensure(L)
-        row_idx = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
+        row_idx = torch.arange(rows.start or 0, rows.stop, device=self.device) if isinstance(rows, slice) else rows
         # mask[i, t, j]: query t of row i may see key position j (causal from its own position).
         mask = torch.arange(L, device=self.device)[None, None, :] <= pos[:, :, None]  # [n, T, L]
         if T > 1 and G > 1:
             mask = mask[:, None, None].expand(n, 1, G, T, L).reshape(n, 1, G * T, L)
         else:
             mask = mask[:, None]  # [n, 1, T, L], broadcast over the G query heads when T == 1
-        cap = self.cache.capacity
+        cap = ks[0].shape[2]
         # Flat row index of (row, kv_head, position) in a buffer viewed as [rows * KV * cap, D]: [n*KV*T]
         flat = (
             (row_idx[:, None, None] * KV + torch.arange(KV, device=self.device)[None, :, None]) * cap + pos[:, None, :]
@@ -222,7 +276,7 @@ class CachedForward:
             if hasattr(a, "q_norm"):
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, H|KV, T, D]
-            kb, vb = self.cache.k[i], self.cache.v[i]
+            kb, vb = ks[i], vs[i]
             kb.view(-1, D).index_copy_(0, flat, k.reshape(-1, D).to(kb.dtype))  # in-place write
             vb.view(-1, D).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, D).to(vb.dtype))
             keys = kb[rows, :, :L] if isinstance(rows, slice) else kb[row_idx, :, :L]  # [n, KV, L, D]
@@ -232,5 +286,5 @@ class CachedForward:
             o = o.view(n, KV, G, T, D).reshape(n, H, T, D).transpose(1, 2).reshape(n, T, H * D)
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.body.norm(h[torch.arange(n, device=self.device), last])  # [n, hidden]
+        h = self.body.norm(h[:, -1] if last is None else h[torch.arange(n, device=self.device), last])  # [n, hidden]
         return self.model.lm_head(h).float()  # [n, vocab]
