@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--enable-torch-compile",
         action="store_true",
-        help="run decode steps through torch.compile (SGLang's flag): compiled before serving (a minute or two on "
-        "CPU, which needs a C++ compiler), ~10%% faster decode on CPU; for long runs",
+        help="run decode steps through torch.compile (SGLang's flag): compiled before serving (1-3 minutes on CPU, "
+        "which needs a C++ compiler), up to ~10%% of a CPU decode step (~4%% measured end to end); for long runs",
     )
     s.add_argument(
         "--torch-compile-max-bs",

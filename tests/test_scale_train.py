@@ -41,10 +41,11 @@ def _lines(save) -> list[dict]:
 
 
 _LOOPBACK_PROBE = """
-import json, psutil, ray
+import json, os, psutil, ray
 from agentrl.runtime.cluster import init_ray
 
 init_ray(num_cpus=1)
+left = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # put back once the cluster is up
 
 
 @ray.remote(num_cpus=0)
@@ -63,7 +64,7 @@ for p in psutil.process_iter(["cmdline"]):
         except psutil.Error:
             pass
 nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
-print(json.dumps({"nodes": nodes, "actor": ray.get(node_ip.remote()), "listening": listening}))
+print(json.dumps({"nodes": nodes, "actor": ray.get(node_ip.remote()), "listening": listening, "left": left}))
 """
 
 
@@ -74,13 +75,14 @@ def test_a_local_cluster_binds_and_dials_loopback_only():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     out = subprocess.run(
         [sys.executable, "-c", _LOOPBACK_PROBE], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["nodes"] == ["127.0.0.1"] and seen["actor"] == "127.0.0.1", seen
+    assert seen["left"] is None, "the switch leaked into the driver's environment (its children would inherit it)"
     listening = {ip.removeprefix("::ffff:") for ip in seen["listening"]}
     assert listening, "found no listening socket of the cluster's own processes"
     assert listening <= {"127.0.0.1", "::1"}, seen

@@ -189,6 +189,8 @@ def test_agentrl_command_maps_ignores_and_refuses(caplog):
         SGLangLaunch("/m", binary="agentrl", server_args={"enable_torch_compile": False}), port=1
     )
     assert "--enable-torch-compile" not in off
+    with pytest.raises(ValueError, match="--sglang-torch-compile-max-bs must be an integer"):
+        build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"torch_compile_max_bs": 16.5}), port=1)
     with pytest.raises(ValueError, match="--sglang-enable-torch-compile is a switch"):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"enable_torch_compile": "yes"}), port=1)
     # SGLang's memory saver is a real switch of agentrl serve: colocated launches (and users) turn it on

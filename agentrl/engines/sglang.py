@@ -287,6 +287,10 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
             if not isinstance(value, bool):
                 raise ValueError(f"--sglang-{name.replace('_', '-')} is a switch: true or false, got {value!r}")
             argv += [EMBEDDED_FLAGS[name]] if value else []
+        elif name == "torch_compile_max_bs" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536
+        ):
+            raise ValueError(f"--sglang-torch-compile-max-bs must be an integer in [1, 65536], got {value!r}")
         elif name in EMBEDDED_FLAGS:
             argv += [EMBEDDED_FLAGS[name], str(value)]
     if memory_saver:  # colocated: the trainer's release must free the KV cache

@@ -18,8 +18,10 @@ in its trainer rank's bundle with ``--colocate`` (actor, critic and engine then 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,21 +66,38 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None
     if address:
         ray.init(address=address, **kwargs)
     else:
-        _loopback_only()
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+        with _loopback_only():
+            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
 
 
-def _loopback_only() -> None:
-    """Make a private local cluster bind and dial 127.0.0.1 only, as Ray does on macOS and Windows.
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While a private local cluster starts, make it bind and dial 127.0.0.1 only, as Ray does on macOS.
 
     ``ray.init(_node_ip_address="127.0.0.1")`` is not enough: Ray rewrites a loopback address to the
-    node's network address. Its own switch for single-machine clusters is read from the environment
-    by every process it starts (GCS, raylet, workers inherit it) and from a module constant here.
+    node's network address. Its own switch for single-machine clusters is read from the environment by
+    the processes it starts (GCS and raylet inherit it, and the workers the raylet's) and from a module
+    constant in this one; both are put back once the cluster is up (the driver then reads its node's
+    address, 127.0.0.1, from the running node), so a later cluster this process joins and the processes
+    it starts are untouched. A value the user set is left alone.
     """
-    from ray._private import ray_constants
-
-    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without that module: start as it would
+        yield
+        return
+    name = getattr(ray_constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    if name in os.environ:
+        yield
+        return
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[name] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 @dataclass

@@ -111,8 +111,9 @@ class LocalEngine:
     trains at the same time.
     ``enable_torch_compile`` / ``torch_compile_max_bs`` (SGLang's server args): decode steps of 2 to
     ``torch_compile_max_bs`` rows run through ``torch.compile`` (see :meth:`CachedForward.compile_decode`),
-    compiled before the engine takes requests (a minute or two on CPU, which needs a C++ compiler);
-    worth it for long runs only: it wins ~10% of a decode step on CPU.
+    compiled before the engine takes requests (1-3 minutes for SmolLM2 on CPU, which needs a C++ compiler;
+    not with ``adaptive_threads``, whose thread changes would each compile again); worth it for long runs
+    only: up to ~10% of a CPU decode step, ~4% of a decode end to end as measured (bench/README.md, P3).
     """
 
     def __init__(
@@ -143,8 +144,19 @@ class LocalEngine:
         if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= 65536:
             raise ValueError(f"torch_compile_max_bs must be an integer in [1, 65536], got {bs!r}")
         self.torch_compile_max_bs = bs
-        if self.enable_torch_compile and torch.device(device).type == "cpu":
-            _check_cpp_compiler()
+        if self.enable_torch_compile:
+            if min(bs, max_running_requests) < 2:
+                raise ValueError(
+                    "enable_torch_compile compiles decode batches of 2 or more rows: torch_compile_max_bs and "
+                    f"max_running_requests must both be >= 2 (got {bs} and {max_running_requests})"
+                )
+            if adaptive_threads and torch.device(device).type == "cpu":
+                raise ValueError(
+                    "enable_torch_compile with adaptive_threads: a compiled graph is only valid for the thread "
+                    "count it was compiled at, so every change would compile it again; use fixed threads"
+                )
+            if torch.device(device).type == "cpu":
+                _check_cpp_compiler()
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
@@ -1047,7 +1059,11 @@ def _strict_bool(name: str, value: Any) -> bool:
 
 
 def _check_cpp_compiler() -> None:
-    """Inductor builds its CPU kernels with the C++ compiler it finds (``$CXX``, else g++ or clang++)."""
+    """Inductor builds its CPU kernels with the C++ compiler it finds (``$CXX``, else g++; clang++ on macOS).
+
+    Only the compiler is looked for here; anything else a compile needs and lacks fails the warm-up
+    compile, which also runs before the engine serves.
+    """
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 

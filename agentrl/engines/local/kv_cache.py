@@ -184,6 +184,7 @@ class CachedForward:
         self.device = p.device
         self._compiled: Any = None  # compile_decode(): the compiled decode step
         self.compile_max_bs = 0
+        self.compiled_steps = 0  # decode steps served by the compiled graph (reported by /get_server_info)
 
     def forward(
         self,
@@ -197,8 +198,10 @@ class CachedForward:
         ``rows`` (image features at their placeholders; ``ids`` there may be anything >= 0)."""
         n, T = ids.shape
         L = int(start.max()) + T
+        # compiled: one token for each of rows 0..n-1 (``last`` is then 0, the only index there is)
         decode = self._compiled is not None and T == 1 and inject is None and isinstance(rows, slice)
-        if decode and rows.start in (0, None) and 2 <= n <= self.compile_max_bs:
+        if decode and rows.start in (0, None) and rows.stop == n and 2 <= n <= self.compile_max_bs:
+            self.compiled_steps += 1
             # one spare position, so the compiled graph never meets a view as long as its buffer (L == capacity
             # would be a shape case of its own: a recompile mid-run)
             self.cache.ensure(L + 1)
@@ -210,25 +213,44 @@ class CachedForward:
         """Run decode steps of 2..``max_bs`` rows through ``torch.compile`` (SGLang's ``--enable-torch-compile``).
 
         Inductor fuses every op outside the matmuls (norms, rotary, SiLU, residual adds, KV writes) and
-        drops the Python that dispatches them; on CPU that is ~10% of a SmolLM2 decode step
-        (``bench/p3_fusion_headroom.py``). Shapes are dynamic (batch, context, the buffers' capacity): the
-        warm-up compiles the two graphs a run needs (a full batch, a smaller one) before the first request,
-        and a single row (a shape torch always specializes) stays eager, so nothing recompiles while serving.
-        Prefill and picture-bearing forwards stay eager (their shapes vary far more).
+        drops the Python that dispatches them: up to ~10% of a SmolLM2 decode step on CPU
+        (``bench/p3_fusion_headroom.py``). The graphs are dynamic in batch, context and the buffers' capacity
+        and compiled here, before the first request: one for a full batch, one for any smaller one. Torch
+        traces sizes that happen to be equal as one symbol (and a model dimension pins it), so the warm-up
+        sizes are picked unlike every other size in play; where no such size exists, one graph for every
+        batch is traced with that sharing off (as general, slower to compile). A single row (a size torch always
+        specializes) stays eager, so nothing recompiles while serving. Prefill and picture-bearing forwards
+        stay eager (their shapes vary far more).
         """
+        from torch.fx.experimental import _config as shape_config
+
+        rows = self.cache.k[0].shape[0]
+        n = min(int(max_bs), rows)
+        if n < 2:
+            raise ValueError(f"a compiled decode step serves batches of 2 or more rows; at most {n} run at once here")
         self.compile_max_bs = int(max_bs)
         self._compiled = torch.compile(self._decode, dynamic=True)
-        rows = self.cache.k[0].shape[0]
+        dims = {0, 1, rows, self.kv_heads, self.head_dim}
+        L = next(x for x in range(37, 10**6) if x not in dims)  # the warm-up's context
         with torch.inference_mode():
             # the engine grows and re-creates its buffers inside inference mode, and the compiled graph's guards
             # tell such tensors from ordinary ones: start with buffers of that kind, or the first growth recompiles
             self.cache.k = [b.clone() for b in self.cache.k]
             self.cache.v = [b.clone() for b in self.cache.v]
-            for n in sorted({min(max_bs, rows), max(2, min(max_bs, rows) - 1)}, reverse=True):
-                ids = torch.zeros(n, 1, dtype=torch.long, device=self.device)
-                # context 37: not 0/1 (specialized) and unlike any model dimension (equal sizes are traced as one)
-                start = torch.full((n,), 36, dtype=torch.long, device=self.device)
-                self.forward(ids, slice(0, n), start, ids[:, 0])
+            self.cache.ensure(L + 1)
+            while self.cache.capacity in dims | {L} and self.cache.capacity < self.cache.max_capacity:
+                self.cache.ensure(self.cache.capacity + 1)
+            cap = self.cache.capacity
+            smaller = next((m for m in range(n - 1, 1, -1) if m not in dims | {L, cap}), None)
+            if cap in dims | {L} or (smaller is None and n > 2):  # no size to spare: one graph, sharing off
+                warm = [(n, False)]
+            else:  # a full batch (its size is the buffers' rows), then any smaller one
+                warm = [(n, True)] + ([(smaller, True)] if smaller is not None else [])
+            for m, duck in warm:
+                ids = torch.zeros(m, 1, dtype=torch.long, device=self.device)
+                start = torch.full((m,), L - 1, dtype=torch.long, device=self.device)
+                with shape_config.patch(use_duck_shape=duck):
+                    self.forward(ids, slice(0, m), start, ids[:, 0])
 
     def _decode(
         self, ids: torch.Tensor, start: torch.Tensor, L: int, ks: list[torch.Tensor], vs: list[torch.Tensor]

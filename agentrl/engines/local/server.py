@@ -288,6 +288,7 @@ def build_app(
             "enable_memory_saver": engine.enable_memory_saver,
             "enable_torch_compile": engine.enable_torch_compile,
             "torch_compile_max_bs": engine.torch_compile_max_bs,
+            "torch_compile_steps": engine.runner.compiled_steps,  # agentrl's: decode steps the compiled graph served
             "enable_return_routed_experts": False,  # a dense model: no experts to report (return_routed_experts: 400)
             "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),  # SGLang's format
             # one process serves the whole model: SGLang's parallel sizes, as its server args report them
