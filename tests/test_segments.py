@@ -209,6 +209,23 @@ def test_group_advantages_count_each_episode_once():
         )
 
 
+@pytest.mark.parametrize("reward", [3 / 7, 5 / 7, 0.1, 1 / 3])
+def test_a_group_of_equal_rewards_gets_no_advantage_whatever_its_segments(reward):
+    """Episode weights of 1/3 do not sum exactly in floating point; a tie group must still get exactly 0 (before
+    the fix a mean one rounding step off, over a std of rounding noise, gave every sample ~-0.03 to -0.1)."""
+    rewards = torch.full((6,), reward)
+    groups, episodes = [0] * 6, ["a", "a", "a", "b", "c", "c"]
+    assert grpo(rewards, groups, episode_ids=episodes).tolist() == [0.0] * 6
+    masks = [torch.ones(2)] * 6
+    for estimator in ("rloo", "grpo"):
+        adv = compute_advantages(estimator, rewards=rewards, group_ids=groups, loss_masks=masks, episode_ids=episodes)
+        assert all(a.abs().max().item() == 0.0 for a in adv), estimator
+    # one reward apart, the same weights: the usual GRPO values (two episodes above the mean, one below)
+    rewards[3] = reward + 0.5
+    adv = grpo(rewards, groups, episode_ids=episodes)
+    assert adv[3].item() > 1.0 and adv[0].item() < 0 and adv[0].item() == pytest.approx(adv[4].item(), abs=1e-6)
+
+
 def test_eval_counts_an_episode_in_segments_once():
     def seg(k: int, n: int, reward: float, group: int) -> Sample:
         s = Sample(group_index=group, index=group, status=Status.COMPLETED, reward=reward)

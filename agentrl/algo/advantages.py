@@ -79,20 +79,31 @@ def _group_stats(
     (Bessel-corrected), the same as slime; it is NaN for n_g = 1, which callers map to 0.
     With ``episode_ids`` the statistics are over episodes: a sample of an episode in k segments
     weighs 1/k (:func:`episode_weights`), so n_g counts episodes.
+
+    A group whose rewards are all equal gets exactly its reward as mean and 0 as std: weights such as
+    1/3 do not sum exactly in floating point, and a mean off by one rounding step divided by a std of
+    rounding noise would otherwise hand a group with no signal advantages of ~0.1. Sums run in float64.
     """
     if len(group_ids) != values.numel():
         raise ValueError(f"{len(group_ids)} group ids for {values.numel()} rewards")
     if any(g is None for g in group_ids):
         raise ValueError("every sample needs a group id (Sample.group_index is None)")
-    w = episode_weights(values, episode_ids)
+    v = values.double()
+    w = episode_weights(v, episode_ids)
     ids = torch.as_tensor(list(group_ids), dtype=torch.long, device=values.device)
     _, inv = torch.unique(ids, return_inverse=True)  # [N] in 0..G-1
     num_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = values.new_zeros(num_groups).index_add_(0, inv, w)  # [G]
-    mean = values.new_zeros(num_groups).index_add_(0, inv, w * values) / count  # [G]
-    sq_dev = w * (values - mean[inv]) ** 2  # [N]
-    var = values.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)  # [G]
-    return mean[inv], var.sqrt()[inv], count[inv]
+    count = v.new_zeros(num_groups).index_add_(0, inv, w)  # [G]
+    mean = v.new_zeros(num_groups).index_add_(0, inv, w * v) / count  # [G]
+    lo = v.new_full((num_groups,), float("inf")).scatter_reduce_(0, inv, v, "amin")
+    hi = v.new_full((num_groups,), float("-inf")).scatter_reduce_(0, inv, v, "amax")
+    tie = lo == hi  # [G]: every reward of the group is the same
+    mean = torch.where(tie, lo, mean)
+    sq_dev = w * (v - mean[inv]) ** 2  # [N]
+    var = v.new_zeros(num_groups).index_add_(0, inv, sq_dev) / (count - 1)  # [G]
+    var = torch.where(tie & (count > 1), torch.zeros_like(var), var)
+    dtype = values.dtype
+    return mean[inv].to(dtype), var.sqrt()[inv].to(dtype), count[inv].to(dtype)
 
 
 def _as_rewards(rewards: Rewards) -> Tensor:
