@@ -185,6 +185,13 @@ class RolloutConfig:
     label_key: str = option(
         "label", help="task row key holding the label (env options['label']); dots reach nested keys"
     )
+    trust_row_code: bool = option(
+        False,
+        help="let task rows name code to run: a row's generate_function_path (module:fn or file.py:fn, slime's "
+        "per-row generate function) is imported and run only with this flag; without it such a row is refused "
+        "before anything is imported. Task files are data: pass it only for files you would run as code (as "
+        "Hugging Face's trust_remote_code; a checkpoint's own code is SGLang's --sglang-trust-remote-code)",
+    )
     tool_parser: str | None = option(
         None, help="tool-call wire format: hermes, qwen, llama3_json, openai (default: the env's)"
     )

@@ -10,6 +10,9 @@ that a broken line is named by its line number and CSV cells stay the text they 
 Keys may be nested, as verl's parquet files hold them: ``--input-key extra_info.question`` or
 ``--label-key reward_model.ground_truth`` walk into dicts (and lists, by index) with dots; a key that
 exists as written (dots included) wins. See :func:`lookup`.
+
+Rows are data: reading them runs no code. A task row naming code (slime's ``generate_function_path``)
+is refused, naming the row, unless the user trusts the rows (``trust_row_code``, ``--trust-row-code``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_tasks", "lookup", "read_rows", "task_from_row", "task_rows"]
+__all__ = ["load_tasks", "lookup", "read_rows", "task_from_row", "task_rows", "untrusted_row_code"]
 
 _MISSING = object()
 
@@ -138,20 +141,31 @@ def _datasets_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 # -- task rows: what an env's reset() receives as options --------------------------------------------
 
 
-def load_tasks(path: str | Path, *, input_key: str = "prompt", label_key: str = "label") -> list[dict[str, Any]]:
+def load_tasks(
+    path: str | Path, *, input_key: str = "prompt", label_key: str = "label", trust_row_code: bool = False
+) -> list[dict[str, Any]]:
     """Read task rows (JSONL, JSON list, Parquet or a ``datasets`` folder: :func:`agentrl.data.read_rows`);
     each row keeps all its keys plus ``prompt`` and ``label``.
 
-    A row that is not a JSON object, or lacks ``input_key``, is refused with its line (or row) number.
+    A row that is not a JSON object, or lacks ``input_key``, is refused with its line (or row) number; so
+    is a row naming code (``generate_function_path``) unless ``trust_row_code`` (:func:`task_from_row`).
     """
-    rows = [task_from_row(row, input_key=input_key, label_key=label_key, where=where) for where, row in read_rows(path)]
+    rows = [
+        task_from_row(row, input_key=input_key, label_key=label_key, where=where, trust_row_code=trust_row_code)
+        for where, row in read_rows(path)
+    ]
     if not rows:
         raise ValueError(f"{path}: no tasks")
     return rows
 
 
 def task_from_row(
-    row: dict[str, Any], *, input_key: str = "prompt", label_key: str = "label", where: str = "task"
+    row: dict[str, Any],
+    *,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    where: str = "task",
+    trust_row_code: bool = False,
 ) -> dict[str, Any]:
     """A task row as env options: every key, with ``prompt``/``label`` taken from the given keys.
 
@@ -159,6 +173,11 @@ def task_from_row(
     with a null there, is refused naming the row, the key and the keys it has. A missing label is
     ``None`` under the default ``label`` key (envs that need one say so); a ``label_key`` the user
     named must hold a value in every row (a typo would otherwise make every label ``None`` silently).
+
+    A row's ``generate_function_path`` (slime's per-row generate function) names code that is imported
+    and run. Task files travel like data (downloaded, shared, generated), so reading one must not run
+    anything: such a row is refused before any import unless ``trust_row_code`` (``--trust-row-code``),
+    the opt-in Hugging Face calls ``trust_remote_code``; with it the function is imported and checked here.
     """
     prompt = lookup(row, input_key, _MISSING)
     if prompt is _MISSING:
@@ -170,11 +189,13 @@ def task_from_row(
         hint = _keys_hint(row, label_key) if label is _MISSING else "it is null"
         raise ValueError(f"{where}: no value at --label-key {label_key!r}; {hint}")
     gen = row.get("generate_function_path")
-    if gen is not None:  # this row's own generate function (slime's Sample.generate_function_path)
+    if gen is not None and gen != "":  # the row's own generate function (slime's); "": a CSV row without one
         from agentrl.registry import load_function
 
         if not isinstance(gen, str):
             raise ValueError(f"{where}: 'generate_function_path' must be a module:fn string, not {gen!r}")
+        if not trust_row_code:
+            raise ValueError(untrusted_row_code(where, gen))
         try:
             fn = load_function(gen)
         except Exception as exc:  # a missing module, a syntax error in it, a missing name
@@ -231,11 +252,28 @@ def task_rows(
     input_key: str = "prompt",
     label_key: str = "label",
     env_name: str | None = None,
+    trust_row_code: bool = False,
 ) -> list[dict[str, Any]]:
-    """The tasks of a run: ``prompt_data`` (JSONL) if given, else the env class's own ``tasks()``."""
+    """The tasks of a run: ``prompt_data`` (JSONL) if given, else the env class's own ``tasks()``.
+
+    ``trust_row_code``: accept rows naming code to run (:func:`task_from_row`); the env's own rows too,
+    as an env's ``tasks()`` often hands over rows of a dataset it read."""
     if prompt_data:
-        return load_tasks(prompt_data, input_key=input_key, label_key=label_key)
+        return load_tasks(prompt_data, input_key=input_key, label_key=label_key, trust_row_code=trust_row_code)
     source = getattr(factory, "tasks", None)
     if source is None:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl (the env has no tasks() of its own)")
-    return [task_from_row(r, input_key=input_key, label_key=label_key, where=f"{env_name}.tasks()") for r in source()]
+    where = f"{env_name}.tasks()"
+    return [
+        task_from_row(r, input_key=input_key, label_key=label_key, where=f"{where}[{i}]", trust_row_code=trust_row_code)
+        for i, r in enumerate(source())
+    ]
+
+
+def untrusted_row_code(where: str, spec: str) -> str:
+    """The refusal of a row that names code while rows are not trusted: the row, the key, the flag."""
+    return (
+        f"{where}: 'generate_function_path' {spec!r} names code to import and run; task rows are data and run "
+        "no code unless you trust them: pass --trust-row-code (trust_row_code=True) to run rows' own generate "
+        "functions (slime's per-row generate_function_path) if you trust whoever wrote these rows, else drop the key"
+    )

@@ -169,3 +169,63 @@ def test_null_prompts_and_mistyped_label_keys_are_refused(tmp_path):
         load_tasks(good, input_key="extra_info.question", label_key="reward_model.groundtruth")
     # the default label key may be absent: envs that need a label say so
     assert load_tasks(good, input_key="extra_info.question")[0]["label"] is None
+
+
+# -- rows that name code (issue 38 §6) -----------------------------------------------------------------
+
+HOSTILE_HELPER = """
+from pathlib import Path
+
+Path(__file__).with_name("MARKER").write_text("imported")  # proof that reading the rows ran this file
+
+
+async def gen(args, sample, sampling_params):
+    sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+    sample.reward = 2.0
+    return sample
+"""
+
+
+def hostile_helper(folder: Path) -> tuple[str, Path]:
+    """A ``file.py:fn`` spec whose import writes ``folder/MARKER``, and that marker's path (not yet there)."""
+    (folder / "helper.py").write_text(HOSTILE_HELPER)
+    return f"{folder / 'helper.py'}:gen", folder / "MARKER"
+
+
+def test_a_row_naming_code_is_refused_before_anything_is_imported(tmp_path):
+    """Task files are data: a row's generate_function_path runs only with trust_row_code (--trust-row-code)."""
+    from agentrl.data import task_rows
+
+    spec, marker = hostile_helper(tmp_path)
+    rows = [{"prompt": "fine"}, {"prompt": "hostile", "generate_function_path": spec}]
+    jsonl, csv_file, json_file = tmp_path / "t.jsonl", tmp_path / "t.csv", tmp_path / "t.json"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    csv_file.write_text(f"prompt,generate_function_path\nfine,\nhostile,{spec}\n")
+    json_file.write_text(json.dumps(rows))
+    for path, where in ((jsonl, f"{jsonl}:2"), (csv_file, f"{csv_file}:3"), (json_file, f"{json_file}[1]")):
+        with pytest.raises(ValueError) as err:
+            load_tasks(path)
+        message = str(err.value)
+        assert message.startswith(f"{where}: 'generate_function_path' {spec!r}") and "--trust-row-code" in message
+        assert not marker.exists(), f"reading {path.name} imported the row's module"
+
+    class Env:
+        @staticmethod
+        def tasks():
+            return rows
+
+    with pytest.raises(ValueError, match=r"^E\.tasks\(\)\[1\]: 'generate_function_path'.*--trust-row-code"):
+        task_rows(Env, None, env_name="E")
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="must be a module:fn string"):  # a wrong type is named either way
+        load_tasks(_jsonl(tmp_path / "int.jsonl", {"prompt": "x", "generate_function_path": 5}))
+
+    tasks = load_tasks(jsonl, trust_row_code=True)  # trusted: imported and checked while read, as before
+    assert marker.exists() and tasks[1]["generate_function_path"] == spec
+    assert [t["generate_function_path"] for t in load_tasks(csv_file, trust_row_code=True)] == ["", spec]
+    assert task_rows(Env, None, env_name="E", trust_row_code=True)[1]["generate_function_path"] == spec
+
+
+def _jsonl(path: Path, *rows: dict) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

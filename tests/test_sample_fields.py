@@ -208,8 +208,10 @@ async def test_a_rows_generate_function_path_wins_over_the_runs(tiny_tokenizer, 
         sample.reward = 1.0
         return sample
 
-    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig())
-    rows = [task_from_row({"prompt": "a", "generate_function_path": "row_gen:special"}), task_from_row({"prompt": "b"})]
+    trusted = RolloutConfig(trust_row_code=True)  # rows name code to run only with --trust-row-code
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=trusted)
+    own = task_from_row({"prompt": "a", "generate_function_path": "row_gen:special"}, trust_row_code=True)
+    rows = [own, task_from_row({"prompt": "b"})]
     samples, _ = await generate_rollout(ctx, None, rows, custom_generate=default)
     assert [(s.reward, s.generate_function_path) for s in samples] == [(2.0, "row_gen:special"), (1.0, None)]
     assert "generate_function_path" not in samples[0].metadata
@@ -217,15 +219,15 @@ async def test_a_rows_generate_function_path_wins_over_the_runs(tiny_tokenizer, 
     with pytest.raises(ValueError, match="need an env"):
         await generate_rollout(ctx, None, rows)
     with pytest.raises(ValueError, match=r"row 3: 'generate_function_path' 'row_gen:missing'"):
-        task_from_row({"prompt": "c", "generate_function_path": "row_gen:missing"}, where="row 3")
+        task_from_row({"prompt": "c", "generate_function_path": "row_gen:missing"}, where="row 3", trust_row_code=True)
     with pytest.raises(ValueError, match="must be a module:fn string"):
-        task_from_row({"prompt": "c", "generate_function_path": 5})
+        task_from_row({"prompt": "c", "generate_function_path": 5}, trust_row_code=True)
     (tmp_path / "row_sync.py").write_text("def gen(args, sample, sampling_params):\n    return sample\n")
     with pytest.raises(ValueError, match="'row_sync:gen' must be an async def generate"):
-        task_from_row({"prompt": "c", "generate_function_path": "row_sync:gen"})
+        task_from_row({"prompt": "c", "generate_function_path": "row_sync:gen"}, trust_row_code=True)
     (tmp_path / "row_broken.py").write_text("def gen(:\n")
     with pytest.raises(ValueError, match="'row_broken:gen'.*SyntaxError"):
-        task_from_row({"prompt": "c", "generate_function_path": "row_broken:gen"})
+        task_from_row({"prompt": "c", "generate_function_path": "row_broken:gen"}, trust_row_code=True)
 
 
 async def test_a_reward_function_that_breaks_a_field_fails_its_sample(tiny_tokenizer):
@@ -337,10 +339,10 @@ async def test_a_batch_rollout_function_gets_every_sample_in_one_call(tiny_token
         "    return sample\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    ctx = EpisodeContext(
-        engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(n_samples_per_prompt=2)
-    )
-    rows = [{"prompt": "a"}, task_from_row({"prompt": "b", "generate_function_path": "row_gen2:own"}), {"prompt": "c"}]
+    cfg = RolloutConfig(n_samples_per_prompt=2, trust_row_code=True)
+    ctx = EpisodeContext(engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=cfg)
+    own = task_from_row({"prompt": "b", "generate_function_path": "row_gen2:own"}, trust_row_code=True)
+    rows = [{"prompt": "a"}, own, {"prompt": "c"}]
     samples, _ = await generate_rollout(ctx, None, rows, custom_generate=BatchGenerate(batch))
     assert calls == [([(0, 0, "a"), (0, 1, "a"), (2, 4, "c"), (2, 5, "c")], False)]  # one call; row b ran its own
     assert [s.reward for s in samples] == [0.0, 1.0, -1.0, -1.0, 4.0, 5.0]

@@ -520,7 +520,7 @@ def test_train_refuses_a_hook_its_eval_rows_would_skip_before_anything_starts(ti
         save=str(tmp_path / "run"),
         eval_prompt_data=[("held", str(held))],
         eval_interval=1,
-        rollout=RolloutConfig(history_rewrite_path="my_hooks:summarize"),
+        rollout=RolloutConfig(history_rewrite_path="my_hooks:summarize", trust_row_code=True),
     )
     with pytest.raises(ValueError, match="a row's generate_function_path"):
         train_mod.train(cfg)

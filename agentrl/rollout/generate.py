@@ -239,6 +239,22 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
     _refuse_with_roles(roles, _unsupported_with_roles(ctx.config, env_cls))
 
 
+def check_row_code(config: RolloutConfig, rows: Iterable[dict[str, Any]]) -> None:
+    """Refuse rows naming code (``generate_function_path``) unless ``config.trust_row_code``.
+
+    Rows read from files are checked when they are read (:func:`agentrl.data.task_from_row`); this is the
+    same rule where the code would run, for rows that came another way (a ``--data-source-path`` source,
+    the Python API), so no path imports a row's module without the opt-in."""
+    if config.trust_row_code:
+        return
+    from agentrl.data import untrusted_row_code
+
+    for i, row in enumerate(rows):
+        spec = row.get("generate_function_path") if isinstance(row, dict) else None
+        if spec:
+            raise ValueError(untrusted_row_code(f"task row {i} of the rollout", str(spec)))
+
+
 def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sample:
     return Sample(
         group_index=group_index,
@@ -343,6 +359,7 @@ async def generate_rollout(
     """
     cfg = ctx.config
     tasks = list(tasks)
+    check_row_code(cfg, tasks)
     if env_factory is None and custom_generate is None and not all(t.get("generate_function_path") for t in tasks):
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):

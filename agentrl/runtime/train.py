@@ -75,6 +75,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
                 input_key=cfg.rollout.input_key,
                 label_key=cfg.rollout.label_key,
                 env_name=cfg.env,
+                trust_row_code=cfg.rollout.trust_row_code,
             )
             if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data)
             else []
@@ -88,7 +89,12 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
-            eval_sets[name] = load_tasks(path, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key)
+            eval_sets[name] = load_tasks(
+                path,
+                input_key=cfg.rollout.input_key,
+                label_key=cfg.rollout.label_key,
+                trust_row_code=cfg.rollout.trust_row_code,
+            )
     if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour, before Ray starts
         from agentrl.rollout.generate import check_rollout_features
 
