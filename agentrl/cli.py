@@ -83,9 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rollout_args(p)
     p.add_argument("--output", default="samples.jsonl", help="JSONL file the samples are written to")
 
-    s = sub.add_parser("serve", help="serve the embedded engine (SGLang-compatible HTTP API)")
+    from agentrl.http_guard import DEFAULT_MAX_BODY_MB
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the embedded engine (SGLang-compatible HTTP API)",
+        description="Serve the embedded engine: SGLang's native API and OpenAI's. With an API key (--api-key-file, "
+        "$AGENTRL_ENGINE_API_KEY or --api-key) every route needs 'Authorization: Bearer KEY' except the open ones, "
+        "SGLang's set: /health, /health_generate (every /health* path) and /metrics (every /metrics* path).",
+    )
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (set --api-key when not loopback)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (set an API key when not loopback)")
     s.add_argument("--port", type=int, default=30000, help="port to listen on")
     s.add_argument("--max-running-requests", type=int, default=32, help="requests decoded together in one batch")
     s.add_argument(
@@ -118,8 +126,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag); default: "
-        "$AGENTRL_ENGINE_API_KEY. Set one whenever --host is not loopback",
+        help="require 'Authorization: Bearer KEY' on every route but the open ones, /health* and /metrics* "
+        "(SGLang's flag and set). Every local user can read a key given here in /proc/PID/cmdline: prefer "
+        "--api-key-file or $AGENTRL_ENGINE_API_KEY (read when neither flag is given). Set one whenever --host is "
+        "not loopback",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (one line; chmod 600 it) instead of --api-key",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_MB,
+        help=f"largest request body in MiB (default {DEFAULT_MAX_BODY_MB}); a larger one is answered 413. "
+        "Raise it for pictures sent inline as data URLs",
+    )
+    s.add_argument(
+        "--weight-ipc-dir",
+        default=None,
+        metavar="DIR",
+        help="private folder (yours, mode 0700; e.g. mktemp -d -p /dev/shm) where a colocated trainer without CUDA "
+        "writes the CPU tensors it hands over by /update_weights_from_tensor (TensorTransport(ipc_dir=DIR)). "
+        "Without it CPU tensor handles are refused; CUDA handles and /update_weights_from_disk need no folder",
+    )
+    s.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest wait of /init_weights_update_group for the other ranks of a weight-update group (SGLang's "
+        "flag for its torch.distributed timeouts; default 60, at most 3600): the trainer joins as rank 0 within "
+        "seconds. One group joins at a time; another call meanwhile is refused at once",
     )
     s.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
@@ -158,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(t)
 
     c = sub.add_parser("check-env", help="exercise an env without a model; exit 1 on contract violations")
-    add_field_flags(c, ["env", "prompt_data", "input_key", "label_key", "sandbox"], env={"required": True})
+    add_field_flags(
+        c, ["env", "prompt_data", "input_key", "label_key", "trust_row_code", "sandbox"], env={"required": True}
+    )
     c.add_argument("--num-tasks", type=int, default=3, help="tasks to play (scripted, random, malformed actions)")
     c.add_argument(
         "--step-timeout", type=float, default=30.0, help="seconds a reset/step may take before it counts as hanging"
@@ -168,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     es = sub.add_parser(
         "env-serve", help="serve an env over OpenEnv's protocol (/ws sessions, /schema, /health) to OpenEnv/TRL clients"
     )
-    add_field_flags(es, ["env", "prompt_data", "input_key", "label_key", "sandbox"], env={"required": True})
+    add_field_flags(
+        es, ["env", "prompt_data", "input_key", "label_key", "trust_row_code", "sandbox"], env={"required": True}
+    )
     es.add_argument("--host", default="127.0.0.1", help="address to listen on (the env runs what clients send)")
     es.add_argument("--port", type=int, default=8000, help="port to listen on")
     es.add_argument("--max-sessions", type=int, default=8, help="sessions at once; one more gets CAPACITY_REACHED")
@@ -177,6 +221,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a reset/step may take (an env's own step_timeout wins)",
+    )
+    es.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a session may wait for its client's next message before it is closed (its env too): "
+        "abandoned connections cannot hold every slot; raise it when a client's model may think longer on one turn",
+    )
+    es.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (OpenEnv clients, which send no "
+        "headers, put it in the address: http://agentrl:KEY@HOST:PORT); prefer --api-key-file or "
+        "$AGENTRL_ENV_SERVE_API_KEY (the default), which stay out of the process list. Set one whenever "
+        "--host is not loopback",
+    )
+    es.add_argument("--api-key-file", default=None, help="read the key from this file (chmod 600) instead")
+    es.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest request body and WebSocket message, in MiB (one more is refused: 413, or the session "
+        "closed with 1009); raise it for envs whose actions carry large payloads",
+    )
+    es.add_argument(
+        "--allow-host-sandbox",
+        action="store_true",
+        help="serve an env whose tools run model code even when its sandboxes are the 'process' backend, which "
+        "lets that code read this machine's files (refused without this flag: use --sandbox docker or local)",
     )
 
     v = sub.add_parser("view", help="write a self-contained HTML page showing samples token by token")
@@ -297,9 +370,18 @@ def _exit_when_stdin_closes() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.engines.http import API_KEY_ENV
+    from agentrl.engines.local.distributed import check_rendezvous_timeout
     from agentrl.engines.local.openai_routes import openai_tool_parser
-    from agentrl.engines.local.server import serve
+    from agentrl.engines.local.server import max_body_bytes, serve
+    from agentrl.http_guard import resolve_api_key
 
+    api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)  # before the model loads
+    max_body_bytes(args.max_body_mb)
+    check_rendezvous_timeout(args.dist_timeout)
+    if args.weight_ipc_dir:
+        from agentrl.engines.ipc_folder import IpcFolder
+
+        IpcFolder(args.weight_ipc_dir)  # a folder other users could write into: refused before the model loads
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tool_parser = openai_tool_parser(args.tool_call_parser)
     if args.exit_with_stdin:
@@ -315,7 +397,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs,
         tool_parser=tool_parser,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
+        max_body_mb=args.max_body_mb,
+        weight_ipc_dir=args.weight_ipc_dir,
+        dist_timeout=args.dist_timeout,
     )
     return 0
 
@@ -387,7 +472,12 @@ def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, An
 
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
         rows = task_rows(
-            factory, args.prompt_data, input_key=args.input_key, label_key=args.label_key, env_name=args.env
+            factory,
+            args.prompt_data,
+            input_key=args.input_key,
+            label_key=args.label_key,
+            env_name=args.env,
+            trust_row_code=args.trust_row_code,
         )
     return rows[: args.num_tasks] if getattr(args, "num_tasks", None) else rows
 
@@ -503,7 +593,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     datasets = {}
     for name, path in args.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
-            datasets[name] = load_tasks(path, input_key=args.input_key, label_key=args.label_key)[: args.num_tasks]
+            loaded = load_tasks(
+                path, input_key=args.input_key, label_key=args.label_key, trust_row_code=args.trust_row_code
+            )
+            datasets[name] = loaded[: args.num_tasks]
     eval_rows = [r for rows in datasets.values() for r in rows]
     check_apply_chat_template(cfg, custom=custom_generate is not None, rows=eval_rows)
     check_rollout_features(cfg, factory, eval_rows, custom=custom_generate is not None)  # before any engine starts

@@ -153,3 +153,104 @@ def test_slots_of_dead_writers_are_reaped(tmp_path):
 
     gc.collect()
     assert not any(p.exists() for p in slots)
+
+
+def test_the_writer_refuses_non_finite_weights_while_writing(tmp_path):
+    """The finiteness check moved from the engine (which read every page of the slot again) into the writer,
+    chunk by chunk as it writes: a NaN or inf anywhere is refused before the slot counts as written."""
+    from agentrl.runtime import shm_weights
+
+    writer = SharedWeightsWriter(tmp_path)
+    big = shm_weights.CHUNK // 4 * 3 + 5  # floats: the bad value sits in the fourth chunk
+    good = [("w", torch.randn(big)), ("h", torch.randn(7).to(torch.bfloat16))]
+    try:
+        path, layout = writer.write(good)
+        for name, index, value in (("w", big - 1, float("nan")), ("w", 0, -float("inf")), ("h", 3, float("inf"))):
+            bad = [(n, t.clone()) for n, t in good]
+            dict(bad)[name][index] = value
+            with pytest.raises(ValueError, match=f"weight '{name}' holds NaN or infinite values"):
+                writer.write(bad)
+            assert writer.pushes == 1  # not counted: the next push writes the same (unused) slot again
+        got = open_weights(path, layout)  # the slot engines use was never touched
+        assert all(torch.equal(got[n], t) for n, t in good)
+        # a caller that proved its weights finite (the trainer, after its step) skips the pass: trusted as said
+        path, layout = writer.write(bad, checked=True)
+        assert torch.isinf(open_weights(path, layout)["h"]).any()
+        huge = [("w", torch.full((big,), 3e38)), ("h", torch.zeros(7, dtype=torch.bfloat16))]  # sums overflow
+        path, layout = writer.write(huge)  # finite values whose sum is inf: exact check, accepted
+        assert torch.equal(open_weights(path, layout)["w"], huge[0][1])
+    finally:
+        writer.close()
+
+
+def test_a_slot_is_mapped_only_if_it_is_a_whole_regular_file(tmp_path):
+    """torch.from_file would grow a short file (and a mapping past its end faults the engine); no symlink is followed."""
+    named = [("w", torch.ones(64))]
+    layout = Layout.of(named)
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 16)
+    with pytest.raises(OSError, match="holds 16 bytes"):
+        open_weights(str(short), layout)
+    assert short.stat().st_size == 16
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * layout.nbytes)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        open_weights(str(tmp_path / "link"), layout)
+    assert open_weights(str(target), layout)["w"].shape == (64,)
+
+
+def test_the_shm_route_refuses_non_finite_weights_before_any_engine_sees_them(ray_local):
+    import asyncio
+
+    import ray
+
+    from agentrl.engines.base import EngineError
+    from agentrl.runtime.weight_sync import SharedMemoryTransport
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def __init__(self):
+            self.calls = 0
+
+        def update_weights_from_shared(self, path, layout, version):
+            self.calls += 1
+            return {"success": True}
+
+        def count(self):
+            return self.calls
+
+    engine = Engine.remote()
+    shm = SharedMemoryTransport([engine])
+    try:
+        with pytest.raises(EngineError, match="refused before it reached the engines.*'w' holds NaN"):
+            asyncio.run(shm.push(iter([("w", torch.tensor([1.0, float("nan")]))]), "1"))
+        assert ray.get(engine.count.remote()) == 0 and shm.route == "shm"
+        asyncio.run(shm.push(iter([("w", torch.tensor([1.0, 2.0]))]), "2"))
+        assert ray.get(engine.count.remote()) == 1
+    finally:
+        asyncio.run(shm.close())
+
+
+def test_a_large_slot_is_several_parts_written_in_parallel(tmp_path, monkeypatch):
+    """tmpfs serializes the writers of one file: a large slot is one part file per writer thread."""
+    from agentrl.runtime import shm_weights
+
+    monkeypatch.setattr(shm_weights, "MIN_PART", 4096)
+    writer = SharedWeightsWriter(tmp_path, threads=3)
+    g = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.randn(300 + i, generator=g)) for i in range(12)] + [("b", torch.ones(5, dtype=torch.bool))]
+    try:
+        path, layout = writer.write(named)
+        assert len(layout.parts) == 3 and sorted({e[4] for e in layout.entries}) == [0, 1, 2]
+        assert len(list(tmp_path.glob(f"{writer.tag}-*"))) == 6  # two slots of three parts
+        got = open_weights(path, layout)
+        assert all(torch.equal(got[n], t) for n, t in named)
+        bad = [(n, t.clone()) for n, t in named]
+        bad[11][1][7] = float("nan")  # in the last part
+        with pytest.raises(ValueError, match="'w11' holds NaN"):
+            writer.write(bad)
+        assert all(torch.equal(got[n], t) for n, t in named)  # the slot in use is untouched
+    finally:
+        writer.close()
+    assert not list(tmp_path.glob(f"{writer.tag}-*"))

@@ -13,22 +13,47 @@ import textwrap
 import pytest
 import torch
 
-from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
+from agentrl.engines.tensor_ipc import (
+    IpcFolder,
+    Receiver,
+    TensorStash,
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
+
+
+@pytest.fixture
+def ipc_folder():
+    """A run's private weight folder (0700 under /dev/shm), removed afterwards."""
+    folder = IpcFolder.create()
+    yield folder
+    folder.remove()
+
+
+def _any(folder: IpcFolder | None, max_bytes: int = 1 << 30) -> Receiver:
+    """A receiver with no model: any name, dtype and shape, CPU handles from ``folder``."""
+    return Receiver(params=None, max_bytes=max_bytes, folder=folder)
 
 
 @pytest.mark.e2e
-def test_round_trip_into_an_unrelated_process():
+def test_round_trip_into_an_unrelated_process(ipc_folder):
     a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
-    payload = serialize_named_tensors([("a", a), ("b", b)])
-    assert len(payload) < 2000  # handles, not values
-    code = (
-        "from agentrl.engines.tensor_ipc import deserialize_named_tensors as d\n"
-        f"print([(n, str(t.dtype), t.float().tolist()) for n, t in d({payload!r})])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str([("a", "torch.float32", a.tolist()), ("b", "torch.bfloat16", b.float().tolist())])
+    with TensorStash(ipc_folder) as stash:
+        payload = serialize_named_tensors([("a", a), ("b", b)], stash)
+        assert len(payload) < 2000  # handles, not values
+        code = (
+            "from agentrl.engines.tensor_ipc import IpcFolder, Receiver, deserialize_named_tensors as d\n"
+            f"r = Receiver(params=None, max_bytes=1 << 20, folder=IpcFolder({str(ipc_folder.path)!r}))\n"
+            f"print([(n, str(t.dtype), t.float().tolist()) for n, t in d({payload!r}, r)])"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == str(
+            [("a", "torch.float32", a.tolist()), ("b", "torch.bfloat16", b.float().tolist())]
+        )
+        assert len(list(ipc_folder.path.iterdir())) == 2  # the reader deleted nothing
+    assert not list(ipc_folder.path.iterdir())  # the sender deleted exactly its files
 
 
 class _Evil:
@@ -71,7 +96,7 @@ def test_payloads_that_are_not_named_tensors_are_refused(obj, message, tmp_path,
 
 
 @pytest.mark.e2e
-async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp_path):
+async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp_path, ipc_folder):
     from safetensors.torch import load_file
 
     from agentrl.engines.http import EngineRequestError, SGLangEngine
@@ -79,7 +104,8 @@ async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp
     from agentrl.runtime.weight_sync import TensorTransport
 
     weights = load_file(str(tiny_ckpt / "model.safetensors"))
-    with local_server(tiny_ckpt, startup_timeout=120) as url:
+    folder = str(ipc_folder.path)
+    with local_server(tiny_ckpt, startup_timeout=120, extra_args=["--weight-ipc-dir", folder]) as url:
         engine = SGLangEngine(url)
         try:
             prompt = [1, 2, 3, 4]
@@ -90,19 +116,20 @@ async def test_engine_loads_weights_by_handle_and_refuses_garbage(tiny_ckpt, tmp
             with pytest.raises(EngineRequestError, match="could not read"):
                 await engine.update_weights_from_tensor([base64.b64encode(pickle.dumps(_Evil())).decode()])
             changed = {n: (t * 0 if "embed" in n or "lm_head" in n else t) for n, t in weights.items()}
-            await TensorTransport([engine], bucket_bytes=1 << 16).push(changed.items(), "v7")
+            await TensorTransport([engine], bucket_bytes=1 << 16, ipc_dir=folder).push(changed.items(), "v7")
             assert (await engine.model_info())["weight_version"] == "v7"
             after = await engine.generate(prompt, SamplingParams(**greedy))
             assert after.output_ids != before.output_ids or len(set(after.output_ids)) == 1
-            await TensorTransport([engine]).push(weights.items(), "v8")
+            await TensorTransport([engine], ipc_dir=folder).push(weights.items(), "v8")
             again = await engine.generate(prompt, SamplingParams(**greedy))
             assert again.output_ids == before.output_ids
+            assert not list(ipc_folder.path.iterdir())  # every bucket's files deleted by the sender
         finally:
             await engine.close()
 
 
 def test_a_push_that_never_arrives_leaves_no_shared_memory():
-    """Each pickle holds a /dev/shm reference until unpickled; an undelivered one is taken back by the sender.
+    """A push nobody answers leaves no file: neither torch's /dev/shm files nor the stash's files in the folder.
 
     Run in a fresh process: the files are named by pid, and in the test process any other thread
     (an earlier test's leftovers) could create or hold one while this runs.
@@ -112,8 +139,11 @@ def test_a_push_that_never_arrives_leaves_no_shared_memory():
         import torch
         from agentrl.engines.base import EngineError
         from agentrl.engines.http import SGLangEngine
+        from agentrl.engines.ipc_folder import IpcFolder
         from agentrl.engines.local.process import free_port
         from agentrl.runtime.weight_sync import TensorTransport
+
+        folder = IpcFolder.create()
 
         def shm_files():
             return {f for f in glob.glob("/dev/shm/torch_*") if f.startswith(f"/dev/shm/torch_{os.getpid()}_")}
@@ -122,7 +152,9 @@ def test_a_push_that_never_arrives_leaves_no_shared_memory():
             engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=0)  # nothing listens there
             weights = {f"w{i}": torch.randn(64, 64) for i in range(3)}
             try:
-                await TensorTransport([engine], bucket_bytes=20_000, ranks_per_engine=2).push(weights.items(), "1")
+                await TensorTransport([engine], bucket_bytes=20_000, ranks_per_engine=2, ipc_dir=folder.path).push(
+                    weights.items(), "1"
+                )
             except EngineError:
                 print("refused")
             finally:
@@ -131,7 +163,8 @@ def test_a_push_that_never_arrives_leaves_no_shared_memory():
         before = shm_files()
         asyncio.run(main())
         gc.collect()
-        print(len(shm_files() - before), "left")
+        print(len(shm_files() - before) + len(list(folder.path.iterdir())), "left")
+        folder.remove()
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -171,15 +204,13 @@ def sglang_bucket_class():
             sys.modules.pop(m, None)
 
 
-def slime_bucket(named: list[tuple[str, torch.Tensor]], *, by_bytes: bool = True) -> str:
+def slime_bucket(named: list[tuple[str, torch.Tensor]], stash: TensorStash, *, by_bytes: bool = True) -> str:
     """What slime's ``update_weight_from_tensor.py`` sends with ``load_format="flattened_bucket"``:
-    ``MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)``.
+    ``MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)``, a ForkingPickler
+    pickle whose CPU buffer is a file of the engine's private folder (``stash``) instead of a torch /dev/shm file.
     ``by_bytes``: current SGLang (a uint8 buffer, byte offsets); else older SGLang (one dtype, element offsets)."""
-    from multiprocessing.reduction import ForkingPickler
+    from agentrl.engines.tensor_ipc import HandlePickler
 
-    import torch.multiprocessing as tmp
-
-    tmp.set_sharing_strategy("file_system")
     flats, meta, pos = [], [], 0
     buf = io.BytesIO()
     with sglang_bucket_class() as meta_cls:
@@ -189,12 +220,16 @@ def slime_bucket(named: list[tuple[str, torch.Tensor]], *, by_bytes: bool = True
             meta.append(meta_cls(name, t.shape, t.dtype, pos, pos + flat.numel(), t.numel()))
             flats.append(flat)
             pos += flat.numel()
-        ForkingPickler(buf).dump({"flattened_tensor": torch.cat(flats), "metadata": meta})
+        HandlePickler(buf, stash).dump({"flattened_tensor": torch.cat(flats), "metadata": meta})
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
-    from agentrl.engines.tensor_ipc import deserialize_flattened_bucket, serialize_flattened_bucket
+def test_slime_flattened_buckets_are_read_in_both_sglang_layouts(ipc_folder):
+    from agentrl.engines.tensor_ipc import HandlePickler, serialize_flattened_bucket
+    from agentrl.engines.tensor_ipc import deserialize_flattened_bucket as read
+
+    stash = TensorStash(ipc_folder)
+    r = _any(ipc_folder)
 
     mixed = [
         ("a", torch.randn(3, 5)),
@@ -202,26 +237,24 @@ def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
         ("b", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
         ("c", torch.randn(4)),
     ]
-    for payload in (slime_bucket(mixed), serialize_flattened_bucket(mixed)):
-        got = deserialize_flattened_bucket(payload)
+    for payload in (slime_bucket(mixed, stash), serialize_flattened_bucket(mixed, stash)):
+        got = read(payload, r)
         assert [n for n, _ in got] == [n for n, _ in mixed]
         for (_, want), (_, t) in zip(mixed, got):
             assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
     same = [("x", torch.randn(2, 2)), ("y", torch.randn(3))]
-    old = deserialize_flattened_bucket(slime_bucket(same, by_bytes=False))
+    old = read(slime_bucket(same, stash, by_bytes=False), r)
     assert all(torch.equal(t, w) for (_, t), (_, w) in zip(old, same))
-    assert deserialize_flattened_bucket(serialize_flattened_bucket([])) == []  # a rank with nothing to send
-    assert (
-        deserialize_flattened_bucket(slime_bucket([("i", torch.arange(3))], by_bytes=False))[0][1].dtype == torch.int64
-    )
-    from multiprocessing.reduction import ForkingPickler
+    assert read(serialize_flattened_bucket([])) == []  # a rank with nothing to send (no file, no folder needed)
+    assert read(slime_bucket([("i", torch.arange(3))], stash, by_bytes=False), r)[0][1].dtype == torch.int64
 
     buf = io.BytesIO()
     with sglang_bucket_class() as cls:  # an int64 buffer whose entry claims float32: refused, never converted
         meta = [cls("i", torch.Size([3]), torch.float32, 0, 3, 3)]
-        ForkingPickler(buf).dump({"flattened_tensor": torch.arange(3), "metadata": meta})
+        HandlePickler(buf, stash).dump({"flattened_tensor": torch.arange(3), "metadata": meta})
     with pytest.raises(ValueError, match="'i': torch.float32 in a torch.int64 buffer"):
-        deserialize_flattened_bucket(base64.b64encode(buf.getvalue()).decode())
+        read(base64.b64encode(buf.getvalue()).decode(), r)
+    stash.close()
 
 
 @pytest.mark.parametrize(
@@ -234,24 +267,23 @@ def test_slime_flattened_buckets_are_read_in_both_sglang_layouts():
         ("start_idx", False, "offsets integers"),
     ],
 )
-def test_bad_bucket_metadata_is_refused_naming_the_tensor(field, value, message):
-    from multiprocessing.reduction import ForkingPickler
-
-    from agentrl.engines.tensor_ipc import deserialize_flattened_bucket
+def test_bad_bucket_metadata_is_refused_naming_the_tensor(field, value, message, ipc_folder):
+    from agentrl.engines.tensor_ipc import HandlePickler, deserialize_flattened_bucket
 
     buf = io.BytesIO()
-    with sglang_bucket_class() as cls:
-        meta = cls("w", torch.Size([2, 3]), torch.float32, 0, 24, 6)
-        setattr(meta, field, value)
-        ForkingPickler(buf).dump({"flattened_tensor": torch.zeros(24, dtype=torch.uint8), "metadata": [meta]})
-    with pytest.raises(ValueError, match=f"'w'.*{message}|{message}"):
-        deserialize_flattened_bucket(base64.b64encode(buf.getvalue()).decode())
-    with pytest.raises(ValueError, match="keys 'flattened_tensor' and 'metadata'"):
-        deserialize_flattened_bucket(serialize_named_tensors([("w", torch.zeros(2))]))
+    with TensorStash(ipc_folder) as stash:
+        with sglang_bucket_class() as cls:
+            meta = cls("w", torch.Size([2, 3]), torch.float32, 0, 24, 6)
+            setattr(meta, field, value)
+            HandlePickler(buf, stash).dump({"flattened_tensor": torch.zeros(24, dtype=torch.uint8), "metadata": [meta]})
+        with pytest.raises(ValueError, match=f"'w'.*{message}|{message}"):
+            deserialize_flattened_bucket(base64.b64encode(buf.getvalue()).decode(), _any(ipc_folder))
+        with pytest.raises(ValueError, match="keys 'flattened_tensor' and 'metadata'"):
+            deserialize_flattened_bucket(serialize_named_tensors([("w", torch.zeros(2))], stash), _any(ipc_folder))
 
 
 @pytest.mark.e2e
-async def test_engine_loads_a_slime_flattened_bucket(tiny_ckpt):
+async def test_engine_loads_a_slime_flattened_bucket(tiny_ckpt, ipc_folder):
     from safetensors.torch import load_file
 
     from agentrl.engines.base import SamplingParams
@@ -259,19 +291,22 @@ async def test_engine_loads_a_slime_flattened_bucket(tiny_ckpt):
     from agentrl.engines.local.process import local_server
 
     weights = load_file(str(tiny_ckpt / "model.safetensors"))
-    with local_server(tiny_ckpt, startup_timeout=120) as url:
+    stash = TensorStash(ipc_folder)
+    with local_server(tiny_ckpt, startup_timeout=120, extra_args=["--weight-ipc-dir", str(ipc_folder.path)]) as url:
         engine = SGLangEngine(url)
         try:
             greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
             before = await engine.generate([1, 2, 3, 4], greedy)
             flipped = -weights["lm_head.weight"]  # argmax becomes argmin: every greedy token changes
-            payload = slime_bucket([("lm_head.weight", flipped)])
+            payload = slime_bucket([("lm_head.weight", flipped)], stash)
             await engine.update_weights_from_tensor([payload], load_format="flattened_bucket", weight_version="b1")
             assert (await engine.model_info())["weight_version"] == "b1"
             after = await engine.generate([1, 2, 3, 4], greedy)
             assert after.output_ids != before.output_ids
-            restore = slime_bucket([("lm_head.weight", weights["lm_head.weight"])])
+            restore = slime_bucket([("lm_head.weight", weights["lm_head.weight"])], stash)
             await engine.update_weights_from_tensor([restore], load_format="flattened_bucket", weight_version="b2")
             assert (await engine.generate([1, 2, 3, 4], greedy)).output_ids == before.output_ids
+            assert len(list(ipc_folder.path.iterdir())) == 2  # the engine read both buckets and deleted neither
         finally:
             await engine.close()
+            stash.close()

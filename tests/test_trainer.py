@@ -163,6 +163,23 @@ def test_train_step_moves_log_prob_with_advantage_sign(tiny_ckpt, sign):
     assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
 
 
+def test_the_trainer_knows_whether_its_weights_are_finite(tiny_ckpt, tmp_path):
+    """The torch trainer checks its weights where they change (load, each optimizer step), so the
+    shared-memory push need not read every byte again (bench P5); a NaN that reaches a weight clears it."""
+    trainer = TorchTrainer(tiny_ckpt, cfg(lr=1e-3))
+    assert trainer.weights_finite
+    samples = make_samples(4, seed=1)
+    trainer.train_step(samples)
+    assert trainer.weights_finite
+    trainer.save(tmp_path / "ok")
+    with torch.no_grad():
+        next(iter(trainer.model.parameters())).view(-1)[0] = float("nan")
+    trainer.train_step(samples)  # AdamW carries the NaN on: the step's check sees it
+    assert not trainer.weights_finite
+    trainer.load(tmp_path / "ok")
+    assert trainer.weights_finite
+
+
 @pytest.mark.parametrize("per_token", [True, False])
 def test_gradient_accumulation_equals_one_micro_batch(tiny_ckpt, per_token):
     """Tiny token budget (one sample per micro-batch) gives the gradients of one big micro-batch."""

@@ -13,6 +13,12 @@ flag and several words, dicts JSON); SGLang's parser checks them, and a bad one 
 with its log tail in the error. ``agentrl serve`` maps what it understands, drops with a warning
 what cannot change what is sampled, and refuses the rest before any process starts.
 
+API keys never reach a command line (every local user reads ``/proc/PID/cmdline``): ``agentrl serve`` gets its
+key in the environment; SGLang, which reads its key from ``--api-key`` or from a ``--config FILE.yaml`` (SGLang
+0.5.3 and later), gets it in a file only the server's user can read, written for each start and deleted once
+the server answers (an older SGLang gets ``--api-key``). Server logs are created readable by their owner only
+(SGLang logs its server args, the key among them).
+
 No orphans: a server leads its own process group, the kernel SIGKILLs it when its actor process
 dies (``PR_SET_PDEATHSIG``), and the embedded engine also exits when its stdin pipe closes.
 """
@@ -22,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,13 +215,16 @@ class SGLangLaunch:
         return auth_headers(self.api_key)
 
 
-def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed: int | None = None) -> list[str]:
+def build_launch_command(
+    launch: SGLangLaunch, *, port: int | None = None, seed: int | None = None, key_file: str | None = None
+) -> list[str]:
     """The server's argv. ``port`` / ``seed`` default to ``launch.port`` / ``launch.seed``.
 
     SGLang gets, besides the pass-through args: ``--model-path --host --port --tp-size``,
     ``--skip-server-warmup`` (slime always sets it: the launcher's own readiness check is a real
     generation through ``/health_generate``, and the warmup's fixed timeout fails slow first
-    starts), ``--enable-memory-saver`` when colocated, ``--random-seed`` when seeded.
+    starts), ``--enable-memory-saver`` when colocated, ``--random-seed`` when seeded, and the API key:
+    ``--config key_file`` where the caller wrote it there (:func:`write_key_config`), else ``--api-key``.
     """
     port = launch.port if port is None else port
     if port is None:
@@ -231,7 +242,9 @@ def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed:
     }
     if launch.colocate:
         args["enable_memory_saver"] = True
-    if launch.api_key:  # SGLang reads its key from argv only
+    if launch.api_key and key_file:  # SGLang merges the YAML file's args into its own: the key stays off argv
+        args["config"] = key_file
+    elif launch.api_key:  # an SGLang without --config: argv is the only way in
         args["api_key"] = launch.api_key
     if seed is not None and "random_seed" not in extra:
         args["random_seed"] = int(seed)
@@ -242,6 +255,28 @@ def build_launch_command(launch: SGLangLaunch, *, port: int | None = None, seed:
     for name, value in args.items():
         argv += _cli_words(name, value)
     return argv
+
+
+def sglang_reads_config_file() -> bool:
+    """Whether the installed SGLang merges ``--config FILE.yaml`` into its server args (0.5.3 and later: its
+    ``server_args_config_parser`` module), found without importing SGLang."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    srt = Path(next(iter(spec.submodule_search_locations))) / "srt"
+    return any((srt / p).is_file() for p in ("server_args_config_parser.py", "utils/server_args_config_parser.py"))
+
+
+def write_key_config(path: Path, api_key: str) -> None:
+    """An SGLang ``--config`` YAML file holding only ``api-key``, readable by this user alone (JSON's string
+    syntax is YAML's double-quoted scalar)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(f"api-key: {json.dumps(api_key)}\n")
 
 
 def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: dict[str, Any]) -> list[str]:
@@ -326,7 +361,16 @@ class SGLangServer:
         bind = "127.0.0.1" if launch.host in ("0.0.0.0", "::", "") else launch.host
         self.port = port or launch.port or free_port(bind)
         self.seed = None if launch.seed is None else launch.seed + index
-        self.command = build_launch_command(launch, port=self.port, seed=self.seed)  # refuses bad args now
+        # SGLang's key in a private file (written for each start, deleted once the server answers), not on argv
+        self._key_dir: str | None = None
+        key_file = None
+        if launch.binary == "sglang" and launch.api_key and "config" not in launch.server_args:
+            if sglang_reads_config_file():
+                self._key_dir = tempfile.mkdtemp(prefix="agentrl-sglang-key-")  # mode 0700
+                key_file = str(Path(self._key_dir) / "api-key.yaml")
+            else:
+                log.warning("this SGLang has no --config: its API key goes on the command line (upgrade to >= 0.5.3)")
+        self.command = build_launch_command(launch, port=self.port, seed=self.seed, key_file=key_file)  # checks args
         log_dir = Path(launch.log_dir or Path(tempfile.gettempdir()) / "agentrl-engines")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine-{index}-port{self.port}.log"
@@ -355,17 +399,32 @@ class SGLangServer:
             return self.url()
         self._kill(grace=0.0)  # reap a dead server, its stray children and its log handle
         self.starts += 1
-        self._proc = self._spawner.submit(self._spawn).result()
+        key_file = self._key_file()
+        if key_file is not None:
+            write_key_config(key_file, str(self.launch.api_key))
         try:
-            self._wait_ready(self._proc)
-        except BaseException:
-            self._kill(grace=2.0)
-            raise
+            self._proc = self._spawner.submit(self._spawn).result()
+            try:
+                self._wait_ready(self._proc)
+            except BaseException:
+                self._kill(grace=2.0)
+                raise
+        finally:
+            if key_file is not None:  # read at startup only
+                key_file.unlink(missing_ok=True)
         return self.url()
 
+    def _key_file(self) -> Path | None:
+        return Path(self._key_dir) / "api-key.yaml" if self._key_dir else None
+
     def _spawn(self) -> subprocess.Popen:
-        self._log = open(self.log_path, "ab")
-        header = f"\n=== agentrl: start {self.starts} of engine {self.index}: {shlex.join(self.command)}\n"
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # SGLang logs its key
+        os.fchmod(fd, 0o600)
+        self._log = os.fdopen(fd, "ab")
+        command = shlex.join(self.command)
+        if self.launch.api_key:
+            command = command.replace(self.launch.api_key, "***")
+        header = f"\n=== agentrl: start {self.starts} of engine {self.index}: {command}\n"
         self._log.write(header.encode())
         self._log.flush()
         stdin = subprocess.PIPE if self.launch.binary == "agentrl" else subprocess.DEVNULL  # --exit-with-stdin
@@ -463,6 +522,8 @@ class SGLangServer:
         """Stop the server (SIGTERM, then SIGKILL after ``grace`` seconds) and reap it."""
         self._kill(grace)
         self._spawner.shutdown(wait=False)
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager

@@ -202,7 +202,8 @@ class TrainerActor:
                     extra["master_address"] = ray.util.get_node_ip_address()
                 self._transport = make_transport(kind, engines, **extra)
                 self._transport_kind = kind
-            self._push_loop.run_until_complete(self._transport.push(weights, version))
+            finite = bool(getattr(self.trainer, "weights_finite", False))
+            self._push_loop.run_until_complete(self._transport.push(weights, version, finite=finite))
             return self._transport.route
         finally:
             _drain(weights)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -75,8 +74,11 @@ class WeightTransport(abc.ABC):
     """The route the last push took (a transport that falls back says so: shared memory -> object store)."""
 
     @abc.abstractmethod
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
-        """Send ``named_tensors`` (HF names) to every engine as weight version ``version``."""
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
+        """Send ``named_tensors`` (HF names) to every engine as weight version ``version``.
+
+        ``finite``: the caller knows every value is finite (:attr:`agentrl.trainer.base.Trainer.weights_finite`),
+        so a transport that would otherwise read every byte to refuse NaN or inf may skip that pass."""
 
     async def close(self) -> None:
         """Release groups, folders or connections the transport holds (default: nothing)."""
@@ -133,7 +135,7 @@ class DiskTransport(WeightTransport):
         self.config = config
         self.shard_bytes = shard_bytes
 
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
         path = await asyncio.to_thread(self._write, named_tensors, str(version))
         try:
             results = await asyncio.gather(
@@ -200,50 +202,74 @@ class TensorTransport(WeightTransport):
     """Hand the weights to engines on this machine by handle: SGLang's ``/update_weights_from_tensor``.
 
     What slime does when trainer and engine are colocated on one GPU: nothing is copied over a
-    bus or written to disk; the engine maps the trainer's tensors (CUDA IPC on GPUs, shared-memory
-    files on CPU) and copies them into its own parameters. Per bucket (at most ``bucket_bytes``)
-    every engine gets the bucket's handles, ``ranks_per_engine`` times (one per engine TP rank, all
-    reading the same full tensors); only the last bucket carries ``weight_version``. Each bucket's
-    tensors are kept alive until every engine has answered.
+    bus or written to disk; the engine maps the trainer's CUDA tensors (CUDA IPC) and copies them
+    into its own parameters. Without CUDA the tensors go as files in ``ipc_dir``, the private folder
+    the engines were started with (``agentrl serve --weight-ipc-dir``,
+    :class:`agentrl.engines.ipc_folder.IpcFolder`): written once per bucket, read by every engine,
+    deleted once every engine has answered (engines never take names from anywhere else). Per
+    bucket (at most ``bucket_bytes``) every engine gets the bucket's handles, ``ranks_per_engine``
+    times (one per engine TP rank, all reading the same full tensors); only the last bucket carries
+    ``weight_version``. Each bucket's tensors are kept alive until every engine has answered.
     """
 
-    def __init__(self, engines: Sequence[SGLangEngine], *, bucket_bytes: int = 512 << 20, ranks_per_engine: int = 1):
+    def __init__(
+        self,
+        engines: Sequence[SGLangEngine],
+        *,
+        bucket_bytes: int = 512 << 20,
+        ranks_per_engine: int = 1,
+        ipc_dir: str | Path | None = None,
+    ):
+        from agentrl.engines.ipc_folder import IpcFolder
+
         if not engines:
             raise ValueError("TensorTransport needs at least one engine")
         self.engines = list(engines)
         self.bucket_bytes = bucket_bytes
         self.ranks_per_engine = ranks_per_engine
+        self.cuda = torch.cuda.is_available()
+        if not self.cuda and ipc_dir is None:
+            raise ValueError(
+                "TensorTransport without CUDA hands CPU tensors over as files in the engines' private folder: "
+                "pass ipc_dir= the folder they were started with (agentrl serve --weight-ipc-dir), "
+                "or use the disk transport"
+            )
+        self.folder = IpcFolder(ipc_dir) if ipc_dir is not None else None
 
     route = "tensor"
 
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        for bucket, last in _with_last(
-            _buckets(named_tensors, self.bucket_bytes, device=device, copy=device.type == "cpu")
-        ):
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        # CPU tensors are not copied here: the stash writes each one's bytes straight into its file
+        for bucket, last in _with_last(_buckets(named_tensors, self.bucket_bytes, device=device)):
             await self._send(bucket, str(version) if last else None)
 
     async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        """One pickle per receiving rank: each pickle takes one shared-memory reference that exactly one
-        unpickle gives back, so no ``/dev/shm`` file outlives the tensors (and one never reached is reclaimed)."""
-        from agentrl.engines.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
+        """CUDA: one pickle per receiving rank (each takes its own IPC reference, as slime sends); CPU: one
+        payload for all, its files written once and deleted once every engine has answered."""
+        from agentrl.engines.tensor_ipc import TensorStash, serialize_named_tensors
 
-        payloads = await asyncio.to_thread(
-            lambda: [[serialize_named_tensors(bucket) for _ in range(self.ranks_per_engine)] for _ in self.engines]
-        )
-        answers = await asyncio.gather(
-            *(
-                e.update_weights_from_tensor(p, flush_cache=version is not None, weight_version=version)
-                for e, p in zip(self.engines, payloads)
-            ),
-            return_exceptions=True,
-        )
+        stash = TensorStash(self.folder) if self.folder is not None and not self.cuda else None
+        ranks = range(self.ranks_per_engine)
+        try:
+            if stash is not None:
+                payload = await asyncio.to_thread(serialize_named_tensors, bucket, stash)
+                payloads = [[payload for _ in ranks] for _ in self.engines]
+            else:
+                payloads = await asyncio.to_thread(
+                    lambda: [[serialize_named_tensors(bucket) for _ in ranks] for _ in self.engines]
+                )
+            answers = await asyncio.gather(
+                *(
+                    e.update_weights_from_tensor(p, flush_cache=version is not None, weight_version=version)
+                    for e, p in zip(self.engines, payloads)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            if stash is not None:
+                stash.close()
         failed = [f"{e!r}: {a}" for e, a in zip(self.engines, answers) if isinstance(a, BaseException)]
-        for p, a in zip(payloads, answers):  # never read by the server (no answer, or refused unauthenticated):
-            if isinstance(a, BaseException) and (not isinstance(a, EngineRequestError) or a.status == 401):
-                for entry in p:
-                    with contextlib.suppress(Exception):
-                        deserialize_named_tensors(entry)
         if failed:
             raise EngineRequestError("update_weights_from_tensor failed on " + " | ".join(failed))
 
@@ -273,7 +299,7 @@ class ObjectStoreTransport(WeightTransport):
             raise ValueError("ObjectStoreTransport needs at least one engine actor")
         self.engines = list(engines)
 
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
         await self.push_list([(name, t.cpu()) for name, t in named_tensors], version)
 
     async def push_list(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
@@ -303,7 +329,7 @@ class SharedMemoryTransport(WeightTransport):
         self._writer: Any = None
         self._fallback: ObjectStoreTransport | None = None
 
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
         named = list(named_tensors)
         if self._fallback is None:
             try:
@@ -311,7 +337,9 @@ class SharedMemoryTransport(WeightTransport):
                     from agentrl.runtime.shm_weights import SharedWeightsWriter
 
                     self._writer = SharedWeightsWriter()
-                path, layout = self._writer.write(named)
+                path, layout = self._writer.write(named, checked=finite)
+            except ValueError as exc:  # NaN or inf in the weights: no engine saw them
+                raise EngineError(f"weight update refused before it reached the engines: {exc}") from None
             except OSError as exc:
                 log.warning("shared-memory weight sync unavailable (%s); using Ray's object store", exc)
                 if self._writer is not None:
@@ -437,7 +465,7 @@ class DistributedTransport(WeightTransport):
             local.add_done_callback(_destroy_if_built)  # it may still be waiting for the missing ranks
             raise
 
-    async def push(self, named_tensors: NamedTensors, version: str) -> None:
+    async def push(self, named_tensors: NamedTensors, version: str, *, finite: bool = False) -> None:
         await self.connect()
         for bucket, last in _with_last(_buckets(named_tensors, self.bucket_bytes, device=comm_device(self.backend))):
             await self._send(bucket, str(version) if last else None)

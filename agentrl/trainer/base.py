@@ -68,6 +68,12 @@ class LogProbs:
 class Trainer(abc.ABC):
     """A policy-training backend. One instance per rank; the runtime wraps it in a Ray actor."""
 
+    weights_finite: bool = False
+    """True while every weight :meth:`named_weights` yields is known finite on every rank (the torch
+    trainer checks after it loads weights and after each optimizer step, while it owns them). A weight
+    transport may then skip its own pass over the bytes (the shared-memory push does, bench P5); False
+    (the default, and a backend that does not check) leaves the check to the transport."""
+
     @abc.abstractmethod
     def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
         """Log-probs of every response token under the current weights (and the reference model)."""

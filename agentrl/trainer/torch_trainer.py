@@ -209,6 +209,7 @@ class TorchTrainer(Trainer):
         if self.keep_grads:
             self._allocate_step_state()
         self.step = 0
+        self._check_weights_finite()
         # CPU: a CoreShare re-sizing torch's threads before every micro-batch (the trainer actor sets it
         # with --cpu-threads adaptive); None keeps the threads as they are
         self.core_share: CoreShare | None = None
@@ -440,6 +441,7 @@ class TorchTrainer(Trainer):
         if not self.keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._check_weights_finite()
         keys = self._metric_names(sums)
         totals = self._sum_over_ranks([sums[k] for k in keys])  # each rank's share is globally normalized
         metrics = mean_over_trained(dict(zip(keys, totals)), self.cfg, (num_tokens, num_seqs), (live_tokens, live_seqs))
@@ -509,6 +511,19 @@ class TorchTrainer(Trainer):
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(_full(norm))
+
+    def _check_weights_finite(self) -> None:
+        """Set :attr:`weights_finite`: no NaN or inf in any rank's weights (every rank calls it together).
+
+        Run where the weights change (load, optimizer step): one reduction per tensor, ~1% of a CPU
+        step, which the shared-memory push then does not repeat while it copies (bench P5)."""
+        bad = 0
+        for t in self.model.state_dict(keep_vars=True).values():
+            local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+            if local.is_floating_point() and local.numel():
+                lo, hi = torch.aminmax(local)
+                bad += not bool(torch.isfinite(lo) & torch.isfinite(hi))
+        self.weights_finite = self._sum_over_ranks([bad])[0] == 0
 
     def _metric_names(self, sums: dict[str, float]) -> list[str]:
         """The same sorted names on every rank (one that ran only empty passes has none of its own)."""
@@ -582,6 +597,7 @@ class TorchTrainer(Trainer):
             full.update(load_file(str(f)))
         self._load_full_weights(full)
         del full
+        self._check_weights_finite()
         ranked = torch.load(optim_file, weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])
         for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice

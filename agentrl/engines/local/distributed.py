@@ -19,6 +19,12 @@ This module holds the pieces both sides share (:func:`init_custom_process_group`
 :func:`resolve_backend`, :func:`run_in_thread`) and the engine side, :class:`WeightUpdateGroups`.
 The trainer side is ``agentrl.runtime.weight_sync.DistributedTransport``.
 
+Joining is bounded on the engine side, because the address comes from an HTTP body: one rendezvous
+at a time (a second ``init_weights_update_group`` while one is joining is refused at once, as
+SGLang's one-call-at-a-time communicator does), at most :data:`MAX_GROUPS` groups, and a deadline
+(``agentrl serve --dist-timeout``, :data:`DEFAULT_RENDEZVOUS_TIMEOUT`) that holds even against a
+peer c10d's own timeout does not bound (:class:`_Join`).
+
 Backend: SGLang uses NCCL. Where CUDA is unavailable (a laptop, CI) an ``nccl`` request is served
 with ``gloo`` on CPU tensors instead, on both sides alike, so the same protocol runs for real on
 CPU. Both sides must end up on the same backend: an NCCL trainer cannot feed a CPU-only engine.
@@ -27,8 +33,13 @@ CPU. Both sides must end up on the same backend: an NCCL trainer cannot feed a C
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import stat
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -39,6 +50,15 @@ T = TypeVar("T")
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 """SGLang's default ``group_name`` for the weight-update group."""
+
+DEFAULT_RENDEZVOUS_TIMEOUT = 60.0
+"""Seconds an engine waits for the other ranks of a weight-update group (``--dist-timeout``). slime's and
+agentrl's trainers join as rank 0 within seconds of posting ``init_weights_update_group``; the HTTP request
+waits this long at most."""
+
+MAX_GROUPS = 8
+"""Weight-update groups an engine holds at once, joined and joining together. SGLang keeps several named
+groups (slime opens one per pipeline stage, ``slime-pp_<i>``); each holds sockets and buffers."""
 
 
 def resolve_backend(requested: str | None) -> str:
@@ -65,6 +85,7 @@ def init_custom_process_group(
     rank: int,
     group_name: str,
     timeout: float = 600.0,
+    collective_timeout: float | None = None,
 ) -> dist.ProcessGroup:
     """Join a process group that is its own world (rank ``rank`` of ``world_size``), not a subgroup.
 
@@ -72,16 +93,25 @@ def init_custom_process_group(
     and the engines each have their own default world (or none), so, as SGLang and slime do, we
     rendezvous on a fresh TCP store (rank 0 hosts it) and build the group with c10d's internal
     helper, then register its rank map so collectives can translate ranks. Blocks until every rank
-    has joined or ``timeout`` seconds pass; the same timeout then bounds every collective on it.
+    has joined or ``timeout`` seconds pass; ``collective_timeout`` (default: ``timeout``) then bounds
+    every collective on it.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import distributed_c10d as c10d
 
     td = timedelta(seconds=timeout)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=td))
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=td))
     store.set_timeout(td)
-    store = PrefixStore(group_name, store)  # several groups may share one store without key clashes
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
+    prefixed = c10d.PrefixStore(group_name, store)  # several groups may share one store without key clashes
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), prefixed, group_name=group_name, timeout=td
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
+    if collective_timeout is not None and collective_timeout != timeout:
+        later = timedelta(seconds=collective_timeout)
+        store.set_timeout(later)
+        if hasattr(c10d, "_set_pg_timeout"):  # torch >= 2.3; older ones keep the join's timeout
+            c10d._set_pg_timeout(later, pg)
     return pg
 
 
@@ -97,11 +127,11 @@ def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future:
 
     def target() -> None:
         try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, fut, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, fut, result, None)
+            result, exc = fn(*args), None
+        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, exc = None, caught
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits the result
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     threading.Thread(target=target, name=f"agentrl-{getattr(fn, '__name__', 'dist')}", daemon=True).start()
     return fut
@@ -149,16 +179,40 @@ class WeightUpdateGroups:
 
     The embedded engine runs one model on one device, so it is a single rank: ``rank_offset``
     (SGLang: ``rank_offset + tp_rank`` with ``tp_rank == 0``). All methods block; the HTTP app runs
-    them through :func:`run_in_thread` so the event loop keeps serving ``/generate`` meanwhile.
+    them in threads of their own (:func:`run_in_thread`, :meth:`init_async`) so the event loop keeps
+    serving ``/generate`` meanwhile.
+
+    Any client may name the address to join, so joining is bounded: one join at a time (another
+    :meth:`init` meanwhile is refused at once; otherwise each call parks a thread for the whole
+    timeout), at most ``max_groups`` groups, and ``rendezvous_timeout`` seconds per join, held by
+    :class:`_Join` even where c10d's own timeout is not. ``timeout`` bounds each collective of a
+    joined group (one bucket's broadcast). :meth:`abort` (server shutdown) answers a pending join at once.
     """
 
-    def __init__(self, *, timeout: float = 600.0):
+    def __init__(
+        self,
+        *,
+        timeout: float = 600.0,
+        rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
+        max_groups: int = MAX_GROUPS,
+    ):
+        check_rendezvous_timeout(rendezvous_timeout)
         self.timeout = timeout
+        self.rendezvous_timeout = float(rendezvous_timeout)
+        self.max_groups = max_groups
         self._groups: dict[str, tuple[dist.ProcessGroup, str, threading.Lock]] = {}
+        self._joining: _Join | None = None
         self._lock = threading.Lock()
+        self._answers: set[asyncio.Future] = set()  # the HTTP requests awaiting an init
 
     def __contains__(self, group_name: str) -> bool:
         return group_name in self._groups
+
+    @property
+    def joining(self) -> str | None:
+        """The name of the group whose rendezvous is in progress, or None."""
+        join = self._joining
+        return join.group_name if join is not None else None
 
     def init(
         self,
@@ -169,29 +223,77 @@ class WeightUpdateGroups:
         group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "nccl",
     ) -> tuple[bool, str]:
-        """Join group ``group_name`` as rank ``rank_offset``; SGLang's ``(success, message)``."""
+        """Join group ``group_name`` as rank ``rank_offset``; SGLang's ``(success, message)``.
+
+        Refused at once while another group is joining, when the group exists or when ``max_groups``
+        are held; otherwise it blocks until every rank joined, ``rendezvous_timeout`` seconds at most.
+        """
         if not group_name:
             return False, "Group name cannot be empty."
+        if not 0 < int(rank_offset) < int(world_size):
+            return False, (
+                f"Failed to initialize custom process group: rank_offset ({rank_offset}) must lie in "
+                f"1..world_size-1 ({int(world_size) - 1}): rank 0 is the trainer, the engine one of the others."
+            )
         with self._lock:
-            if group_name in self._groups:
-                return False, f"Failed to initialize custom process group: group {group_name!r} already exists."
+            refusal = self._refusal(group_name)
+            if refusal is None:
+                join = self._joining = _Join(group_name, master_address, int(master_port), self.rendezvous_timeout)
+        if refusal is not None:
+            return False, f"Failed to initialize custom process group: {refusal}"
         used = resolve_backend(backend)
+        pg: dist.ProcessGroup | None = None
+        failure = ""
         try:
-            pg = init_custom_process_group(
-                backend=used,
-                master_address=master_address,
-                master_port=int(master_port),
-                world_size=int(world_size),
-                rank=int(rank_offset),
-                group_name=group_name,
-                timeout=self.timeout,
+            pg = join.run(
+                lambda seconds: init_custom_process_group(
+                    backend=used,
+                    master_address=master_address,
+                    master_port=int(master_port),
+                    world_size=int(world_size),
+                    rank=int(rank_offset),
+                    group_name=group_name,
+                    timeout=seconds,
+                    collective_timeout=self.timeout,
+                )
             )
         except Exception as exc:  # noqa: BLE001 - reported to the caller as SGLang does
-            return False, f"Failed to initialize custom process group: {exc}."
-        with self._lock:
-            self._groups[group_name] = (pg, used, threading.Lock())
+            failure = f"Failed to initialize custom process group: {exc}."
+        finally:  # the slot frees only once the joining thread is done: never two of them
+            with self._lock:
+                self._joining = None
+                if pg is not None:
+                    self._groups[group_name] = (pg, used, threading.Lock())
+        if pg is None:
+            return False, failure
         note = f" (backend {used}; {backend} requested, CUDA unavailable)" if used != backend else ""
         return True, "Succeeded to initialize custom process group." + note
+
+    async def init_async(self, *args: Any) -> tuple[bool, str]:
+        """:meth:`init` in a thread of its own, awaited; :meth:`abort` answers it at once (the thread, a
+        daemon, ends by itself by the deadline)."""
+        answer = run_in_thread(self.init, *args)
+        self._answers.add(answer)
+        answer.add_done_callback(self._answers.discard)
+        return await answer
+
+    def _refusal(self, group_name: str) -> str | None:
+        """Why a join of ``group_name`` cannot start now (called under the lock), or None."""
+        join = self._joining
+        if join is not None:
+            return (
+                f"group {join.group_name!r} is still joining its rendezvous at {join.address} "
+                f"(at most {join.remaining():.0f} s more, --dist-timeout {join.timeout:g}); one group joins at a "
+                "time: retry when it has ended."
+            )
+        if group_name in self._groups:
+            return f"group {group_name!r} already exists."
+        if len(self._groups) >= self.max_groups:
+            return (
+                f"the engine already holds {len(self._groups)} weight-update groups, its limit; "
+                "destroy one with /destroy_weights_update_group first."
+            )
+        return None
 
     def receive(
         self, group_name: str, metadata: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -226,3 +328,150 @@ class WeightUpdateGroups:
         except Exception as exc:  # noqa: BLE001
             return False, f"Failed to destroy custom process group: {exc}."
         return True, "Succeeded to destroy custom process group."
+
+    def abort(self) -> None:
+        """Cut a rendezvous in progress short (the server is stopping) and answer every :meth:`init_async` now.
+
+        The joining thread ends as soon as c10d lets go: at once while it waits for a listener or for
+        the other ranks, at the deadline while c10d retries its handshake.
+        """
+        reason = "the engine is shutting down"
+        join = self._joining
+        if join is not None:
+            join.cancel(reason)
+        refusal = (False, f"Failed to initialize custom process group: {reason}.")
+        for answer in list(self._answers):
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody is waiting
+                answer.get_loop().call_soon_threadsafe(_settle, answer, refusal, None)
+
+
+def check_rendezvous_timeout(seconds: Any) -> float:
+    """``--dist-timeout`` as seconds, or ValueError naming the flag (checked before a model is loaded)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
+        raise ValueError(f"--dist-timeout must be a number of seconds in (0, 3600], got {seconds!r}")
+    return float(seconds)
+
+
+class _Join:
+    """One rendezvous in progress, held to its deadline even where c10d's own timeout does not hold.
+
+    c10d bounds a refused connection and a store wait by its timeout, but a peer that accepts the
+    TCP connection and then says nothing keeps ``TCPStore``'s handshake waiting forever (measured:
+    still waiting after 190 s with a 3 s timeout). So :meth:`run` first waits, cancellably, until
+    something listens at the address (rank 0 may open its store a moment after posting the call),
+    then runs c10d with the time left, while a watchdog thread cuts it short at the deadline or on
+    :meth:`cancel`: it shuts down this process's sockets to that address that were not there when
+    the join began (a joined group's store stays connected), which fails c10d's blocked read, and
+    repeats until the join returns. c10d retries a failed handshake until its own deadline, which is
+    the join's (it is given the time left), so the join ends within a second or so of its deadline.
+    """
+
+    def __init__(self, group_name: str, host: str, port: int, timeout: float):
+        self.group_name, self.host, self.port, self.timeout = group_name, host, port, timeout
+        self.deadline = time.monotonic() + timeout
+        self.reason: str | None = None  # why it was cut short
+        self.finished = threading.Event()
+        self._wake = threading.Event()  # cancelled or finished
+        self._peers: set[str] = set()
+        self._before: set[tuple[int, int]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def cancel(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self._wake.set()
+
+    def run(self, connect: Callable[[float], dist.ProcessGroup]) -> dist.ProcessGroup:
+        """``connect(seconds_left)`` once a listener answers at the address, under the watchdog."""
+        threading.Thread(target=self._watch, name="agentrl-rendezvous-watchdog", daemon=True).start()
+        try:
+            try:
+                infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ValueError(f"master_address {self.host!r} does not resolve: {exc}") from None
+            self._peers = {_plain_ip(str(info[4][0])) for info in infos}
+            self._before = {key for key, _ in _sockets_to(self._peers, self.port)}
+            self._wait_for_listener()
+            pg = connect(max(self.remaining(), 0.1))
+            if self.reason is not None:  # cut short just as it completed: its store may be shut down
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(pg)
+                raise TimeoutError(self.reason)
+            return pg
+        except Exception as exc:
+            if self.reason is not None and not isinstance(exc, TimeoutError):
+                raise TimeoutError(self.reason) from exc
+            raise
+        finally:
+            self.finished.set()
+            self._wake.set()
+
+    def _wait_for_listener(self) -> None:
+        while True:
+            if self.reason is not None:
+                raise TimeoutError(self.reason)
+            for ip in self._peers:
+                try:
+                    with socket.create_connection((ip, self.port), timeout=max(0.05, min(self.remaining(), 2.0))):
+                        return
+                except OSError:
+                    pass
+            self._wake.wait(0.1)
+
+    def _watch(self) -> None:
+        if not self._wake.wait(self.remaining()):
+            self.cancel(
+                f"no rendezvous at {self.address} within {self.timeout:g} s (--dist-timeout): "
+                "rank 0 (the trainer) must host the group's store there and join at the same time"
+            )
+        while not self.finished.is_set():
+            for key, sock in _sockets_to(self._peers, self.port):
+                if key not in self._before:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            self.finished.wait(0.25)
+
+
+def _plain_ip(ip: str) -> str:
+    """``::ffff:1.2.3.4`` -> ``1.2.3.4`` (c10d dials IPv4 from an IPv6 socket); a zone suffix dropped."""
+    ip = ip.split("%", 1)[0]
+    return ip.removeprefix("::ffff:") if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def _sockets_to(peers: set[str], port: int) -> Iterator[tuple[tuple[int, int], socket.socket]]:
+    """This process's TCP sockets connected to one of ``peers`` on ``port``: ``((fd, inode), duplicate)``.
+
+    Each is a duplicate of the descriptor, valid while the caller holds it (shutting it down shuts
+    down the socket itself); the inode is read from the duplicate, so a descriptor closed and
+    reused meanwhile is never mistaken for the socket first seen under its number.
+    """
+    for fd in _open_fds():
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with dup:
+            if dup.family not in (socket.AF_INET, socket.AF_INET6) or dup.type != socket.SOCK_STREAM:
+                continue
+            try:
+                host, peer_port = dup.getpeername()[:2]
+                inode = os.fstat(dup.fileno()).st_ino
+            except OSError:  # not connected
+                continue
+            if peer_port == port and _plain_ip(host) in peers:
+                yield (fd, inode), dup
+
+
+def _open_fds() -> list[int]:
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return [int(name) for name in os.listdir(folder) if name.isdigit()]
+    return []

@@ -459,19 +459,25 @@ class LocalEngine:
             self._inbox.append(req)
             self._cv.notify()
 
+    def check_prompt_length(self, tokens: int, *, at_least: bool = False) -> None:
+        """Raise :class:`InvalidRequestError` (SGLang's message) when a prompt of ``tokens`` tokens leaves no room
+        in the context; ``at_least``: ``tokens`` is a lower bound (a text refused before it is tokenized)."""
+        if tokens >= self.context_length:
+            count = f"at least {tokens}" if at_least else str(tokens)
+            raise InvalidRequestError(
+                f"The input ({count} tokens) is longer than the model's context length ({self.context_length} tokens)."
+            )
+
     def _check_input_ids(self, input_ids: Any) -> list[int]:
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise InvalidRequestError("input_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in input_ids):
+        self.check_prompt_length(len(input_ids))  # first: a long list is refused before any per-token work
+        # per-token checks at C speed (map, set, min, max): a batch's prompts are checked on the event loop
+        if not all(issubclass(k, (int, np.integer)) and not issubclass(k, bool) for k in set(map(type, input_ids))):
             raise InvalidRequestError("input_ids must hold integers")
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise InvalidRequestError(f"input_ids must lie in 0..{self.vocab_size - 1}")
-        if len(input_ids) >= self.context_length:
-            raise InvalidRequestError(
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        return [int(t) for t in input_ids]
+        return list(map(int, input_ids))  # a copy: the caller may go on changing its list
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """End request ``rid`` (or every request) with finish reason ``abort``; partial output is returned."""
@@ -510,6 +516,7 @@ class LocalEngine:
         abort_all_requests: bool = False,
         partial: bool = False,
         assign: bool = False,
+        finite_checked: bool = False,
     ) -> dict:
         """Copy in-memory weights (HF names -> tensors or numpy arrays) into the running model.
 
@@ -521,13 +528,23 @@ class LocalEngine:
         ``assign=True`` makes the model's parameters *be* the given tensors (no copy) where dtype and
         device match: the shared-memory weight sync hands over views of a buffer the trainer writes,
         and the caller promises not to write that buffer again while the engine uses it.
+        ``finite_checked=True``: the caller already proved every value finite (the shared-memory
+        writer checks each chunk as it writes it), so the engine does not read every page again.
         """
         fut = asyncio.get_running_loop().create_future()
         if abort_all_requests:
             self.abort(abort_all=True)
         with self._cv:
             self._control.append(
-                ("update", (dict(named_tensors), weight_version, fut, {"partial": partial, "assign": assign}))
+                (
+                    "update",
+                    (
+                        dict(named_tensors),
+                        weight_version,
+                        fut,
+                        {"partial": partial, "assign": assign, "finite_checked": finite_checked},
+                    ),
+                )
             )
             self._cv.notify()
         return await fut
@@ -556,12 +573,17 @@ class LocalEngine:
             self._cv.notify()
         return await fut
 
-    async def close(self) -> None:
-        """Stop the worker thread; requests still pending are aborted."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop the worker thread; requests still pending are aborted.
+
+        ``timeout``: wait at most this many seconds for the worker to finish what it is doing (a
+        stopping server must not wait out a long weight load); it is a daemon thread, so one still
+        busy does not keep the process alive.
+        """
         with self._cv:
             self._stop = True
             self._cv.notify()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     # ---------------------------------------------------------------- worker thread
 
@@ -696,11 +718,17 @@ class LocalEngine:
         return True
 
     def _load_weights(
-        self, source: str | dict, version: str | None, *, partial: bool = False, assign: bool = False
+        self,
+        source: str | dict,
+        version: str | None,
+        *,
+        partial: bool = False,
+        assign: bool = False,
+        finite_checked: bool = False,
     ) -> dict:
         try:
             loaded, what = read_source(source)
-            apply_weights(self.model, loaded, what, partial=partial, assign=assign)
+            apply_weights(self.model, loaded, what, partial=partial, assign=assign, finite_checked=finite_checked)
         except WeightUpdateError as exc:
             return {"success": False, "message": str(exc), "num_paused_requests": 0}
         self.store.clear()

@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,6 +37,7 @@ from fastapi.responses import StreamingResponse
 from agentrl.chat import ChatTemplate
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+from agentrl.engines.local.text_prompts import TextPrompts
 from agentrl.images import count_images
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
@@ -80,10 +81,19 @@ def add_openai_routes(
     stats: Any,
     tool_parser: ToolParser | None,
     json_body: Callable[[Request], Any],
+    prompts: TextPrompts | None = None,
+    is_large: Callable[[Request], Awaitable[bool]] | None = None,
 ) -> None:
-    """Mount the OpenAI endpoints on ``app``; generation passes ``gate`` (pauses) and is counted in ``stats``."""
+    """Mount the OpenAI endpoints on ``app``; generation passes ``gate`` (pauses) and is counted in ``stats``.
+
+    ``json_body`` reads a request's JSON object; text prompts are encoded by ``prompts`` (refused early when they
+    cannot fit the context), in a worker thread when ``is_large(request)`` says the body is large."""
     tok = engine.tokenizer
     chat_template = ChatTemplate(tok, vision=engine.vision.family if engine.vision is not None else None)
+    text_prompts = prompts if prompts is not None else TextPrompts(tok, engine.check_prompt_length)
+
+    async def large(request: Request) -> bool:
+        return bool(is_large is not None and await is_large(request))
 
     @app.get("/v1/models")
     async def models():
@@ -104,15 +114,11 @@ def add_openai_routes(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = P.CompletionRequest.parse(await json_body(request))
-        prompts = (
-            req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
-        )
-        jobs = []
-        for ids in prompts:
-            ids = ids if isinstance(ids, list) else tok.encode(ids)
-            for sp in _samples(req, req.sampling(default_max=16)):
-                jobs.append({"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs is not None})
+        body = await json_body(request)
+        if await large(request):  # checked and tokenized off the event loop
+            req, jobs = await asyncio.to_thread(_completion_jobs, engine, text_prompts, body)
+        else:
+            req, jobs = _completion_jobs(engine, text_prompts, body)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -123,7 +129,7 @@ def add_openai_routes(
             await check_jobs(engine, jobs)
             return _sse(_stream_completions(engine, gate, stats, jobs, head, req, tok))
         async with gate.admit():
-            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+            outs = await run_jobs(engine, jobs)
         stats.record(outs)
         choices = []
         for i, out in enumerate(outs):
@@ -138,10 +144,11 @@ def add_openai_routes(
         req = P.ChatCompletionRequest.parse(await json_body(request))
         tools, prefix, parse = _tool_plan(req, tool_parser)
         messages, kwargs = req.message_dicts(), req.chat_template_kwargs or {}
-        if count_images(messages):  # decoding and the processor off the event loop
-            ids, images = await asyncio.to_thread(_render_images, tok, chat_template, engine, messages, tools, kwargs)
+        render = (tok, chat_template, engine, text_prompts, messages, tools, kwargs)
+        if count_images(messages) or await large(request):  # rendering, decoding, tokenizing off the event loop
+            ids, images = await asyncio.to_thread(_render_prompt, *render)
         else:
-            ids, images = _render_chat(tok, chat_template, messages, tools, kwargs), []
+            ids, images = _render_prompt(*render)
         if prefix:
             ids = ids + tok.encode(prefix, add_special_tokens=False)
         jobs = [{"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs} for sp in _samples(req)]
@@ -158,7 +165,7 @@ def add_openai_routes(
             hook = tool_parser if parse else None
             return _sse(_stream_chat(engine, gate, stats, jobs, head, req, tok, hook, prefix))
         async with gate.admit():
-            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+            outs = await run_jobs(engine, jobs)
         stats.record(outs)
         choices = []
         for i, out in enumerate(outs):
@@ -407,14 +414,74 @@ def _stops(sp: dict) -> list[str]:
 # ---------------------------------------------------------------- shapes
 
 
+def _completion_jobs(engine: LocalEngine, prompts: TextPrompts, body: dict) -> tuple[P.CompletionRequest, list[dict]]:
+    """A ``/v1/completions`` body checked (a prompt longer than the context first, before the per-token checks)
+    and unpacked into one ``engine.generate`` job per prompt and sample."""
+    raw = body.get("prompt")
+    for p in raw if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else [raw]:
+        if isinstance(p, list):
+            engine.check_prompt_length(len(p))
+        elif isinstance(p, str):
+            prompts.check_fits(p)
+    req = P.CompletionRequest.parse(body)
+    items = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
+    jobs = []
+    for ids in items:
+        ids = ids if isinstance(ids, list) else prompts.encode(ids)
+        for sp in _samples(req, req.sampling(default_max=16)):
+            jobs.append({"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs is not None})
+    return req, jobs
+
+
 async def check_jobs(engine: LocalEngine, jobs: list[dict]) -> None:
-    """``engine.check_request`` for each job, before any runs (pictures decoded in a worker thread)."""
-    for job in jobs:
+    """``engine.check_request`` for each job, before any runs (pictures decoded in a worker thread); the event
+    loop serves other requests between two jobs (a batch of a thousand prompts is a second of checks)."""
+    for i, job in enumerate(jobs):
+        if i:
+            await asyncio.sleep(0)
         await engine.check_request(**job)
 
 
+async def run_jobs(engine: LocalEngine, jobs: list[dict]) -> list[dict]:
+    """``engine.generate`` for every job, concurrently, as ``asyncio.gather`` would; each job is admitted (its
+    checks run) one event-loop turn after the previous one, so a large batch never holds the loop."""
+    if len(jobs) == 1:
+        return [await engine.generate(**jobs[0])]
+    tasks: list[asyncio.Future] = []
+    try:
+        for job in jobs:
+            tasks.append(asyncio.ensure_future(engine.generate(**job)))
+            await asyncio.sleep(0)
+    except asyncio.CancelledError:  # the client went away while the jobs were being admitted
+        for t in tasks:
+            t.cancel()
+        raise
+    return list(await asyncio.gather(*tasks))
+
+
+def _render_prompt(
+    tok: Any,
+    chat: ChatTemplate,
+    engine: LocalEngine,
+    prompts: TextPrompts,
+    messages: list[dict],
+    tools: Any,
+    kwargs: dict,
+) -> tuple[list[int], list[Any]]:
+    """A conversation's prompt ids, and its images (none for a text-only conversation)."""
+    if count_images(messages):
+        return _render_images(tok, chat, engine, prompts, messages, tools, kwargs)
+    return _render_chat(tok, chat, messages, tools, kwargs, prompts=prompts), []
+
+
 def _render_images(
-    tok: Any, chat: ChatTemplate, engine: LocalEngine, messages: list[dict], tools: Any, kwargs: dict
+    tok: Any,
+    chat: ChatTemplate,
+    engine: LocalEngine,
+    prompts: TextPrompts,
+    messages: list[dict],
+    tools: Any,
+    kwargs: dict,
 ) -> tuple[list[int], list[Any]]:
     """A conversation with image parts: its images decoded and checked (400 naming the problem; a text-only
     model refuses them, and so does a ``file://`` URL: the server does not read its disk for a client), and
@@ -436,7 +503,7 @@ def _render_images(
         messages, images = normalize(messages, files=False)
     except ImageError as exc:
         raise InvalidRequestError(f"messages: {exc}") from None
-    return _render_chat(tok, chat, messages, tools, kwargs, engine, images), images
+    return _render_chat(tok, chat, messages, tools, kwargs, engine, images, prompts=prompts), images
 
 
 def _render_chat(
@@ -447,10 +514,13 @@ def _render_chat(
     kwargs: dict,
     engine: LocalEngine | None = None,
     images: Sequence[Any] = (),
+    *,
+    prompts: TextPrompts | None = None,
 ) -> list[int]:
     """Render with the model's template, or agentrl's built-in tool template when tools are offered
     and the model's template ignores them (as ``agentrl rollout`` does), so tools are never dropped.
-    With ``images`` the model's processor expands their markers (``engine.vision``)."""
+    With ``images`` the model's processor expands their markers (``engine.vision``). With ``prompts`` the
+    rendered text is refused before it is tokenized when it cannot fit the context."""
     try:
         source, messages = chat.prepared(messages, tools)
         text = tok.apply_chat_template(
@@ -463,13 +533,15 @@ def _render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the client's bad request
         raise InvalidRequestError(f"chat template failed: {exc}") from exc
+    if prompts is not None:
+        prompts.check_fits(text)
     if images:
         assert engine is not None and engine.vision is not None
         try:
             return engine.vision.family.expand(text, images).ids
         except ValueError as exc:
             raise InvalidRequestError(f"messages: {exc}") from None
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=False)  # checked above when prompts were given
 
 
 def _completion_logprobs(tok: Any, lps: list, offset: int) -> dict:

@@ -1,7 +1,7 @@
 """The embedded engine's request bodies as pydantic models: every field typed and bounded.
 
-A body is validated here, on the event loop, before anything reaches the engine's worker thread:
-a bad value is one HTTP 400 naming the field (``messages.0.content.1.text: Input should be a
+A body is validated here (on the event loop, or in a worker thread when it is large) before anything
+reaches the engine's worker thread: a bad value is one HTTP 400 naming the field (``messages.0.content.1.text: Input should be a
 valid string``) instead of an exception inside a shared loop. Names follow SGLang's
 ``GenerateReqInput`` and OpenAI's completions / chat completions. Unknown fields are refused (a
 typo must not be served as if it were the default); fields SGLang or OpenAI define and the

@@ -13,6 +13,12 @@ update ``/pause_generation``, ``/continue_generation``. OpenAI-compatible: ``/v1
 
 Choices worth knowing:
 
+- Requests are bounded before a handler trusts them (:mod:`agentrl.http_guard`): a body over ``max_body_mb``
+  (``--max-body-mb``) is a 413 naming the flag; every JSON body is read by one function, so invalid UTF-8,
+  invalid JSON and nesting deeper than ``http_guard.MAX_DEPTH`` are 400s on every route; a large body is
+  parsed, checked and tokenized in a worker thread (``/health`` keeps answering), and a prompt that cannot fit
+  the context is refused before its tokens are checked one by one or its text is tokenized. With an API key
+  every route but :data:`OPEN_ROUTES` (SGLang's: ``/health*``, ``/metrics*``) needs it.
 - ``text`` inputs are tokenized like SGLang does, with the tokenizer's default
   (``add_special_tokens=True``: a BOS is prepended where the tokenizer adds one). Chat requests are
   rendered with the chat template (``add_generation_prompt=True``) and tokenized without adding
@@ -42,9 +48,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hmac
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,11 +60,36 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.local import protocol as P
-from agentrl.engines.local.distributed import WeightUpdateGroups, check_metadata, run_in_thread
+from agentrl.engines.local.distributed import (
+    DEFAULT_RENDEZVOUS_TIMEOUT,
+    WeightUpdateGroups,
+    check_metadata,
+    check_rendezvous_timeout,
+    run_in_thread,
+)
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
-from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams
+from agentrl.engines.local.generate_jobs import generate_jobs
+from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams, run_jobs
+from agentrl.engines.local.text_prompts import TextPrompts
+from agentrl.http_guard import DEFAULT_MAX_BODY_MB, INLINE_PARSE_BYTES, ApiKeyGuard, BadRequest, BodyLimit, read_json
 
 log = logging.getLogger(__name__)
+
+OPEN_ROUTES = ("/health*", "/metrics*")
+"""Routes answered without the API key: SGLang's set (``/health``, ``/health_generate``, ``/metrics``), so a
+load balancer or Prometheus can watch a server whose key it does not hold."""
+
+MAX_BODY_MB_LIMIT = 4096
+"""The largest ``--max-body-mb`` accepted."""
+
+
+def max_body_bytes(max_body_mb: float) -> int:
+    """``--max-body-mb`` as bytes, or ValueError naming the flag (checked before a model is loaded)."""
+    if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, (int, float)) or not math.isfinite(max_body_mb):
+        raise ValueError(f"--max-body-mb must be a number of MiB, got {max_body_mb!r}")
+    if not 0 < max_body_mb <= MAX_BODY_MB_LIMIT:
+        raise ValueError(f"--max-body-mb must lie in (0, {MAX_BODY_MB_LIMIT}] MiB, got {max_body_mb!r}")
+    return max(1, int(max_body_mb * 2**20))
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -66,13 +97,26 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 
 
 async def _json_body(request: Request) -> dict:
+    """The request's JSON object, read as :func:`agentrl.http_guard.read_json` reads it (a large body parsed in
+    a worker thread); invalid UTF-8, invalid JSON, nesting deeper than ``http_guard.MAX_DEPTH`` or a value that
+    is not an object: :class:`InvalidRequestError` (a 400 in the engine's error shape)."""
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise InvalidRequestError(f"request body is not JSON: {exc}") from exc
+        body = await read_json(request)
+    except BadRequest as exc:
+        raise InvalidRequestError(str(exc)) from None
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return body
+
+
+async def _optional_json_body(request: Request) -> dict:
+    """:func:`_json_body`, or ``{}`` for a request without a body (SGLang's control routes take either)."""
+    return await _json_body(request) if await request.body() else {}
+
+
+async def _is_large(request: Request) -> bool:
+    """Whether the (already read) body is large enough that its checks and tokenizing go to a worker thread."""
+    return len(await request.body()) > INLINE_PARSE_BYTES
 
 
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
@@ -208,17 +252,31 @@ def build_app(
     model_name: str | None = None,
     tool_parser: ToolParser | None = None,
     api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    weight_ipc_dir: str | None = None,
+    dist_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (``model_name`` defaults to the checkpoint path).
 
-    With ``api_key`` every endpoint but ``/health*`` and ``/metrics`` needs ``Authorization: Bearer
-    <api_key>`` and answers 401 ``{"error": "Unauthorized"}`` without it, as SGLang's ``--api-key``:
-    weight updates, pauses and disk loads are then closed to whatever else can reach the port.
+    With ``api_key`` every endpoint but :data:`OPEN_ROUTES` (``/health*``, ``/metrics*``) needs
+    ``Authorization: Bearer <api_key>`` and answers 401 ``{"error": "Unauthorized"}`` without it, as SGLang's
+    ``--api-key``: weight updates, pauses and disk loads are then closed to whatever else can reach the port.
+    A request body over ``max_body_mb`` MiB is answered 413 naming ``--max-body-mb`` before it is held in memory.
+    ``weight_ipc_dir``: the private folder (:class:`~agentrl.engines.ipc_folder.IpcFolder`) whose files CPU
+    tensor handles of ``/update_weights_from_tensor`` may name; without it such handles are refused.
+    ``dist_timeout``: seconds ``/init_weights_update_group`` waits for the other ranks (``--dist-timeout``).
     """
+    from agentrl.engines.ipc_folder import IpcFolder
+
+    weight_ipc = IpcFolder(weight_ipc_dir) if weight_ipc_dir else None  # a bad folder: refused before serving
+    cap = max_body_bytes(max_body_mb)
     app = FastAPI(title="agentrl embedded engine")
-    if api_key:
-        _require_api_key(app, api_key)
+    app.state.weight_ipc = weight_ipc
+    app.add_middleware(BodyLimit, max_bytes=cap, flag="--max-body-mb")
+    if api_key:  # outermost: a client without the key is refused before its body is read
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_ROUTES, refusal={"error": "Unauthorized"})
     name = model_name or engine.model_path
+    prompts = TextPrompts(engine.tokenizer, engine.check_prompt_length)
     gate = app.state.pause_gate = PauseGate(engine)
     stats = app.state.stats = RequestStats()
 
@@ -306,17 +364,17 @@ def build_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         body = await _json_body(request)
-        P.GenerateRequest.parse(body)
-        if body.get("image_data") is not None:  # a text prompt's markers are expanded by the processor: off the loop
-            batch, jobs = await asyncio.to_thread(_generate_jobs, engine, body)
+        # a large body (checked and tokenized) or pictures (expanded by the processor): off the event loop
+        if body.get("image_data") is not None or await _is_large(request):
+            batch, jobs = await asyncio.to_thread(generate_jobs, engine, prompts, body)
         else:
-            batch, jobs = _generate_jobs(engine, body)
+            batch, jobs = generate_jobs(engine, prompts, body)
         if body.get("stream") or len(jobs) > 1:  # every job checked before any runs (or streams its 200)
             await check_jobs(engine, jobs)
         if body.get("stream"):
             return StreamingResponse(_stream_generate(engine, gate, jobs, batch), media_type="text/event-stream")
         async with gate.admit():
-            outs = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+            outs = await run_jobs(engine, jobs)
         stats.record(outs)
         return outs if batch else outs[0]
 
@@ -359,21 +417,24 @@ def build_app(
         )
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
-    _weight_sync_routes(app, engine)
+    _weight_sync_routes(app, engine, dist_timeout)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        req = P.PauseRequest.parse(await _json_body(request) if await request.body() else {})
+        req = P.PauseRequest.parse(await _optional_json_body(request))
         await gate.pause(req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        await _optional_json_body(request)  # nothing to read, but a body sent must be JSON, as everywhere
         await gate.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        if request.method == "POST":
+            await _optional_json_body(request)
         engine.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
 
@@ -383,13 +444,23 @@ def build_app(
         engine.abort(req.rid, abort_all=req.abort_all)
         return Response(status_code=200)
 
-    add_openai_routes(app, engine, name=name, gate=gate, stats=stats, tool_parser=tool_parser, json_body=_json_body)
+    add_openai_routes(
+        app,
+        engine,
+        name=name,
+        gate=gate,
+        stats=stats,
+        tool_parser=tool_parser,
+        json_body=_json_body,
+        prompts=prompts,
+        is_large=_is_large,
+    )
     return app
 
 
-def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
+def _weight_sync_routes(app: FastAPI, engine: LocalEngine, dist_timeout: float) -> None:
     """SGLang's broadcast weight update and memory release endpoints (same bodies and answers)."""
-    groups = WeightUpdateGroups()
+    groups = WeightUpdateGroups(rendezvous_timeout=dist_timeout)
     app.state.weight_update_groups = groups
 
     def answer(success: bool, message: str) -> JSONResponse:
@@ -399,7 +470,8 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
     async def init_weights_update_group(request: Request):
         req = P.InitWeightsUpdateGroupRequest.parse(await _json_body(request))
         args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend)
-        return answer(*await run_in_thread(groups.init, *args))  # blocks until every rank joined
+        # blocks until every rank joined, --dist-timeout at most; refused at once while another group joins
+        return answer(*await groups.init_async(*args))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
@@ -433,21 +505,19 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank."""
-        from agentrl.engines.tensor_ipc import deserialize_flattened_bucket, deserialize_named_tensors
+        """SGLang's colocated update: tensors by handle (``agentrl.engines.tensor_ipc``), one payload per TP rank.
 
-        body = await _json_body(request)
-        try:
-            req = P.UpdateWeightsFromTensorRequest.parse(body)
-        except InvalidRequestError:  # refused: still give back the shared-memory references it carries
-            entries = body.get("serialized_named_tensors")
-            for entry in entries if isinstance(entries, list) else []:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(deserialize_named_tensors, entry)
-            raise
+        Only handles of memory the run's trainer wrote are read (CUDA IPC, or files of the private
+        ``weight_ipc_dir``), each checked against its storage and the parameter it replaces before a
+        byte is read; the engine never unlinks, maps or connects to what a payload names.
+        """
+        from agentrl.engines.tensor_ipc import Receiver, deserialize_flattened_bucket, deserialize_named_tensors
+
+        req = P.UpdateWeightsFromTensorRequest.parse(await _json_body(request))
         read = deserialize_flattened_bucket if req.load_format == "flattened_bucket" else deserialize_named_tensors
         try:
-            named = await asyncio.to_thread(read, req.serialized_named_tensors[0])
+            receiver = Receiver.for_model(engine.model, request.app.state.weight_ipc)
+            named = await asyncio.to_thread(read, req.serialized_named_tensors[0], receiver)
         except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
             return answer(False, f"could not read serialized_named_tensors ({req.load_format or 'direct'}): {exc}")
         version = req.weight_version
@@ -462,7 +532,7 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
         return answer(*await run_in_thread(groups.destroy, req.group_name))
 
     async def memory(request: Request, release: bool):
-        req = P.MemoryRequest.parse(await _json_body(request) if await request.body() else {})
+        req = P.MemoryRequest.parse(await _optional_json_body(request))
         tags = req.tags
         out = await (engine.release_memory_occupation(tags) if release else engine.resume_memory_occupation(tags))
         if not out["success"]:
@@ -476,100 +546,6 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine) -> None:
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
         return await memory(request, release=False)
-
-
-def _require_api_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path = request.url.path
-        if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
-
-
-def _generate_jobs(engine: LocalEngine, body: dict) -> tuple[bool, list[dict]]:
-    """Unpack a (possibly batched) ``/generate`` body, already checked by :class:`~.protocol.GenerateRequest`,
-    into ``engine.generate`` keyword arguments."""
-    if body.get("input_ids") is not None:
-        inputs = body["input_ids"]
-        batch = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
-        ids = inputs if batch else [inputs]
-    else:
-        text = body["text"]
-        batch = isinstance(text, list)
-        texts = text if batch else [text]
-        ids = [engine.tokenizer.encode(t) for t in texts]
-    images = _image_items(body.get("image_data"), batch, len(ids))
-    if body.get("input_ids") is None and engine.vision is not None:  # text in: the processor expands the markers
-        ids = [_expand_text(engine, t, imgs) if imgs else i for t, i, imgs in zip(texts, ids, images)]
-
-    def per_item(key: str, default: Any) -> list:
-        value = body.get(key, default)
-        if batch and isinstance(value, list) and (key != "sampling_params" or value and isinstance(value[0], dict)):
-            if len(value) != len(ids):
-                raise InvalidRequestError(f"{key} has {len(value)} entries for {len(ids)} inputs")
-            return value
-        return [value] * len(ids)
-
-    rids = per_item("rid", None)
-    if batch and isinstance(body.get("rid"), str):
-        rids = [f"{body['rid']}_{i}" for i in range(len(ids))]
-    jobs = [
-        {
-            "input_ids": i,
-            "sampling_params": sp or {},
-            "rid": rid,
-            "return_logprob": bool(lp),
-            "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
-            "logprob_start_len": -1 if start is None else start,
-            "top_logprobs_num": top or 0,
-            "image_data": imgs,
-        }
-        for i, sp, rid, lp, start, top, imgs in zip(
-            ids,
-            per_item("sampling_params", {}),
-            rids,
-            per_item("return_logprob", False),
-            per_item("logprob_start_len", -1),
-            per_item("top_logprobs_num", 0),
-            images,
-        )
-    ]
-    return batch, jobs
-
-
-def _image_items(value: Any, batch: bool, n: int) -> list[list[str] | None]:
-    """SGLang's ``image_data`` as one list (or None) per input."""
-    if value is None:
-        return [None] * n
-    if not batch:
-        return [value if isinstance(value, list) else [value]]
-    if not isinstance(value, list) or len(value) != n:
-        raise InvalidRequestError(f"image_data: a batch of {n} inputs needs a list of {n} entries (one per input)")
-    return [None if v is None else v if isinstance(v, list) else [v] for v in value]
-
-
-def _expand_text(engine: LocalEngine, text: str, items: list[str]) -> list[int]:
-    """A text prompt holding the model's image markers, expanded by its processor for ``items``."""
-    from agentrl.images import ImageError, load_image
-
-    assert engine.vision is not None
-    try:
-        images = [load_image(x, url=False, files=False) for x in items]
-        ids = engine.vision.family.expand(text, images).ids
-    except (ImageError, ValueError) as exc:
-        raise InvalidRequestError(f"image_data: {exc}") from None
-    # the special tokens (BOS, EOS) the tokenizer adds to a text prompt without pictures, added here too
-    plain, bare = engine.tokenizer.encode(text), engine.tokenizer.encode(text, add_special_tokens=False)
-    at = next((i for i in range(len(plain) - len(bare) + 1) if plain[i : i + len(bare)] == bare), None)
-    if at is None:
-        return ids
-    return plain[:at] + ids + plain[at + len(bare) :]
 
 
 def _version() -> str:
@@ -590,21 +566,65 @@ def serve(
     log_level: str = "info",
     tool_parser: ToolParser | None = None,
     api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    weight_ipc_dir: str | None = None,
+    dist_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
     **engine_kwargs: Any,
 ) -> None:
-    """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until interrupted."""
-    import uvicorn
+    """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until SIGTERM or Ctrl-C
+    (:func:`_run_until_stopped`: the server stops within about :data:`SHUTDOWN_GRACE_S` seconds)."""
+    from agentrl.engines.ipc_folder import IpcFolder
 
+    max_body_bytes(max_body_mb)  # a bad cap is refused before the model loads
+    check_rendezvous_timeout(dist_timeout)  # so is a bad --dist-timeout
+    if weight_ipc_dir:  # so is a weight folder other users could write into
+        IpcFolder(weight_ipc_dir)
     if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
         log.warning(
             "serving on %s without an API key: anyone who can reach the port can load weights, pause "
-            "generation and read files as checkpoints; set --api-key (or %s)",
+            "generation and read files as checkpoints; set --api-key-file (or %s)",
             host,
             API_KEY_ENV,
         )
     engine = LocalEngine(checkpoint, **engine_kwargs)
-    app = build_app(engine, model_name=model_name, tool_parser=tool_parser, api_key=api_key)
+    app = build_app(
+        engine,
+        model_name=model_name,
+        tool_parser=tool_parser,
+        api_key=api_key,
+        max_body_mb=max_body_mb,
+        weight_ipc_dir=weight_ipc_dir,
+        dist_timeout=dist_timeout,
+    )
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        _run_until_stopped(app, engine, host=host, port=port, log_level=log_level)
     finally:
-        asyncio.run(engine.close())
+        asyncio.run(engine.close(timeout=SHUTDOWN_GRACE_S))
+
+
+SHUTDOWN_GRACE_S = 5.0
+"""Seconds a stopping server gives the requests still open to finish; then they are cancelled."""
+
+
+def _run_until_stopped(app: FastAPI, engine: LocalEngine, *, host: str, port: int, log_level: str) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM or Ctrl-C, then stop promptly whatever is in flight.
+
+    uvicorn's graceful shutdown waits for every open request, with no limit by default, and a request
+    can stay open for long: a rendezvous waiting for rank 0, a ``/generate`` stream, a weight load
+    queued behind it. So on the signal every engine request is aborted (finish reason ``abort``, as
+    SGLang's ``/abort_request``), a rendezvous in progress is cut short, and what is still open
+    :data:`SHUTDOWN_GRACE_S` seconds later is cancelled. Threads still blocked in c10d or on a disk
+    are daemon threads: they do not keep the process alive.
+    """
+    import uvicorn
+
+    groups: WeightUpdateGroups = app.state.weight_update_groups
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            engine.abort(abort_all=True)
+            groups.abort()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    Server(config).run()
