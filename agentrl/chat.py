@@ -61,7 +61,11 @@ BUILTIN_TOOL_TEMPLATE = """\
 """
 
 _SENTINEL = "\u2063AGENTRL_ASSISTANT_SENTINEL\u2063"
+_TAIL_CACHE_CHARS = 32 << 20
+"""Characters :meth:`ChatTemplate.delta_context` keeps cached (keys and renderings counted twice)."""
 _PLAIN_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+_GIL_FREE_CHARS = 32_768
+"""Text length above which :meth:`ChatTemplate.encode` tokenizes without holding the GIL."""
 
 try:  # transformers' own (cached) compiler: same jinja2 environment, filters and globals
     from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -120,6 +124,7 @@ class ChatTemplate:
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self._special_tokens = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
         self._tail_cache: dict[str, tuple[list[Message], str, str]] = {}
+        self._tail_cache_chars = 0
 
     # -- rendering ---------------------------------------------------------------------------
     def template_for(self, tools: Sequence[dict] | None) -> str:
@@ -182,8 +187,14 @@ class ChatTemplate:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize template text as is (the template already wrote every special token)."""
+        """Tokenize template text as is (the template already wrote every special token).
+
+        A long text goes through the Rust tokenizer's ``encode_batch``, which releases the GIL while it
+        works (its ``encode`` holds it, so a many-MiB text tokenized in a worker thread would still stall
+        the event loop for seconds); both give the same ids."""
         if self._backend is not None:
+            if len(text) > _GIL_FREE_CHARS:
+                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -266,16 +277,27 @@ class ChatTemplate:
         # the stand-in reads only a system message: a user message (a picture's data URL) must not key the cache
         head = [m for m in first_messages[:1] if m.get("role") == "system"]
         key = json.dumps([tools or [], head], sort_keys=True, default=str)
-        if key not in self._tail_cache:
-            if len(self._tail_cache) >= 256:  # distinct tool sets / system messages: bounded
-                self._tail_cache.pop(next(iter(self._tail_cache)))
-            stand_in = self._stand_in(first_messages)
-            r0 = self.render(stand_in, tools, add_generation_prompt=False)
-            idx = r0.rfind(_SENTINEL)
-            if idx < 0:
-                raise TemplateError("the chat template drops assistant content; cannot build deltas")
-            self._tail_cache[key] = (stand_in, r0, r0[idx + len(_SENTINEL) :])
-        return self._tail_cache[key]
+        cached = self._tail_cache.get(key)
+        if cached is not None:
+            return cached
+        stand_in = self._stand_in(first_messages)
+        r0 = self.render(stand_in, tools, add_generation_prompt=False)
+        idx = r0.rfind(_SENTINEL)
+        if idx < 0:
+            raise TemplateError("the chat template drops assistant content; cannot build deltas")
+        entry = (stand_in, r0, r0[idx + len(_SENTINEL) :])
+        # bounded in entries and in characters (a served conversation's system message can be megabytes)
+        size = 2 * len(key) + 2 * len(r0)
+        if size <= _TAIL_CACHE_CHARS // 8:
+            while self._tail_cache and (
+                len(self._tail_cache) >= 256 or self._tail_cache_chars + size > _TAIL_CACHE_CHARS
+            ):
+                old_key = next(iter(self._tail_cache))
+                _, old_r0, _ = self._tail_cache.pop(old_key)
+                self._tail_cache_chars -= 2 * len(old_key) + 2 * len(old_r0)
+            self._tail_cache[key] = entry
+            self._tail_cache_chars += size
+        return entry
 
     def observation_delta(
         self,

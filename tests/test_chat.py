@@ -172,3 +172,22 @@ def test_fast_render_equals_apply_chat_template(tiny_tokenizer, msgs, with_tools
         messages, chat_template=t.template_for(tools), tools=tools, add_generation_prompt=gen_prompt, tokenize=False
     )
     assert t.render(messages, tools, add_generation_prompt=gen_prompt) == slow
+
+
+def test_delta_context_cache_is_bounded_in_characters(template):
+    """Each distinct system message is a cache entry (a served conversation's can be megabytes): the cache
+    keeps at most its character budget, and a reused context is still served from it."""
+    from agentrl import chat
+
+    big = "s" * (chat._TAIL_CACHE_CHARS // 40)  # ~1/10 of the budget per entry once counted
+    for i in range(30):
+        ctx = template.delta_context(None, [{"role": "system", "content": f"{i}{big}"}])
+        assert ctx[0][0]["content"].startswith(str(i))
+    assert template._tail_cache_chars <= chat._TAIL_CACHE_CHARS
+    assert template._tail_cache_chars == sum(2 * len(k) + 2 * len(v[1]) for k, v in template._tail_cache.items())
+    assert 0 < len(template._tail_cache) < 30
+    same = [{"role": "system", "content": "short"}]
+    assert template.delta_context(None, same) is template.delta_context(None, same)
+    huge = [{"role": "system", "content": "h" * (chat._TAIL_CACHE_CHARS // 8)}]  # too big to cache at all
+    template.delta_context(None, huge)
+    assert template._tail_cache_chars <= chat._TAIL_CACHE_CHARS

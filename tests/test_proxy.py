@@ -176,23 +176,40 @@ def test_echoed_fields_and_unhonoured_parameters():
     assert ChatRequest.model_validate({"messages": msgs[:1], "parallel_tool_calls": True}).parallel_tool_calls
 
 
+def proxy_url(proc: subprocess.Popen) -> str:
+    """The URL an `agentrl proxy` subprocess announces on its first stdout line."""
+    line = proc.stdout.readline()
+    assert "POST " in line and "/sessions" in line, proc.stderr.read() if proc.poll() is not None else line
+    return line.split("POST ", 1)[1].split("/sessions", 1)[0]
+
+
+def open_session(url: str, name: str | None = None, key: str | None = "k") -> dict:
+    """``POST /sessions``: the new session's id, token, base_url and end_url."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{url}/sessions", json={"name": name} if name else {}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, tmp_path):
-    """`agentrl proxy`: agents started elsewhere name their session in the URL (or a header); each session's samples
-    are written when it ends (POST /s/ID/end with a reward, or at shutdown: truncated)."""
+    """`agentrl proxy`: a client opens a session (POST /sessions) and gives its agent the base URL it gets back (or
+    the token in a header); each session's samples are written when it ends (POST its end_url with a reward, or at
+    shutdown: truncated)."""
     out = tmp_path / "proxy.jsonl"
     cmd = [sys.executable, "-m", "agentrl", "proxy", "--engine-url", tiny_server, "--hf-checkpoint", str(tiny_ckpt)]
     cmd += ["--port", "0", "--output", str(out), "--rollout-max-turn-len", "64", "--api-key", "k"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        assert "OPENAI_BASE_URL=" in line, proc.stderr.read() if proc.poll() is not None else line
-        url = line.split("OPENAI_BASE_URL=", 1)[1].split("/s/<SESSION>", 1)[0]
-        for sid in ("alpha", "beta", "hdr"):  # hdr names its session in the X-Agentrl-Session header instead
+        url = proxy_url(proc)
+        opened = {sid: open_session(url, sid) for sid in ("alpha", "beta", "hdr")}
+        assert {o["session"] for o in opened.values()} == set(opened)
+        assert all(o["base_url"] == f"{url}/s/{o['token']}/v1" and o["token"] not in opened for o in opened.values())
+        for sid in ("alpha", "beta", "hdr"):  # hdr sends its token in the X-Agentrl-Session header instead
             client = openai.OpenAI(
-                base_url=f"{url}/s/{sid}/v1" if sid != "hdr" else f"{url}/v1",
+                base_url=opened[sid]["base_url"] if sid != "hdr" else f"{url}/v1",
                 api_key="k",
                 max_retries=0,
-                default_headers={"X-Agentrl-Session": sid} if sid == "hdr" else None,
+                default_headers={"X-Agentrl-Session": opened[sid]["token"]} if sid == "hdr" else None,
             )
             msgs: list = [{"role": "user", "content": f"hello from {sid}"}]
             for _ in range(2):
@@ -203,19 +220,22 @@ def test_proxy_command_records_external_agents_sessions(tiny_server, tiny_ckpt, 
                 model="m", messages=msgs
             )
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{url}/s/gamma/v1", api_key="wrong", max_retries=0).chat.completions.create(
+            openai.OpenAI(base_url=opened["beta"]["base_url"], api_key="wrong", max_retries=0).chat.completions.create(
                 model="m", messages=msgs
             )
-        assert httpx.post(f"{url}/s/alpha/end", json={"reward": 0.5}).status_code == 401  # the key, on every route
+        end = opened["alpha"]["end_url"]
+        assert httpx.post(end, json={"reward": 0.5}).status_code == 401  # the key, on every route
         key = {"authorization": "Bearer k"}
-        assert httpx.post(f"{url}/s/alpha/end", json={"reward": 0.5}, headers=key).json() == {"ended": "alpha"}
+        assert httpx.post(end, json={"reward": 0.5}, headers=key).json() == {"ended": "alpha"}
         deadline = time.monotonic() + 30
         while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        with pytest.raises(openai.ConflictError):  # alpha has ended: no new episode under its id
-            openai.OpenAI(base_url=f"{url}/s/alpha/v1", api_key="k", max_retries=0).chat.completions.create(
+        with pytest.raises(openai.ConflictError):  # alpha has ended: its token reaches nothing any more
+            openai.OpenAI(base_url=opened["alpha"]["base_url"], api_key="k", max_retries=0).chat.completions.create(
                 model="m", messages=msgs
             )
+        r = httpx.post(f"{url}/sessions", json={"name": "alpha"}, headers=key)  # nor is its name taken again
+        assert r.status_code == 409 and "name" in r.json()["error"]["message"], r.text
         proc.send_signal(signal.SIGINT)  # beta is still open: written as truncated on shutdown
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
     finally:
@@ -269,17 +289,20 @@ async def test_every_route_checks_the_key_and_end_bodies_are_validated():
     server = ProxyServer(api_key="secret")
     await server.start()
     own, external = server.open("own"), server.open("ext", external=True)
+    o, x = own.token, external.token
     key = {"authorization": "Bearer secret"}
     try:
         async with httpx.AsyncClient(base_url=server.url) as http:
             for method, path in (
-                ("POST", "/s/ext/end"),
-                ("GET", "/s/ext/v1/models"),
-                ("POST", "/s/ext/v1/chat/completions"),
+                ("POST", f"/s/{x}/end"),
+                ("GET", f"/s/{x}/v1/models"),
+                ("POST", f"/s/{x}/v1/chat/completions"),
+                ("POST", "/v1/chat/completions"),
             ):
                 r = await http.request(method, path, json={"reward": 1.0})
                 assert r.status_code == 401, (path, r.text)
-            assert (await http.get("/s/ext/v1/models", headers=key)).json()["data"][0]["id"] == "agentrl-policy"
+            assert (await http.get(f"/s/{x}/v1/models", headers=key)).json()["data"][0]["id"] == "agentrl-policy"
+            assert (await http.get("/health")).json() == {"status": "ok"}  # the one route open without the key
             for body, field in (
                 (b'{"reward": NaN}', "reward"),
                 (b'{"reward": Infinity}', "reward"),
@@ -287,32 +310,37 @@ async def test_every_route_checks_the_key_and_end_bodies_are_validated():
                 (b'{"reward": "1"}', "reward"),
                 (b'{"rewardz": 1}', "rewardz"),
             ):
-                r = await http.post("/s/ext/end", content=body, headers=key)
+                r = await http.post(f"/s/{x}/end", content=body, headers=key)
                 assert r.status_code == 422 and field in r.json()["error"]["message"], (body, r.text)
-            r = await http.post("/s/own/end", json={"reward": 1.0}, headers=key)  # scored by its env's reward()
+            r = await http.post(f"/s/{o}/end", json={"reward": 1.0}, headers=key)  # scored by its env's reward()
             assert r.status_code == 422 and "reward()" in r.json()["error"]["message"], r.text
             assert not own.ended.done() and not external.ended.done()
-            r = await http.post("/s/own/end", json={"output": "done"}, headers=key)
+            r = await http.post(f"/s/{o}/end", json={"output": "done"}, headers=key)
             assert r.status_code == 200 and own.ended.result().output == "done"
-            r = await http.post("/s/ext/end", json={"reward": 0.5, "output": [1, 2]}, headers=key)
+            r = await http.post(f"/s/{x}/end", json={"reward": 0.5, "output": [1, 2]}, headers=key)
             assert r.json() == {"ended": "ext"} and external.ended.result().reward == 0.5
     finally:
         await server.stop()
 
 
 async def test_agentrl_proxy_sessions_answer_like_openai_and_honour_max_turns(tiny_tokenizer):
-    """An `agentrl proxy` session: an invalid first body opens nothing; every reply carries usage (the
-    request's rendered prompt, the turn's sampled tokens), system_fingerprint and refusal as OpenAI's do;
-    --max-turns 40 allows 40 turns (ExternalSession caps nothing itself); /end writes the sample."""
+    """An `agentrl proxy` session: a request without a session's token opens nothing, an invalid first body
+    changes nothing; every reply carries usage (the request's rendered prompt, the turn's sampled tokens),
+    system_fingerprint and refusal as OpenAI's do; --max-turns 40 allows 40 turns (ExternalSession caps
+    nothing itself); /end writes the sample."""
     rec = _recorder(tiny_tokenizer, TextEngine(tiny_tokenizer), max_turns=40)
     await rec.server.start()
     try:
         async with httpx.AsyncClient(base_url=rec.server.url, timeout=30) as http:
-            r = await http.post("/s/a/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
-            assert r.status_code == 422 and "a" not in rec.server.sessions and not rec.episodes
+            r = await http.post("/s/a/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 404 and not rec.server.sessions and not rec.episodes
+            a = (await http.post("/sessions", json={"name": "a"})).json()
+            chat = f"/s/{a['token']}/v1/chat/completions"
+            r = await http.post(chat, json={"messages": [{"role": "robot", "content": "x"}]})
+            assert r.status_code == 422 and rec.server.sessions["a"].requests == 0
             msgs: list = [{"role": "user", "content": "hello"}]
             for turn in range(40):
-                r = await http.post("/s/a/v1/chat/completions", json={"model": "m", "messages": msgs, "user": "u1"})
+                r = await http.post(chat, json={"model": "m", "messages": msgs, "user": "u1"})
                 assert r.status_code == 200, (turn, r.text)
                 body = r.json()
                 assert body["system_fingerprint"] is None and body["choices"][0]["message"]["refusal"] is None
@@ -324,7 +352,7 @@ async def test_agentrl_proxy_sessions_answer_like_openai_and_honour_max_turns(ti
                     "total_tokens": n_prompt + n_out,
                 }
                 msgs += [body["choices"][0]["message"], {"role": "user", "content": "more"}]
-            assert (await http.post("/s/a/end", json={"reward": 0.25})).json() == {"ended": "a"}
+            assert (await http.post(a["end_url"], json={"reward": 0.25})).json() == {"ended": "a"}
             await asyncio.gather(*rec.episodes)
     finally:
         await rec.server.stop()
@@ -340,7 +368,10 @@ async def test_an_episode_that_fails_before_reset_answers_its_agent(tiny_tokeniz
     await rec.server.start()
     try:
         async with httpx.AsyncClient(base_url=rec.server.url, timeout=30) as http, asyncio.timeout(20):
-            r = await http.post("/s/b/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            b = (await http.post("/sessions", json={"name": "b"})).json()
+            r = await http.post(
+                b["base_url"] + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+            )
             assert r.status_code == 409 and "bogus" in r.json()["error"]["message"], r.text
             assert "b" not in rec.server.sessions
     finally:
@@ -459,15 +490,15 @@ async def test_a_streamed_refusal_is_a_plain_error_and_stream_options_need_strea
 
     server = ProxyServer()
     await server.start()
-    server.open("s")
+    session = server.open("s")
     try:
-        client = _client(server.base_url("s"))
+        client = _client(server.base_url(session))
         with pytest.raises(openai.UnprocessableEntityError, match="stream_options is only allowed"):
             await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}], stream_options={"include_usage": True}
             )
         with pytest.raises(openai.NotFoundError, match="no open session"):
-            await _client(server.base_url("nobody")).chat.completions.create(
+            await _client(f"{server.url}/s/nobody/v1").chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}], stream=True
             )
         await client.close()

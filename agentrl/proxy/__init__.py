@@ -14,8 +14,10 @@ segments comes only from the loop). So the proxy inverts control at the env boun
 
 A request's way through the package::
 
-    agent --POST /s/{session}/v1/chat/completions--> server.ProxyServer   (FastAPI on 127.0.0.1)
-        requests.parse_request        the body validated (pydantic); a bad field is a 422 naming it
+    agent --POST /s/{token}/v1/chat/completions--> server.ProxyServer     (FastAPI on 127.0.0.1)
+        http_guard                    API key (constant time), body cap (413); JSON of any shape a 400
+        server.ProxyServer.find       the session the token reaches (a capability only its agent was given)
+        requests.parse_request        the body validated (pydantic; off the event loop when large): a 422 naming a bad field
         server.Session / Call         queued on its session, held open until the turn is generated
     env.ProxyEnv.reset / step         the Call's messages as observations (deltas) or a rewrite
     episode loop                      generates the turn on the run's engines, records every token
@@ -26,7 +28,7 @@ A request's way through the package::
 
 An agent given as a command runs through :func:`~agentrl.proxy.process.run_command` (its own process
 group, killed when it exits). ``command`` is ``agentrl proxy`` (:mod:`agentrl.proxy.external`: sessions
-of agents started elsewhere, their samples appended to a JSONL file). Everything is imported on first use: importing this package
+that clients open for agents started elsewhere, their samples appended to a JSONL file). Everything is imported on first use: importing this package
 costs nothing until a name is used.
 """
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from agentrl.proxy.env import AgentError, ProxyEnv, run_command
     from agentrl.proxy.external import ExternalSession
     from agentrl.proxy.requests import ChatRequest, Refusal, validation_message
-    from agentrl.proxy.server import SESSION_HEADER, ProxyServer, Session
+    from agentrl.proxy.server import SESSION_HEADER, ProxyServer, Session, SessionsFull
 
 __all__ = [
     "SESSION_HEADER",
@@ -50,6 +52,7 @@ __all__ = [
     "ProxyServer",
     "Refusal",
     "Session",
+    "SessionsFull",
     "run_command",
     "validation_message",
 ]
@@ -65,6 +68,7 @@ _WHERE = {
     "SESSION_HEADER": "server",
     "ProxyServer": "server",
     "Session": "server",
+    "SessionsFull": "server",
 }
 
 

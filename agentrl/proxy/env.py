@@ -138,7 +138,7 @@ class ProxyEnv(Env):
         self._rewrite: list[Message] | None = None
         self._cut_off = False
         self._server, self._session = await self.open_session()
-        base = self._server.base_url(self._session.id)
+        base = self._server.base_url(self._session)  # holds the session's token: only this agent gets it
         self._agent = asyncio.create_task(self._run(base))
         call = await self._next()
         if call is None:
@@ -152,7 +152,8 @@ class ProxyEnv(Env):
         }
 
     async def open_session(self) -> tuple[ProxyServer, Session]:
-        """The session the agent talks to: a new one on the event loop's shared server."""
+        """The session the agent talks to: a new one on the event loop's shared server. Its agent alone is
+        given its base URL (which holds its token); the id in the episode's info is no credential."""
         server = await ProxyServer.shared()
         return server, server.open()
 
@@ -245,7 +246,7 @@ class ProxyEnv(Env):
         return get.result() if get.done() and not get.cancelled() else None
 
     async def _finished(self) -> Any:
-        if not self._agent.done():  # the session was ended (POST /s/ID/end): its body's output
+        if not self._agent.done():  # the session was ended (POST /s/TOKEN/end): its body's output
             return self._session.ended.result().output
         exc = self._agent.exception()
         if isinstance(exc, TimeoutError):

@@ -1,9 +1,13 @@
 """Agents started elsewhere (``agentrl proxy``): every session they open becomes an episode.
 
-The agent is not ours to start or stop: its first valid request to ``/s/ID/v1`` opens session ``ID``
-and an episode for it (:class:`ExternalSession`), which ends when the agent posts ``/s/ID/end``,
-after ``--idle-timeout`` seconds without a request, or at shutdown. :class:`Recorder` opens those
-episodes and appends each ended one's samples to the output file; :func:`serve` runs it all.
+The agent is not ours to start or stop. A client opens a session with ``POST /sessions`` (``{"name":
+ID}``, optional) and gets its ``base_url`` (``/s/TOKEN/v1``, what the agent takes as ``OPENAI_BASE_URL``)
+and ``end_url``; the session's episode (:class:`ExternalSession`) takes the agent's requests and ends when
+the agent posts ``/s/TOKEN/end``, after ``--idle-timeout`` seconds without a request (the first one
+included), or at shutdown. The token (256 random bits) is what reaches the session; whoever knows only its
+id (``ID``, in the samples) can do nothing to it. At most ``--max-sessions`` are open at once.
+:class:`Recorder` opens those episodes and appends each ended one's samples to the output file (none for
+a session that ended before its first request); :func:`serve` runs it all.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ __all__ = ["ExternalSession", "Recorder", "check_config", "serve"]
 
 class ExternalSession(ProxyEnv):
     """A session opened by an agent running elsewhere (``agentrl proxy``): the episode ends when the agent
-    posts ``/s/ID/end`` (``{"reward": r, "output": ...}``, both optional), after ``idle_timeout`` seconds
+    posts ``/s/TOKEN/end`` (``{"reward": r, "output": ...}``, both optional), after ``idle_timeout`` seconds
     without a request, or when the proxy shuts down (those two: ``truncated``, reward 0). The run's
     ``--max-turns`` alone caps its turns; nothing caps the session's whole length but the idle timeout."""
 
@@ -85,34 +89,35 @@ def check_config(cfg: Any) -> Callable[..., Any] | None:
 
 
 class Recorder:
-    """The server of ``agentrl proxy`` and its episodes: a valid request for a new session id opens the
-    session and runs an :class:`ExternalSession` episode on ``ctx``; when the episode ends, in any way,
-    the session is dropped (its waiting request answered 409, saying why) and its samples are appended
-    to ``out`` (one line on stderr each)."""
+    """The server of ``agentrl proxy`` and its episodes: a session opened by a client (``POST /sessions``)
+    runs an :class:`ExternalSession` episode on ``ctx``; when the episode ends, in any way, the session is
+    dropped (its waiting request answered 409, saying why) and its samples are appended to ``out`` (one
+    line on stderr each). ``server``: :class:`ProxyServer`'s arguments (``max_sessions``, ``api_key``, ...)."""
 
     def __init__(self, ctx: Any, out: IO[str], idle_timeout: float, **server: Any):
         self.ctx, self.out, self.idle_timeout = ctx, out, idle_timeout
-        self.server = ProxyServer(**server, on_new_session=self.new_session)
+        self.server = ProxyServer(**server, on_open=self.new_session)
         self.episodes: set[asyncio.Task] = set()
         self._count = itertools.count()
 
-    def new_session(self, sid: str) -> Session:
-        """Open session ``sid`` and start its episode."""
+    def new_session(self, session: Session) -> None:
+        """Start the episode of a session just opened."""
         from agentrl.rollout.episode import run_episode
 
-        session = self.server.open(sid, external=True)
         cfg = self.ctx.config
         env = ExternalSession(self.server, session, self.idle_timeout, tool_parser=cfg.tool_parser)
         k = next(self._count)
-        task = asyncio.create_task(
-            run_episode(self.ctx, lambda: env, {"prompt": "", "session": sid}, group_index=k, index=k)
-        )
+        row = {"prompt": "", "session": session.id}  # the id, never the token
+        task = asyncio.create_task(run_episode(self.ctx, lambda: env, row, group_index=k, index=k))
         self.episodes.add(task)
         task.add_done_callback(functools.partial(self._done, session))
-        return session
 
     def _done(self, session: Session, task: asyncio.Task) -> None:
         self.episodes.discard(task)
+        if not session.requests and session.ended.done():  # ended (its /end, idle, shutdown) before any request
+            self.server.drop(session, "it ended before its first request")
+            print(f"session {session.id}: ended before its first request; nothing recorded", file=sys.stderr)
+            return
         samples = [] if task.cancelled() or task.exception() is not None else task.result()
         why = "its episode was cancelled" if not samples else f"its episode ended {samples[-1].status.value}"
         error = next((s.metadata["error"] for s in samples if s.metadata.get("error")), None)
@@ -137,10 +142,23 @@ async def serve(
     ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
     ctx.history_rewrite = hook
     out = open(args.output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the last episode
-    recorder = Recorder(ctx, out, args.idle_timeout, host=args.host, port=args.port, api_key=args.api_key)
+    recorder = Recorder(
+        ctx,
+        out,
+        args.idle_timeout,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_sessions=args.max_sessions,
+        max_body_bytes=args.max_body_bytes,
+    )
     server = recorder.server
     await server.start()
-    print(f"agentrl proxy: OPENAI_BASE_URL={server.url}/s/<SESSION>/v1, samples to {args.output}", flush=True)
+    print(
+        f"agentrl proxy on {server.url}: POST {server.url}/sessions opens a session (its base_url is the agent's "
+        f"OPENAI_BASE_URL); samples to {args.output}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

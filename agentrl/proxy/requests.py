@@ -9,32 +9,37 @@ for them would otherwise act on a reply it did not ask for. ``stream`` (with ``s
 ``top_p``, ``max_tokens`` and ``seed`` are accepted and recorded (:meth:`ChatRequest.record`) but the
 run's sampling flags apply: the rollout log-probs must be those of the policy the trainer optimises.
 ``user``, ``metadata`` and ``store`` change nothing about the answer; they are recorded with the turn
-(the proxy stores nothing beyond the sample).
+(the proxy stores nothing beyond the sample). Every body is read by :func:`agentrl.http_guard.parse_json`:
+invalid JSON, invalid UTF-8 and nesting deeper than :data:`~agentrl.http_guard.MAX_DEPTH` are a 400 with
+the reason, never a ``RecursionError`` further in.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentrl.http_guard import BadRequest, parse_json
 from agentrl.types import Message
 
 __all__ = [
     "ChatMessageIn",
     "ChatRequest",
     "EndRequest",
+    "OpenRequest",
     "Refusal",
     "StreamOptions",
     "parse_end",
+    "parse_open",
     "parse_request",
     "validation_message",
 ]
 
 Text = Annotated[str, Field(strict=True)]
+_M = TypeVar("_M", bound=BaseModel)
 
 
 @dataclass
@@ -213,7 +218,7 @@ class ChatRequest(_Strict):
 
 
 class EndRequest(_Strict):
-    """The ``POST /s/ID/end`` body: the agent is done. ``reward``: the episode's (finite; only for a session of
+    """The ``POST /s/TOKEN/end`` body: the agent is done. ``reward``: the episode's (finite; only for a session of
     ``agentrl proxy``); ``output``: the agent's final output (any JSON), what ``reward()`` gets as ``output``."""
 
     reward: float | None = None
@@ -227,13 +232,30 @@ class EndRequest(_Strict):
         return v
 
 
+class OpenRequest(_Strict):
+    """The ``POST /sessions`` body of ``agentrl proxy`` (empty: ``{}``). ``name``: the session's id in its
+    samples (``metadata.task.session``) and log lines, unique among the sessions the server remembers
+    (default: a random one). It is a label, not a credential: the session's token is what reaches it."""
+
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")] | None = None
+
+
 def parse_end(raw: bytes) -> EndRequest | Refusal:
     """An ``/end`` body (empty: ``{}``) validated, or the refusal (400 not a JSON object, 422 naming the field)."""
+    return _validated(EndRequest, raw)
+
+
+def parse_open(raw: bytes) -> OpenRequest | Refusal:
+    """A ``/sessions`` body (empty: ``{}``) validated, or the refusal (400 not a JSON object, 422 naming the field)."""
+    return _validated(OpenRequest, raw)
+
+
+def _validated(model: type[_M], raw: bytes) -> _M | Refusal:
     body = json_object(raw, empty_ok=True)
     if isinstance(body, Refusal):
         return body
     try:
-        return EndRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"] if exc.errors() else ()
         return Refusal(422, validation_message(exc), ".".join(str(x) for x in loc) or None)
@@ -245,11 +267,12 @@ def validation_message(exc: ValidationError) -> str:
 
 
 def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any] | Refusal:
-    """The body as a JSON object (``{}`` for an empty one when ``empty_ok``), or the 400 saying why not."""
+    """The body as a JSON object (``{}`` for an empty one when ``empty_ok``), or the 400 saying why not
+    (not JSON, not UTF-8, nested deeper than :data:`~agentrl.http_guard.MAX_DEPTH`)."""
     try:
-        body = json.loads(raw or b"{}") if empty_ok else json.loads(raw)
-    except ValueError as exc:
-        return Refusal(400, f"the body is not JSON: {exc}")
+        body = parse_json(raw or b"{}" if empty_ok else raw, what="the body")
+    except BadRequest as exc:
+        return Refusal(exc.status, str(exc))
     if not isinstance(body, dict):
         return Refusal(400, "the body must be a JSON object")
     return body

@@ -276,6 +276,8 @@ async def run_episode(
                     raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
                 prompt_ids = expanded.ids
                 pictures.add(images, expanded, sample)
+            elif _long(obs, tools):  # seconds of tokenizing (a many-MiB first message) must not stall every episode
+                _, prompt_ids = await asyncio.to_thread(ctx.template.prompt, obs, tools)
             else:
                 _, prompt_ids = ctx.template.prompt(obs, tools)
             delta_context = ctx.template.delta_context(tools, obs)
@@ -634,6 +636,13 @@ async def _encode(ctx: EpisodeContext, text: str) -> list[int]:
     return ctx.template.encode(text)
 
 
+def _long(messages: Sequence[Message], tools: Sequence[dict]) -> bool:
+    """Whether a conversation's text, its tool schemas included, is over :data:`_BIG_OBSERVATION`
+    characters: long enough that rendering and tokenizing it belong in a worker thread."""
+    size = sum(len(str(m.get("content") or "")) for m in messages)
+    return size > _BIG_OBSERVATION or bool(tools) and size + len(str(tools)) > _BIG_OBSERVATION
+
+
 async def _render_prompt(
     ctx: EpisodeContext, convo: list[Message], tools: list[dict], images: list[Any]
 ) -> tuple[list[int], Any]:
@@ -643,7 +652,7 @@ async def _render_prompt(
         if images or ctx.template.vision is not None:
             expanded = (await asyncio.to_thread(ctx.template.prompt_images, convo, images, tools))[1]
             return expanded.ids, expanded
-        if sum(len(str(m.get("content") or "")) for m in convo) > _BIG_OBSERVATION:
+        if _long(convo, tools):
             return (await asyncio.to_thread(ctx.template.prompt, convo, tools))[1], None
         return ctx.template.prompt(convo, tools)[1], None
     except Exception as exc:  # agentrl's TemplateError, or jinja's own (a template's raise_exception)
