@@ -4,8 +4,10 @@ Each server is uvicorn in a thread on a socket bound before it starts (``tests/s
 helper the OpenEnv adapter's tests use too), or the CLI in a subprocess. Clients: agentrl's own
 ``openenv:`` adapter, openenv-core's ``GenericEnvClient`` / ``MCPToolClient`` and its
 ``validate_running_environment`` check, and raw WebSocket messages.
-openenv-core's client side needs ``pip install --no-deps openenv-core==0.3.0 && pip install websockets``
-(its tests skip without it unless ``AGENTRL_REQUIRE_OPENENV=1``).
+openenv-core's client side needs ``pip install --no-deps openenv-core==0.3.0 && pip install fastmcp``
+(its tests skip without it unless ``AGENTRL_REQUIRE_OPENENV=1``). The guards (key, caps, idle sessions,
+host files, the process sandbox) are tested in ``tests/test_env_serve_guards.py``, the README's setup
+alone in ``tests/test_env_serve_install.py``.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _need_openenv() -> None:
     try:
         import openenv.core  # noqa: F401
     except ImportError:
-        reason = "openenv-core is not installed (pip install --no-deps openenv-core==0.3.0 && pip install websockets)"
+        reason = "openenv-core is not installed (pip install --no-deps openenv-core==0.3.0 && pip install fastmcp)"
         if os.environ.get("AGENTRL_REQUIRE_OPENENV") == "1":
             pytest.fail(reason + " and AGENTRL_REQUIRE_OPENENV=1")
         pytest.skip(reason)

@@ -118,7 +118,8 @@ def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
     elif kind == "openenv":
         from agentrl.adapters.openenv_probe import SERVER_INFO, probe_server, session_urls
 
-        probe_server(target)  # its answers travel with the factory: envs built in Ray workers know them too
+        # its answers travel with the factory: envs built in Ray workers know them too
+        probe_server(target, api_key=kwargs.get("api_key"))
         kwargs = {"server_info": SERVER_INFO[session_urls(target)[0]], **kwargs}
     elif kind == "gem":
         from agentrl.adapters.gem import resolve_gem_id

@@ -71,8 +71,8 @@ from agentrl.adapters.openenv_actions import (
     tool_result_text,
     validation_summary,
 )
+from agentrl.adapters.openenv_probe import API_KEY_ENV, auth_headers, probe_server, session_urls, start_probe
 from agentrl.adapters.openenv_probe import SERVER_INFO as _server_info
-from agentrl.adapters.openenv_probe import probe_server, session_urls, start_probe
 from agentrl.env import Env, StepResult
 from agentrl.parsing import format_tool_error
 from agentrl.tool import Tool, ToolError, find_tool
@@ -121,7 +121,9 @@ class OpenEnvEnv(Env):
     ones a failed sample reports. ``reset`` sends the task row's ``seed`` (else the episode seed) and the row's ``options`` dict
     as reset keyword arguments. The step's ``info`` carries the raw observation dict.
     ``action_schema`` is the server's action schema once reset has read it (``check-env`` compares
-    it with ``tools``). ``served`` describes a served agentrl env (None for other servers); it is
+    it with ``tools``). ``api_key`` is sent as ``Authorization: Bearer KEY`` on every request (a server
+    started with ``agentrl env-serve --api-key-file``); None: ``$AGENTRL_ENV_SERVE_API_KEY`` when set.
+    ``served`` describes a served agentrl env (None for other servers); it is
     played natively unless ``action_from_text`` or ``observation_to_text`` is given.
 
     The server's ``/schema`` and ``/metadata`` are read once per process (``load_env`` does it before
@@ -146,9 +148,12 @@ class OpenEnvEnv(Env):
         connect_timeout: float = 10.0,
         capacity_wait: float = 45.0,
         server_info: tuple[dict[str, Any], dict[str, Any]] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url
         self.http_url, self.ws_url = session_urls(base_url)
+        self._api_key = api_key
+        self._headers = auth_headers(api_key)  # None: $AGENTRL_ENV_SERVE_API_KEY, read now
         self.action_from_text = action_from_text
         self.observation_to_text = observation_to_text or default_observation_text
         self.system_prompt = system_prompt
@@ -173,9 +178,9 @@ class OpenEnvEnv(Env):
                 asyncio.get_running_loop()
             except RuntimeError:  # no loop to stall: read the server now
                 with contextlib.suppress(ValueError):  # a down server is reported by reset, as a failed sample
-                    probe_server(base_url, timeout=min(connect_timeout, 5.0))
+                    probe_server(base_url, timeout=min(connect_timeout, 5.0), api_key=api_key)
             else:  # inside a loop (the rollout's): a task of the loop, awaited by reset
-                self._probe = start_probe(base_url, timeout)
+                self._probe = start_probe(base_url, timeout, api_key)
         if self.http_url in _server_info:
             self._use_metadata(_server_info[self.http_url][1])
 
@@ -398,7 +403,7 @@ class OpenEnvEnv(Env):
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:  # made here, inside the running loop that will use it
             self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout)
+                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=self.connect_timeout), headers=self._headers
             )
         return self._http
 
@@ -413,7 +418,7 @@ class OpenEnvEnv(Env):
         if self.http_url not in _server_info:
             probe, self._probe = self._probe, None
             if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
-                probe = start_probe(self.base_url, self.timeout)  # none yet, failed, or another loop's
+                probe = start_probe(self.base_url, self.timeout, self._api_key)  # none yet, failed, or another loop's
             try:
                 await asyncio.shield(probe)  # an episode cancelled meanwhile leaves the shared probe running
             except ValueError as exc:
@@ -424,6 +429,11 @@ class OpenEnvEnv(Env):
         try:
             self._ws = await self._session().ws_connect(self.ws_url, max_msg_size=_MAX_MESSAGE_BYTES, autoping=True)
         except aiohttp.WSServerHandshakeError as exc:
+            if exc.status in (401, 403):
+                raise OpenEnvError(
+                    f"{self.ws_url} refused the WebSocket session (HTTP {exc.status}): the server wants an API "
+                    f"key, or refused the one sent; set ${API_KEY_ENV} to the server's key"
+                ) from None
             raise OpenEnvError(
                 f"{self.ws_url} refused the WebSocket session (HTTP {exc.status}): the server is not an "
                 "OpenEnv server with the /ws session endpoint (openenv-core >= 0.2)"

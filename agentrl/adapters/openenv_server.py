@@ -50,12 +50,36 @@ turn made of that one call). The observation is ``{"messages": [chat messages], 
 its episode with an EXECUTION_ERROR to that client; the server and other sessions go on.
 Envs with ``roles`` are refused (one agent per session). ``rewrite_history`` is not applied: the
 client keeps the conversation.
+
+Guards (a served env runs what its clients send):
+
+- **API key** (``--api-key``, ``--api-key-file`` or ``$AGENTRL_ENV_SERVE_API_KEY``, :data:`API_KEY_ENV`):
+  every route but ``/health`` (:data:`OPEN_PATHS`: what container providers poll) wants
+  ``Authorization: Bearer KEY``, compared in constant time; ``/ws`` without it is refused before the
+  handshake (HTTP 403). openenv-core's clients cannot set headers, but they send a key put in the
+  address, ``http://agentrl:KEY@HOST:PORT``, as ``Authorization: Basic`` (websockets and httpx both do):
+  the password of a Basic header is taken as the key (:class:`BasicKey`). agentrl's ``openenv:`` adapter
+  sends ``$AGENTRL_ENV_SERVE_API_KEY`` itself.
+- **Bounded requests**: a body over ``--max-body-mb`` (:data:`agentrl.http_guard.DEFAULT_MAX_BODY_MB`) is
+  answered 413, a WebSocket message over it closes its session (1009: uvicorn's ``ws_max_size``, set by
+  ``agentrl env-serve``); JSON of any shape is parsed safely (``/mcp``: JSON-RPC -32700, ``/ws``: INVALID_JSON).
+- **Idle sessions end**: a session whose client sends nothing for ``--idle-timeout`` seconds is sent a
+  ``SESSION_ERROR`` and closed, its env closed and its slot freed, so abandoned connections cannot hold
+  every slot.
+- **No host sandbox unasked**: an env whose tools run model code (``sandboxed`` tools) is refused when its
+  sandboxes would be the ``process`` backend, which lets that code read the host's files, unless the
+  operator passes ``--allow-host-sandbox``; envs that take a sandbox without such a tool get an
+  EXECUTION_ERROR at that point instead (their sandboxes come from the server's own pool).
+- **No host files**: a ``file://`` picture in an observation is shown only when the server's own task rows
+  name it (:mod:`agentrl.adapters.openenv_session`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -65,6 +89,7 @@ from typing import Any
 from fastapi import FastAPI, Request, WebSocket
 
 from agentrl.adapters.openenv_actions import AGENTRL_PROTOCOL
+from agentrl.adapters.openenv_probe import API_KEY_ENV
 from agentrl.adapters.openenv_session import (
     DEFAULT_STEP_TIMEOUT,
     Episode,
@@ -73,14 +98,26 @@ from agentrl.adapters.openenv_session import (
     Session,
     SessionState,
     TurnAction,
+    named_files,
     openenv_tool,
 )
 from agentrl.env import Env, call_env
+from agentrl.http_guard import DEFAULT_MAX_BODY_MB, ApiKeyGuard, BadRequest, BodyLimit, read_json
+from agentrl.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxPool
 
 log = logging.getLogger(__name__)
 
 SERVER_KEYS = frozenset({"label"})
 """Fields reset options may never change on a server's task row, even one without them (the task's answer)."""
+
+OPEN_PATHS = ("/health",)
+"""Routes answered without the key: liveness only (what OpenEnv's container providers poll). ``/metadata``
+and ``/schema`` describe the env's tools and are keyed; openenv-core 0.3.0's clients never read them
+(they open ``/ws``, and ``MCPToolClient`` in production mode posts ``/mcp``)."""
+
+DEFAULT_IDLE_TIMEOUT = 300.0
+"""Seconds a session may wait for its client's next message. A client's model writes its turn between two
+messages, so this bounds the slowest turn a client may take; an abandoned connection holds its slot this long."""
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -95,6 +132,12 @@ class EnvServer:
         max_sessions: WebSocket sessions at once; one more is answered CAPACITY_REACHED and closed.
         step_timeout: seconds a reset/step may take when the env sets no ``step_timeout``.
         name: shown in ``/metadata`` (default: the env class's name).
+        idle_timeout: seconds a session waits for its client's next message before it is closed (None: forever).
+        api_key: the key every route but :data:`OPEN_PATHS` wants (None: no key).
+        max_body_bytes: the largest request body (and WebSocket message, where the ASGI server is told).
+        sandbox: the sandboxes of the envs' sandboxed tools (None: ``SandboxConfig()``, backend ``auto``).
+        allow_host_sandbox: serve envs with sandboxed tools even when the sandboxes are the ``process``
+            backend, which lets model code read the host's files (the operator trusts every client).
     """
 
     def __init__(
@@ -105,11 +148,23 @@ class EnvServer:
         max_sessions: int = 8,
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
         name: str | None = None,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
+        sandbox: SandboxConfig | None = None,
+        allow_host_sandbox: bool = False,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds (or None), got {idle_timeout}")
         self.factory, self.tasks, self.max_sessions = factory, tasks, max_sessions
-        self.step_timeout, self.name = step_timeout, name
+        self.step_timeout, self.name, self.idle_timeout = step_timeout, name, idle_timeout
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.sandbox_config, self.allow_host_sandbox = sandbox or SandboxConfig(), allow_host_sandbox
+        self.sandbox_config.validate()
+        self.sandbox_pool: SandboxPool | None = None  # the envs' sandboxes while the app runs (made by its lifespan)
+        self.image_files = named_files(tasks or ())
         self.active = 0
         self.tools: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
@@ -166,6 +221,7 @@ class EnvServer:
                     "so multi-role envs cannot be served"
                 )
             self.tools = list(env.tool_schemas())
+            self._check_sandbox([t.name for t in env.tools if getattr(t, "sandboxed", False)], type(env).__name__)
             doc = (type(env).__doc__ or "").strip().split("\n\n")[0]
             self.info = {
                 "name": self.name or type(env).__name__,
@@ -175,6 +231,40 @@ class EnvServer:
             }
         finally:
             await call_env(env.close)
+
+    def host_sandbox_refusal(self, what: str) -> str | None:
+        """Why ``what`` (model code) may not run here, or None: the sandboxes are the ``process`` backend
+        (model code reads the host's files) and the operator did not allow it. Resolving the backend may
+        raise :class:`~agentrl.sandbox.SandboxError` (an explicit ``docker`` without an engine)."""
+        from agentrl.sandbox import resolve_backend
+
+        if self.allow_host_sandbox or resolve_backend(self.sandbox_config.backend) != "process":
+            return None
+        return (
+            f"{what} model-written code, and the sandbox backend {self.sandbox_config.backend!r} is the 'process' "
+            "one here, which lets that code read this machine's files: a served env runs the code its clients "
+            "choose, so env-serve refuses it. Start a Docker engine (--sandbox docker) or install bubblewrap "
+            "(--sandbox local); or pass --allow-host-sandbox if every client is trusted"
+        )
+
+    def _check_sandbox(self, sandboxed: list[str], env_name: str) -> None:
+        if not sandboxed:
+            return
+        try:
+            why = self.host_sandbox_refusal(f"{env_name}'s tools {', '.join(sandboxed)} run")
+        except SandboxError as exc:  # an explicit backend this machine lacks: refused before serving, too
+            raise ValueError(str(exc)) from None
+        if why:
+            raise ValueError(why)
+
+    async def _new_sandbox(self) -> Sandbox:
+        """A sandbox for an episode (the server pool's factory): refused on the unallowed ``process`` backend."""
+        from agentrl.sandbox import create_sandbox
+
+        why = self.host_sandbox_refusal("this env runs")
+        if why:
+            raise SandboxError(why)
+        return await create_sandbox(self.sandbox_config)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -237,7 +327,11 @@ class EnvServer:
         session = Session(self)
         try:
             while True:
-                msg = await ws.receive()
+                try:
+                    msg = await asyncio.wait_for(ws.receive(), self.idle_timeout)
+                except TimeoutError:
+                    await ws.send_text(json.dumps({"type": "error", "data": self._idle_error()}))
+                    break
                 if msg["type"] == "websocket.disconnect":
                     break
                 reply = await session.handle(msg.get("text") or msg.get("bytes") or b"")
@@ -252,17 +346,29 @@ class EnvServer:
             with contextlib.suppress(Exception):
                 await ws.close()
 
+    def _idle_error(self) -> dict[str, Any]:
+        return {
+            "message": f"session closed: no message for {self.idle_timeout:g}s (the server's --idle-timeout); "
+            "its episode is over: open a new session and reset",
+            "code": "SESSION_ERROR",
+        }
+
     def app(self) -> FastAPI:
-        """The ASGI app: ``/health``, ``/metadata``, ``/schema``, ``/mcp`` and the ``/ws`` sessions."""
+        """The ASGI app: ``/health``, ``/metadata``, ``/schema``, ``/mcp`` and the ``/ws`` sessions, behind
+        the body cap and (with ``api_key``) the key check. Serve it with uvicorn's ``ws_max_size`` set to
+        ``max_body_bytes`` (``agentrl env-serve`` does) so WebSocket messages are capped alike."""
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             from agentrl.sandbox import close_default_pool
 
             await self.describe()
+            self.sandbox_pool = SandboxPool(self._new_sandbox, self.sandbox_config)
             try:
                 yield
             finally:
+                pool, self.sandbox_pool = self.sandbox_pool, None
+                await pool.close()
                 await close_default_pool()
 
         app = FastAPI(title="agentrl env-serve", version=_version(), lifespan=lifespan)
@@ -285,13 +391,46 @@ class EnvServer:
         @app.post("/mcp")
         async def mcp(request: Request) -> dict[str, Any]:
             try:
-                body = json.loads(await request.body())
-            except ValueError:
-                return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error", "data": None}}
+                body = await read_json(request, what="JSON-RPC request")
+            except BadRequest as exc:
+                return {
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32700, "message": "Parse error", "data": str(exc)},
+                }
             return self.json_rpc(body)
 
         app.websocket("/ws")(self.session)
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        if self.api_key:  # added last, so run first: the key is checked before anything reads the body
+            app.add_middleware(ApiKeyGuard, api_key=self.api_key, open_paths=OPEN_PATHS)
+            app.add_middleware(BasicKey)
         return app
+
+
+class BasicKey:
+    """ASGI middleware: ``Authorization: Basic base64(USER:KEY)`` is read as ``Bearer KEY`` (any user name).
+
+    openenv-core's clients take no headers, but a key in their base URL (``http://agentrl:KEY@HOST:PORT``)
+    is sent as Basic credentials by both of their transports (websockets for ``/ws``, httpx for ``/mcp``).
+    This only rewrites the header; :class:`~agentrl.http_guard.ApiKeyGuard` after it compares the key."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = list(scope.get("headers") or ())
+            for i, (name, value) in enumerate(headers):
+                if name.lower() != b"authorization" or value[:6].lower() != b"basic ":
+                    continue
+                with contextlib.suppress(binascii.Error, ValueError):
+                    _user, sep, key = base64.b64decode(value[6:].strip(), validate=True).partition(b":")
+                    if sep:
+                        headers[i] = (name, b"Bearer " + key)
+                        scope = {**scope, "headers": headers}
+                break
+        await self.app(scope, receive, send)
 
 
 def _version() -> str:
@@ -308,11 +447,16 @@ def build_server(
     label_key: str = "label",
     max_sessions: int = 8,
     step_timeout: float = DEFAULT_STEP_TIMEOUT,
+    trust_row_code: bool = False,
+    **guards: Any,
 ) -> EnvServer:
     """An :class:`EnvServer` for an env spec (anything :func:`agentrl.load_env` takes) or factory.
 
     Task rows come from ``prompt_data`` when given, else the env's own ``tasks()``, else none (then
-    every reset must carry its row). A bad spec or file raises here, before any port is bound.
+    every reset must carry its row). A bad spec or file raises here, before any port is bound; so does a
+    row naming code (``generate_function_path``) unless ``trust_row_code`` (:func:`agentrl.data.task_from_row`).
+    ``guards`` go to :class:`EnvServer` (``idle_timeout``, ``api_key``, ``max_body_bytes``, ``sandbox``,
+    ``allow_host_sandbox``).
     """
     from agentrl.data import task_rows
     from agentrl.registry import load_env
@@ -320,8 +464,15 @@ def build_server(
     factory = load_env(env) if isinstance(env, str) else env
     tasks = None
     if prompt_data or getattr(factory, "tasks", None) is not None:
-        tasks = task_rows(factory, prompt_data, input_key=input_key, label_key=label_key, env_name=str(env))
-    return EnvServer(factory, tasks=tasks, max_sessions=max_sessions, step_timeout=step_timeout)
+        tasks = task_rows(
+            factory,
+            prompt_data,
+            input_key=input_key,
+            label_key=label_key,
+            env_name=str(env),
+            trust_row_code=trust_row_code,
+        )
+    return EnvServer(factory, tasks=tasks, max_sessions=max_sessions, step_timeout=step_timeout, **guards)
 
 
 def create_app(env: str | Callable[[], Env], **kwargs: Any) -> FastAPI:
@@ -334,10 +485,13 @@ def create_app(env: str | Callable[[], Env], **kwargs: Any) -> FastAPI:
 
 def cmd_env_serve(args: argparse.Namespace) -> int:
     """``agentrl env-serve`` (flags defined in :mod:`agentrl.cli`): check the env, then serve until interrupted."""
+    import math
+
     import uvicorn
 
     from agentrl import sandbox
     from agentrl.flags import naming_flag
+    from agentrl.http_guard import resolve_api_key
 
     if args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")
@@ -345,7 +499,20 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     if not args.step_timeout > 0:
         raise ValueError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout}")
-    sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
+    if not (math.isfinite(args.idle_timeout) and args.idle_timeout > 0):
+        raise ValueError(f"--idle-timeout must be a positive number of seconds, got {args.idle_timeout}")
+    if not (math.isfinite(args.max_body_mb) and 0 < args.max_body_mb <= 4096):
+        raise ValueError(f"--max-body-mb must lie in (0, 4096] MiB, got {args.max_body_mb}")
+    api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)
+    if not api_key and args.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving on %s without an API key: anyone who reaches the port plays the env and runs its tools; "
+            "set --api-key-file (or %s)",
+            args.host,
+            API_KEY_ENV,
+        )
+    config = sandbox.SandboxConfig(backend=args.sandbox)
+    sandbox.configure(config)
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
         server = build_server(
             args.env,
@@ -354,8 +521,15 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
             label_key=args.label_key,
             max_sessions=args.max_sessions,
             step_timeout=args.step_timeout,
+            trust_row_code=args.trust_row_code,
+            idle_timeout=args.idle_timeout,
+            api_key=api_key,
+            max_body_bytes=max(1, int(args.max_body_mb * 2**20)),
+            sandbox=config,
+            allow_host_sandbox=args.allow_host_sandbox,
         )
-        asyncio.run(server.describe())  # a roles env or a broken constructor: refused before the port is bound
+        # a roles env, a broken constructor or sandboxed tools on the host: refused before the port is bound
+        asyncio.run(server.describe())
     print(f"agentrl env-serve: {args.env} on http://{args.host}:{args.port} (OpenEnv: /ws, /schema, /health)")
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", ws_max_size=server.max_body_bytes)
     return 0

@@ -6,6 +6,12 @@ message in, the reply out; each ``reset`` builds a fresh env, each ``step`` turn
 the env's :class:`~agentrl.Action` as the rollout loop does (tool calls parsed with the env's
 ``tool_parser``, call ids unique in the episode), and any failure of the env ends its episode with
 an ``EXECUTION_ERROR`` reply, never the server.
+
+What a client sends is data: a message of any shape (invalid UTF-8, 5,000 levels deep) is an
+``INVALID_JSON`` reply (:func:`agentrl.http_guard.parse_json`; a large one is parsed in a worker thread),
+and the server never reads a host file a client could name: a picture in an observation given as a
+``file://`` URL is shown only when the server's own task rows name that URL (:attr:`SessionHost.image_files`);
+any other ends the episode (an env hands over its own pictures as PIL images or ``data:`` URLs).
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from agentrl.adapters.gymnasium import json_safe
 from agentrl.env import Env, call_env, check_reset, check_step
+from agentrl.http_guard import INLINE_PARSE_BYTES, BadRequest, parse_json
 from agentrl.images import ImageError, count_images, normalize
 from agentrl.parsing import OpenAIToolCallsParser, get_parser
 from agentrl.rollout.episode import release_episode, unique_call_ids
@@ -88,11 +96,17 @@ class ServedObservation(BaseModel):
 
 
 class SessionHost(Protocol):
-    """What a session needs from its server (:class:`agentrl.adapters.openenv_server.EnvServer`)."""
+    """What a session needs from its server (:class:`agentrl.adapters.openenv_server.EnvServer`).
+
+    ``image_files``: the ``file://`` URLs the server's own task rows name (the operator's pictures; an
+    observation may show those and no other host file). ``sandbox_pool``: where the envs it builds take
+    their sandbox (set on each env that has none of its own; None: the process's default pool)."""
 
     factory: Callable[[], Env]
     step_timeout: float
     tools: list[dict[str, Any]]
+    image_files: frozenset[str]
+    sandbox_pool: Any
 
     def task_for(self, seed: int | None, row: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -163,8 +177,11 @@ class Session:
         """The reply to one client message (None: the client asked to close)."""
         try:
             try:
-                msg = json.loads(raw)
-            except ValueError as exc:
+                if len(raw) <= INLINE_PARSE_BYTES:
+                    msg = parse_json(raw, what="message")
+                else:  # a big message is parsed in a worker thread: the other sessions go on meanwhile
+                    msg = await asyncio.to_thread(parse_json, raw, what="message")
+            except BadRequest as exc:
                 raise Failed("INVALID_JSON", f"Invalid JSON: {exc}") from None
             if not isinstance(msg, dict):
                 raise Failed("VALIDATION_ERROR", f"a message is a JSON object with a 'type', got {type(msg).__name__}")
@@ -205,6 +222,8 @@ class Session:
             raise
         except BaseException as exc:  # SystemExit from user code too: this reset fails, not the session
             raise Failed("FACTORY_ERROR", f"building the env failed: {type(exc).__name__}: {exc}") from None
+        if self.server.sandbox_pool is not None and getattr(env, "sandbox_pool", None) is None:
+            env.sandbox_pool = self.server.sandbox_pool
         timeout = getattr(env, "step_timeout", None) or self.server.step_timeout
         episode = Episode(env, req.episode_id or uuid.uuid4().hex, timeout, getattr(env, "max_turns", None))
         self.episode = episode
@@ -280,11 +299,23 @@ class Session:
 
     async def _json_safe(self, messages: list[Any]) -> list[Any]:
         """Messages whose pictures (PIL images from a Python env) travel as data-URL image parts (JSON can carry
-        them), encoded in a worker thread; a picture that cannot be used ends the episode, as a bad return."""
-        if not count_images(messages):
-            return messages
+        them), encoded in a worker thread; a picture that cannot be used ends the episode, as a bad return.
+
+        A ``file://`` picture is read only when the server's task rows name that URL: anything else could
+        come from the client (a row sent with the reset, an action, a tool's argument), and a served env
+        must not show a client the host's files."""
         try:
-            return (await asyncio.to_thread(normalize, messages))[0]
+            if not count_images(messages):
+                return messages
+            files = list(file_urls(messages))
+            named = [url for url in files if url not in self.server.image_files]
+            if named:
+                raise ImageError(
+                    f"its observation shows the host file {named[0][:200]!r}, which the server's task rows do "
+                    "not name: a served env reads no file a client could name; hand over the picture as a PIL "
+                    "image or a data: URL"
+                )
+            return (await asyncio.to_thread(normalize, messages, files=bool(files)))[0]
         except ImageError as exc:
             await self.end_episode()
             raise Failed("EXECUTION_ERROR", f"the env failed, episode over: {exc}") from None
@@ -307,3 +338,35 @@ class Session:
             log.warning("episode %s: close failed: %s", ep.episode_id, meta["close_error"])
         if not keep_state:
             self.episode = None
+
+
+def file_urls(messages: Sequence[Mapping[str, Any]]) -> Iterator[str]:
+    """The ``file://`` URLs of the image parts of ``messages`` (the parts :func:`agentrl.images.normalize`
+    decodes: ``image_url`` parts and ``image`` parts given by URL)."""
+    for m in messages:
+        content = m.get("content")
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url":
+                spec = part.get("image_url")
+                src = spec.get("url") if isinstance(spec, dict) else spec
+            else:
+                src = part.get("image", part.get("url")) if part.get("type") == "image" else None
+            if isinstance(src, str) and not src.startswith("data:") and urlparse(src).scheme == "file":
+                yield src
+
+
+def named_files(rows: Sequence[Any]) -> frozenset[str]:
+    """Every ``file://`` URL a string of ``rows`` holds, at any depth: the pictures a server's task rows name."""
+    found: set[str] = set()
+    todo: list[Any] = list(rows)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, list | tuple):
+            todo.extend(value)
+        elif isinstance(value, str) and not value.startswith("data:") and urlparse(value).scheme == "file":
+            found.add(value)
+    return frozenset(found)
