@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-ipc-dir",
         default=None,
         metavar="DIR",
-        help="private folder (yours, mode 0700; e.g. mktemp -d -p /dev/shm) where a colocated trainer without CUDA "
-        "writes the CPU tensors it hands over by /update_weights_from_tensor (TensorTransport(ipc_dir=DIR)). "
-        "Without it CPU tensor handles are refused; CUDA handles and /update_weights_from_disk need no folder",
+        help="opt in to /update_weights_from_tensor (colocated sync): a private folder (yours, mode 0700; e.g. "
+        "mktemp -d -p /dev/shm) where a trainer without CUDA writes the CPU tensors it hands over "
+        "(TensorTransport(ipc_dir=DIR)). Without it every tensor handle, CPU or CUDA, is refused; "
+        "/update_weights_from_disk needs no folder",
     )
     s.add_argument(
         "--dist-timeout",
@@ -372,8 +373,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agentrl.engines.http import API_KEY_ENV
     from agentrl.engines.local.distributed import check_rendezvous_timeout
     from agentrl.engines.local.openai_routes import openai_tool_parser
-    from agentrl.engines.local.server import max_body_bytes, serve
-    from agentrl.http_guard import resolve_api_key
+    from agentrl.engines.local.server import serve
+    from agentrl.http_guard import max_body_bytes, resolve_api_key
 
     api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)  # before the model loads
     max_body_bytes(args.max_body_mb)

@@ -25,7 +25,9 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
+import re
 import stat
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from pathlib import Path
@@ -41,6 +43,9 @@ __all__ = [
     "BodyLimit",
     "error_body",
     "json_depth",
+    "json_reply",
+    "max_body_bytes",
+    "warn_if_open",
     "parse_json",
     "read_api_key_file",
     "read_json",
@@ -56,6 +61,9 @@ cap is also what bounds a request's memory."""
 MAX_DEPTH = 128
 """Deepest JSON nesting accepted. Chat requests nest ~6 levels, tool schemas a few more; Python's parser
 and every recursive walk after it (pydantic, jinja2, ``json.dumps``) fail near 1,000."""
+
+MAX_BODY_MB_LIMIT = 4096
+"""The largest ``--max-body-mb`` a server accepts (4 GiB: beyond it one request is the machine's memory)."""
 
 INLINE_PARSE_BYTES = 64 << 10
 """Bodies up to this size are parsed on the event loop (a thread hop costs more than the parse)."""
@@ -109,6 +117,7 @@ def json_depth(raw: bytes) -> int:
 
 
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')
+_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def parse_json(raw: bytes | str, *, what: str = "request body", max_depth: int = MAX_DEPTH) -> Any:
@@ -119,13 +128,19 @@ def parse_json(raw: bytes | str, *, what: str = "request body", max_depth: int =
     if depth > max_depth:
         raise BadRequest(f"{what} is nested {depth} levels deep; at most {max_depth} are accepted")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
     except ValueError as exc:
         raise BadRequest(f"{what} is not JSON: {exc}") from None
     except RecursionError:  # invalid JSON the depth scan misread: still the client's error
         raise BadRequest(f"{what} is nested too deeply (at most {max_depth} levels)") from None
+    if _SURROGATE.search(raw):  # "\ud800" is valid JSON but no text: tokenizers and encoders fail on it
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"{what} holds a lone UTF-16 surrogate ({exc.object[exc.start]!r}): not text") from None
+    return value
 
 
 async def read_json(request: Any, *, what: str = "request body", max_depth: int = MAX_DEPTH) -> Any:
@@ -135,6 +150,18 @@ async def read_json(request: Any, *, what: str = "request body", max_depth: int 
     if len(raw) <= INLINE_PARSE_BYTES:
         return parse_json(raw, what=what, max_depth=max_depth)
     return await asyncio.to_thread(parse_json, raw, what=what, max_depth=max_depth)
+
+
+async def json_reply(content: Any, *, status: int = 200, large: bool = False) -> Any:
+    """``content`` as a JSON response, serialized in a worker thread when ``large`` (thousands of outputs
+    with their log-probs take seconds to encode; FastAPI's own encoder would run them on the event loop)."""
+    from starlette.responses import Response
+
+    def encode() -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+    body = await asyncio.to_thread(encode) if large else encode()
+    return Response(body, status_code=status, media_type="application/json")
 
 
 # -- body size ----------------------------------------------------------------------------------------
@@ -216,7 +243,31 @@ async def _respond(send: Send, status: int, message: str, content: dict[str, Any
     await send({"type": "http.response.body", "body": body})
 
 
+def max_body_bytes(max_body_mb: Any, flag: str = "--max-body-mb") -> int:
+    """``--max-body-mb`` as bytes, or ValueError naming the flag (every server checks it before it starts)."""
+    if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, (int, float)) or not math.isfinite(max_body_mb):
+        raise ValueError(f"{flag} must be a number of MiB, got {max_body_mb!r}")
+    if not 0 < max_body_mb <= MAX_BODY_MB_LIMIT:
+        raise ValueError(f"{flag} must lie in (0, {MAX_BODY_MB_LIMIT}] MiB, got {max_body_mb!r}")
+    return max(1, int(max_body_mb * 2**20))
+
+
 # -- API keys -----------------------------------------------------------------------------------------
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def warn_if_open(host: str, api_key: str | None, *, exposes: str, env: str) -> None:
+    """Log a warning when a server listens beyond loopback without a key: ``exposes`` says what anyone who
+    reaches the port can then do, ``env`` the variable that sets a key without a command line."""
+    if not api_key and host not in LOOPBACK_HOSTS:
+        log.warning(
+            "serving on %s without an API key: anyone who can reach the port %s; set --api-key-file (or %s)",
+            host,
+            exposes,
+            env,
+        )
 
 
 def read_api_key_file(path: str | os.PathLike[str], *, flag: str = "--api-key-file") -> str:

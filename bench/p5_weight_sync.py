@@ -5,8 +5,8 @@ What is timed, interleaved A, B, A, B ... (median ratio reported; the machine is
 - **baseline**: ``dst.copy_(src)`` for every weight tensor, in one process (the floor any transport
   that ends with the engine owning a copy must pay);
 - **shared memory**: what ``agentrl train`` does after each step when the embedded engines share
-  the trainer's node: rank 0 writes its full weights into a ``/dev/shm`` slot (one copy, each chunk
-  checked finite right after it is written, one writer thread per part file) and the engine
+  the trainer's node: rank 0 writes its full weights into a ``/dev/shm`` slot (one copy, one writer
+  thread per part file; the trainer proved them finite when it loaded them, as after each step) and the engine
   re-points its parameters at it between batches without reading a page, until the engine answers
   (``TrainerGroup.push_weights("shm", engine actors, ...)``, the route ``agentrl train`` picks);
 - **object store**: the fallback for engines on other nodes — Ray stores the weights (numpy, one

@@ -14,7 +14,7 @@ from torch import nn
 
 from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain
 from agentrl.trainer.torch_trainer import TorchTrainer
-from tests.test_trainer import cfg, make_samples
+from tests.test_trainer import capture_grads, cfg, make_samples
 
 
 def reference(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor, t: float):
@@ -102,22 +102,33 @@ def _step(ckpt, chunked: bool, **kw):
     trainer.chunk_logits_above = 0  # chunk even these tiny logits
     samples = make_samples(8, seed=3)
     logps = trainer.compute_log_probs(samples, ref=False).old
+    grads = capture_grads(trainer)
     metrics = trainer.train_step(samples)
-    return logps, metrics, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return logps, metrics, weights, grads[0]
 
 
 @pytest.mark.parametrize("ckpt_name", ["tiny_ckpt", "tied_ckpt"])
 @pytest.mark.parametrize("kw", [{}, {"entropy_coef": 0.01, "logit_temperature": 0.8}])
 def test_a_train_step_is_the_same_with_and_without_chunking(request, ckpt_name, kw):
     ckpt = request.getfixturevalue(ckpt_name)
-    logps_a, metrics_a, weights_a = _step(ckpt, True, **kw)
-    logps_b, metrics_b, weights_b = _step(ckpt, False, **kw)
+    logps_a, metrics_a, weights_a, grads_a = _step(ckpt, True, **kw)
+    logps_b, metrics_b, weights_b, grads_b = _step(ckpt, False, **kw)
     for a, b in zip(logps_a, logps_b):
         assert a == pytest.approx(b, abs=1e-5)
     for k in ("loss", "pg_loss", "entropy", "clipfrac", "grad_norm"):
         assert metrics_a[k] == pytest.approx(metrics_b[k], rel=1e-4, abs=1e-6), k
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:  # what chunking computes: the same gradient, to float rounding
+        torch.testing.assert_close(grads_a[k], grads_b[k], atol=1e-6, rtol=1e-4)
+    trained = {n for n, _ in TorchTrainer(ckpt, cfg()).model.named_parameters()}
     for k in weights_a:
-        torch.testing.assert_close(weights_a[k], weights_b[k], atol=1e-6, rtol=1e-5)
+        # AdamW's first step moves a weight by ~lr * g / (|g| + eps): where 0 < |g| <= 10 eps that ratio is
+        # ill-conditioned (a 1e-10 difference in g moves the weight by ~1e-6), so those elements (~3% here) are
+        # compared through their gradients above; every other element must match as tightly as before
+        g = grads_a.get(k) if k in trained else None
+        steady = torch.ones_like(weights_a[k], dtype=torch.bool) if g is None else (g == 0) | (g.abs() > 1e-7)
+        torch.testing.assert_close(weights_a[k][steady], weights_b[k][steady], atol=1e-6, rtol=1e-5)
     # the step moved the weights (an equality of two no-ops would prove nothing)
     assert any(not torch.equal(weights_a[k], v) for k, v in TorchTrainer(ckpt, cfg()).model.state_dict().items())
 

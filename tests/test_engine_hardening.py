@@ -308,6 +308,48 @@ def test_a_fifo_named_safetensors_is_refused_and_the_engine_still_serves(served,
     assert len(out["output_ids"]) == 4
 
 
+def _sparse_safetensors(path: Path, name: str, shape: list[int]) -> None:
+    """A safetensors file declaring one float32 tensor of ``shape``, its data a hole (4 KiB on disk)."""
+    nbytes = 4 * int(torch.Size(shape).numel())
+    header = json.dumps({name: {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + nbytes)
+
+
+@pytest.mark.e2e
+def test_a_weight_update_declaring_what_the_model_lacks_allocates_nothing(served, tmp_path):
+    """A 4 KiB sparse file declaring 512 MiB grew the engine by 514 MiB before the name was refused; a broadcast
+    may declare any shape too. Names and shapes are checked against the model before memory is allocated."""
+    import psutil
+
+    port = served.rsplit(":", 1)[1]
+    proc = next(p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline()))
+    base, peak, done = proc.memory_info().rss, [0], threading.Event()
+
+    def watch() -> None:  # the peak: a tensor allocated, read and freed again leaves no trace in the final RSS
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cases = {"unknown": ("not_a_param", [128, 1 << 20]), "wrong shape": ("lm_head.weight", [128, 1 << 20])}
+    for kind, (name, shape) in cases.items():
+        folder = tmp_path / kind.replace(" ", "_")
+        folder.mkdir()
+        _sparse_safetensors(folder / "model.safetensors", name, shape)
+        r = httpx.post(served + "/update_weights_from_disk", json={"model_path": str(folder)}, timeout=60)
+        assert r.status_code == 400 and repr(name) in r.json()["message"], (kind, r.text)
+    body = {"names": ["not_a_param"], "dtypes": ["float32"], "shapes": [[128, 1 << 20]], "group_name": "g"}
+    r = httpx.post(served + "/update_weights_from_distributed", json=body, timeout=60)
+    assert r.status_code == 400 and "the bucket declares 536870912 bytes" in r.json()["message"], r.text
+    done.set()
+    watcher.join()
+    assert peak[0] - base < 100 << 20, f"the engine grew {(peak[0] - base) >> 20} MiB for what the requests declared"
+
+
 def test_the_checkpoint_reader_reads_what_safetensors_writes_within_a_deadline(tmp_path, tiny_ckpt):
     from safetensors.torch import load_file, save_file
 
@@ -363,3 +405,17 @@ async def test_groups_are_capped(tiny_ckpt):
             for t in transports:
                 await t.close()
             await engine.close()
+
+
+def test_a_join_stuck_past_its_deadline_gives_up_the_slot(monkeypatch):
+    """The one join slot freed only when the joining thread returned: a join c10d kept past its deadline would
+    refuse every later init for good. Past ABANDON_S it no longer holds the slot."""
+    from agentrl.engines.local import distributed
+
+    groups = distributed.WeightUpdateGroups(rendezvous_timeout=1)
+    stuck = distributed._Join("old", "127.0.0.1", 1, 0.01)
+    groups._joining = stuck
+    assert "still joining" in (groups._refusal("new") or "")
+    monkeypatch.setattr(distributed, "ABANDON_S", 0.0)
+    time.sleep(0.05)
+    assert stuck.abandoned() and groups._refusal("new") is None

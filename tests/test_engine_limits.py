@@ -74,6 +74,21 @@ def test_every_post_route_answers_malformed_json_with_400(url, engine, kind):
 
 
 @pytest.mark.e2e
+def test_a_lone_surrogate_in_well_formed_requests_is_a_400(url):
+    """``"\\ud800"`` is valid JSON but no text: the tokenizer raised a TypeError (HTTP 500) on all three routes."""
+    bodies = {
+        "/generate": {"text": "hi \ud800", "sampling_params": {"max_new_tokens": 1}},
+        "/v1/completions": {"model": "tiny", "prompt": "hi \ud800", "max_tokens": 1},
+        "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "\udc00"}], "max_tokens": 1},
+    }
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for path, body in bodies.items():
+            raw = json.dumps(body).encode()  # json.dumps writes the lone surrogate as an escape
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (path, r.text[:200])
+
+
+@pytest.mark.e2e
 def test_a_recursion_error_in_any_route_is_a_400(engine):
     app = build_app(engine, model_name="tiny")
 
@@ -200,6 +215,51 @@ def test_health_answers_while_a_large_prompt_is_handled(served, kind):
         assert "at least" in r.json()["error"]["message"]  # refused before the text was tokenized
     assert max(latencies) < 5.0, latencies
     assert peak[0] - base < 1 << 30, f"the server grew {(peak[0] - base) / 2**30:.2f} GiB for one request"
+
+
+@pytest.mark.e2e
+def test_a_request_for_too_many_generations_is_refused_before_any_is_built(served):
+    """A 10 KB body asked for 256k jobs (2,000 prompts x n=128) and grew the server by 873 MiB; 300k texts
+    in 4 MiB blocked /health for 21 s. At most MAX_JOBS_PER_REQUEST generations per request."""
+    from agentrl.engines.local.generate_jobs import MAX_JOBS_PER_REQUEST
+
+    url, proc = served
+    base = proc.memory_info().rss
+    cases = {
+        "/v1/completions": {"model": "tiny", "prompt": [[5]] * 2000, "n": 128, "max_tokens": 1},
+        "/generate": {"text": ["hello world"] * (MAX_JOBS_PER_REQUEST + 1), "sampling_params": {"max_new_tokens": 0}},
+    }
+    for path, body in cases.items():
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text[:300])
+        assert f"at most {MAX_JOBS_PER_REQUEST} per request" in r.json()["error"]["message"]
+    assert proc.memory_info().rss - base < 200 << 20
+
+
+@pytest.mark.e2e
+def test_health_answers_while_a_large_batch_is_answered(served):
+    """Many outputs are encoded off the event loop (FastAPI's encoder took 12 s for 300k outputs on the loop)."""
+    url, _ = served
+    body = {"text": ["hello world"] * 1500, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    done, answer = threading.Event(), {}
+
+    def big() -> None:
+        try:
+            answer["r"] = httpx.post(url + "/generate", json=body, timeout=300)
+        finally:
+            done.set()
+
+    threading.Thread(target=big).start()
+    latencies = []
+    with httpx.Client(timeout=10) as c:
+        while not done.is_set():
+            t = time.monotonic()
+            assert c.get(url + "/health").status_code == 200
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.05)
+    r = answer["r"]
+    assert r.status_code == 200 and len(r.json()) == 1500, r.text[:300]
+    assert max(latencies) < 2.0, latencies
 
 
 def test_an_overlong_id_list_is_refused_before_its_tokens_are_checked(engine):

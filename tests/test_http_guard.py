@@ -52,6 +52,8 @@ def test_json_depth_counts_structure_only(text: str, depth: int) -> None:
         (b"[" * 5000, "at most"),  # unterminated and deep
         (b'["\xff"]', "not UTF-8"),
         (b"{'a': 1}", "not JSON"),
+        (b'{"text": "hi \\ud800"}', "lone UTF-16 surrogate"),
+        (b'["\\udc00 x"]', "lone UTF-16 surrogate"),
         (b"", "not JSON"),
     ],
 )
@@ -65,6 +67,7 @@ def test_parse_json_accepts_what_json_accepts() -> None:
     body = {"text": "[{", "input_ids": list(range(1000)), "sampling_params": {"stop": ["]", "}"]}}
     assert parse_json(json.dumps(body)) == body
     assert parse_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
+    assert parse_json(b'["\\ud83d\\ude00", "\\\\ud800"]') == ["\U0001f600", "\\ud800"]  # a pair; an escaped backslash
 
 
 def test_resolve_api_key_sources(tmp_path, monkeypatch) -> None:

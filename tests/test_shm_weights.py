@@ -3,6 +3,7 @@ and double buffering keeps a push from changing the weights an engine is still u
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,24 @@ def test_slots_of_dead_writers_are_reaped(tmp_path):
 
     gc.collect()
     assert not any(p.exists() for p in slots)
+
+
+def test_reaping_never_blocks_on_or_touches_what_is_not_a_slot_of_this_user(tmp_path):
+    """Any local user may leave a FIFO named like a dead writer's slot: opening it to test its lock blocked the
+    trainer's writer for good. Only regular files of this user are judged (and a dead writer's are reaped)."""
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "agentrl-weights-999999999-fifo-0")
+    os.symlink("/dev/null", tmp_path / "agentrl-weights-999999999-link-0")
+    (tmp_path / "agentrl-weights-999999999-dead-0").write_bytes(b"\0" * 64)
+    code = f"from agentrl.runtime.shm_weights import reap_stale_slots as r; print(r({str(tmp_path)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-400:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "agentrl-weights-999999999-fifo-0",
+        "agentrl-weights-999999999-link-0",
+    ]
 
 
 def test_the_writer_refuses_non_finite_weights_while_writing(tmp_path):

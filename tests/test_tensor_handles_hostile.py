@@ -290,13 +290,24 @@ def test_cuda_handles_are_checked_before_torch_maps_them():
     cpu = Receiver(params=None, max_bytes=1 << 20)
     with pytest.raises(ValueError, match="CUDA IPC handle, but this engine runs on cpu"):
         deserialize_named_tensors(payload([("w", _cuda())]), cpu)
-    gpu = Receiver(params=None, max_bytes=1 << 20, device=torch.device("cuda", 0))
+    bare = Receiver(params=None, max_bytes=1 << 20, device=torch.device("cuda", 0))  # no --weight-ipc-dir
+    with pytest.raises(ValueError, match="started without --weight-ipc-dir"):
+        deserialize_named_tensors(payload([("w", _cuda())]), bare)
+    folder = IpcFolder.create()  # the run's opt-in to colocated sync
+    gpu = Receiver(params=None, max_bytes=1 << 20, device=torch.device("cuda", 0), folder=folder)
+    try:
+        _check_cuda_views(gpu, folder)
+    finally:
+        folder.remove()
+
+
+def _check_cuda_views(gpu: Receiver, folder: IpcFolder) -> None:
     with pytest.raises(ValueError, match="reach byte 32 of a 16-byte storage"):
         deserialize_named_tensors(payload([("w", _cuda(size=(8,)))]), gpu)
     with pytest.raises(ValueError, match="more than once"):
         deserialize_named_tensors(payload([("w", _cuda(size=(4, 4), stride=(0, 1)))]), gpu)
     with pytest.raises(ValueError, match="reads at most 8"):
-        deserialize_named_tensors(payload([("w", _cuda())]), Receiver(None, 8, torch.device("cuda", 0)))
+        deserialize_named_tensors(payload([("w", _cuda())]), Receiver(None, 8, torch.device("cuda", 0), folder))
     for counter in (b"/victim", b"../../etc/passwd", b"/torch_1_2_3"):  # torch maps (and may unlink) this file
         with pytest.raises(ValueError, match="reference counter"):
             deserialize_named_tensors(payload([("w", _cuda(counter=counter))]), gpu)

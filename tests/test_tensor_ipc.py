@@ -56,6 +56,18 @@ def test_round_trip_into_an_unrelated_process(ipc_folder):
     assert not list(ipc_folder.path.iterdir())  # the sender deleted exactly its files
 
 
+def test_strided_and_tied_tensors_keep_their_own_values(ipc_folder):
+    """Non-contiguous tensors are written from contiguous temporaries: a freed temporary's address, reused by
+    the next one, must never map that tensor onto an earlier file; the same tensor under two names is one file."""
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    with TensorStash(ipc_folder) as stash:
+        payload = serialize_named_tensors([("a", a.t()), ("b", b.t()), ("a2", a.t()), ("tied", a), ("tied2", a)], stash)
+        got = dict(deserialize_named_tensors(payload, _any(ipc_folder)))
+        assert len(list(ipc_folder.path.iterdir())) == 3  # a.t() once (the same view twice), b.t(), a
+    for name, want in (("a", a.t()), ("b", b.t()), ("a2", a.t()), ("tied", a), ("tied2", a)):
+        assert torch.equal(got[name], want), name
+
+
 class _Evil:
     def __reduce__(self):
         import os
@@ -93,6 +105,37 @@ def test_payloads_that_are_not_named_tensors_are_refused(obj, message, tmp_path,
         deserialize_named_tensors(payload)
     with pytest.raises(ValueError, match="base64 strings"):
         deserialize_named_tensors(10**9)
+
+
+def test_a_refusal_imports_nothing_and_echoes_little():
+    """``getattr(torch, name)`` imported the submodule a pickle named (torch._dynamo: 1.4 s) before refusing it;
+    a refusal quoted a client's 3M-element list whole, and a 200k-deep one raised RecursionError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import base64, sys\n"
+        "from agentrl.engines.tensor_ipc import deserialize_named_tensors as d\n"
+        "try:\n    d(base64.b64encode(b'ctorch\\n_dynamo\\n.').decode())\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[:2] == [
+        "UnpicklingError refusing to load torch._dynamo from serialized tensors",
+        "False",
+    ]
+    from agentrl.engines.tensor_ipc import _index
+
+    with pytest.raises(ValueError) as info:
+        _index(list(range(3_000_000)), "size")
+    assert len(str(info.value)) < 200
+    deep: list = []
+    for _ in range(200_000):
+        deep = [deep]
+    with pytest.raises(ValueError) as info:
+        _index(deep, "size")
+    assert len(str(info.value)) < 200
 
 
 @pytest.mark.e2e

@@ -262,7 +262,7 @@ def test_ray_routes_shared_memory_then_object_store_fallback(ray_local, monkeypa
     assert shm.route == "shm"
     assert [ray.get(e.log.remote()) for e in engines] == [[("shm", "1", 15.0)]] * 2
 
-    def no_room(self, named):
+    def no_room(self, named, *, checked=False):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shm_weights.SharedWeightsWriter, "write", no_room)

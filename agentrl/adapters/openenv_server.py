@@ -102,7 +102,15 @@ from agentrl.adapters.openenv_session import (
     openenv_tool,
 )
 from agentrl.env import Env, call_env
-from agentrl.http_guard import DEFAULT_MAX_BODY_MB, ApiKeyGuard, BadRequest, BodyLimit, read_json
+from agentrl.http_guard import (
+    DEFAULT_MAX_BODY_MB,
+    ApiKeyGuard,
+    BadRequest,
+    BodyLimit,
+    max_body_bytes,
+    read_json,
+    warn_if_open,
+)
 from agentrl.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxPool
 
 log = logging.getLogger(__name__)
@@ -501,16 +509,9 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout}")
     if not (math.isfinite(args.idle_timeout) and args.idle_timeout > 0):
         raise ValueError(f"--idle-timeout must be a positive number of seconds, got {args.idle_timeout}")
-    if not (math.isfinite(args.max_body_mb) and 0 < args.max_body_mb <= 4096):
-        raise ValueError(f"--max-body-mb must lie in (0, 4096] MiB, got {args.max_body_mb}")
+    body_cap = max_body_bytes(args.max_body_mb)
     api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)
-    if not api_key and args.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning(
-            "serving on %s without an API key: anyone who reaches the port plays the env and runs its tools; "
-            "set --api-key-file (or %s)",
-            args.host,
-            API_KEY_ENV,
-        )
+    warn_if_open(args.host, api_key, exposes="plays the env and runs its tools", env=API_KEY_ENV)
     config = sandbox.SandboxConfig(backend=args.sandbox)
     sandbox.configure(config)
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
@@ -524,7 +525,7 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
             trust_row_code=args.trust_row_code,
             idle_timeout=args.idle_timeout,
             api_key=api_key,
-            max_body_bytes=max(1, int(args.max_body_mb * 2**20)),
+            max_body_bytes=body_cap,
             sandbox=config,
             allow_host_sandbox=args.allow_host_sandbox,
         )

@@ -135,14 +135,18 @@ class TensorStash:
     def __init__(self, folder: IpcFolder | str | Path):
         self.folder = folder if isinstance(folder, IpcFolder) else IpcFolder(folder)
         self.names: list[str] = []
-        self._written: dict[tuple[int, int, torch.dtype, tuple[int, ...]], tuple[str, int]] = {}
+        # tensor already written -> its file; the tensor itself is kept so that its memory cannot be freed and
+        # reused by another tensor (a reused address would otherwise map a later tensor onto an earlier file)
+        self._written: dict[tuple, tuple[str, int, torch.Tensor]] = {}
 
     def put(self, t: torch.Tensor) -> tuple[str, int]:
-        """Write ``t``'s bytes (contiguous) into a new file; its name and size (one file per distinct tensor)."""
+        """Write ``t``'s bytes (contiguous) into a new file; its name and size. The same tensor (tied weights
+        under two names) is written once."""
         t = t.detach()
-        key = (t.data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape))
-        if key in self._written and t.is_contiguous():
-            return self._written[key]
+        key = (t.data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key in self._written:
+            name, nbytes, _ = self._written[key]
+            return name, nbytes
         data = t.contiguous().reshape(-1).view(torch.uint8)
         name = f"t-{uuid.uuid4().hex}"
         dfd = self.folder._open_dir()
@@ -155,7 +159,7 @@ class TensorStash:
             pwrite_all(fd, memoryview(data.numpy()) if data.numel() else memoryview(b""), 0)
         finally:
             os.close(fd)
-        self._written[key] = (name, data.numel())
+        self._written[key] = (name, data.numel(), t)
         return name, data.numel()
 
     def close(self) -> None:

@@ -160,6 +160,9 @@ class SGLangLaunch:
     startup_timeout: float = 600.0
     log_dir: str | None = None
     api_key: str | None = None
+    weight_ipc_dir: str | None = None
+    """``agentrl serve`` only: the run's private folder for tensor handles (``--weight-ipc-dir``), set by a
+    run that may push weights by handle (``--weight-sync tensor``, or ``auto`` colocated)."""
 
     def __post_init__(self) -> None:
         if self.binary not in BINARIES:
@@ -317,6 +320,8 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
         str(int(port)),
         "--exit-with-stdin",
     ]
+    if launch.weight_ipc_dir:
+        argv += ["--weight-ipc-dir", launch.weight_ipc_dir]
     for name, value in extra.items():
         if name in EMBEDDED_SWITCHES:
             if not isinstance(value, bool):

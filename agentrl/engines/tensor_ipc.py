@@ -41,6 +41,7 @@ import math
 import os
 import pickle
 import re
+import reprlib
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ class HandlePickler:
             return R.reduce_tensor(t.detach())
         if t.layout != torch.strided or t.is_nested:
             raise ValueError(f"only dense tensors travel by handle, not {t.layout}")
-        t = t.detach().contiguous()
+        t = t.detach()
         if t.numel() == 0:
             storage = _Reduced(R.rebuild_storage_empty, (torch.UntypedStorage,))
         elif self._stash is None:
@@ -127,10 +128,19 @@ class HandlePickler:
                 "(TensorTransport(ipc_dir=...)), or send CUDA tensors"
             )
         else:
-            name, nbytes = self._stash.put(t)
+            name, nbytes = self._stash.put(t)  # the stash writes the tensor's contiguous bytes
             storage = _Reduced(R.rebuild_storage_filename, (torch.UntypedStorage, b"", name.encode(), nbytes))
         typed = _Reduced(R.rebuild_typed_storage, (storage, t.dtype))
-        return R.rebuild_tensor, (torch.Tensor, typed, (0, t.size(), t.stride(), False))
+        return R.rebuild_tensor, (torch.Tensor, typed, (0, t.size(), _contiguous_strides(t.shape), False))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what the stash's file holds)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _dump(obj: Any, stash: TensorStash | None) -> str:
@@ -267,6 +277,16 @@ _TOKENS = {
 }
 
 
+_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+_SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxlevel = 60, 60, 6, 6, 4, 3
+
+
+def _short(v: Any) -> str:
+    """A client's value in a refusal: bounded in length and depth (a refusal must not echo megabytes back)."""
+    return _SHORT.repr(v)
+
+
 class _HandleUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == _SGLANG_BUCKET_META or (module, name) == (__name__, "FlattenedTensorMetadata"):
@@ -277,8 +297,8 @@ class _HandleUnpickler(pickle.Unpickler):
             return _Token(f"{module}.{name}")
         if (module, name) == ("torch", "Size"):
             return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in _DTYPES:  # a fixed table: getattr(torch, name) would import submodules
+            return _DTYPES[name]
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from serialized tensors")
 
 
@@ -296,13 +316,13 @@ def _load(data: str | bytes) -> Any:
 
 def _index(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _MAX_INDEX:
-        raise TensorHandleError(f"{what} must be a non-negative integer, got {v!r}")
+        raise TensorHandleError(f"{what} must be a non-negative integer, got {_short(v)}")
     return v
 
 
 def _dtype(v: Any) -> torch.dtype:
     if not isinstance(v, torch.dtype):
-        raise TensorHandleError(f"dtype must be a torch dtype, got {v!r}")
+        raise TensorHandleError(f"dtype must be a torch dtype, got {_short(v)}")
     return v
 
 
@@ -326,6 +346,12 @@ def _view(name: str, ref: Any, receiver: Receiver) -> _View:
             raise TensorHandleError(
                 f"tensor {name!r} is a CUDA IPC handle, but this engine runs on {receiver.device.type}: "
                 "send CPU tensors through its weight folder, or use /update_weights_from_disk"
+            )
+        if receiver.folder is None:  # torch maps the handle and updates a /dev/shm counter the payload names
+            raise TensorHandleError(
+                f"tensor {name!r} is a CUDA IPC handle, but this engine was started without --weight-ipc-dir: "
+                "tensor handles are taken only by an engine its run started for colocated sync "
+                "(or use /update_weights_from_disk)"
             )
         dtype = _dtype(ref.dtype)
         size, stride = _shape(name, ref.tensor_size, ref.tensor_stride)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from typing import Any
 
-from agentrl.http_guard import DEFAULT_MAX_BODY_MB, resolve_api_key
+from agentrl.http_guard import DEFAULT_MAX_BODY_MB, max_body_bytes, resolve_api_key, warn_if_open
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_SESSIONS", "PROXY_FIELDS", "add_proxy_parser", "cmd_proxy"]
 
@@ -104,10 +103,9 @@ def cmd_proxy(args: Any) -> int:
         raise ValueError("--idle-timeout must be > 0")
     if args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")
-    if not (math.isfinite(args.max_body_mb) and args.max_body_mb * 2**20 >= 1):
-        raise ValueError(f"--max-body-mb must be a positive number of MiB, got {args.max_body_mb:g}")
-    args.max_body_bytes = int(args.max_body_mb * 2**20)
+    args.max_body_bytes = max_body_bytes(args.max_body_mb)
     args.api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)
+    warn_if_open(args.host, args.api_key, exposes="can drive the policy engine through any session", env=API_KEY_ENV)
     cfg = RolloutConfig(**{name: getattr(args, name) for name in PROXY_FIELDS})
     cfg.validate()
     hook = check_config(cfg)  # before any engine starts: a bad flag is one error, not every session failed

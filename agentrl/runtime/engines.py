@@ -296,6 +296,8 @@ class SGLangEngineGroup:
         self._suspended = 0
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        self.ipc_folder: Any = None
+        """The run's private folder for tensor handles (``launch.weight_ipc_dir``), removed at shutdown."""
 
     @classmethod
     def start(
@@ -453,6 +455,9 @@ class SGLangEngineGroup:
                 ray.get(ref, timeout=60)
         self._kill_actors(self.actors)
         self.actors = []
+        if self.ipc_folder is not None:
+            self.ipc_folder.remove()
+            self.ipc_folder = None
 
     @staticmethod
     def _kill_actors(actors: Sequence[Any]) -> None:

@@ -18,11 +18,12 @@ Space is reserved with ``posix_fallocate`` when the files are created, so a full
 in a default Docker container) is an ``OSError`` at setup, and the run falls back to Ray's object
 store, instead of a SIGBUS in the middle of a write.
 
-The writer proves every value finite while it writes (:func:`write_checked`: each chunk is checked
-right after it is copied, while it is still in cache; the slot being written is one no engine
-reads, and a refused push does not count), so the engine re-points its parameters without reading
-a page (``finite_checked``); the engine mapping every page just to look for a NaN cost more than
-the copy itself (bench P5).
+Every value is proven finite on the trainer's side, so the engine re-points its parameters without
+reading a page (``finite_checked``; the engine mapping every page just to look for a NaN cost more than
+the copy itself, bench P5): by the trainer where its weights change (``write(..., checked=True)``:
+:attr:`agentrl.trainer.base.Trainer.weights_finite`), else by the writer as it writes
+(:func:`write_checked`: each chunk checked right after it is copied, while it is still in cache; the
+slot being written is one no engine reads, and a refused push does not count).
 
 A large slot is several *part* files written in parallel, one thread each: tmpfs serializes the
 writers of one file (its inode lock), so one file is written at one core's ``pwrite`` speed (~3
@@ -120,8 +121,8 @@ def views(buffers: list[torch.Tensor], layout: Layout) -> dict[str, torch.Tensor
 def open_weights(path: str, layout: Layout) -> dict[str, torch.Tensor]:
     """Engine side: map a slot written by :class:`SharedWeightsWriter` (all its parts) and return its tensors.
 
-    The writer checked every value finite as it wrote them (:func:`write_checked`), so the engine
-    may load these with ``finite_checked=True``.
+    Every value was proven finite before the slot was written (the trainer after its step, or
+    :func:`write_checked`), so the engine may load these with ``finite_checked=True``.
     """
     sizes = layout.parts or (layout.nbytes,)
     return views([_map(layout.part_path(path, p), n) for p, n in enumerate(sizes)], layout)
@@ -278,18 +279,25 @@ def reap_stale_slots(folder: str | Path = "/dev/shm") -> int:
         m = re.match(r"agentrl-weights-(\d+)-", path.name)
         if m is None or _alive(int(m.group(1))) or _locked(path):
             continue
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # not ours after all (another user's, in a sticky /dev/shm): leave it
+            continue
         removed += 1
     return removed
 
 
 def _locked(path: Path) -> bool:
-    """Does a live writer (anywhere) hold this slot file's lock?"""
+    """Does a live writer (anywhere) hold this slot file's lock? Anything but a regular file of this user is
+    not ours to judge (and is never opened in a way that could block: another user may have left a FIFO here)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return True  # gone already, or not ours to judge
+        return True  # gone already, a symlink, or not ours to judge
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return True
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
     except BlockingIOError:

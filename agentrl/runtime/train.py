@@ -447,9 +447,9 @@ class _Runtime:
         """Push the trainer's current weights to every engine as ``str(version)``: one call, any route."""
         route = self.weight_route()
         targets = self.engines.actors if route in ("shm", "object_store") else self.engines.urls
-        taken = self.trainers.push_weights(
-            route, targets, str(version), folder=self._sync_dir(), api_key=self.engines.api_key
-        )
+        ipc = getattr(self.engines, "ipc_folder", None)  # tensor handles without CUDA: the engines' private folder
+        folder = str(ipc.path) if route == "tensor" and ipc is not None else self._sync_dir()
+        taken = self.trainers.push_weights(route, targets, str(version), folder=folder, api_key=self.engines.api_key)
         if taken != route:  # shared memory fell back to the object store (said once, in the trainer's log)
             self._route = taken
         self.routes_taken.append(taken)
@@ -663,18 +663,30 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
         import secrets
 
         launch.api_key = secrets.token_urlsafe(24)
+    ipc = None
+    if launch.binary == "agentrl" and (cfg.weight_sync == "tensor" or (cfg.weight_sync == "auto" and cfg.colocate)):
+        from agentrl.engines.ipc_folder import IpcFolder  # tensor handles: the run's own private folder
+
+        ipc = IpcFolder.create()
+        launch.weight_ipc_dir = str(ipc.path)
     if launch.binary == "agentrl" and cfg.sglang_launcher == "auto":
         log.warning(
             "--rollout-backend sglang: no SGLang with GPUs here (not installed, or --rollout-num-gpus 0); "
             "launching `agentrl serve` servers (same API and management) instead"
         )
-    group = SGLangEngineGroup.start(
-        launch,
-        max(len(placement.engines), 1),
-        num_cpus=placement.engine_cpus,
-        num_gpus=placement.engine_gpus or None,
-        placement=placement.engines,
-    )
+    try:
+        group = SGLangEngineGroup.start(
+            launch,
+            max(len(placement.engines), 1),
+            num_cpus=placement.engine_cpus,
+            num_gpus=placement.engine_gpus or None,
+            placement=placement.engines,
+        )
+    except BaseException:
+        if ipc is not None:
+            ipc.remove()
+        raise
+    group.ipc_folder = ipc
     if cfg.engine_monitor_interval:
         group.start_monitor(cfg.engine_monitor_interval)
     return group

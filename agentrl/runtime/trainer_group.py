@@ -167,7 +167,9 @@ class TrainerActor:
         """Send the full weights to the engines by route ``kind`` (:data:`agentrl.runtime.weight_sync.TRANSPORTS`).
 
         ``targets``: engine URLs for ``disk``, ``nccl`` and ``tensor``; embedded engine actor handles
-        for ``shm`` and ``object_store``. Every rank takes part in gathering the weights; rank 0
+        for ``shm`` and ``object_store``. ``folder``: the run's folder for ``disk``; for ``tensor`` the
+        engines' private weight folder (``agentrl serve --weight-ipc-dir``), where tensors without CUDA go.
+        Every rank takes part in gathering the weights; rank 0
         pushes, except ``tensor`` (by handle, colocated), where each rank pushes to the engines on its
         own device (``targets`` is then this rank's share). The pushing rank keeps one transport (and,
         for NCCL, one process group with the engines) and one event loop for the actor's lifetime.
@@ -196,6 +198,8 @@ class TrainerActor:
                     engines = [SGLangEngine(u, api_key=api_key) for u in targets]
                 if kind == "disk":
                     extra = {"folder": folder, "config": self.checkpoint}
+                if kind == "tensor" and folder is not None:
+                    extra = {"ipc_dir": folder}
                 if kind == "nccl" and not all(
                     _loopback(u) for u in targets
                 ):  # engines on other nodes dial rank 0's node

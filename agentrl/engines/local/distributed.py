@@ -56,6 +56,9 @@ DEFAULT_RENDEZVOUS_TIMEOUT = 60.0
 agentrl's trainers join as rank 0 within seconds of posting ``init_weights_update_group``; the HTTP request
 waits this long at most."""
 
+ABANDON_S = 10.0
+"""Seconds past its deadline after which a join that has not returned gives up the one join slot."""
+
 MAX_GROUPS = 8
 """Weight-update groups an engine holds at once, joined and joining together. SGLang keeps several named
 groups (slime opens one per pipeline stage, ``slime-pp_<i>``); each holds sockets and buffers."""
@@ -259,9 +262,14 @@ class WeightUpdateGroups:
             )
         except Exception as exc:  # noqa: BLE001 - reported to the caller as SGLang does
             failure = f"Failed to initialize custom process group: {exc}."
-        finally:  # the slot frees only once the joining thread is done: never two of them
+        finally:  # the slot frees once the joining thread is done, or at the latest ABANDON_S past its deadline
             with self._lock:
-                self._joining = None
+                if self._joining is join:
+                    self._joining = None
+                if pg is not None and join.abandoned():  # a later join may hold the slot: this one lost it
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(pg)
+                    pg, failure = None, f"Failed to initialize custom process group: {join.reason or 'timed out'}."
                 if pg is not None:
                     self._groups[group_name] = (pg, used, threading.Lock())
         if pg is None:
@@ -280,7 +288,7 @@ class WeightUpdateGroups:
     def _refusal(self, group_name: str) -> str | None:
         """Why a join of ``group_name`` cannot start now (called under the lock), or None."""
         join = self._joining
-        if join is not None:
+        if join is not None and not join.abandoned():  # one stuck past its deadline no longer holds the slot
             return (
                 f"group {join.group_name!r} is still joining its rendezvous at {join.address} "
                 f"(at most {join.remaining():.0f} s more, --dist-timeout {join.timeout:g}); one group joins at a "
@@ -381,6 +389,11 @@ class _Join:
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    def abandoned(self) -> bool:
+        """Still running :data:`ABANDON_S` past its deadline (c10d ignoring its own timeout somewhere the
+        watchdog cannot reach): it no longer holds the one join slot, and a late success is torn down."""
+        return time.monotonic() > self.deadline + ABANDON_S
 
     def cancel(self, reason: str) -> None:
         if self.reason is None:

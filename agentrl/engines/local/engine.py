@@ -38,7 +38,7 @@ import torch
 from agentrl.engines.local.images import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
-from agentrl.engines.local.weights import WeightUpdateError, apply_weights, read_source
+from agentrl.engines.local.weights import WeightUpdateError, apply_weights, model_shapes, read_source
 
 log = logging.getLogger(__name__)
 
@@ -727,7 +727,7 @@ class LocalEngine:
         finite_checked: bool = False,
     ) -> dict:
         try:
-            loaded, what = read_source(source)
+            loaded, what = read_source(source, shapes=model_shapes(self.model))
             apply_weights(self.model, loaded, what, partial=partial, assign=assign, finite_checked=finite_checked)
         except WeightUpdateError as exc:
             return {"success": False, "message": str(exc), "num_paused_requests": 0}

@@ -14,10 +14,29 @@ from agentrl.engines.local import protocol as P
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
 from agentrl.engines.local.text_prompts import TextPrompts
 
+MAX_JOBS_PER_REQUEST = 4096
+"""Most generations one request may ask for (its prompts times ``n``): each is a job with its own state and
+output, so a 10 KB body of short prompts could otherwise ask for millions. A larger batch is split by the client."""
+
+
+def check_job_count(inputs: int, n: int = 1) -> None:
+    """Refuse a request for more than :data:`MAX_JOBS_PER_REQUEST` generations, before any is built."""
+    if inputs * n > MAX_JOBS_PER_REQUEST:
+        what = f"{inputs} inputs" + (f" x n={n}" if n != 1 else "")
+        raise InvalidRequestError(
+            f"the request asks for {inputs * n} generations ({what}); at most {MAX_JOBS_PER_REQUEST} per request: "
+            "send the batch as several requests"
+        )
+
 
 def generate_jobs(engine: LocalEngine, prompts: TextPrompts, body: dict) -> tuple[bool, list[dict]]:
-    """A ``/generate`` body checked (a prompt longer than the context first, before the per-token checks) and
-    unpacked into ``engine.generate`` keyword arguments."""
+    """A ``/generate`` body checked (the number of inputs and a prompt longer than the context first, before the
+    per-token checks) and unpacked into ``engine.generate`` keyword arguments."""
+    inputs, text = body.get("input_ids"), body.get("text")
+    if isinstance(inputs, list) and inputs and isinstance(inputs[0], list):
+        check_job_count(len(inputs))
+    elif inputs is None and isinstance(text, list):
+        check_job_count(len(text))
     for ids in _id_lists(body.get("input_ids")):
         engine.check_prompt_length(len(ids))
     text = body.get("text")

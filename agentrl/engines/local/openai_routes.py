@@ -37,7 +37,9 @@ from fastapi.responses import StreamingResponse
 from agentrl.chat import ChatTemplate
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
+from agentrl.engines.local.generate_jobs import check_job_count
 from agentrl.engines.local.text_prompts import TextPrompts
+from agentrl.http_guard import json_reply
 from agentrl.images import count_images
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
@@ -137,15 +139,19 @@ def add_openai_routes(
             if req.logprobs is not None:
                 choice["logprobs"] = _completion_logprobs(tok, out["meta_info"]["output_token_logprobs"], 0)
             choices.append(choice)
-        return {**head, "choices": choices, "usage": _usage(outs, req.n)}
+        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=len(outs) > 16)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = P.ChatCompletionRequest.parse(await json_body(request))
+        body = await json_body(request)
+        big = await large(request)
+        req = (
+            await asyncio.to_thread(P.ChatCompletionRequest.parse, body) if big else P.ChatCompletionRequest.parse(body)
+        )
         tools, prefix, parse = _tool_plan(req, tool_parser)
         messages, kwargs = req.message_dicts(), req.chat_template_kwargs or {}
         render = (tok, chat_template, engine, text_prompts, messages, tools, kwargs)
-        if count_images(messages) or await large(request):  # rendering, decoding, tokenizing off the event loop
+        if big or count_images(messages):  # rendering, decoding, tokenizing off the event loop
             ids, images = await asyncio.to_thread(_render_prompt, *render)
         else:
             ids, images = _render_prompt(*render)
@@ -178,7 +184,7 @@ def add_openai_routes(
             logprobs = _chat_logprobs(tok, out) if req.logprobs else None
             message = {"role": "assistant", "content": content, "tool_calls": calls or None}
             choices.append({"index": i, "message": message, "logprobs": logprobs, **fin})
-        return {**head, "choices": choices, "usage": _usage(outs, req.n)}
+        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=len(outs) > 16)
 
 
 def _samples(req: P._OpenAIBody, sp: dict | None = None) -> list[dict]:
@@ -418,7 +424,10 @@ def _completion_jobs(engine: LocalEngine, prompts: TextPrompts, body: dict) -> t
     """A ``/v1/completions`` body checked (a prompt longer than the context first, before the per-token checks)
     and unpacked into one ``engine.generate`` job per prompt and sample."""
     raw = body.get("prompt")
-    for p in raw if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else [raw]:
+    n = body.get("n", 1)
+    many = isinstance(raw, list) and raw and isinstance(raw[0], (str, list))
+    check_job_count(len(raw) if many else 1, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+    for p in raw if many else [raw]:
         if isinstance(p, list):
             engine.check_prompt_length(len(p))
         elif isinstance(p, str):

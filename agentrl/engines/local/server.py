@@ -50,7 +50,6 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -71,25 +70,24 @@ from agentrl.engines.local.engine import EngineFault, InvalidRequestError, Local
 from agentrl.engines.local.generate_jobs import generate_jobs
 from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams, run_jobs
 from agentrl.engines.local.text_prompts import TextPrompts
-from agentrl.http_guard import DEFAULT_MAX_BODY_MB, INLINE_PARSE_BYTES, ApiKeyGuard, BadRequest, BodyLimit, read_json
+from agentrl.engines.local.weights import WeightUpdateError, check_declared_bytes
+from agentrl.http_guard import (
+    DEFAULT_MAX_BODY_MB,
+    INLINE_PARSE_BYTES,
+    ApiKeyGuard,
+    BadRequest,
+    BodyLimit,
+    json_reply,
+    max_body_bytes,
+    read_json,
+    warn_if_open,
+)
 
 log = logging.getLogger(__name__)
 
 OPEN_ROUTES = ("/health*", "/metrics*")
 """Routes answered without the API key: SGLang's set (``/health``, ``/health_generate``, ``/metrics``), so a
 load balancer or Prometheus can watch a server whose key it does not hold."""
-
-MAX_BODY_MB_LIMIT = 4096
-"""The largest ``--max-body-mb`` accepted."""
-
-
-def max_body_bytes(max_body_mb: float) -> int:
-    """``--max-body-mb`` as bytes, or ValueError naming the flag (checked before a model is loaded)."""
-    if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, (int, float)) or not math.isfinite(max_body_mb):
-        raise ValueError(f"--max-body-mb must be a number of MiB, got {max_body_mb!r}")
-    if not 0 < max_body_mb <= MAX_BODY_MB_LIMIT:
-        raise ValueError(f"--max-body-mb must lie in (0, {MAX_BODY_MB_LIMIT}] MiB, got {max_body_mb!r}")
-    return max(1, int(max_body_mb * 2**20))
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -376,7 +374,7 @@ def build_app(
         async with gate.admit():
             outs = await run_jobs(engine, jobs)
         stats.record(outs)
-        return outs if batch else outs[0]
+        return await json_reply(outs if batch else outs[0], large=len(outs) > 16)
 
     @app.get("/v1/loads")
     async def loads(include: str = "all", dp_rank: int | None = None, format: str = "json"):
@@ -479,7 +477,10 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine, dist_timeout: float) 
         group = req.group_name
         try:
             meta = check_metadata(req.names, req.dtypes, req.shapes)
-        except ValueError as exc:
+            # what the bucket declares is allocated to receive it (the broadcast must be received, or the
+            # trainer's stream of buckets falls out of step): never more than the model's own bytes
+            check_declared_bytes(engine.model, [(shape, dtype) for _, dtype, shape in meta], "the bucket")
+        except (ValueError, WeightUpdateError) as exc:
             return answer(False, f"Failed to update parameter online: {exc}")
         if group not in groups:
             return answer(
@@ -518,8 +519,10 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine, dist_timeout: float) 
         try:
             receiver = Receiver.for_model(engine.model, request.app.state.weight_ipc)
             named = await asyncio.to_thread(read, req.serialized_named_tensors[0], receiver)
-        except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error
-            return answer(False, f"could not read serialized_named_tensors ({req.load_format or 'direct'}): {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bad payload is the client's error (RecursionError included)
+            why = str(exc) if not isinstance(exc, RecursionError) else "the payload is nested too deeply"
+            why = why if len(why) <= 500 else why[:497] + "..."  # a refusal never echoes megabytes back
+            return answer(False, f"could not read serialized_named_tensors ({req.load_format or 'direct'}): {why}")
         version = req.weight_version
         result = await engine.update_weights_from_tensors(
             dict(named), None if version is None else str(version), partial=True
@@ -579,13 +582,9 @@ def serve(
     check_rendezvous_timeout(dist_timeout)  # so is a bad --dist-timeout
     if weight_ipc_dir:  # so is a weight folder other users could write into
         IpcFolder(weight_ipc_dir)
-    if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning(
-            "serving on %s without an API key: anyone who can reach the port can load weights, pause "
-            "generation and read files as checkpoints; set --api-key-file (or %s)",
-            host,
-            API_KEY_ENV,
-        )
+    warn_if_open(
+        host, api_key, exposes="can load weights, pause generation and read files as checkpoints", env=API_KEY_ENV
+    )
     engine = LocalEngine(checkpoint, **engine_kwargs)
     app = build_app(
         engine,

@@ -51,8 +51,37 @@ _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _CHUNK_BYTES = 64 << 20
 
 
+def check_against_model(shapes: dict[str, tuple[int, ...]], name: str, shape: Any, what: str) -> None:
+    """Refuse, before any memory is allocated for it, a tensor the model does not hold under ``name`` with
+    this shape (``shapes``: the model's state dict's shapes): a client-named file or broadcast may declare
+    any size, and a weight update never needs more than the model's own."""
+    if name not in shapes:
+        raise WeightUpdateError(f"{what} does not match the model: unexpected=[{name!r}] (not a weight of the model)")
+    if tuple(shape) != tuple(shapes[name]):
+        raise WeightUpdateError(
+            f"{what} does not match the model: shape_mismatch=[{name!r}] "
+            f"({list(shape)}; the model's is {list(shapes[name])})"
+        )
+
+
+def check_declared_bytes(model: torch.nn.Module, tensors: list[tuple[Any, torch.dtype]], what: str) -> None:
+    """Refuse ``tensors`` (shape, dtype) that would take more memory than all of ``model``'s weights."""
+    declared = sum(int(np.prod(shape, dtype=object)) * dtype.itemsize for shape, dtype in tensors)
+    held = sum(t.nbytes for t in model.state_dict().values())
+    if declared > held:
+        raise WeightUpdateError(f"{what} declares {declared} bytes of tensors; the model's weights are {held} bytes")
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in ``model``'s state dict, by name."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def read_source(
-    source: str | dict[str, Any], *, deadline_s: float = READ_DEADLINE_S
+    source: str | dict[str, Any],
+    *,
+    deadline_s: float = READ_DEADLINE_S,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Tensors from a checkpoint folder's ``*.safetensors`` or an in-memory dict, and a description.
 
@@ -62,7 +91,8 @@ def read_source(
     the whole read must end within ``deadline_s`` seconds. Each file is read in chunks with plain
     ``read`` calls, which release the GIL (the event loop keeps answering) and let the deadline be
     checked between them, straight into the tensors' memory (no second copy, no memory map that a
-    file truncated meanwhile would turn into a SIGBUS).
+    file truncated meanwhile would turn into a SIGBUS). With ``shapes`` (the model's), every tensor a file
+    declares is checked against the model (:func:`check_against_model`) before its memory is allocated.
     """
     if isinstance(source, dict):
         try:
@@ -80,7 +110,10 @@ def read_source(
     for f in files:
         fd = _open_regular(f)
         try:
-            loaded.update(_read_safetensors(fd, f, deadline, deadline_s))
+            for name, tensor in _read_safetensors(fd, f, deadline, deadline_s, shapes).items():
+                if name in loaded:
+                    raise WeightUpdateError(f"{str(f)!r}: {name!r} is also in an earlier file of {source!r}")
+                loaded[name] = tensor
         except WeightUpdateError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a failed update
@@ -125,7 +158,9 @@ def _not_regular(path: Path, mode: int) -> str:
     return f"{str(path)!r} is {kind}, not a regular file: only regular *.safetensors files are read"
 
 
-def _read_safetensors(fd: int, path: Path, deadline: float, deadline_s: float) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    fd: int, path: Path, deadline: float, deadline_s: float, shapes: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file open at ``fd`` (format: an 8-byte little-endian header length,
     a JSON header of ``name -> {dtype, shape, data_offsets}``, then the data), each bounds-checked
     against the file before its memory is allocated."""
@@ -147,6 +182,10 @@ def _read_safetensors(fd: int, path: Path, deadline: float, deadline_s: float) -
         shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
         if dtype is None or not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
             raise WeightUpdateError(f"{str(path)!r}: bad header entry for {name!r}: {str(info)[:200]}")
+        if shapes is not None and name not in shapes and name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed by the model, never loaded (apply_weights ignores it too): not read
+        if shapes is not None:
+            check_against_model(shapes, name, shape, repr(str(path)))
         begin, end = offsets
         nbytes = int(np.prod(shape, dtype=object)) * torch.empty((), dtype=dtype).element_size()
         if not 0 <= begin <= end <= data or end - begin != nbytes:
