@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-mb",
         type=float,
         default=DEFAULT_MAX_BODY_MB,
-        help=f"largest request body in MiB (default {DEFAULT_MAX_BODY_MB}); a larger one is answered 413. "
+        help=f"largest request body in MiB (default {DEFAULT_MAX_BODY_MB}, at most 4096); a larger one is answered 413. "
         "Raise it for pictures sent inline as data URLs",
     )
     s.add_argument(
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-mb",
         type=float,
         default=DEFAULT_MAX_BODY_MB,
-        help="largest request body and WebSocket message, in MiB (one more is refused: 413, or the session "
+        help="largest request body and WebSocket message, in MiB, at most 4096 (one more is refused: 413, or the session "
         "closed with 1009); raise it for envs whose actions carry large payloads",
     )
     es.add_argument(

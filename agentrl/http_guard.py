@@ -117,25 +117,26 @@ def json_depth(raw: bytes) -> int:
 
 
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')
-_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_SURROGATE = re.compile(r"\\[uU][dD][89a-fA-F]")
 
 
 def parse_json(raw: bytes | str, *, what: str = "request body", max_depth: int = MAX_DEPTH) -> Any:
     """``raw`` as a JSON value, or :class:`BadRequest` saying what is wrong with it (never another error)."""
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogatepass")
+    try:  # strictly UTF-8 (RFC 8259): json.loads alone would take UTF-16/32 and encoded surrogates
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        raw = raw if isinstance(raw, (bytes, bytearray)) else raw.encode("utf-8")
+    except UnicodeError as exc:
+        raise BadRequest(f"{what} is not UTF-8: {exc.reason} at {exc.start}") from None
     depth = json_depth(raw)
     if depth > max_depth:
         raise BadRequest(f"{what} is nested {depth} levels deep; at most {max_depth} are accepted")
     try:
-        value = json.loads(raw)
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        value = json.loads(text)
     except ValueError as exc:
         raise BadRequest(f"{what} is not JSON: {exc}") from None
     except RecursionError:  # invalid JSON the depth scan misread: still the client's error
         raise BadRequest(f"{what} is nested too deeply (at most {max_depth} levels)") from None
-    if _SURROGATE.search(raw):  # "\ud800" is valid JSON but no text: tokenizers and encoders fail on it
+    if _SURROGATE.search(text):  # "\ud800" is valid JSON but no text: tokenizers and encoders fail on it
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as exc:

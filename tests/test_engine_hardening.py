@@ -419,3 +419,7 @@ def test_a_join_stuck_past_its_deadline_gives_up_the_slot(monkeypatch):
     monkeypatch.setattr(distributed, "ABANDON_S", 0.0)
     time.sleep(0.05)
     assert stuck.abandoned() and groups._refusal("new") is None
+    again = distributed._Join("again", "127.0.0.1", 1, 0.01)  # a second one stuck too: then joins are refused
+    groups._joining = again
+    time.sleep(0.05)
+    assert "2 earlier joins are stuck" in (groups._refusal("new") or "")

@@ -54,6 +54,9 @@ def test_json_depth_counts_structure_only(text: str, depth: int) -> None:
         (b"{'a': 1}", "not JSON"),
         (b'{"text": "hi \\ud800"}', "lone UTF-16 surrogate"),
         (b'["\\udc00 x"]', "lone UTF-16 surrogate"),
+        (b'{"text": "\xed\xa0\x80"}', "not UTF-8"),  # a surrogate encoded raw (json.loads took it)
+        ('{"t": "\ud800"}'.encode("utf-16-le", "surrogatepass"), "not UTF-8"),  # UTF-16 (json.loads took it)
+        ('{"t": "x"}'.encode("utf-32"), "not UTF-8"),
         (b"", "not JSON"),
     ],
 )

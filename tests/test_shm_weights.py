@@ -165,12 +165,16 @@ def test_reaping_never_blocks_on_or_touches_what_is_not_a_slot_of_this_user(tmp_
     os.mkfifo(tmp_path / "agentrl-weights-999999999-fifo-0")
     os.symlink("/dev/null", tmp_path / "agentrl-weights-999999999-link-0")
     (tmp_path / "agentrl-weights-999999999-dead-0").write_bytes(b"\0" * 64)
+    (tmp_path / "agentrl-weights-99999999999999999999999-x-0").write_bytes(b"")  # no pid: os.kill overflowed
+    (tmp_path / "agentrl-weights-9999999999-y-0").write_bytes(b"")
     code = f"from agentrl.runtime.shm_weights import reap_stale_slots as r; print(r({str(tmp_path)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-400:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "agentrl-weights-999999999-fifo-0",
         "agentrl-weights-999999999-link-0",
+        "agentrl-weights-9999999999-y-0",
+        "agentrl-weights-99999999999999999999999-x-0",
     ]
 
 

@@ -276,3 +276,24 @@ def test_ray_routes_shared_memory_then_object_store_fallback(ray_local, monkeypa
     asyncio.run(shm.close())
     with pytest.raises(ValueError, match="one of disk, nccl, tensor, shm, object_store"):
         make_transport("rdma", engines)
+
+
+def test_a_tensor_push_names_a_folder_only_for_engines_the_run_gave_one(tmp_path):
+    """Real SGLang engines (colocated, CUDA handles) have no private folder: the push must name none (it named
+    the run's weight_sync folder, which TensorTransport then refused as not private: every push failed)."""
+    from types import SimpleNamespace
+
+    from agentrl.engines.ipc_folder import IpcFolder
+    from agentrl.runtime.train import push_folder
+    from agentrl.runtime.weight_sync import TensorTransport
+
+    sglang = SimpleNamespace(urls=["http://127.0.0.1:1"])  # an SGLangEngineGroup of real SGLang: no ipc_folder
+    assert push_folder("tensor", sglang, str(tmp_path)) is None
+    assert push_folder("disk", sglang, str(tmp_path)) == str(tmp_path)
+    folder = IpcFolder.create()
+    try:
+        launched = SimpleNamespace(ipc_folder=folder)
+        assert push_folder("tensor", launched, str(tmp_path)) == str(folder.path)
+        assert TensorTransport([object()], ipc_dir=push_folder("tensor", launched, str(tmp_path))).folder is not None
+    finally:
+        folder.remove()

@@ -19,9 +19,12 @@ checked (:class:`Receiver`):
   unlinks, truncates or maps it. torch's own ``file_system`` machinery is never run: it would open
   any ``/dev/shm`` name, connect to a client-chosen ``torch_shm_manager`` socket, and delete the
   file when the engine lets go of it. An engine without the folder refuses CPU handles.
-- CUDA tensors (what slime sends) are accepted by an engine on CUDA only, and only after their
-  view is checked against the storage size they announce; their reference counter must be one of
-  torch's own ``/dev/shm/torch_*`` files of the engine's user.
+- CUDA tensors (what slime sends) are accepted by an engine on CUDA only, only when it was started
+  with the folder (``--weight-ipc-dir`` is the opt-in to tensor handles of any kind: torch maps a CUDA
+  handle and updates a ``/dev/shm`` counter the payload names), and only after their view is checked
+  against the storage size they announce; their reference counter must be one of torch's own
+  ``/dev/shm/torch_*`` files of the engine's user. (Not checked: that the announced size is the real
+  allocation's; no GPU was at hand to test this path.)
 - Every view (size, stride, offset) must lie inside its storage and must not overlap itself (no
   stride-0 "expanded" tensor a later copy would blow up); each tensor must have the dtype and shape
   of the parameter it replaces; and the bytes one update reads are capped by the model's own

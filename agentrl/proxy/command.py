@@ -84,7 +84,7 @@ def add_proxy_parser(sub: Any) -> None:
         "--max-body-mb",
         type=float,
         default=DEFAULT_MAX_BODY_MB,
-        help=f"largest request body in MiB; a larger one is refused 413 (default {DEFAULT_MAX_BODY_MB})",
+        help=f"largest request body in MiB, at most 4096; a larger one is refused 413 (default {DEFAULT_MAX_BODY_MB})",
     )
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds without a request that end a session")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file overriding the tokenizer's")
@@ -105,7 +105,9 @@ def cmd_proxy(args: Any) -> int:
         raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")
     args.max_body_bytes = max_body_bytes(args.max_body_mb)
     args.api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)
-    warn_if_open(args.host, args.api_key, exposes="can drive the policy engine through any session", env=API_KEY_ENV)
+    warn_if_open(
+        args.host, args.api_key, exposes="can open sessions and drive the policy engine through them", env=API_KEY_ENV
+    )
     cfg = RolloutConfig(**{name: getattr(args, name) for name in PROXY_FIELDS})
     cfg.validate()
     hook = check_config(cfg)  # before any engine starts: a bad flag is one error, not every session failed

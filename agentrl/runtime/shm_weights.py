@@ -276,7 +276,7 @@ def reap_stale_slots(folder: str | Path = "/dev/shm") -> int:
     """Delete slot files whose writer process no longer exists; return how many were deleted."""
     removed = 0
     for path in Path(folder).glob("agentrl-weights-*"):
-        m = re.match(r"agentrl-weights-(\d+)-", path.name)
+        m = re.match(r"agentrl-weights-(\d{1,10})-", path.name)  # a pid; a longer number is nobody's slot
         if m is None or _alive(int(m.group(1))) or _locked(path):
             continue
         try:
@@ -312,5 +312,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process
+        return True
+    except (OverflowError, ValueError):  # no pid at all: nothing of ours to reap
         return True
     return True

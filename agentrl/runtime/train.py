@@ -447,8 +447,7 @@ class _Runtime:
         """Push the trainer's current weights to every engine as ``str(version)``: one call, any route."""
         route = self.weight_route()
         targets = self.engines.actors if route in ("shm", "object_store") else self.engines.urls
-        ipc = getattr(self.engines, "ipc_folder", None)  # tensor handles without CUDA: the engines' private folder
-        folder = str(ipc.path) if route == "tensor" and ipc is not None else self._sync_dir()
+        folder = push_folder(route, self.engines, self._sync_dir())
         taken = self.trainers.push_weights(route, targets, str(version), folder=folder, api_key=self.engines.api_key)
         if taken != route:  # shared memory fell back to the object store (said once, in the trainer's log)
             self._route = taken
@@ -640,6 +639,16 @@ def _check_routed_experts(router: Any) -> None:
             )
 
 
+def push_folder(route: str, engines: Any, sync_dir: str) -> str | None:
+    """The folder a weight push names: the run's ``weight_sync`` folder for ``disk``; for ``tensor`` the launched
+    ``agentrl serve`` engines' private folder (CPU tensors travel as files there), None for any other engines
+    (SGLang takes CUDA handles and needs none; a folder it never made would be refused)."""
+    if route != "tensor":
+        return sync_dir
+    ipc = getattr(engines, "ipc_folder", None)
+    return str(ipc.path) if ipc is not None else None
+
+
 def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
     """Point the router at engines that came back on another address (a lost actor rescheduled)."""
     from agentrl.engines.http import SGLangEngine
@@ -664,8 +673,15 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
 
         launch.api_key = secrets.token_urlsafe(24)
     ipc = None
-    if launch.binary == "agentrl" and (cfg.weight_sync == "tensor" or (cfg.weight_sync == "auto" and cfg.colocate)):
-        from agentrl.engines.ipc_folder import IpcFolder  # tensor handles: the run's own private folder
+    by_handle = cfg.weight_sync == "tensor" or (  # as weight_route() decides it for launched servers
+        cfg.weight_sync == "auto"
+        and bool(placement.engine_gpus)
+        and cfg.colocate
+        and cfg.rollout_num_gpus_per_engine == 1
+    )
+    if launch.binary == "agentrl" and by_handle and launch.host in ("127.0.0.1", "::1", "localhost"):
+        # tensor handles reach engines on this machine only (loopback engines are): the run's private folder
+        from agentrl.engines.ipc_folder import IpcFolder
 
         ipc = IpcFolder.create()
         launch.weight_ipc_dir = str(ipc.path)

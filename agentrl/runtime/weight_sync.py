@@ -204,7 +204,8 @@ class TensorTransport(WeightTransport):
     What slime does when trainer and engine are colocated on one GPU: nothing is copied over a
     bus or written to disk; the engine maps the trainer's CUDA tensors (CUDA IPC) and copies them
     into its own parameters. Without CUDA the tensors go as files in ``ipc_dir``, the private folder
-    the engines were started with (``agentrl serve --weight-ipc-dir``,
+    the engines were started with (``agentrl serve --weight-ipc-dir``, which an embedded engine needs for CUDA
+    handles too; a run gives its launched ``agentrl serve`` engines one,
     :class:`agentrl.engines.ipc_folder.IpcFolder`): written once per bucket, read by every engine,
     deleted once every engine has answered (engines never take names from anywhere else). Per
     bucket (at most ``bucket_bytes``) every engine gets the bucket's handles, ``ranks_per_engine``
@@ -234,7 +235,7 @@ class TensorTransport(WeightTransport):
                 "pass ipc_dir= the folder they were started with (agentrl serve --weight-ipc-dir), "
                 "or use the disk transport"
             )
-        self.folder = IpcFolder(ipc_dir) if ipc_dir is not None else None
+        self.folder = IpcFolder(ipc_dir) if ipc_dir is not None and not self.cuda else None
 
     route = "tensor"
 

@@ -59,6 +59,9 @@ waits this long at most."""
 ABANDON_S = 10.0
 """Seconds past its deadline after which a join that has not returned gives up the one join slot."""
 
+MAX_STUCK = 2
+"""Abandoned joins whose threads may still be running before further joins are refused (each holds a thread)."""
+
 MAX_GROUPS = 8
 """Weight-update groups an engine holds at once, joined and joining together. SGLang keeps several named
 groups (slime opens one per pipeline stage, ``slime-pp_<i>``); each holds sockets and buffers."""
@@ -205,6 +208,7 @@ class WeightUpdateGroups:
         self.max_groups = max_groups
         self._groups: dict[str, tuple[dist.ProcessGroup, str, threading.Lock]] = {}
         self._joining: _Join | None = None
+        self._stuck: set[_Join] = set()  # abandoned joins whose threads c10d still holds
         self._lock = threading.Lock()
         self._answers: set[asyncio.Future] = set()  # the HTTP requests awaiting an init
 
@@ -266,11 +270,8 @@ class WeightUpdateGroups:
             with self._lock:
                 if self._joining is join:
                     self._joining = None
-                if pg is not None and join.abandoned():  # a later join may hold the slot: this one lost it
-                    with contextlib.suppress(Exception):
-                        dist.destroy_process_group(pg)
-                    pg, failure = None, f"Failed to initialize custom process group: {join.reason or 'timed out'}."
-                if pg is not None:
+                self._stuck.discard(join)
+                if pg is not None:  # (a join cut short at its deadline raised in run(): never registered)
                     self._groups[group_name] = (pg, used, threading.Lock())
         if pg is None:
             return False, failure
@@ -288,7 +289,15 @@ class WeightUpdateGroups:
     def _refusal(self, group_name: str) -> str | None:
         """Why a join of ``group_name`` cannot start now (called under the lock), or None."""
         join = self._joining
-        if join is not None and not join.abandoned():  # one stuck past its deadline no longer holds the slot
+        if join is not None and join.abandoned():  # stuck in c10d past its deadline: it gives up the slot
+            self._stuck.add(join)
+            self._joining = join = None
+        if len(self._stuck) >= MAX_STUCK:
+            return (
+                f"{len(self._stuck)} earlier joins are stuck in the rendezvous past their deadline (a peer that "
+                "never completes c10d's handshake); restart the engine to free their threads."
+            )
+        if join is not None:
             return (
                 f"group {join.group_name!r} is still joining its rendezvous at {join.address} "
                 f"(at most {join.remaining():.0f} s more, --dist-timeout {join.timeout:g}); one group joins at a "
@@ -443,7 +452,7 @@ class _Join:
                 f"no rendezvous at {self.address} within {self.timeout:g} s (--dist-timeout): "
                 "rank 0 (the trainer) must host the group's store there and join at the same time"
             )
-        while not self.finished.is_set():
+        while not self.finished.is_set() and not self.abandoned():  # past that, scanning cannot help
             for key, sock in _sockets_to(self._peers, self.port):
                 if key not in self._before:
                     with contextlib.suppress(OSError):

@@ -139,7 +139,8 @@ def add_openai_routes(
             if req.logprobs is not None:
                 choice["logprobs"] = _completion_logprobs(tok, out["meta_info"]["output_token_logprobs"], 0)
             choices.append(choice)
-        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=len(outs) > 16)
+        heavy = len(outs) > 16 or req.logprobs is not None  # log-probs: entries per token, encoded off the loop
+        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=heavy)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -184,7 +185,8 @@ def add_openai_routes(
             logprobs = _chat_logprobs(tok, out) if req.logprobs else None
             message = {"role": "assistant", "content": content, "tool_calls": calls or None}
             choices.append({"index": i, "message": message, "logprobs": logprobs, **fin})
-        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=len(outs) > 16)
+        heavy = len(outs) > 16 or bool(req.logprobs)
+        return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=heavy)
 
 
 def _samples(req: P._OpenAIBody, sp: dict | None = None) -> list[dict]:

@@ -261,7 +261,7 @@ def build_app(
     ``--api-key``: weight updates, pauses and disk loads are then closed to whatever else can reach the port.
     A request body over ``max_body_mb`` MiB is answered 413 naming ``--max-body-mb`` before it is held in memory.
     ``weight_ipc_dir``: the private folder (:class:`~agentrl.engines.ipc_folder.IpcFolder`) whose files CPU
-    tensor handles of ``/update_weights_from_tensor`` may name; without it such handles are refused.
+    tensor handles of ``/update_weights_from_tensor`` may name; without it every handle, CPU or CUDA, is refused.
     ``dist_timeout``: seconds ``/init_weights_update_group`` waits for the other ranks (``--dist-timeout``).
     """
     from agentrl.engines.ipc_folder import IpcFolder
@@ -374,7 +374,8 @@ def build_app(
         async with gate.admit():
             outs = await run_jobs(engine, jobs)
         stats.record(outs)
-        return await json_reply(outs if batch else outs[0], large=len(outs) > 16)
+        large = len(outs) > 16 or any(j["return_logprob"] for j in jobs)  # log-probs: a prompt's worth of entries
+        return await json_reply(outs if batch else outs[0], large=large)
 
     @app.get("/v1/loads")
     async def loads(include: str = "all", dp_rank: int | None = None, format: str = "json"):
@@ -475,11 +476,17 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine, dist_timeout: float) 
     async def update_weights_from_distributed(request: Request):
         req = P.UpdateWeightsFromDistributedRequest.parse(await _json_body(request))
         group = req.group_name
-        try:
+
+        def checked_metadata() -> list:
             meta = check_metadata(req.names, req.dtypes, req.shapes)
-            # what the bucket declares is allocated to receive it (the broadcast must be received, or the
-            # trainer's stream of buckets falls out of step): never more than the model's own bytes
+            # what the bucket declares is allocated to receive it: never more than the model's own bytes (names and
+            # shapes are checked once received, as before: a bucket refused unreceived leaves the trainer's
+            # broadcast unmatched, which only a bucket no model could hold deserves)
             check_declared_bytes(engine.model, [(shape, dtype) for _, dtype, shape in meta], "the bucket")
+            return meta
+
+        try:
+            meta = await asyncio.to_thread(checked_metadata) if await _is_large(request) else checked_metadata()
         except (ValueError, WeightUpdateError) as exc:
             return answer(False, f"Failed to update parameter online: {exc}")
         if group not in groups:

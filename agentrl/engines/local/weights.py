@@ -8,6 +8,7 @@ exception, so a bad update leaves the model unchanged and the server up.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import sys
@@ -55,6 +56,7 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], name: str, shape: An
     """Refuse, before any memory is allocated for it, a tensor the model does not hold under ``name`` with
     this shape (``shapes``: the model's state dict's shapes): a client-named file or broadcast may declare
     any size, and a weight update never needs more than the model's own."""
+    name = name if len(name) <= 200 else name[:197] + "..."  # a refusal never echoes megabytes back
     if name not in shapes:
         raise WeightUpdateError(f"{what} does not match the model: unexpected=[{name!r}] (not a weight of the model)")
     if tuple(shape) != tuple(shapes[name]):
@@ -66,7 +68,7 @@ def check_against_model(shapes: dict[str, tuple[int, ...]], name: str, shape: An
 
 def check_declared_bytes(model: torch.nn.Module, tensors: list[tuple[Any, torch.dtype]], what: str) -> None:
     """Refuse ``tensors`` (shape, dtype) that would take more memory than all of ``model``'s weights."""
-    declared = sum(int(np.prod(shape, dtype=object)) * dtype.itemsize for shape, dtype in tensors)
+    declared = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensors)
     held = sum(t.nbytes for t in model.state_dict().values())
     if declared > held:
         raise WeightUpdateError(f"{what} declares {declared} bytes of tensors; the model's weights are {held} bytes")
