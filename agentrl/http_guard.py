@@ -125,7 +125,7 @@ def parse_json(raw: bytes | str, *, what: str = "request body", max_depth: int =
     try:  # strictly UTF-8 (RFC 8259): json.loads alone would take UTF-16/32 and encoded surrogates
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
         raw = raw if isinstance(raw, (bytes, bytearray)) else raw.encode("utf-8")
-    except UnicodeError as exc:
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
         raise BadRequest(f"{what} is not UTF-8: {exc.reason} at {exc.start}") from None
     depth = json_depth(raw)
     if depth > max_depth:
