@@ -86,7 +86,7 @@ def test_bad_env_specs_are_one_line_naming_the_fix(tmp_path: Path, not_openenv: 
     ]
     if importlib.util.find_spec("gem") is not None:
         cases.append((("check-env",), "gem:game:GuessTheNumber-v0-esy", ["did you mean game:GuessTheNumber-v0-easy"]))
-    if importlib.util.find_spec("verifiers.v1") is not None:
+    if importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("verifiers.v1") is not None:
         cases.append((("check-env",), "verifiers:no-such-taskset", ["taskset 'no-such-taskset' not found"]))
     env = {"PYTHONPATH": str(REPO)}  # run from tmp_path, some specs still name tests.test_adapters
     with ThreadPoolExecutor(4) as pool:
