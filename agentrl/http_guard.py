@@ -153,15 +153,22 @@ async def read_json(request: Any, *, what: str = "request body", max_depth: int 
     return await asyncio.to_thread(parse_json, raw, what=what, max_depth=max_depth)
 
 
+def json_bytes(content: Any) -> bytes:
+    """``content`` as compact UTF-8 JSON. Text holding a lone UTF-16 surrogate (a model may write the escape
+    ``"\\ud800"`` into tool-call arguments; it parses to a string no UTF-8 can carry) is sent as JSON escapes
+    instead of failing the reply: the client reads back exactly what the model wrote."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 async def json_reply(content: Any, *, status: int = 200, large: bool = False) -> Any:
     """``content`` as a JSON response, serialized in a worker thread when ``large`` (thousands of outputs
     with their log-probs take seconds to encode; FastAPI's own encoder would run them on the event loop)."""
     from starlette.responses import Response
 
-    def encode() -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-    body = await asyncio.to_thread(encode) if large else encode()
+    body = await asyncio.to_thread(json_bytes, content) if large else json_bytes(content)
     return Response(body, status_code=status, media_type="application/json")
 
 

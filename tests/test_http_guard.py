@@ -18,6 +18,7 @@ from agentrl.http_guard import (
     BadRequest,
     BodyLimit,
     json_depth,
+    json_reply,
     parse_json,
     read_json,
     resolve_api_key,
@@ -191,3 +192,24 @@ def test_api_key_guard_http_and_websocket() -> None:
 def test_body_limit_refuses_a_bad_cap() -> None:
     with pytest.raises(ValueError, match="--max-body-mb"):
         BodyLimit(FastAPI(), max_bytes=0)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_json_reply_carries_a_lone_surrogate_as_its_escape(large):
+    """A reply holding text no UTF-8 can carry (a lone surrogate a model wrote as ``\\ud800``) is sent as JSON
+    escapes, not a 500; text that UTF-8 carries is sent as UTF-8 (not escaped)."""
+    app = FastAPI()
+
+    @app.get("/r")
+    async def r() -> object:
+        return await json_reply({"s": "a\ud800b", "t": "\u00e9"}, large=large)
+
+    @app.get("/plain")
+    async def plain() -> object:
+        return await json_reply({"t": "\u00e9"}, large=large)
+
+    with serve_app(app) as url:
+        got = httpx.get(f"{url}/r")
+        assert got.status_code == 200, got.text
+        assert json.loads(got.content) == {"s": "a\ud800b", "t": "\u00e9"}
+        assert httpx.get(f"{url}/plain").content == '{"t":"\u00e9"}'.encode()

@@ -24,6 +24,7 @@ import pytest
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import RolloutConfig
+from agentrl.engines.base import GenerateOutput
 from agentrl.rollout.episode import EpisodeContext
 from tests.test_proxy import REPO, TextEngine, _client, open_session, proxy_url
 
@@ -298,3 +299,46 @@ def test_agentrl_proxy_refuses_bad_limits_and_keys_before_serving(tiny_ckpt, tmp
     ):
         assert main([*base, *flags]) == 2, flags
         assert words in capsys.readouterr().err, flags
+
+
+class SurrogateEngine(TextEngine):
+    r"""A model that writes a tool call whose argument is the JSON escape of a lone UTF-16 surrogate (``"\ud800"``):
+    valid JSON, but no UTF-8 text, so an encoder with ``ensure_ascii=False`` raised on the reply (a 500)."""
+
+    TEXT = '<tool_call>\n{"name": "echo", "arguments": {"s": "a\\ud800b"}}\n</tool_call>'
+
+    async def generate(self, input_ids, sampling_params, *, key=None):
+        ids = self.tok.encode(self.TEXT, add_special_tokens=False) + [self.tok.eos_token_id]
+        return GenerateOutput(ids, [-0.5] * len(ids), "stop", self.tok.eos_token_id)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_lone_surrogate_the_model_writes_is_answered_not_a_500(tiny_tokenizer, tmp_path, stream):
+    """The reply carries the model's argument as the JSON escape ``\\ud800`` (what the model wrote), plain or
+    streamed; the session's sample (the model's text, the escape as written) is recorded."""
+    from agentrl.proxy.external import Recorder
+
+    ctx = EpisodeContext(
+        engine=SurrogateEngine(tiny_tokenizer), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig()
+    )
+    path = tmp_path / "samples.jsonl"
+    with open(path, "w", encoding="utf-8") as out:
+        rec = Recorder(ctx, out, idle_timeout=30.0)
+        await rec.server.start()
+        try:
+            async with httpx.AsyncClient(base_url=rec.server.url, timeout=30) as http:
+                s = (await http.post("/sessions", json={})).json()
+                r = await http.post(f"{s['base_url']}/chat/completions", json={"messages": HELLO, "stream": stream})
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+                    calls = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls", [])]
+                else:
+                    calls = r.json()["choices"][0]["message"]["tool_calls"]
+                assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"s": "a\ud800b"}]
+                assert (await http.post(s["end_url"], json={"reward": 0.25})).status_code == 200
+                await asyncio.gather(*rec.episodes)
+        finally:
+            await rec.server.stop()
+    (row,) = map(json.loads, path.read_text(encoding="utf-8").splitlines())
+    assert row["reward"] == 0.25 and row["response"].startswith(SurrogateEngine.TEXT)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.http_guard import json_bytes
 from agentrl.parsing import PARSERS, get_parser
 from agentrl.proxy.requests import ChatRequest
 from agentrl.types import Action, Message
@@ -93,7 +94,7 @@ class Streamed:
 
 
 def _event(chunk: dict[str, Any]) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {json_bytes(chunk).decode()}\n\n"  # a lone surrogate the model wrote goes as its JSON escape
 
 
 def reply_content(action: Action, parser: str) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.http_guard import DEFAULT_MAX_BODY_MB, INLINE_PARSE_BYTES, ApiKeyGuard, BodyLimit
+from agentrl.http_guard import DEFAULT_MAX_BODY_MB, INLINE_PARSE_BYTES, ApiKeyGuard, BodyLimit, json_bytes
 from agentrl.proxy.replies import Streamed
 from agentrl.proxy.requests import ChatRequest, EndRequest, Refusal, parse_end, parse_open, parse_request
 from agentrl.types import Message
@@ -264,7 +264,7 @@ class ProxyServer:
                 return JSONResponse(result.body(), status_code=result.status)
             if isinstance(result, Streamed):
                 return StreamingResponse(result.events(), media_type="text/event-stream")
-            return JSONResponse(result)
+            return Response(json_bytes(result), media_type="application/json")  # model text may hold a surrogate
 
         async def chat(request: Any) -> Response:
             token = request.path_params.get("token") or request.headers.get(SESSION_HEADER)
