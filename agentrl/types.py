@@ -51,12 +51,17 @@ class ToolCall:
     id: str = ""
 
     def to_openai(self) -> dict[str, Any]:
-        """The OpenAI ``tool_calls`` entry for this call (arguments as a JSON string)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
-        }
+        """The OpenAI ``tool_calls`` entry for this call (arguments as a JSON string).
+
+        A lone UTF-16 surrogate the model wrote as the escape ``\\ud800`` stays that escape in the string, so the
+        string is valid UTF-8: a client sends it back on its next turn (a raw surrogate would be refused there).
+        """
+        args = json.dumps(self.arguments, ensure_ascii=False)
+        try:
+            args.encode("utf-8")
+        except UnicodeEncodeError:
+            args = json.dumps(self.arguments)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
 
 
 @dataclass

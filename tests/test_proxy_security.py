@@ -315,7 +315,7 @@ class SurrogateEngine(TextEngine):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_lone_surrogate_the_model_writes_is_answered_not_a_500(tiny_tokenizer, tmp_path, stream):
     """The reply carries the model's argument as the JSON escape ``\\ud800`` (what the model wrote), plain or
-    streamed; the session's sample (the model's text, the escape as written) is recorded."""
+    streamed; the client can send that turn back on its next request; the session's sample is recorded."""
     from agentrl.proxy.external import Recorder
 
     ctx = EpisodeContext(
@@ -336,9 +336,15 @@ async def test_a_lone_surrogate_the_model_writes_is_answered_not_a_500(tiny_toke
                 else:
                     calls = r.json()["choices"][0]["message"]["tool_calls"]
                 assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"s": "a\ud800b"}]
+                assert "\\ud800" in calls[0]["function"]["arguments"]  # the escape, as the model wrote it
+                call = {k: calls[0][k] for k in ("id", "type", "function")}
+                msgs = [*HELLO, {"role": "assistant", "content": "", "tool_calls": [call]}]
+                msgs.append({"role": "tool", "tool_call_id": call["id"], "content": "ok"})
+                r = await http.post(f"{s['base_url']}/chat/completions", json={"messages": msgs})  # echoed back
+                assert r.status_code == 200, r.text
                 assert (await http.post(s["end_url"], json={"reward": 0.25})).status_code == 200
                 await asyncio.gather(*rec.episodes)
         finally:
             await rec.server.stop()
-    (row,) = map(json.loads, path.read_text(encoding="utf-8").splitlines())
-    assert row["reward"] == 0.25 and row["response"].startswith(SurrogateEngine.TEXT)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows and rows[-1]["reward"] == 0.25 and rows[0]["response"].startswith(SurrogateEngine.TEXT)
