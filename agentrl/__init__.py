@@ -83,7 +83,7 @@ _LAZY = {
     "TorchCritic": "agentrl.trainer.torch_critic",
     "MegatronCritic": "agentrl.trainer.megatron_critic",
     "SGLangLaunch": "agentrl.engines.sglang",
-    "SGLangEngineGroup": "agentrl.runtime.engines",
+    "SGLangEngineGroup": "agentrl.runtime.engine_group",
     "mcp_tools": "agentrl.mcp",
     "MCPServerSpec": "agentrl.mcp",
     "MCPServerError": "agentrl.mcp",

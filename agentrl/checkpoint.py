@@ -83,7 +83,7 @@ def resolve_hf_checkpoint(path: str | os.PathLike | None) -> Path:
     """
     if path is not None:
         p = Path(path).expanduser()
-        from agentrl.runtime.checkpoints import latest_checkpoint
+        from agentrl.runtime.run_folder import latest_checkpoint
 
         found = latest_checkpoint(p) if p.is_dir() else None
         if (

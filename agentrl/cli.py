@@ -24,6 +24,7 @@ from typing import Any
 
 from agentrl.config import RolloutConfig
 from agentrl.flags import ROLLOUT_FIELDS, add_config_flags, add_field_flags, naming_flag, rollout_config_from_args
+from agentrl.rollout.context import command_context, engine_urls, load_tokenizer
 
 log = logging.getLogger("agentrl")
 
@@ -483,17 +484,10 @@ def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, An
     return rows[: args.num_tasks] if getattr(args, "num_tasks", None) else rows
 
 
-def _load_tokenizer(path: Path, chat_template_file: str | None):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    template = Path(chat_template_file).read_text() if chat_template_file else None
-    return tok, template
-
-
 def cmd_rollout(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.registry import load_env, load_function
+    from agentrl.registry import load_env
+    from agentrl.user_code import load_function
 
     cfg = _config_from_args(args)
     if not args.env and not args.custom_generate_function_path and not args.rollout_function_path:
@@ -514,47 +508,20 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     check_rollout_features(cfg, factory, tasks, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
-    tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
+    tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls = _engine_urls(args, ckpt, stack)
+        urls, args.engine_api_key = engine_urls(
+            args.engine_url,
+            ckpt,
+            stack,
+            engine_log=args.engine_log,
+            max_running_requests=args.engine_max_running_requests,
+        )
         summary = asyncio.run(
             _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm)
         )
     print(json.dumps(summary, indent=2))
     return 0
-
-
-def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitStack) -> list[str]:
-    """``--engine-url`` values, or the URL of an embedded engine started for this command.
-
-    Sets ``args.engine_api_key``: ``$AGENTRL_ENGINE_API_KEY`` for given URLs, a fresh key for the
-    engine started here (nothing else on the machine can then drive it).
-    """
-    import secrets
-
-    from agentrl.engines.http import API_KEY_ENV
-
-    urls = list(args.engine_url)
-    if urls:
-        args.engine_api_key = os.environ.get(API_KEY_ENV) or None
-        return urls
-    from agentrl.checkpoint import cache_dir
-    from agentrl.engines.local.process import local_server
-
-    args.engine_api_key = secrets.token_urlsafe(24)
-    engine_log = Path(args.engine_log or cache_dir() / "logs" / f"engine-{os.getpid()}.log")
-    engine_log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"starting the embedded engine for {ckpt} (log: {engine_log}) ...", file=sys.stderr)
-    return [
-        stack.enter_context(
-            local_server(
-                ckpt,
-                log_path=engine_log,
-                extra_args=["--max-running-requests", str(args.engine_max_running_requests)],
-                api_key=args.engine_api_key,
-            )
-        )
-    ]
 
 
 # -- eval -------------------------------------------------------------------------------------------
@@ -563,8 +530,8 @@ def _engine_urls(args: argparse.Namespace, ckpt: Path, stack: contextlib.ExitSta
 def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
     """``--custom-generate-function-path`` (one sample) or ``--rollout-function-path`` (the batch, told whether
     it evaluates, as slime's), loaded and checked; None when neither is given."""
-    from agentrl.registry import load_function
     from agentrl.rollout.generate import BatchGenerate
+    from agentrl.user_code import load_function
 
     if args.custom_generate_function_path and args.rollout_function_path:
         raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
@@ -580,8 +547,9 @@ def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
 def cmd_eval(args: argparse.Namespace) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.data import load_tasks
-    from agentrl.registry import load_env, load_function
+    from agentrl.registry import load_env
     from agentrl.rollout.generate import check_apply_chat_template, check_rollout_features
+    from agentrl.user_code import load_function
 
     cfg = _config_from_args(args)
     if args.n_samples_per_eval_prompt < 1:
@@ -603,9 +571,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_rollout_features(cfg, factory, eval_rows, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
-    tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
+    tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls = _engine_urls(args, ckpt, stack)
+        urls, args.engine_api_key = engine_urls(
+            args.engine_url,
+            ckpt,
+            stack,
+            engine_log=args.engine_log,
+            max_running_requests=args.engine_max_running_requests,
+        )
         results = asyncio.run(
             _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate)
         )
@@ -622,7 +596,7 @@ async def _eval(
 ) -> dict[str, Any]:
     from agentrl.rollout.eval import evaluate
 
-    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
+    ctx, closers = await command_context(args, cfg, urls, tokenizer, template_src)
     try:
         return await evaluate(
             ctx,
@@ -639,34 +613,6 @@ async def _eval(
             await close()
 
 
-async def _context(args, cfg, urls, tokenizer, template_src):
-    """The episode context for ``urls`` (token-exact router, or chat completions with --engine-api chat)."""
-    from agentrl.chat import ChatTemplate
-    from agentrl.engines.http import ChatCompletionsEngine, SGLangEngine, wait_healthy
-    from agentrl.engines.router import Router
-    from agentrl.rollout.episode import EpisodeContext
-    from agentrl.rollout.generate import bind_engine_args
-    from agentrl.sandbox import close_default_pool
-    from agentrl.vlm import vision_for
-
-    vision = vision_for(
-        getattr(tokenizer, "name_or_path", None), strict=False
-    )  # the tokenizer came from the checkpoint
-    template = ChatTemplate(tokenizer, template=template_src, tool_template=cfg.tool_template, vision=vision)
-    engine: Any
-    if args.engine_api == "chat":
-        # the engine this command started wants its own key; a given URL, the user's API key
-        key = os.environ.get(args.api_key_env) if args.engine_url else getattr(args, "engine_api_key", None)
-        engine = Router([ChatCompletionsEngine(u, template, model=args.model, api_key=key) for u in urls])
-    else:
-        engine = Router([SGLangEngine(u, api_key=getattr(args, "engine_api_key", None)) for u in urls])
-        await wait_healthy(engine, timeout=60)
-    roles = {r: SGLangEngine(u) for r, u in cfg.role_engine_urls().items()}
-    ctx = EpisodeContext(engine=engine, template=template, config=cfg, role_engines=dict(roles))
-    bind_engine_args(args, engine, tokenizer, template, urls)
-    return ctx, [engine.close, *(e.close for e in roles.values()), close_default_pool]
-
-
 async def _rollout(
     args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm
 ) -> dict[str, Any]:
@@ -674,7 +620,7 @@ async def _rollout(
 
     from agentrl.rollout.generate import generate_rollout
 
-    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
+    ctx, closers = await command_context(args, cfg, urls, tokenizer, template_src)
     try:
         out_path = Path(args.output)
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1143,3 +1143,13 @@ def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
         f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
         "--train-backend megatron"
     )
+
+
+def argparse_namespace(cfg: RunConfig) -> Any:
+    """A flat ``args`` object for slime-style user functions (``args.n_samples_per_prompt`` ...)."""
+    import argparse
+
+    flat = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rollout", "train")}
+    flat.update(dataclasses.asdict(cfg.rollout))
+    flat.update(dataclasses.asdict(cfg.train))
+    return argparse.Namespace(**flat)

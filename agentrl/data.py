@@ -190,7 +190,7 @@ def task_from_row(
         raise ValueError(f"{where}: no value at --label-key {label_key!r}; {hint}")
     gen = row.get("generate_function_path")
     if gen is not None and gen != "":  # the row's own generate function (slime's); "": a CSV row without one
-        from agentrl.registry import load_function
+        from agentrl.user_code import load_function
 
         if not isinstance(gen, str):
             raise ValueError(f"{where}: 'generate_function_path' must be a module:fn string, not {gen!r}")

@@ -135,7 +135,7 @@ def parse_passthrough_flags(rest: list[str]) -> dict[str, dict[str, Any]]:
         while not inline and i < len(rest) and not (rest[i].startswith("--") and len(rest[i]) > 2):
             values.append(rest[i])
             i += 1
-        parsed = [_literal(v) for v in values]
+        parsed = [parse_literal(v) for v in values]
         value: Any = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
         key = name.replace("-", "_")
         section = "sglang_args" if key.startswith("sglang_") else "megatron_args"
@@ -149,7 +149,8 @@ def parse_passthrough_flags(rest: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _literal(text: str) -> Any:
+def parse_literal(text: str) -> Any:
+    """A flag's text as the value it spells: a bool, an int, a float, else the text."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"

@@ -19,11 +19,13 @@ from __future__ import annotations
 import abc
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from agentrl.types import ParseError, ToolCall
 
 __all__ = [
+    "unique_call_ids",
     "PARSERS",
     "HermesParser",
     "Llama3JsonParser",
@@ -385,3 +387,26 @@ def get_parser(name: str) -> ToolCallParser:
         known = ", ".join(sorted(PARSERS))
         raise ValueError(f"unknown tool-call parser {name!r}; known parsers: {known}")
     return PARSERS[key]()
+
+
+_PARSER_ID = re.compile(r"call_\d+")
+
+
+def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> dict[str, str]:
+    """Make the turn's call ids unique in the episode, in place, record them in ``seen``, and return
+    the renaming (old id -> new id).
+
+    The parser numbers a turn's calls ``call_0, call_1, ...``; those become ``call_{turn}_{n}``.
+    An id the model wrote is kept unless already taken. Any id that would repeat one seen earlier
+    in the episode (a model-written ``call_0_1`` beside the parser's ``call_1`` of turn 0) gets a
+    ``_k`` suffix, so a tool result can never answer the wrong call.
+    """
+    renamed: dict[str, str] = {}
+    for item in items:
+        base = f"call_{turn}_{item.id[5:]}" if _PARSER_ID.fullmatch(item.id) else item.id
+        candidate, k = base, 1
+        while candidate in seen:
+            candidate, k = f"{base}_{k}", k + 1
+        renamed[item.id], item.id = candidate, candidate
+        seen.add(candidate)
+    return renamed

@@ -94,10 +94,10 @@ def _rows(n_groups: int, turns: int, work_ms: float, sleep_s: float = 0.0) -> li
 
 async def _in_process(cfg, tok_dir: Path, urls: list[str], rows: list[dict]) -> float:
     from agentrl.registry import load_env
+    from agentrl.rollout.context import run_context
     from agentrl.rollout.generate import generate_rollout
-    from agentrl.runtime.rollout_workers import episode_context
 
-    ctx, _, _ = episode_context(cfg, tok_dir, urls, None)
+    ctx, _, _ = run_context(cfg, tok_dir, urls, None)
     t = time.perf_counter()
     samples, summary = await generate_rollout(ctx, load_env(cfg.env), rows)
     dt = time.perf_counter() - t

@@ -42,7 +42,7 @@ def main() -> None:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.config import TrainConfig
     from agentrl.runtime.cluster import init_ray
-    from agentrl.runtime.engines import EngineGroup, numpy_to_tensors
+    from agentrl.runtime.engine_group import EngineGroup, numpy_to_tensors
     from agentrl.runtime.trainer_group import TrainerGroup
 
     tmp = Path(tempfile.mkdtemp(prefix="p5-"))

@@ -177,7 +177,7 @@ def _digest(text: str) -> str:
 def test_the_chat_programs_packages_come_from_its_pep_723_header():
     from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 
-    from agentrl.adapters.verifiers_agent import script_packages
+    from agentrl.adapters.verifiers_harness import script_packages
 
     assert script_packages(CHAT_PROGRAM_SOURCE) == ["openai", "mcp", "httpx", "httpx2", "tenacity", "certifi"]
     src = '# /// script\n# dependencies = ["left-pad>=1", "requests[socks]"]\n# ///\nprint(1)\n'
@@ -189,14 +189,14 @@ def test_the_chat_programs_packages_come_from_its_pep_723_header():
 def test_a_missing_package_or_a_changed_verifiers_is_refused_in_one_line(tasksets, monkeypatch):
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
-    from agentrl.adapters import verifiers_agent
+    from agentrl.adapters import verifiers_harness
 
-    real = verifiers_agent._version
-    monkeypatch.setattr(verifiers_agent, "_version", lambda name: None if name == "httpx2" else real(name))
+    real = verifiers_harness._version
+    monkeypatch.setattr(verifiers_harness, "_version", lambda name: None if name == "httpx2" else real(name))
     spec = write_taskset(tasksets, "vf_no_httpx2", OWN_HARNESS + "__all__ = ['S', 'OwnAgent']\n")
     with pytest.raises(ValueError, match=r"^taskset 'vf_no_httpx2': .*needs the packages httpx2 .*pip install httpx2$"):
         agentrl.load_env(spec)
-    monkeypatch.setattr(verifiers_agent, "_version", real)
+    monkeypatch.setattr(verifiers_harness, "_version", real)
     monkeypatch.delattr(SubprocessRuntime, "_interpreters")
     spec = write_taskset(tasksets, "vf_new_verifiers", OWN_HARNESS + "__all__ = ['S', 'OwnAgent']\n")
     with pytest.raises(ValueError, match=r"SubprocessRuntime._interpreters.*supports verifiers==0\.4\.0") as err:

@@ -34,8 +34,8 @@ except ImportError:
 import agentrl
 from agentrl.adapters import adapter_factory
 from agentrl.adapters.openenv_server import build_server
-from agentrl.adapters.verifiers import _load, _openenv_client_missing, settings_key
 from agentrl.adapters.verifiers_agent import VerifiersAgentEnv
+from agentrl.adapters.verifiers_taskset import _openenv_client_missing, load_taskset, settings_key
 from agentrl.chat import ChatTemplate
 from agentrl.check import check_env
 from agentrl.config import RolloutConfig
@@ -159,8 +159,8 @@ async def test_taskset_settings_reach_the_taskset_and_key_its_load(count_taskset
     assert obs[-1]["content"] == "2048 2" and (await env.step(Action(text="2048 2")))[1] == 1.0
     # one load per distinct settings, however they are spelled; other settings, another load
     same = adapter_factory(count_taskset, taskset={"word": "2048", "count": 3})
-    assert same == factory and _load(*_key(same)) is _load(*_key(factory))
-    assert _load(*_key(adapter_factory(count_taskset))) is not _load(*_key(factory))
+    assert same == factory and load_taskset(*_key(same)) is load_taskset(*_key(factory))
+    assert load_taskset(*_key(adapter_factory(count_taskset))) is not load_taskset(*_key(factory))
     assert len(adapter_factory(count_taskset).tasks()) == 1
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import agentrl
 from agentrl.parsing import get_parser
-from agentrl.registry import load_function
+from agentrl.user_code import load_function
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -47,3 +47,123 @@ def test_config_is_a_leaf_and_the_loss_math_stands_alone():
         assert _agentrl_imports(path) <= {"agentrl.algo.spec"}, path
     for path in ("agentrl/algo/spec.py", "agentrl/engines/base.py", "agentrl/sandbox/base.py"):
         assert not {m for m in _agentrl_imports(path) if m.startswith(("agentrl.runtime", "agentrl.config"))}, path
+
+
+# -- the package's import graph (issue 39, item 6) ------------------------------------------------------
+
+
+def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """The package's import graph read from its source with ``ast``: module -> the package's modules it
+    imports (top level, inside functions and under ``TYPE_CHECKING`` alike), and every ``(importer,
+    module, name)`` where one module imports another's ``_private`` name."""
+    import ast
+    from pathlib import Path
+
+    root = Path(root)
+    modules: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    private: list[tuple[str, str, str]] = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [
+                    (f"{base}.{a.name}", None) if f"{base}.{a.name}" in modules else (base, a.name) for a in node.names
+                ]
+            else:
+                continue
+            for target, attr in targets:
+                while target and target not in modules:  # `import a.b.c` binds a; a submodule's parent is run
+                    target = target.rpartition(".")[0]
+                if not target or target == name:
+                    continue
+                graph[name].add(target)
+                if attr and attr.startswith("_") and not attr.startswith("__"):
+                    private.append((name, target, attr))
+    return graph, private
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package_graph():
+    from pathlib import Path
+
+    return import_graph(Path(__file__).resolve().parents[1] / "agentrl")
+
+
+def test_the_package_has_no_import_circle():
+    """Every import counts, a function's own included: a function-local import may defer a heavy
+    dependency, never dodge a circle (then the modules' order is a lie the next change trips on)."""
+    graph, _ = _package_graph()
+    assert len(graph) > 100  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    _, private = _package_graph()
+    assert private == []
+
+
+def test_the_cli_is_the_top_floor():
+    """Library code never reaches up into the command line (only ``python -m agentrl`` runs it)."""
+    graph, _ = _package_graph()
+    assert {m for m, deps in graph.items() if "agentrl.cli" in deps} == {"agentrl.__main__"}
+
+
+def test_the_graph_checks_can_fail(tmp_path):
+    """The checker sees a circle made of a function-local import and a private name across modules."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub.b import _helper\n")
+    (pkg / "sub" / "b.py").write_text("def _helper():\n    from .. import a\n")
+    (pkg / "c.py").write_text("import pkg.a\nfrom . import a\n")
+    graph, private = import_graph(pkg)
+    assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+    assert private == [("pkg.a", "pkg.sub.b", "_helper")]
+    assert graph["pkg.c"] == {"pkg.a"}

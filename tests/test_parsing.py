@@ -382,7 +382,7 @@ def test_call_ids_are_unique_in_a_turn_whatever_ids_the_model_writes(ids, parser
 def test_episode_call_ids_never_repeat_across_turns_or_collide_with_model_ids():
     """The episode renames parser ids ``call_n`` to ``call_{turn}_n``: a model-written ``call_0_1`` in the same
     turn used to collide with the parser's second call (issue 18 item 8)."""
-    from agentrl.rollout.episode import unique_call_ids
+    from agentrl.parsing import unique_call_ids
 
     seen: set[str] = set()
     turn0 = [

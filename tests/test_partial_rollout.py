@@ -17,7 +17,7 @@ from agentrl.config import RolloutConfig
 from agentrl.engines.http import SGLangEngine
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
-from agentrl.runtime.data import staleness
+from agentrl.runtime.buffer import staleness
 from agentrl.types import Status
 from tests.test_episode import TalkEnv, _rescore
 

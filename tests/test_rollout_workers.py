@@ -90,7 +90,7 @@ def test_the_cli_builds_the_worker_flags(monkeypatch):
 
 
 def test_an_engine_on_every_interface_is_reached_at_its_node_address(ray_local):
-    from agentrl.runtime.engines import _reachable_host
+    from agentrl.runtime.engine_group import _reachable_host
 
     assert _reachable_host("127.0.0.1") == "127.0.0.1"
     assert _reachable_host("0.0.0.0") == ray_local.util.get_node_ip_address() != "0.0.0.0"

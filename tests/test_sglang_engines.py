@@ -29,7 +29,7 @@ from agentrl.engines.sglang import (
     paused_for_update,
     server_args_from_flags,
 )
-from agentrl.runtime.engines import SGLangEngineGroup
+from agentrl.runtime.engine_group import SGLangEngineGroup
 
 pytestmark = pytest.mark.e2e  # engine processes, Ray, several processes or a browser: see conftest
 
@@ -385,7 +385,7 @@ async def test_the_runs_embedded_engines_require_a_fresh_key(ray_local, tiny_ckp
     """``EngineGroup.embedded`` (the default rollout backend) gives its servers a per-run key; its clients send it."""
     import httpx
 
-    from agentrl.runtime.engines import EngineGroup
+    from agentrl.runtime.engine_group import EngineGroup
 
     g = EngineGroup.embedded(tiny_ckpt, 1, num_cpus=0.25)
     try:

@@ -387,7 +387,7 @@ def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
         assert m_group["train_tokens"] == m_single["train_tokens"]
         assert m_group["loss"] == pytest.approx(m_single["loss"], abs=1e-5)
         assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
-        from agentrl.runtime.engines import numpy_to_tensors
+        from agentrl.runtime.engine_group import numpy_to_tensors
 
         weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
         expected = dict(single.named_weights())

@@ -246,7 +246,7 @@ def test_ray_routes_shared_memory_then_object_store_fallback(ray_local, monkeypa
             return {"success": True}
 
         def update_weights_from_tensors(self, named, version):
-            from agentrl.runtime.engines import numpy_to_tensors
+            from agentrl.runtime.engine_group import numpy_to_tensors
 
             w = numpy_to_tensors(named)
             self.seen.append(("object_store", version, float(w["w"].sum())))

@@ -31,26 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.adapters.base import ADAPTER_PREFIXES, InvalidAction, seed_prompt
+from agentrl.adapters.gymnasium import GymnasiumEnv, format_observation, json_safe
+from agentrl.adapters.openenv import OpenEnvEnv, OpenEnvError
 from agentrl.env import Env
-from agentrl.registry import ADAPTER_PREFIXES
-
-
-class InvalidAction(ValueError):
-    """The model's reply is not a valid action. The message is shown to the model, which may retry.
-
-    Raise it from a ``parse_action`` / ``action_from_text`` function; any other exception from
-    those functions is a bug in them and fails the sample.
-    """
-
-
-def seed_prompt(kind: str, target: str, seed: int | None) -> str:
-    """The placeholder prompt of seed task ``seed`` (the env's reset writes the real first message)."""
-    return f"{kind}:{target} seed {seed}"
-
-
-# Imported after InvalidAction, which both modules use.
-from agentrl.adapters.gymnasium import GymnasiumEnv, format_observation, json_safe  # noqa: E402
-from agentrl.adapters.openenv import OpenEnvEnv, OpenEnvError  # noqa: E402
 
 PREFIXES = ADAPTER_PREFIXES
 """The ``load_env`` spec prefixes handled here."""
@@ -91,7 +75,7 @@ class AdapterFactory:
     def tasks(self) -> list[dict[str, Any]]:
         """Seed tasks ``{"prompt", "label", "seed"}``; the prompt only names the game (reset writes the real one)."""
         if self.kind == "verifiers":
-            from agentrl.adapters.verifiers import verifiers_tasks
+            from agentrl.adapters.verifiers_taskset import verifiers_tasks
 
             return verifiers_tasks(self.target, **self.kwargs)
         return [
@@ -126,7 +110,7 @@ def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
 
         resolve_gem_id(target)
     else:
-        from agentrl.adapters.verifiers import resolve_verifiers_env, taskset_settings
+        from agentrl.adapters.verifiers_taskset import resolve_verifiers_env, taskset_settings
 
         target, _, query = target.partition("?")  # verifiers:ID?FIELD=VALUE&...: the taskset's settings
         settings = taskset_settings(target, query, kwargs.pop("taskset", None))

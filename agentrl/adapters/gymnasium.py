@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.adapters import InvalidAction
+from agentrl.adapters.base import InvalidAction
 from agentrl.env import Env, StepResult
 from agentrl.types import Action, Message
 
@@ -60,7 +60,7 @@ def resolve_gym_id(env_id: str) -> Any:
     gym = _gymnasium()
     module, sep, name = env_id.rpartition(":")
     if sep:
-        from agentrl.registry import import_user_module
+        from agentrl.user_code import import_user_module
 
         import_user_module(module, hint=f"it should register {name!r} with gymnasium.register")
     try:

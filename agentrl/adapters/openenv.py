@@ -55,7 +55,7 @@ from typing import Any
 
 import aiohttp
 
-from agentrl.adapters import InvalidAction, seed_prompt
+from agentrl.adapters.base import InvalidAction, seed_prompt
 from agentrl.adapters.openenv_actions import (
     ServedEnv,
     ServedTool,
@@ -335,7 +335,7 @@ class OpenEnvEnv(Env):
             return f"Error: {validation_summary(reply['data'])}", True, 0.0, False, {}
         result = self._observation(reply, "step")
         if self.served is not None:  # a served env counts a call_tool step as a turn and numbers its call
-            from agentrl.rollout.episode import unique_call_ids
+            from agentrl.parsing import unique_call_ids
 
             unique_call_ids([ToolCall(name, arguments, "call_0")], self._turns, self._seen)
             self._turns += 1
@@ -388,8 +388,6 @@ class OpenEnvEnv(Env):
         """The first message when the env's observation is empty: the task's own prompt (a list of chat
         messages, verl's layout, is used as the first messages instead: :func:`_chat_prompt`), or the
         env's description (``/metadata``) and how to act."""
-        from agentrl.adapters import seed_prompt
-
         prompt = task.get("prompt")
         if isinstance(prompt, str) and prompt.strip() and prompt != seed_prompt("openenv", self.base_url, seed):
             return prompt

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.adapters import InvalidAction
+from agentrl.adapters.base import InvalidAction
 from agentrl.env import StepResult
 from agentrl.tool import Tool, ToolResult
 from agentrl.types import Action, Message, ParseError, ToolCall
@@ -399,8 +399,7 @@ def served_step(action: Action, parser_name: str, turn: int, seen: set[str]) -> 
     raises ValueError saying which ``--tool-parser`` to use. ``seen`` mirrors the server's ids of the
     episode (the rollout loop's :func:`~agentrl.rollout.episode.unique_call_ids`), ``turn`` its turn count.
     """
-    from agentrl.parsing import OpenAIToolCallsParser, get_parser
-    from agentrl.rollout.episode import unique_call_ids
+    from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
 
     _, calls, errors = get_parser(parser_name).parse(action.text)
     theirs = [(c.name, c.arguments) for c in calls], len(errors)

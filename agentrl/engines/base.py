@@ -22,6 +22,14 @@ class EngineError(RuntimeError):
     """
 
 
+class EngineRequestError(EngineError):
+    """The engine answered but refused the request (HTTP 4xx); retrying would not help."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status, where there was one
+
+
 @dataclass
 class SamplingParams:
     """SGLang's ``sampling_params`` subset the SDK uses (same names, same meaning).
@@ -199,8 +207,6 @@ class Engine(abc.ABC):
         """
         if image_data:
             if not self.accepts_images:
-                from agentrl.engines.http import EngineRequestError
-
                 raise EngineRequestError(f"{type(self).__name__} does not take images (image_data)")
             return await self.generate(input_ids, sampling_params, key=key, image_data=list(image_data))  # type: ignore[call-arg]
         return await self.generate(input_ids, sampling_params, key=key)

@@ -25,21 +25,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import httpx
 
-from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
+from agentrl.engines.base import Engine, EngineError, EngineRequestError, GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
     from agentrl.chat import ChatTemplate
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 """SGLang's ``/pause_generation`` modes."""
-
-
-class EngineRequestError(EngineError):
-    """The engine answered but refused the request (HTTP 4xx); retrying would not help."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status  # the HTTP status, where there was one
 
 
 def _limits() -> httpx.Limits:

@@ -13,8 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from agentrl.engines.base import Engine, EngineError, GenerateOutput, SamplingParams
-from agentrl.engines.http import EngineRequestError
+from agentrl.engines.base import Engine, EngineError, EngineRequestError, GenerateOutput, SamplingParams
 
 
 async def fan_out(calls: Iterable[Awaitable[Any]]) -> list[Any]:

@@ -3,7 +3,7 @@
 An :class:`SGLangServer` actor per engine runs the server process (``python -m
 sglang.launch_server`` on GPU nodes, or ``python -m agentrl serve``, the embedded engine with the
 same HTTP API, so this code path is tested on a laptop) and restarts it on the same port when it
-dies. :class:`agentrl.runtime.engines.SGLangEngineGroup` places the actors, hands the train loop
+dies. :class:`agentrl.runtime.engine_group.SGLangEngineGroup` places the actors, hands the train loop
 their ``urls`` and restarts dead engines from a monitor thread. :func:`paused_for_update` is slime's protocol around
 a weight push: pause (running requests return finish reason ``abort``), flush, update, continue.
 

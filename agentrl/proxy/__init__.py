@@ -38,8 +38,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentrl.proxy.env import AgentError, ProxyEnv, run_command
     from agentrl.proxy.external import ExternalSession
+    from agentrl.proxy.proxy_env import AgentError, ProxyEnv, run_command
     from agentrl.proxy.requests import ChatRequest, Refusal, validation_message
     from agentrl.proxy.server import SESSION_HEADER, ProxyServer, Session, SessionsFull
 
@@ -58,9 +58,9 @@ __all__ = [
 ]
 
 _WHERE = {
-    "AgentError": "env",
-    "ProxyEnv": "env",
-    "run_command": "env",
+    "AgentError": "proxy_env",
+    "ProxyEnv": "proxy_env",
+    "run_command": "proxy_env",
     "ExternalSession": "external",
     "ChatRequest": "requests",
     "Refusal": "requests",

@@ -95,9 +95,9 @@ def add_proxy_parser(sub: Any) -> None:
 def cmd_proxy(args: Any) -> int:
     """Serve the proxy until SIGINT/SIGTERM; every ended session's samples go to ``--output``."""
     from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.cli import _engine_urls, _load_tokenizer
     from agentrl.config import RolloutConfig
     from agentrl.proxy.external import check_config, serve
+    from agentrl.rollout.context import engine_urls, load_tokenizer
 
     if args.idle_timeout <= 0:
         raise ValueError("--idle-timeout must be > 0")
@@ -112,8 +112,14 @@ def cmd_proxy(args: Any) -> int:
     cfg.validate()
     hook = check_config(cfg)  # before any engine starts: a bad flag is one error, not every session failed
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
-    tokenizer, template_src = _load_tokenizer(ckpt, args.chat_template)
+    tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls = _engine_urls(args, ckpt, stack)
+        urls, args.engine_api_key = engine_urls(
+            args.engine_url,
+            ckpt,
+            stack,
+            engine_log=args.engine_log,
+            max_running_requests=args.engine_max_running_requests,
+        )
         asyncio.run(serve(args, cfg, urls, tokenizer, template_src, hook))
     return 0

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from agentrl.proxy.env import REWARD_SECONDS, ProxyEnv
+from agentrl.proxy.proxy_env import REWARD_SECONDS, ProxyEnv
 from agentrl.proxy.server import Call, ProxyServer, Session
 from agentrl.types import Action, Message
 
@@ -137,9 +137,9 @@ async def serve(
     """Serve ``--host``/``--port`` until SIGINT/SIGTERM; then end the open sessions (``truncated``),
     wait for their episodes and append everything to ``--output``. ``hook``: the loaded
     ``--history-rewrite-path`` (:func:`check_config`)."""
-    from agentrl.cli import _context
+    from agentrl.rollout.context import command_context
 
-    ctx, closers = await _context(args, cfg, urls, tokenizer, template_src)
+    ctx, closers = await command_context(args, cfg, urls, tokenizer, template_src)
     ctx.history_rewrite = hook
     out = open(args.output, "a", encoding="utf-8")  # noqa: SIM115 - closed below, after the last episode
     recorder = Recorder(

@@ -12,7 +12,7 @@ about any token.
 
 A request is validated (:func:`~agentrl.proxy.requests.parse_request`: a large body in a worker thread,
 off the event loop), queued on its session as a :class:`Call`, and held open until the episode
-(:class:`~agentrl.proxy.env.ProxyEnv`) answers it with the turn it generated. Sessions take one request
+(:class:`~agentrl.proxy.proxy_env.ProxyEnv`) answers it with the turn it generated. Sessions take one request
 at a time, and an ended session refuses every later one (409), so an agent can never talk past the end
 of its episode or into another agent's.
 

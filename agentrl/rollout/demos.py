@@ -33,7 +33,7 @@ from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.images import ImageError, count_images, normalize
 from agentrl.metrics import scalar_reward
 from agentrl.rollout.demo_checks import DemoError, check_conversation, check_row
-from agentrl.rollout.vision import Pictures
+from agentrl.rollout.pictures import Pictures
 from agentrl.types import Message, Sample, Status
 
 __all__ = [

@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import inspect
 import itertools
-import re
 import time
 import traceback
 import uuid
@@ -39,33 +38,12 @@ from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
 from agentrl.env import Env, EnvContractError, call_env, check_messages, check_reset, check_step
 from agentrl.images import ImageError
-from agentrl.parsing import OpenAIToolCallsParser, get_parser
-from agentrl.rollout.vision import Pictures, observe, sampled_placeholder
+from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
+from agentrl.rollout.pictures import Pictures, observe, sampled_placeholder
 from agentrl.types import Action, Message, Sample, Status
 
-_PARSER_ID = re.compile(r"call_\d+")
 _BIG_OBSERVATION = 32_768
 """Observation text (characters) above which it is tokenized in a worker thread, off the event loop."""
-
-
-def unique_call_ids(items: Sequence[Any], turn: int, seen: set[str]) -> dict[str, str]:
-    """Make the turn's call ids unique in the episode, in place, record them in ``seen``, and return
-    the renaming (old id -> new id).
-
-    The parser numbers a turn's calls ``call_0, call_1, ...``; those become ``call_{turn}_{n}``.
-    An id the model wrote is kept unless already taken. Any id that would repeat one seen earlier
-    in the episode (a model-written ``call_0_1`` beside the parser's ``call_1`` of turn 0) gets a
-    ``_k`` suffix, so a tool result can never answer the wrong call.
-    """
-    renamed: dict[str, str] = {}
-    for item in items:
-        base = f"call_{turn}_{item.id[5:]}" if _PARSER_ID.fullmatch(item.id) else item.id
-        candidate, k = base, 1
-        while candidate in seen:
-            candidate, k = f"{base}_{k}", k + 1
-        renamed[item.id], item.id = candidate, candidate
-        seen.add(candidate)
-    return renamed
 
 
 _RUN_KEY = uuid.uuid4().hex[:12]
@@ -104,7 +82,7 @@ def history_hook(path: str | None) -> Callable[..., Any] | None:
     function that cannot take ``(messages, task)``, is a ValueError naming the flag."""
     if path is None:
         return None
-    from agentrl.registry import load_function
+    from agentrl.user_code import load_function
 
     try:
         fn = load_function(path)
@@ -615,7 +593,7 @@ def _next_segment(prev: Sample, convo: list[Message]) -> Sample:
 
 
 async def _observe(obs: list[Message]) -> tuple[list[Message], list[Any]]:
-    """:func:`~agentrl.rollout.vision.observe`; an image that cannot be used fails the sample."""
+    """:func:`~agentrl.rollout.pictures.observe`; an image that cannot be used fails the sample."""
     try:
         return await observe(obs)
     except ImageError as exc:

@@ -28,11 +28,11 @@ from typing import Any
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine
 from agentrl.env import Env, call_env
-from agentrl.registry import load_function
 from agentrl.rollout.episode import EpisodeContext, history_hook, run_episode
 from agentrl.rollout.reward import RewardFn, apply_custom_reward, share_outcome
 from agentrl.rollout.threads import SyncPool
 from agentrl.types import Sample, Status
+from agentrl.user_code import load_function
 
 log = logging.getLogger(__name__)
 

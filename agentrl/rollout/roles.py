@@ -42,7 +42,7 @@ from agentrl.engines.base import Engine, EngineError
 from agentrl.env import Env, EnvContractError, call_env, check_messages
 from agentrl.images import count_images
 from agentrl.parsing import get_parser
-from agentrl.rollout.vision import sampled_placeholder
+from agentrl.rollout.pictures import sampled_placeholder
 from agentrl.types import Action, Message, Sample, Status
 
 

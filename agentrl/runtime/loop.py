@@ -42,8 +42,8 @@ from agentrl.config import RunConfig
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
 from agentrl.rollout.reward import apply_group_reward, apply_overlong_penalty, cut_by_length, share_outcome
-from agentrl.runtime import checkpoints
-from agentrl.runtime.data import BufferedSource, Group, staleness
+from agentrl.runtime import run_folder
+from agentrl.runtime.buffer import BufferedSource, Group, staleness
 from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample, Status
 
@@ -118,7 +118,7 @@ class TrainLoop:
     ``trainers`` is a :class:`~agentrl.runtime.trainer_group.TrainerGroup` (or anything with its
     methods), ``critic`` (ppo only) a second one with ``role="critic"``, ``sync_weights(version)`` pushes the trainer's weights to the engines, ``metrics`` a
     :class:`~agentrl.metrics.MetricsLogger`, ``source`` a data source (optionally a
-    :class:`~agentrl.runtime.data.BufferedSource`).
+    :class:`~agentrl.runtime.buffer.BufferedSource`).
     """
 
     def __init__(
@@ -546,7 +546,7 @@ class TrainLoop:
     def save(self, steps_done: int) -> Path:
         """Write ``iter_<steps_done>`` (model, optimizer, RNG, data cursor) atomically."""
         assert self.run_dir is not None
-        tmp = checkpoints.begin(self.run_dir, steps_done)
+        tmp = run_folder.begin(self.run_dir, steps_done)
         state = {
             "step": steps_done,
             "weight_version": self.version,
@@ -555,19 +555,19 @@ class TrainLoop:
         }
         self.trainers.save(str(tmp), extra_state={"loop": state})
         if self.critic is not None:
-            self.critic.save(str(tmp / checkpoints.CRITIC_DIR), extra_state={"loop": state})
-        return checkpoints.commit(self.run_dir, steps_done, tmp, state)
+            self.critic.save(str(tmp / run_folder.CRITIC_DIR), extra_state={"loop": state})
+        return run_folder.commit(self.run_dir, steps_done, tmp, state)
 
     def resume(self, load: str | Path) -> bool:
         """Restore from the newest checkpoint under ``load``; False if there is none yet."""
-        path = checkpoints.latest_checkpoint(load)
+        path = run_folder.latest_checkpoint(load)
         if path is None:
             return False
-        state = checkpoints.read_loop_state(path)
-        critic_dir = path / checkpoints.CRITIC_DIR
+        state = run_folder.read_loop_state(path)
+        critic_dir = path / run_folder.CRITIC_DIR
         if self.critic is not None and not critic_dir.is_dir():
             raise ValueError(
-                f"--load: {path} holds no critic ({checkpoints.CRITIC_DIR}/): it was not a ppo run. Resuming it "
+                f"--load: {path} holds no critic ({run_folder.CRITIC_DIR}/): it was not a ppo run. Resuming it "
                 "with --advantage-estimator ppo would start a critic from scratch; start a new run from its "
                 "weights with --hf-checkpoint instead"
             )

@@ -39,46 +39,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig
+from agentrl.config import RunConfig, argparse_namespace
+from agentrl.rollout.context import follow_urls, run_context
 from agentrl.types import Sample
 
 log = logging.getLogger(__name__)
 
 MAX_GROUP_ATTEMPTS = 3
 """A group whose worker died this many times in a row fails the step (something in it kills workers)."""
-
-
-def episode_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str], api_key: str | None) -> Any:
-    """What every episode of this process shares: a router over ``urls``, the chat template, a thread pool.
-
-    Returns ``(ctx, tokenizer, template)``. The driver builds one for in-process rollouts and evals;
-    each rollout worker builds its own.
-    """
-    from transformers import AutoTokenizer
-
-    from agentrl.chat import ChatTemplate
-    from agentrl.engines.http import SGLangEngine
-    from agentrl.engines.router import Router
-    from agentrl.rollout.episode import EpisodeContext
-    from agentrl.rollout.threads import SyncPool
-    from agentrl.vlm import vision_for
-
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    template = ChatTemplate(
-        tokenizer, tool_template=cfg.rollout.tool_template, vision=vision_for(checkpoint, strict=False)
-    )
-    routed = cfg.rollout_return_routed_experts
-    engine = Router([SGLangEngine(u, api_key=api_key, return_routed_experts=routed) for u in urls])
-    # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
-    pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
-    ctx = EpisodeContext(
-        engine=engine,
-        template=template,
-        config=cfg.rollout,
-        executor=pool,
-        role_engines={r: SGLangEngine(u) for r, u in cfg.rollout.role_engine_urls().items()},
-    )
-    return ctx, tokenizer, template
 
 
 BOUND_ARGS = (
@@ -156,9 +124,9 @@ class RolloutWorker:
         args: Any = None,
     ):
         from agentrl import sandbox
-        from agentrl.registry import load_env, load_function
+        from agentrl.registry import load_env
         from agentrl.rollout.generate import bind_engine_args
-        from agentrl.runtime.train import argparse_namespace
+        from agentrl.user_code import load_function
 
         for entry in driver_path or []:  # modules the driver could import (a test's or a script's own folder)
             if entry not in sys.path:
@@ -175,7 +143,7 @@ class RolloutWorker:
         custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
         # a group reward model (--group-rm) scores whole groups on the driver, as in-process
         self.custom_reward = None if cfg.group_rm else custom_rm
-        self.ctx, tokenizer, template = episode_context(cfg, checkpoint, urls, api_key)
+        self.ctx, tokenizer, template = run_context(cfg, checkpoint, urls, api_key)
         self.args = args if args is not None else argparse_namespace(cfg)  # the driver's, as in-process
         bind_engine_args(self.args, self.ctx.engine, tokenizer, template, list(urls))
 
@@ -209,9 +177,7 @@ class RolloutWorker:
 
     async def follow_urls(self, urls: list[str]) -> None:
         """Point this worker's router at engines that came back on other addresses (as the driver's)."""
-        from agentrl.runtime.train import _follow_urls
-
-        _follow_urls(self.ctx.engine, urls, self.api_key)
+        follow_urls(self.ctx.engine, urls, self.api_key)
 
     async def run_group(self, row: dict[str, Any], group: int, seed: int) -> list[Sample]:
         """The ``n_samples_per_prompt`` episodes of ``row``, as group ``group`` of a rollout seeded ``seed``."""

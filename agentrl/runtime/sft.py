@@ -4,7 +4,7 @@
 demonstrations (:mod:`agentrl.rollout.demos`) with the trainer backends, Ray actors, ``iter_*``
 checkpoints, ``metrics.jsonl`` and eval that ``agentrl train`` uses; only the data and the loss
 differ. One step is one optimizer step on ``--global-batch-size`` demonstrations drawn in a seeded,
-epoch-shuffled order (:class:`~agentrl.runtime.data.PromptSource`, whose cursor is checkpointed);
+epoch-shuffled order (:class:`~agentrl.runtime.buffer.PromptSource`, whose cursor is checkpointed);
 ``--num-epoch`` passes over the demonstrations (default 1), or ``--num-rollout`` steps.
 
 Demonstrations are loaded and checked before Ray starts (:func:`load_demonstrations`): a bad row
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig
-from agentrl.runtime import checkpoints
-from agentrl.runtime.data import PromptSource
+from agentrl.runtime import run_folder
+from agentrl.runtime.buffer import PromptSource
 from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample
 
@@ -74,7 +74,7 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
             demo_rows, template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
         )
     elif cfg.demo_policy:
-        from agentrl.registry import load_function
+        from agentrl.user_code import load_function
 
         policy = load_function(cfg.demo_policy)
         samples, stats = asyncio.run(_scripted(factory, policy, rows, template, cfg))
@@ -169,19 +169,18 @@ async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], templ
 
 
 async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], template: Any) -> Any:
-    from agentrl.engines.http import API_KEY_ENV, SGLangEngine
-    from agentrl.engines.router import Router
+    from agentrl.engines.http import API_KEY_ENV
+    from agentrl.rollout.context import close_context, episode_context
     from agentrl.rollout.demos import rejection_samples
-    from agentrl.rollout.episode import EpisodeContext
     from agentrl.sandbox import close_default_pool
 
-    engine = Router([SGLangEngine(u, api_key=os.environ.get(API_KEY_ENV) or None) for u in cfg.demo_engine_url])
-    ctx = EpisodeContext(engine=engine, template=template, config=cfg.rollout)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    ctx = episode_context(cfg.rollout, cfg.demo_engine_url, template, api_key=api_key)
     try:
         assert cfg.demo_min_reward is not None  # validated
         return await rejection_samples(ctx, factory, rows, min_reward=cfg.demo_min_reward, best_of_n=cfg.demo_best_of_n)
     finally:
-        await engine.close()
+        await close_context(ctx)
         await close_default_pool()
 
 
@@ -271,7 +270,7 @@ class SFTLoop:
     def save(self, steps_done: int) -> Path:
         """``iter_<steps_done>``: the HF model, optimizer and RNG state, the demonstration cursor."""
         assert self.run_dir is not None
-        tmp = checkpoints.begin(self.run_dir, steps_done)
+        tmp = run_folder.begin(self.run_dir, steps_done)
         state = {
             "step": steps_done,
             "weight_version": self.version,
@@ -280,11 +279,11 @@ class SFTLoop:
             "python_random": repr(random.getstate()),
         }
         self.trainers.save(str(tmp), extra_state={"loop": state})
-        return checkpoints.commit(self.run_dir, steps_done, tmp, state)
+        return run_folder.commit(self.run_dir, steps_done, tmp, state)
 
     def resume(self, path: Path) -> None:
         """Continue from a checkpoint written by :meth:`save`."""
-        state = checkpoints.read_loop_state(path)
+        state = run_folder.read_loop_state(path)
         self.trainers.load(str(path))
         if state.get("data") is not None:
             self.source.load_state_dict(state["data"])

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig
+from agentrl.config import RunConfig, argparse_namespace
 from agentrl.flags import naming_flag
+from agentrl.rollout.context import follow_urls, run_context
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,8 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
-    from agentrl.registry import load_function
-    from agentrl.runtime.data import BufferedSource, DataSource, PromptSource
+    from agentrl.runtime.buffer import BufferedSource, DataSource, PromptSource
+    from agentrl.user_code import load_function
 
     if cfg.data_source_path:
         source = load_function(cfg.data_source_path)(args)
@@ -55,10 +56,11 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     from agentrl import sandbox
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.data import load_tasks, task_rows
-    from agentrl.registry import load_env, load_function
-    from agentrl.runtime import checkpoints
+    from agentrl.registry import load_env
+    from agentrl.runtime import run_folder
     from agentrl.runtime.backends import check_run
-    from agentrl.runtime.data import check_reward_nonzero_std
+    from agentrl.runtime.buffer import check_reward_nonzero_std
+    from agentrl.user_code import load_function
 
     check_run(cfg)
     # RL: the trainer's log-probs match the engine's sampling distribution; SFT fits the model itself
@@ -139,7 +141,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         check_worker_args(args)
     source = _data_source(cfg, rows, args) if not cfg.is_sft else None
     resume_from = _resume_point(cfg)
-    resume_step = checkpoints.read_loop_state(resume_from)["step"] if resume_from else None
+    resume_step = run_folder.read_loop_state(resume_from)["step"] if resume_from else None
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     cfg.hf_checkpoint = str(ckpt)
     _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
@@ -149,7 +151,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             critic_ckpt = resolve_hf_checkpoint(cfg.critic_hf_checkpoint)
             _refuse_critic_checkpoint("--critic-hf-checkpoint", critic_ckpt, "an HF causal LM to start a critic from")
             _check_critic_vocab(ckpt, critic_ckpt)
-            if (critic_ckpt / checkpoints.CRITIC_DIR).is_dir():
+            if (critic_ckpt / run_folder.CRITIC_DIR).is_dir():
                 raise ValueError(
                     f"{critic_ckpt} is a ppo run's checkpoint: its actor would start the new critic, not its critic. "
                     "Resume that run (actor and critic) with --load; a saved critic cannot start another run's"
@@ -256,22 +258,22 @@ def _check_critic_vocab(policy: Path, critic: Path) -> None:
 def _resume_point(cfg: RunConfig) -> Path | None:
     """The checkpoint ``--load`` resumes from. A folder that holds a run but no complete checkpoint is
     refused (resuming must never silently start over); a missing or empty folder starts fresh, and says so."""
-    from agentrl.runtime import checkpoints
+    from agentrl.runtime import run_folder
 
     if not cfg.load:
         return None
     if Path(cfg.load).exists() and not Path(cfg.load).is_dir():
         raise ValueError(f"--load {cfg.load} is a file; pass the run folder (the --save folder of the run to resume)")
-    found = checkpoints.latest_checkpoint(cfg.load)
+    found = run_folder.latest_checkpoint(cfg.load)
     if found is not None:
-        if checkpoints.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
+        if run_folder.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
             raise ValueError(
                 f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
                 "; to start from its weights pass it as --hf-checkpoint instead"
             )
-        if cfg.train.advantage_estimator == "ppo" and not (found / checkpoints.CRITIC_DIR).is_dir():
+        if cfg.train.advantage_estimator == "ppo" and not (found / run_folder.CRITIC_DIR).is_dir():
             raise ValueError(
-                f"--load {cfg.load}: {found} holds no critic ({checkpoints.CRITIC_DIR}/): it was not a ppo run. "
+                f"--load {cfg.load}: {found} holds no critic ({run_folder.CRITIC_DIR}/): it was not a ppo run. "
                 "Resuming it with --advantage-estimator ppo would start a critic from scratch; start a new run "
                 "from its weights with --hf-checkpoint instead"
             )
@@ -298,16 +300,6 @@ async def _run(loop: Any) -> list[dict[str, Any]]:
         await close_default_pool()
 
 
-def argparse_namespace(cfg: RunConfig) -> Any:
-    """A flat ``args`` object for slime-style user functions (``args.n_samples_per_prompt`` ...)."""
-    import argparse
-
-    flat = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rollout", "train")}
-    flat.update(dataclasses.asdict(cfg.rollout))
-    flat.update(dataclasses.asdict(cfg.train))
-    return argparse.Namespace(**flat)
-
-
 class _Runtime:
     """Ray, engines and trainer actors for one run; torn down on exit, whatever happened."""
 
@@ -325,7 +317,7 @@ class _Runtime:
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
-        from agentrl.runtime.engines import EngineGroup
+        from agentrl.runtime.engine_group import EngineGroup
         from agentrl.runtime.trainer_group import TrainerGroup
 
         try:
@@ -467,10 +459,9 @@ class _Runtime:
         """The episodes' context (router over the run's engines, chat template) and the metrics logger."""
         from agentrl.metrics import MetricsLogger
         from agentrl.rollout.generate import bind_engine_args
-        from agentrl.runtime.rollout_workers import episode_context
 
         cfg = self.cfg
-        ctx, tokenizer, template = episode_context(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
+        ctx, tokenizer, template = run_context(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
         engine = ctx.engine
         if cfg.rollout_return_routed_experts:
             _check_routed_experts(engine)
@@ -589,7 +580,7 @@ class _Runtime:
         group and may have a new URL: the router and the trainer's transport follow.
         """
         from agentrl.engines.sglang import paused_for_update
-        from agentrl.runtime.engines import SGLangEngineGroup
+        from agentrl.runtime.engine_group import SGLangEngineGroup
 
         group = self.engines
         if not isinstance(group, SGLangEngineGroup):
@@ -604,7 +595,7 @@ class _Runtime:
             async with paused_for_update(router, mode=mode, group=group):
                 if group.restarts != seen["restarts"]:
                     seen["restarts"] = list(group.restarts)
-                    _follow_urls(router, group.urls, group.api_key)
+                    follow_urls(router, group.urls, group.api_key)
                     if self.rollout_workers is not None:  # their routers too
                         await asyncio.to_thread(self.rollout_workers.follow_urls, group.urls)
                     await asyncio.to_thread(self.trainers.reset_weight_transport)
@@ -649,20 +640,9 @@ def push_folder(route: str, engines: Any, sync_dir: str) -> str | None:
     return str(ipc.path) if ipc is not None else None
 
 
-def _follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
-    """Point the router at engines that came back on another address (a lost actor rescheduled)."""
-    from agentrl.engines.http import SGLangEngine
-
-    for i, url in enumerate(urls):
-        old = router.engines[i] if i < len(router.engines) else None
-        if old is not None and getattr(old, "url", url) != url:
-            router.engines[i] = SGLangEngine(url, api_key=api_key, return_routed_experts=old.return_routed_experts)
-            asyncio.get_running_loop().create_task(old.close())
-
-
 def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
     """``--rollout-backend sglang``: one server per engine bundle, as Ray actors, health-monitored."""
-    from agentrl.runtime.engines import SGLangEngineGroup
+    from agentrl.runtime.engine_group import SGLangEngineGroup
 
     log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
     from agentrl.runtime.backends import sglang_launch

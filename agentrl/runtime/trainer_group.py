@@ -151,7 +151,7 @@ class TrainerActor:
         numpy, not torch tensors: Ray stores numpy arrays in shared memory with one copy and hands
         readers zero-copy views, so an engine on the same node loads them with one more copy.
         """
-        from agentrl.runtime.engines import tensors_to_numpy
+        from agentrl.runtime.engine_group import tensors_to_numpy
 
         if self.trainer.rank != 0:
             _drain(self.trainer.named_weights())  # take part in the gathers, keep nothing
@@ -351,7 +351,7 @@ class TrainerGroup:
     def named_weights_ref(self) -> ray.ObjectRef:
         """An ObjectRef to rank 0's ``{name: full weights as numpy}`` (HF names, tied weights once).
 
-        :func:`agentrl.runtime.engines.numpy_to_tensors` turns it back into tensors without a copy.
+        :func:`agentrl.runtime.engine_group.numpy_to_tensors` turns it back into tensors without a copy.
         """
         refs = [a.full_weights.remote() for a in self.actors]
         ray.get(refs[1:])  # the other ranks return None; this surfaces their errors

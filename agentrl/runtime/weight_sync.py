@@ -48,14 +48,14 @@ import torch.distributed as dist
 
 from agentrl.engines.base import EngineError
 from agentrl.engines.http import EngineRequestError, SGLangEngine
-from agentrl.engines.local.distributed import (
+from agentrl.engines.local.process import free_port
+from agentrl.engines.weight_group import (
     DEFAULT_GROUP_NAME,
     comm_device,
     init_custom_process_group,
     resolve_backend,
     run_in_thread,
 )
-from agentrl.engines.local.process import free_port
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class ObjectStoreTransport(WeightTransport):
     """Embedded engines (``EngineServer`` Ray actors) anywhere in the cluster: one ``ray.put`` of the weights.
 
     numpy, not torch tensors: Ray stores numpy arrays in shared memory with one copy and hands
-    readers on the same node zero-copy views (:func:`agentrl.runtime.engines.tensors_to_numpy`).
+    readers on the same node zero-copy views (:func:`agentrl.runtime.engine_group.tensors_to_numpy`).
     """
 
     route = "object_store"
@@ -306,7 +306,7 @@ class ObjectStoreTransport(WeightTransport):
     async def push_list(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
         import ray
 
-        from agentrl.runtime.engines import tensors_to_numpy
+        from agentrl.runtime.engine_group import tensors_to_numpy
 
         ref = ray.put(tensors_to_numpy(dict(named)))
         answers = await asyncio.gather(*(e.update_weights_from_tensors.remote(ref, str(version)) for e in self.engines))

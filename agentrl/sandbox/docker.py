@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import functools
 import importlib.util
 import logging
 import os
@@ -64,7 +63,7 @@ from agentrl.sandbox.docker_exec import (
     scratch_tar,
     settle,
 )
-from agentrl.sandbox.image import SANDBOX_UID, ensure_image
+from agentrl.sandbox.image import SANDBOX_UID, docker_client, ensure_image
 
 __all__ = ["DockerSandbox", "DockerSession", "docker_client", "reap", "run_id", "unavailable_reason"]
 
@@ -76,14 +75,6 @@ BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.
 Ender = Callable[[ExecStream], Awaitable[object]]  # stops what a started exec runs
 
 # -- engine connection ---------------------------------------------------------------------------
-
-
-@functools.cache
-def docker_client() -> Any:
-    """The process's ``docker.DockerClient`` (``DOCKER_HOST`` honoured, so Podman's socket works too)."""
-    import docker
-
-    return docker.from_env(max_pool_size=64, timeout=120)
 
 
 _reason: list[tuple[float, str | None]] = []

@@ -23,6 +23,7 @@ add packages is to build on this one, which needs no registry either::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -34,10 +35,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxError
 
-__all__ = ["DEFAULT_IMAGE", "SANDBOX_UID", "build_image", "ensure_image", "rootfs_paths", "write_rootfs"]
+__all__ = [
+    "DEFAULT_IMAGE",
+    "SANDBOX_UID",
+    "build_image",
+    "docker_client",
+    "ensure_image",
+    "rootfs_paths",
+    "write_rootfs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +83,15 @@ another list of packages is rebuilt on first use instead of being used as if it 
 _build_lock = threading.Lock()  # a pool's first sandboxes are created in parallel threads: build once
 
 
-def _client():
-    from agentrl.sandbox.docker import docker_client
+@functools.cache
+def docker_client() -> Any:
+    """The process's ``docker.DockerClient`` (``DOCKER_HOST`` honoured, so Podman's socket works too)."""
+    import docker
 
+    return docker.from_env(max_pool_size=64, timeout=120)
+
+
+def _client() -> Any:
     return docker_client()
 
 

@@ -126,7 +126,7 @@ def load_custom_loss(cfg: Any) -> Callable[..., Any] | None:
     loads it itself: functions do not travel to Ray actors by value); else None."""
     if getattr(cfg, "loss_type", None) != "custom_loss":
         return None
-    from agentrl.registry import load_function
+    from agentrl.user_code import load_function
 
     return load_function(cfg.custom_loss_function_path)
 

@@ -189,14 +189,14 @@ def check_model_flags(hf_config: Any, flags: dict[str, Any]) -> None:
 
     A flag given without a value (``--swiglu``) is True; numbers compare within float rounding.
     """
-    from agentrl.flags import _literal
+    from agentrl.flags import parse_literal
 
     d = _dims(hf_config)
     for name, given in flags.items():
         if name not in MODEL_FLAGS:
             continue
         if isinstance(given, str):  # a config file's "1e-6" (YAML reads it as text)
-            given = _literal(given)
+            given = parse_literal(given)
         want = MODEL_FLAGS[name](d)
         same = isinstance(given, bool) == isinstance(want, bool) and (  # --num-layers with no value is True, not 1
             given == want

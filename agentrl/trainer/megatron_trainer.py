@@ -68,7 +68,7 @@ from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_los
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
 from agentrl.trainer.megatron_compat import cpu_schedule
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
-from agentrl.trainer.torch_trainer import _rng_state, _save_hf_metadata, _set_rng_state, resolve_dtype
+from agentrl.trainer.torch_trainer import resolve_dtype, rng_state, save_hf_metadata, set_rng_state
 
 
 @dataclass
@@ -549,7 +549,7 @@ class MegatronTrainer(Trainer):
 
         return {
             "optimizer": self.optimizer.state_dict(),
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "megatron_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
         }
 
@@ -569,7 +569,7 @@ class MegatronTrainer(Trainer):
         from megatron.core import tensor_parallel
 
         self.optimizer.load_state_dict(ranked["optimizer"])
-        _set_rng_state(ranked["rng"])
+        set_rng_state(ranked["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
         self.step = state["step"]
         return state["extra_state"]
@@ -592,7 +592,7 @@ class MegatronTrainer(Trainer):
                 if (self.checkpoint_path / "generation_config.json").is_file()
                 else None
             )
-            _save_hf_metadata(
+            save_hf_metadata(
                 SimpleNamespace(config=self.hf_config, generation_config=gen), self.checkpoint_path, path, torch.float32
             )
             torch.save(self._trainer_state(extra_state), path / "trainer_state.pt")

@@ -566,14 +566,14 @@ class TorchTrainer(Trainer):
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-            _save_hf_metadata(self.model, self.checkpoint_path, path, torch.float32)
+            save_hf_metadata(self.model, self.checkpoint_path, path, torch.float32)
             torch.save(
                 {"step": self.step, "world_size": self.world_size, "extra_state": extra_state or {}},
                 path / "trainer_state.pt",
             )
         del weights
         self._barrier()
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state()}, path / f"optim_rank{self.rank}.pt")
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": rng_state()}, path / f"optim_rank{self.rank}.pt")
         self._barrier()
 
     def load(self, path: str | Path) -> dict[str, Any]:
@@ -602,7 +602,7 @@ class TorchTrainer(Trainer):
         self.optimizer.load_state_dict(ranked["optimizer"])
         for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice
             group["fused"] = self.fused_adamw or None
-        _set_rng_state(ranked["rng"])
+        set_rng_state(ranked["rng"])
         self.step = state["step"]
         return state["extra_state"]
 
@@ -664,7 +664,7 @@ def _enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _save_hf_metadata(model: nn.Module, source: Path, dest: Path, dtype: torch.dtype) -> None:
+def save_hf_metadata(model: nn.Module, source: Path, dest: Path, dtype: torch.dtype) -> None:
     """config.json + generation_config.json from the model; tokenizer and other small files from ``source``."""
     model.config.dtype = dtype
     model.config.save_pretrained(dest)
@@ -682,14 +682,16 @@ def _save_hf_metadata(model: nn.Module, source: Path, dest: Path, dtype: torch.d
             shutil.copy2(f, dest / f.name)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Every random generator's state (torch, CUDA, Python, NumPy), saved with the optimizer so a resumed run draws the same."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

@@ -1,24 +1,5 @@
-"""Weight-update process groups: how a trainer broadcasts weights into running engines.
-
-SGLang's protocol (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``), which slime drives from its trainer:
-
-1. The trainer picks a free port and posts ``init_weights_update_group`` to every engine with
-   ``rank_offset`` (1 + the GPUs of the engines before it) and ``world_size`` (1 + all engine
-   GPUs), while it joins the same group itself as rank 0. Engine GPU ``tp_rank`` joins as
-   ``rank_offset + tp_rank``. The group is a *separate world*: it has its own TCP store at
-   ``master_address:master_port`` and lives beside (not inside) each side's default process group,
-   which is why it cannot come from ``torch.distributed.new_group``.
-2. Per bucket of tensors the trainer posts ``update_weights_from_distributed`` (names, dtypes,
-   shapes) to every engine and, at the same time, broadcasts each tensor from rank 0 in the same
-   order. Each engine allocates empty tensors of those dtypes and shapes, receives them, loads them
-   into the model and only then answers the HTTP request.
-3. ``destroy_weights_update_group`` tears the group down on both sides.
-
-This module holds the pieces both sides share (:func:`init_custom_process_group`,
-:func:`resolve_backend`, :func:`run_in_thread`) and the engine side, :class:`WeightUpdateGroups`.
-The trainer side is ``agentrl.runtime.weight_sync.DistributedTransport``.
-
+"""Weight-update process groups, the engine side: :class:`WeightUpdateGroups` joins the groups a trainer
+opens (:mod:`agentrl.engines.weight_group` holds the protocol and what both sides share).
 Joining is bounded on the engine side, because the address comes from an HTTP body: one rendezvous
 at a time (a second ``init_weights_update_group`` while one is joining is refused at once, as
 SGLang's one-call-at-a-time communicator does), at most :data:`MAX_GROUPS` groups, and a deadline
@@ -40,16 +21,22 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from agentrl.engines.weight_group import (
+    DEFAULT_GROUP_NAME,
+    comm_device,
+    init_custom_process_group,
+    resolve_backend,
+    run_in_thread,
+    settle_future,
+)
+
 T = TypeVar("T")
 
-DEFAULT_GROUP_NAME = "weight_update_group"
-"""SGLang's default ``group_name`` for the weight-update group."""
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 60.0
 """Seconds an engine waits for the other ranks of a weight-update group (``--dist-timeout``). slime's and
@@ -65,91 +52,6 @@ MAX_STUCK = 2
 MAX_GROUPS = 8
 """Weight-update groups an engine holds at once, joined and joining together. SGLang keeps several named
 groups (slime opens one per pipeline stage, ``slime-pp_<i>``); each holds sockets and buffers."""
-
-
-def resolve_backend(requested: str | None) -> str:
-    """The backend actually used: ``nccl`` becomes ``gloo`` where CUDA is unavailable."""
-    backend = (requested or "nccl").lower()
-    if backend == "nccl" and not torch.cuda.is_available():
-        return "gloo"
-    return backend
-
-
-def comm_device(backend: str) -> torch.device:
-    """Where tensors must live for ``backend``: the current CUDA device for NCCL, else CPU."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def init_custom_process_group(
-    *,
-    backend: str,
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    rank: int,
-    group_name: str,
-    timeout: float = 600.0,
-    collective_timeout: float | None = None,
-) -> dist.ProcessGroup:
-    """Join a process group that is its own world (rank ``rank`` of ``world_size``), not a subgroup.
-
-    ``torch.distributed.new_group`` can only carve subgroups out of the default world; the trainer
-    and the engines each have their own default world (or none), so, as SGLang and slime do, we
-    rendezvous on a fresh TCP store (rank 0 hosts it) and build the group with c10d's internal
-    helper, then register its rank map so collectives can translate ranks. Blocks until every rank
-    has joined or ``timeout`` seconds pass; ``collective_timeout`` (default: ``timeout``) then bounds
-    every collective on it.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    td = timedelta(seconds=timeout)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=td))
-    store.set_timeout(td)
-    prefixed = c10d.PrefixStore(group_name, store)  # several groups may share one store without key clashes
-    pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), prefixed, group_name=group_name, timeout=td
-    )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
-    if collective_timeout is not None and collective_timeout != timeout:
-        later = timedelta(seconds=collective_timeout)
-        store.set_timeout(later)
-        if hasattr(c10d, "_set_pg_timeout"):  # torch >= 2.3; older ones keep the join's timeout
-            c10d._set_pg_timeout(later, pg)
-    return pg
-
-
-def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future:
-    """Run blocking ``fn(*args)`` in a fresh daemon thread; return an awaitable future of its result.
-
-    Collectives block until every rank arrives, possibly for the whole group timeout. A daemon
-    thread (rather than the loop's default executor) never holds up interpreter exit or an
-    executor shutdown when the other side has gone away.
-    """
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def target() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, exc = None, caught
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits the result
-            loop.call_soon_threadsafe(_settle, fut, result, exc)
-
-    threading.Thread(target=target, name=f"agentrl-{getattr(fn, '__name__', 'dist')}", daemon=True).start()
-    return fut
-
-
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
 
 
 def parse_dtype(name: Any) -> torch.dtype:
@@ -359,7 +261,7 @@ class WeightUpdateGroups:
         refusal = (False, f"Failed to initialize custom process group: {reason}.")
         for answer in list(self._answers):
             with contextlib.suppress(RuntimeError):  # its loop is closed: nobody is waiting
-                answer.get_loop().call_soon_threadsafe(_settle, answer, refusal, None)
+                answer.get_loop().call_soon_threadsafe(settle_future, answer, refusal, None)
 
 
 def check_rendezvous_timeout(seconds: Any) -> float:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.engines.local.images import EngineVision, RequestImages
+from agentrl.engines.local.image_data import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
 from agentrl.engines.local.weights import WeightUpdateError, apply_weights, model_shapes, read_source
@@ -300,7 +300,7 @@ class LocalEngine:
         """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
 
         ``image_data`` (a vision-language model): one image per placeholder span of ``input_ids``, in
-        order, as data:/file:// URLs or base64 (see :mod:`agentrl.engines.local.images`).
+        order, as data:/file:// URLs or base64 (see :mod:`agentrl.engines.local.image_data`).
 
         With ``return_logprob``: ``output_token_logprobs``; ``top_logprobs_num > 0`` adds
         ``output_top_logprobs``; ``input_token_logprobs`` (and ``input_top_logprobs``) cover the prompt

@@ -15,8 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentrl.engines.local.distributed import DEFAULT_GROUP_NAME
 from agentrl.engines.local.sampling import INT32, Flag, InvalidRequestError, validation_message
+from agentrl.engines.weight_group import DEFAULT_GROUP_NAME
 
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], Field(min_length=1)]
 Count = Annotated[int, Field(strict=True, ge=0, le=INT32)]

@@ -64,13 +64,13 @@ from agentrl.engines.local.distributed import (
     WeightUpdateGroups,
     check_metadata,
     check_rendezvous_timeout,
-    run_in_thread,
 )
 from agentrl.engines.local.engine import EngineFault, InvalidRequestError, LocalEngine
 from agentrl.engines.local.generate_jobs import generate_jobs
 from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams, run_jobs
 from agentrl.engines.local.text_prompts import TextPrompts
 from agentrl.engines.local.weights import WeightUpdateError, check_declared_bytes
+from agentrl.engines.weight_group import run_in_thread
 from agentrl.http_guard import (
     DEFAULT_MAX_BODY_MB,
     INLINE_PARSE_BYTES,

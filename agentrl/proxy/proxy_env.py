@@ -47,7 +47,7 @@ REWARD_SECONDS = 60.0
 
 
 class ProxyEnv(Env):
-    """An agent program written against the OpenAI API, as an episode (see :mod:`agentrl.proxy.env`).
+    """An agent program written against the OpenAI API, as an episode (see :mod:`agentrl.proxy.proxy_env`).
 
     Give the agent as ``command`` (argv; it gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` pointing at its
     session, the task row as JSON in ``AGENTRL_TASK`` and on stdin; its stdout is the output) or override
