@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from agentrl.types import Sample, Status
+from agentrl.types import Sample, Status, episode_units
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,8 @@ def step_metrics(
     # an episode in several segments (a history rewrite) counts once: its reward is on every segment,
     # its turns and tool calls are the sum of its segments'
     # roles played by a fixed policy (--role-engine-url) are not the policy's results: left out of these
-    episodes: dict[Any, list[Sample]] = {}
-    for k, s in enumerate(samples):
-        episodes.setdefault((s.metadata.get("episode_id") or ("sample", k), s.metadata.get("role")), []).append(s)
-    trainable = [
-        e for e in episodes.values() if e[-1].status in TRAINABLE and e[-1].metadata.get("trained") is not False
-    ]
+    episodes = episode_units(samples)
+    trainable = [e for e in episodes if e[-1].status in TRAINABLE and e[-1].trained]
     rewards = [r for r in (scalar_reward(e[-1]) for e in trainable) if r is not None]
     turns = [sum(int(s.metadata.get("num_turns", 0)) for s in e) for e in trainable]
     calls = [sum(int(s.metadata.get("tool_calls", 0)) for s in e) for e in trainable]
@@ -140,9 +136,9 @@ def step_metrics(
         out["spec_accept_length"] = (
             sum(s.spec_info.completion_token_num for s in samples) / verified if verified else 0.0
         )
-    roles = sorted({str(e[-1].metadata["role"]) for e in trainable if e[-1].metadata.get("role") is not None})
+    roles = sorted({e[-1].role for e in trainable if e[-1].role is not None})
     for role in roles:  # an env with roles: each trained role's own mean (self-play averages to the game's value)
-        mine = [scalar_reward(e[-1]) for e in trainable if e[-1].metadata.get("role") == role]
+        mine = [scalar_reward(e[-1]) for e in trainable if e[-1].role == role]
         out[f"reward_mean/{role}"] = _mean([r for r in mine if r is not None])
     for status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED, Status.ABORTED):
         out[f"count_{status.value}"] = sum(s.status == status for s in samples)

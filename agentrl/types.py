@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import json
 import numbers
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -152,7 +152,8 @@ class Sample:
     completions, which training refuses unless the user opts in.
 
     The episode loop's own record (not slime fields) is typed here too, as properties:
-    :attr:`turn_rewards`, :attr:`turn_spans`, :attr:`env_spans` and :attr:`status_reason`. Their
+    :attr:`turn_rewards`, :attr:`turn_spans`, :attr:`env_spans`, :attr:`status_reason` and the episode's
+    identity (:attr:`episode_id`, :attr:`role`, :attr:`segment`, :attr:`trained`, :attr:`episode_key`). Their
     values live in ``metadata`` under the same keys, where slime's consumers keep custom data, where
     a slime-style custom generate function writes them and where every dump since the first holds
     them; so there is one copy, the JSON is unchanged, and code that reads ``metadata["turn_rewards"]``
@@ -290,6 +291,52 @@ class Sample:
     def status_reason(self, value: str) -> None:
         self.metadata["status_reason"] = str(value)
 
+    @property
+    def episode_id(self) -> str | None:
+        """The episode this sample belongs to when the episode made several samples (segments of a rewritten
+        history, the seats of a multi-role episode); None for a sample that is a whole episode alone."""
+        value = self.metadata.get("episode_id")
+        return None if value is None else str(value)
+
+    @episode_id.setter
+    def episode_id(self, value: str | None) -> None:
+        self.metadata["episode_id"] = value
+
+    @property
+    def role(self) -> str | None:
+        """The seat this sample played in a multi-role episode (None: the single agent)."""
+        value = self.metadata.get("role")
+        return None if value is None else str(value)
+
+    @role.setter
+    def role(self, value: str | None) -> None:
+        self.metadata["role"] = value
+
+    @property
+    def segment(self) -> int:
+        """This sample's place among its episode's segments (0 for an episode in one piece)."""
+        return int(self.metadata.get("segment") or 0)
+
+    @segment.setter
+    def segment(self, value: int) -> None:
+        self.metadata["segment"] = int(value)
+
+    @property
+    def trained(self) -> bool:
+        """False for a seat played by a fixed policy (``--role-engine-url``): recorded, never trained or
+        counted as the policy's result."""
+        return self.metadata.get("trained") is not False
+
+    @trained.setter
+    def trained(self, value: bool) -> None:
+        self.metadata["trained"] = bool(value)
+
+    @property
+    def episode_key(self) -> tuple[Hashable, str | None]:
+        """``(episode, role)``: what the samples of one seat of one episode share. A sample without an
+        :attr:`episode_id` (or an empty one) is an episode of its own (keyed by the object)."""
+        return (self.metadata.get("episode_id") or ("sample", id(self)), self.role)
+
     def validate(self) -> None:
         """Raise ``ValueError`` (naming the field) if the token accounting invariants do not hold."""
         n = self.response_length
@@ -406,3 +453,13 @@ def decode_int32_array(d: dict[str, Any]) -> Any:
         return np.frombuffer(raw, dtype=np.int32).reshape(shape).copy()
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise ValueError(f"rollout_routed_experts is not an encoded int32 array: {exc}") from None
+
+
+def episode_units(samples: Iterable[Sample]) -> list[list[Sample]]:
+    """``samples`` by :attr:`Sample.episode_key`, in order of first appearance: the segments of one seat of
+    one episode together (a sample that is a whole episode alone is a unit of its own). The one grouping the
+    train loop, advantages, metrics, eval and demonstrations use."""
+    units: dict[Hashable, list[Sample]] = {}
+    for s in samples:
+        units.setdefault(s.episode_key, []).append(s)
+    return list(units.values())

@@ -100,3 +100,35 @@ async def test_a_slime_style_custom_generate_function_keeps_its_record(tiny_toke
     assert [s.status_reason for s in samples] == ["my_reason", "custom_generate"]
     assert all(s.turn_rewards == [0.25, 0.75] and s.turn_spans == [(0, 1), (1, 2)] for s in samples)
     assert summary.reasons == {"my_reason": 1, "custom_generate": 1}
+
+
+def test_episode_identity_is_typed_and_one_copy_with_its_metadata_keys():
+    """``episode_id``, ``role``, ``segment`` and ``trained`` read and write the keys every dump has had."""
+    alone = _sample()
+    assert (alone.episode_id, alone.role, alone.segment, alone.trained) == (None, None, 0, True)
+    s = _sample(episode_id="ep-1", role="x", segment=2, trained=False)
+    assert (s.episode_id, s.role, s.segment, s.trained) == ("ep-1", "x", 2, False)
+    s.role, s.segment, s.trained = "o", 3, True
+    assert {k: s.metadata[k] for k in ("episode_id", "role", "segment", "trained")} == {
+        "episode_id": "ep-1",
+        "role": "o",
+        "segment": 3,
+        "trained": True,
+    }
+    back = Sample.from_dict(json.loads(s.to_json()))
+    assert (back.episode_id, back.role, back.segment, back.trained) == ("ep-1", "o", 3, True)
+    assert back.episode_key == s.episode_key == ("ep-1", "o")
+
+
+def test_episode_units_groups_segments_by_episode_and_seat_in_order():
+    """The one grouping the loop, metrics, eval and demos use: one unit per (episode, seat), segments in order;
+    a sample without an episode id (or with an empty one) is a unit of its own."""
+    from agentrl.types import episode_units
+
+    a0, a1 = _sample(episode_id="a", segment=0), _sample(episode_id="a", segment=1)
+    ax, ao = _sample(episode_id="b", role="x"), _sample(episode_id="b", role="o")
+    lone1, lone2, empty = _sample(), _sample(), _sample(episode_id="")
+    units = episode_units([a0, lone1, ax, a1, ao, lone2, empty])
+    assert units == [[a0, a1], [lone1], [ax], [ao], [lone2], [empty]]
+    assert [len(u) for u in units] == [2, 1, 1, 1, 1, 1]
+    assert units[0][0] is a0 and units[0][1] is a1 and units[1][0] is lone1 and units[4][0] is lone2

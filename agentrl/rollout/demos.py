@@ -405,7 +405,7 @@ async def rejection_samples(
         s.metadata["demo"] = True
         g = int(s.group_index or 0)
         if best_of_n:  # an episode in segments (a rewritten history) is chosen, and kept, whole; roles apart
-            episode = (s.metadata.get("episode_id", id(s)), s.metadata.get("role"))
+            episode = s.episode_key
             task = (g, episode[1])
             if task not in best or reward > best[task][0]:
                 best[task] = (reward, episode)

@@ -428,7 +428,8 @@ async def run_episode(
         error = segments[-1].metadata.get("error")
         for k, s in enumerate(segments):
             s.reward = total
-            s.metadata.update(episode_id=key, segment=k, num_segments=len(segments))
+            s.episode_id, s.segment = key, k
+            s.metadata["num_segments"] = len(segments)
             if error is not None:
                 s.metadata.setdefault("error", error)
     return segments

@@ -73,10 +73,10 @@ def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: f
     (``--role-engine-url``) are not the policy's attempts and are left out."""
     groups: dict[Any, list[Sample]] = defaultdict(list)
     for s in samples:  # an episode in several segments is one attempt: its last segment has the outcome
-        if s.metadata.get("trained") is False:  # a role played by a fixed opponent is not the policy's attempt
+        if not s.trained:  # a role played by a fixed opponent is not the policy's attempt
             continue
         if s.metadata.get("segment", 0) == s.metadata.get("num_segments", 1) - 1:
-            groups[(s.group_index, s.metadata.get("role"))].append(s)
+            groups[(s.group_index, s.role)].append(s)
     m = step_metrics(samples, rollout_seconds=0.0)
     out: dict[str, Any] = {
         "num_prompts": len({prompt for prompt, _ in groups}),

@@ -165,7 +165,7 @@ def _units(samples: list[Sample]) -> list[list[Sample]]:
     """An episode's samples by role (one list for a single-agent episode), segments in order."""
     units: dict[Any, list[Sample]] = {}
     for s in samples:
-        units.setdefault(s.metadata.get("role"), []).append(s)
+        units.setdefault(s.role, []).append(s)
     return list(units.values())
 
 

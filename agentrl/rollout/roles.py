@@ -161,14 +161,16 @@ async def run_roles_episode(
         for role in roles:
             s = Sample(group_index=group_index, index=index, prompt=obs[role], label=task.get("label"))
             s.metadata = {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
-            s.metadata.update(role=role, reset_info=info, episode_id=key)
+            s.role = role
+            s.metadata["reset_info"] = info
+            s.episode_id = key
             extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
             if extra:
                 s.metadata["task"] = extra
             engine = role_engines.get(role, ctx.engine)
             s.token_exact = engine.token_exact
             if role in role_engines:
-                s.metadata["trained"] = False
+                s.trained = False
             try:
                 prompt_ids = ctx.template.prompt(obs[role], tools)[1]
                 dctx = ctx.template.delta_context(tools, obs[role])

@@ -45,7 +45,7 @@ from agentrl.rollout.reward import apply_group_reward, apply_overlong_penalty, c
 from agentrl.runtime import run_folder
 from agentrl.runtime.buffer import BufferedSource, Group, staleness
 from agentrl.trainer.base import TrainSample
-from agentrl.types import Sample, Status
+from agentrl.types import Sample, Status, episode_units
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +63,12 @@ class Batch:
         return [s for g in self.groups for s in g]
 
 
-def episode_units(samples: list[Sample]) -> list[list[Sample]]:
-    """``samples`` by episode and role, in order: the segments of one episode's role together (a
-    sample that is not part of a split or multi-role episode is a unit of its own)."""
-    units: dict[Any, list[Sample]] = {}
-    for k, s in enumerate(samples):
-        units.setdefault((s.metadata.get("episode_id") or ("sample", k), s.metadata.get("role")), []).append(s)
-    return list(units.values())
-
-
 def by_role(group: list[Sample]) -> list[list[Sample]]:
     """A group's trained samples split by role (one list for a single-agent env): what its advantages see."""
     roles: dict[Any, list[Sample]] = {}
     for s in group:
-        if s.metadata.get("trained") is not False:
-            roles.setdefault(s.metadata.get("role"), []).append(s)
+        if s.trained:
+            roles.setdefault(s.role, []).append(s)
     return list(roles.values())
 
 
@@ -296,7 +287,7 @@ class TrainLoop:
         counts.setdefault("dropped_untrainable", 0)
         counts.setdefault("dropped_fixed_role", 0)
         for s in samples:
-            if s.metadata.get("trained") is False:  # a role played by a fixed policy (--role-engine-url)
+            if not s.trained:  # a role played by a fixed policy (--role-engine-url)
                 counts["dropped_fixed_role"] += 1
             elif not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
                 counts["dropped_untrainable"] += 1
@@ -332,10 +323,8 @@ class TrainLoop:
         masks = [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch]
         # segments of one episode (a history rewrite) share its id; a sample without one is its own episode;
         # the roles of a multi-role episode are separate sequences, grouped and normalised per role
-        episode_ids = [
-            (s.metadata.get("episode_id") or f"sample-{k}", s.metadata.get("role")) for k, s in enumerate(samples)
-        ]
-        group_keys = [(int(s.group_index or 0), s.metadata.get("role") or "") for s in samples]
+        episode_ids = [s.episode_key for s in samples]
+        group_keys = [(int(s.group_index or 0), s.role or "") for s in samples]
         numbered = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
         group_ids = [numbered[key] for key in group_keys]
         if t.advantage_estimator == "ppo":
