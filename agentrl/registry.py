@@ -35,10 +35,24 @@ from typing import TYPE_CHECKING, Any
 
 from agentrl.adapters import adapter_factory
 from agentrl.adapters.base import ADAPTER_PREFIXES
-from agentrl.user_code import import_object, import_spec_module
+from agentrl.user_code import import_failed, import_object, import_spec_module, import_user_module, load_function
 
 if TYPE_CHECKING:
     from agentrl.env import Env
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EnvSpec",
+    "import_failed",
+    "import_user_module",
+    "load_env",
+    "load_function",
+    "load_plugins",
+    "make",
+    "register",
+]
+"""``load_function``, ``import_user_module`` and ``import_failed`` live in :mod:`agentrl.user_code` (user code
+named by a spec, for envs and custom functions alike); they are re-exported here, where they were first."""
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,14 @@ from typing import Any
 
 from agentrl.env import Env
 
-__all__ = ["bundled_alias", "import_failed", "import_object", "import_user_module", "load_function"]
+__all__ = [
+    "bundled_alias",
+    "import_failed",
+    "import_object",
+    "import_spec_module",
+    "import_user_module",
+    "load_function",
+]
 
 _ALIASES = {"envs": "agentrl.envs", "tools": "agentrl.tools"}
 """Old top-level names of the bundled packages, kept working in specs (``--env envs.calculator:Calculator``)."""

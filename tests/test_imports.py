@@ -84,11 +84,18 @@ def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]
             else:
                 continue
             for target, attr in targets:
-                while target and target not in modules:  # `import a.b.c` binds a; a submodule's parent is run
+                while target and target not in modules:  # `from a.b import name`: the module is a.b
                     target = target.rpartition(".")[0]
                 if not target or target == name:
                     continue
                 graph[name].add(target)
+                # importing a.b.c runs a/__init__ and a/b/__init__ first: an edge to each parent package
+                # the importer does not live in (its own packages are already running when it runs)
+                parent = target.rpartition(".")[0]
+                while parent:
+                    if parent in modules and parent != name and not name.startswith(parent + "."):
+                        graph[name].add(parent)
+                    parent = parent.rpartition(".")[0]
                 if attr and attr.startswith("_") and not attr.startswith("__"):
                     private.append((name, target, attr))
     return graph, private
@@ -166,4 +173,19 @@ def test_the_graph_checks_can_fail(tmp_path):
     graph, private = import_graph(pkg)
     assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
     assert private == [("pkg.a", "pkg.sub.b", "_helper")]
-    assert graph["pkg.c"] == {"pkg.a"}
+    assert graph["pkg.c"] == {"pkg.a"}  # pkg itself is already running when pkg.c runs
+    assert graph["pkg.a"] == {"pkg.sub", "pkg.sub.b"}
+
+
+def test_the_graph_sees_a_circle_through_a_package_init(tmp_path):
+    """``from pkg.adapters.base import X`` runs ``pkg/adapters/__init__.py`` first: a circle through it counts
+    (the registry <-> adapters circle would come back unseen otherwise)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "adapters").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text("from pkg.adapters.base import PREFIXES\n")
+    (pkg / "adapters" / "__init__.py").write_text("from pkg.adapters.gym import GymEnv\n")
+    (pkg / "adapters" / "base.py").write_text("PREFIXES = ()\n")
+    (pkg / "adapters" / "gym.py").write_text("from pkg.registry import load\n")
+    graph, _ = import_graph(pkg)
+    assert cycles(graph) == [["pkg.adapters", "pkg.adapters.gym", "pkg.registry"]]

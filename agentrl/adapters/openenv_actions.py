@@ -397,7 +397,7 @@ def served_step(action: Action, parser_name: str, turn: int, seen: set[str]) -> 
     the action's calls travel as ``tool_calls`` so the env runs the calls the conversation shows; an
     action that also holds unparseable calls cannot travel (the protocol has no field for them) and
     raises ValueError saying which ``--tool-parser`` to use. ``seen`` mirrors the server's ids of the
-    episode (the rollout loop's :func:`~agentrl.rollout.episode.unique_call_ids`), ``turn`` its turn count.
+    episode (the rollout loop's :func:`~agentrl.parsing.unique_call_ids`), ``turn`` its turn count.
     """
     from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
 

@@ -31,8 +31,8 @@ from agentrl.adapters.gymnasium import json_safe
 from agentrl.env import Env, call_env, check_reset, check_step
 from agentrl.http_guard import INLINE_PARSE_BYTES, BadRequest, parse_json
 from agentrl.images import ImageError, count_images, normalize
-from agentrl.parsing import OpenAIToolCallsParser, get_parser
-from agentrl.rollout.episode import release_episode, unique_call_ids
+from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
+from agentrl.rollout.episode import release_episode
 from agentrl.types import Action, ToolCall
 
 log = logging.getLogger(__name__)

@@ -51,6 +51,8 @@ from typing import Any
 
 from agentrl.adapters.verifiers_agent import VerifiersAgentEnv
 from agentrl.adapters.verifiers_taskset import (
+    OPENENV_MODULE,
+    Loaded,
     check_loopback,
     load_taskset,
     resolve_verifiers_env,
@@ -65,6 +67,8 @@ from agentrl.env import Env, StepResult
 from agentrl.types import Action, Message
 
 __all__ = [
+    "OPENENV_MODULE",
+    "Loaded",
     "VerifiersEnv",
     "check_loopback",
     "resolve_verifiers_env",

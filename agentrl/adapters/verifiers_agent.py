@@ -67,9 +67,33 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.adapters.verifiers_harness import AGENT_TIMEOUT
+from agentrl.adapters.verifiers_harness import (
+    AGENT_HARNESS,
+    AGENT_TIMEOUT,
+    SUPPORTED_VERIFIERS,
+    agent_config,
+    check_tasks,
+    script_packages,
+    use_host_interpreter,
+)
 from agentrl.adapters.verifiers_taskset import load_taskset, settings_key, task_for
 from agentrl.proxy.proxy_env import ProxyEnv
+
+__all__ = [
+    "AGENT_HARNESS",
+    "AGENT_TIMEOUT",
+    "SUPPORTED_VERIFIERS",
+    "Outcome",
+    "VerifiersAgentEnv",
+    "agent_config",
+    "check_tasks",
+    "outcome",
+    "script_packages",
+    "serving",
+    "use_host_interpreter",
+]
+"""The agent path's config helpers live in :mod:`agentrl.adapters.verifiers_harness` (the loader uses them
+too); they are re-exported here, where they were first."""
 
 logger = logging.getLogger(__name__)
 

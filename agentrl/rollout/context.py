@@ -4,7 +4,7 @@ and the rollout settings (:class:`~agentrl.rollout.episode.EpisodeContext`).
 Every process that plays episodes builds its context here: the ``rollout``, ``eval`` and ``proxy``
 commands (:func:`command_context`), the training driver and each rollout worker (:func:`run_context`)
 and SFT's rejection sampling (:func:`episode_context`), so a setting such as ``--role-engine-url`` or
-the routed-experts switch reaches every shape of run the same way.
+the routed-experts switch reaches every run that allows it the same way.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from typing import Any
 
 from agentrl.config import RunConfig, argparse_namespace
 from agentrl.flags import naming_flag
-from agentrl.rollout.context import follow_urls, run_context
 
 log = logging.getLogger(__name__)
 
@@ -289,14 +288,13 @@ def _resume_point(cfg: RunConfig) -> Path | None:
 
 
 async def _run(loop: Any) -> list[dict[str, Any]]:
+    from agentrl.rollout.context import close_context
     from agentrl.sandbox import close_default_pool
 
     try:
         return await loop.run()
     finally:
-        await loop.ctx.engine.close()
-        for engine in loop.ctx.role_engines.values():
-            await engine.close()
+        await close_context(loop.ctx)
         await close_default_pool()
 
 
@@ -461,6 +459,8 @@ class _Runtime:
         from agentrl.rollout.generate import bind_engine_args
 
         cfg = self.cfg
+        from agentrl.rollout.context import run_context  # the engines' HTTP clients: not on `import agentrl`
+
         ctx, tokenizer, template = run_context(cfg, self.checkpoint, self.engines.urls, self.engines.api_key)
         engine = ctx.engine
         if cfg.rollout_return_routed_experts:
@@ -580,6 +580,7 @@ class _Runtime:
         group and may have a new URL: the router and the trainer's transport follow.
         """
         from agentrl.engines.sglang import paused_for_update
+        from agentrl.rollout.context import follow_urls
         from agentrl.runtime.engine_group import SGLangEngineGroup
 
         group = self.engines

@@ -1,5 +1,6 @@
 """Weight-update process groups, the engine side: :class:`WeightUpdateGroups` joins the groups a trainer
 opens (:mod:`agentrl.engines.weight_group` holds the protocol and what both sides share).
+
 Joining is bounded on the engine side, because the address comes from an HTTP body: one rendezvous
 at a time (a second ``init_weights_update_group`` while one is joining is refused at once, as
 SGLang's one-call-at-a-time communicator does), at most :data:`MAX_GROUPS` groups, and a deadline

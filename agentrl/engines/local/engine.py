@@ -71,7 +71,7 @@ class _Request:
         self.rid, self.input_ids, self.sp = rid, input_ids, sp
         self.return_logprob, self.return_text_in_logprobs = logprob
         self.future, self.loop = future, loop
-        # the prefix-cache key: the ids, with image placeholders as content-derived negative ids (images.py)
+        # the prefix-cache key: the ids, with image placeholders as content-derived negative ids (image_data.py)
         self.prompt = np.asarray(input_ids, dtype=np.int64)
         self.images: RequestImages | None = None
         self.output_ids: list[int] = []
