@@ -24,7 +24,7 @@ from typing import Any
 
 from agentrl.config import RolloutConfig
 from agentrl.flags import ROLLOUT_FIELDS, add_config_flags, add_field_flags, naming_flag, rollout_config_from_args
-from agentrl.rollout.context import command_context, engine_urls, load_tokenizer
+from agentrl.rollout.context import command_context, command_engine_urls, load_tokenizer
 
 log = logging.getLogger("agentrl")
 
@@ -510,13 +510,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls, args.engine_api_key = engine_urls(
-            args.engine_url,
-            ckpt,
-            stack,
-            engine_log=args.engine_log,
-            max_running_requests=args.engine_max_running_requests,
-        )
+        urls = command_engine_urls(args, ckpt, stack)
         summary = asyncio.run(
             _rollout(args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm)
         )
@@ -573,13 +567,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls, args.engine_api_key = engine_urls(
-            args.engine_url,
-            ckpt,
-            stack,
-            engine_log=args.engine_log,
-            max_running_requests=args.engine_max_running_requests,
-        )
+        urls = command_engine_urls(args, ckpt, stack)
         results = asyncio.run(
             _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate)
         )

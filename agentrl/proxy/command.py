@@ -97,7 +97,7 @@ def cmd_proxy(args: Any) -> int:
     from agentrl.checkpoint import resolve_hf_checkpoint
     from agentrl.config import RolloutConfig
     from agentrl.proxy.external import check_config, serve
-    from agentrl.rollout.context import engine_urls, load_tokenizer
+    from agentrl.rollout.context import command_engine_urls, load_tokenizer
 
     if args.idle_timeout <= 0:
         raise ValueError("--idle-timeout must be > 0")
@@ -114,12 +114,6 @@ def cmd_proxy(args: Any) -> int:
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
     with contextlib.ExitStack() as stack:
-        urls, args.engine_api_key = engine_urls(
-            args.engine_url,
-            ckpt,
-            stack,
-            engine_log=args.engine_log,
-            max_running_requests=args.engine_max_running_requests,
-        )
+        urls = command_engine_urls(args, ckpt, stack)
         asyncio.run(serve(args, cfg, urls, tokenizer, template_src, hook))
     return 0

@@ -34,6 +34,7 @@ __all__ = [
     "chat_template",
     "close_context",
     "command_context",
+    "command_engine_urls",
     "engine_urls",
     "episode_context",
     "follow_urls",
@@ -142,6 +143,19 @@ def engine_urls(
     print(f"starting the embedded engine for {checkpoint} (log: {log}) ...", file=sys.stderr)
     extra = ["--max-running-requests", str(max_running_requests)] if max_running_requests is not None else []
     return [stack.enter_context(local_server(checkpoint, log_path=log, extra_args=extra, api_key=api_key))], api_key
+
+
+def command_engine_urls(args: argparse.Namespace, checkpoint: Path, stack: contextlib.ExitStack) -> list[str]:
+    """A command's engines (``--engine-url``, else an embedded one started on ``stack`` with ``--engine-log``
+    and ``--engine-max-running-requests``); sets ``args.engine_api_key`` for :func:`command_context`."""
+    urls, args.engine_api_key = engine_urls(
+        args.engine_url,
+        checkpoint,
+        stack,
+        engine_log=args.engine_log,
+        max_running_requests=args.engine_max_running_requests,
+    )
+    return urls
 
 
 async def command_context(
