@@ -519,6 +519,31 @@ def test_reaper_removes_the_containers_of_a_sigkilled_owner(docker_image):
     assert reap(run_id=rid) == 0
 
 
+def test_concurrent_reaps_each_return_with_the_containers_gone(docker_image):
+    """Two reaps of one run at once (a dead worker's pinned reap and another process's): Docker answers the
+    later remover of a container with 409 while the first removes it; each reap still returns only once the
+    run's containers are gone (the train loop starts the replacement, or ends the run, right after)."""
+    import uuid
+
+    rid = f"reap-race-{uuid.uuid4().hex[:8]}"
+    labels = {docker_backend.LABEL: "1", "agentrl.run_id": rid}
+    for _ in range(12):
+        docker_client().containers.run(
+            docker_image, ["sleep", "300"], detach=True, labels=labels, network_mode="none", user=str(SANDBOX_UID)
+        )
+    assert len(_containers(**{"agentrl.run_id": rid})) == 12
+    left_after: list[int] = []
+
+    def one() -> None:
+        reap(run_id=rid)
+        left_after.append(len(_containers(**{"agentrl.run_id": rid})))
+
+    with ThreadPoolExecutor(3) as ex:
+        for f in [ex.submit(one) for _ in range(3)]:
+            f.result()
+    assert left_after == [0, 0, 0]
+
+
 def test_stale_rules():
     host, now = socket.gethostname(), time.time()
     dead = subprocess.Popen(["true"])

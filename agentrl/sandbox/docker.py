@@ -160,8 +160,11 @@ def reap(*, run_id: str | None = None, everything: bool = False) -> int:
             return 1
         except docker.errors.NotFound:
             return 0
-        except docker.errors.APIError as e:  # 409: auto-remove already in progress
-            return 0 if e.status_code == 409 else _warn(f"could not remove sandbox container {c.short_id}: {e}")
+        except docker.errors.APIError as e:
+            if e.status_code != 409:
+                return _warn(f"could not remove sandbox container {c.short_id}: {e}")
+            # 409: another remover (auto-remove, a concurrent reap) is at it: gone when this returns, as if removed here
+            return _wait_gone(c, docker.errors.NotFound)
 
     # plain threads: an executor refuses work during interpreter shutdown, when the atexit hook runs
     counts = [0] * len(doomed)
@@ -187,6 +190,26 @@ def reap(*, run_id: str | None = None, everything: bool = False) -> int:
 def _warn(msg: str) -> int:
     log.warning(msg)
     return 0
+
+
+REMOVAL_WAIT_S = 30.0
+"""Seconds :func:`reap` waits for a container another remover is removing (Docker answers 409) to be gone."""
+
+
+def _wait_gone(c: Any, not_found: type[Exception]) -> int:
+    """Wait until ``c`` no longer exists (another process's removal finishes); 0 either way, warned on timeout.
+
+    Whoever reaps a dead worker's sandboxes relies on them being gone when :func:`reap` returns (its replacement
+    starts next, the run may end); returning at Docker's 409 would leave them for a moment, or for good if that
+    other remover dies mid-way."""
+    deadline = time.monotonic() + REMOVAL_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            c.reload()
+        except not_found:
+            return 0
+        time.sleep(0.05)
+    return _warn(f"sandbox container {c.short_id} was still being removed after {REMOVAL_WAIT_S:g} s")
 
 
 _reaper_lock = threading.Lock()
