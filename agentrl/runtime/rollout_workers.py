@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig, argparse_namespace
-from agentrl.rollout.context import follow_urls, run_context
+from agentrl.rollout.context import close_context, follow_urls, run_context
 from agentrl.types import Sample
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,7 @@ class RolloutWorker:
         try:
             await sandbox.close_default_pool()
         finally:
-            for e in [*self.ctx.engine.engines, *self.ctx.role_engines.values()]:
-                await e.close()
+            await close_context(self.ctx)
             if self.ctx.executor is not None:
                 self.ctx.executor.shutdown(wait=False)
 
