@@ -27,10 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, EnvContractError, call_env, check_reset, check_step, reset_once
+from agentrl.env import (
+    Env,
+    EnvContractError,
+    call_env,
+    check_reset,
+    check_roles_reset,
+    check_roles_step,
+    check_step,
+    reset_once,
+)
 from agentrl.images import ImageError, count_images, normalize, text_of
 from agentrl.parsing import Llama3JsonParser, get_parser
-from agentrl.rollout.roles import check_roles_reset, check_roles_step
 from agentrl.types import Action
 
 

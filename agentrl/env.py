@@ -90,6 +90,54 @@ def check_step(result: Any) -> StepResult:
     return check_messages(obs, "step()"), float(reward), terminated, truncated, info
 
 
+def check_roles_reset(result: Any, roles: tuple[str, ...]) -> tuple[dict[str, list[Message]], dict]:
+    """``reset()``'s return for an env with roles: ``({role: messages}, info)``, every role present."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise EnvContractError("reset() must return ({role: messages}, info)")
+    obs, info = result
+    if not isinstance(info, dict):
+        raise EnvContractError(f"reset() info must be a dict, got {type(info).__name__}")
+    if not isinstance(obs, Mapping):
+        raise EnvContractError(f"an env with roles {list(roles)} must return {{role: messages}} from reset()")
+    unknown = sorted({repr(r) for r in obs if not isinstance(r, str) or r not in roles})
+    if unknown:
+        raise EnvContractError(f"reset() named unknown role(s) {', '.join(unknown)}; the env's roles are {list(roles)}")
+    out = {}
+    for role in roles:
+        msgs = check_messages(obs.get(role), f"reset() for role {role!r}")
+        if not msgs:
+            raise EnvContractError(f"reset() gave role {role!r} no messages")
+        out[role] = msgs
+    return out, info
+
+
+def check_roles_step(
+    result: Any, roles: tuple[str, ...], acting: str
+) -> tuple[dict, dict[str, float], bool, bool, dict]:
+    """``step()``'s return for an env with roles; a float reward is the acting role's."""
+    if not isinstance(result, tuple) or len(result) != 5:
+        raise EnvContractError("step() must return ({role: messages}, reward, terminated, truncated, info)")
+    obs, reward, terminated, truncated, info = result
+    if not isinstance(obs, Mapping):
+        raise EnvContractError(
+            f"an env with roles must return {{role: messages}} from step(), got {type(obs).__name__}"
+        )
+    named = list(obs) + (list(reward) if isinstance(reward, Mapping) else [])
+    unknown = sorted({repr(r) for r in named if not isinstance(r, str) or r not in roles})
+    if unknown:
+        raise EnvContractError(f"step() named unknown role(s) {', '.join(unknown)}; the env's roles are {list(roles)}")
+    rewards = dict(reward) if isinstance(reward, Mapping) else {acting: reward}
+    for role, r in rewards.items():
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(float(r)):
+            raise EnvContractError(f"step() reward for role {role!r} must be a finite number, got {r!r}")
+    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
+        raise EnvContractError("step() terminated and truncated must be bools")
+    if not isinstance(info, dict):
+        raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
+    checked = {role: check_messages(msgs, f"step() for role {role!r}") for role, msgs in obs.items()}
+    return checked, {k: float(v) for k, v in rewards.items()}, terminated, truncated, info
+
+
 class Env:
     """Base class for multi-turn text environments (async; sync overrides also work).
 
@@ -124,10 +172,16 @@ class Env:
     step_timeout: float | None = None
     tool_parser: str = "hermes"
     roles: Sequence[str] = ()
-    """Several agents in one episode (``("x", "o")``): then ``reset`` returns ``({role: messages}, info)``,
-    :meth:`current_role` says whose turn it is, and ``step`` returns ``{role: messages}`` and a reward
-    for the acting role or a ``{role: reward}`` dict; each role's turns become its own sample. See
-    :mod:`agentrl.rollout.roles`. Empty (the default): one agent, the contract below."""
+    """Several agents in one episode (``("x", "o")``), each a *seat* of :func:`agentrl.rollout.episode.run_episode`
+    with its own conversation, token ledger and sample. Then ``reset`` returns ``({role: messages}, info)``
+    (every role's first conversation, non-empty); :meth:`current_role` is asked before every turn whose
+    turn it is; ``step`` answers the acting role's turn with ``({role: messages}, reward, terminated,
+    truncated, info)``: each role's new messages (what it reads before its next turn; the acting role's
+    own turn is already in its conversation) and a reward for the acting role or a ``{role: reward}`` dict
+    (a game's outcome for both players). A role's reward lands on its last turn (before its first turn:
+    on that one). A role asked to act with nothing new to read, or a turn whose tool calls another role
+    answers, fails the episode. :meth:`rewrite_history` is called with the conversation of the role about
+    to act. Empty (the default): one agent, the contract below."""
     tool_timeout: float = 30.0
     turn_budget: float = 50.0
     sandbox_pool: SandboxPool | None = None

@@ -3,6 +3,8 @@ a role on a fixed engine, and envs that break the roles contract failing only th
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ class Debate(agentrl.Env):
     """Roles a and b take 4 turns in turn; each sees the other's reply; b earns 0.25 per turn, a 1.0 at the end."""
 
     roles = ("a", "b")
+    turns = 4
 
     async def reset(self, *, seed=None, options=None):
         self.turn, self.who = 0, "a"
@@ -37,7 +40,7 @@ class Debate(agentrl.Env):
         self.turn += 1
         me, other = self.who, "b" if self.who == "a" else "a"
         reward = 0.25 if me == "b" else 0.0
-        if self.turn >= 4:
+        if self.turn >= self.turns:
             return {}, {"a": 1.0, me: reward} if me == "b" else {"a": 1.0}, True, False, {}
         self.who = other
         return (
@@ -47,6 +50,12 @@ class Debate(agentrl.Env):
             False,
             {},
         )
+
+
+class LongDebate(Debate):
+    """Debate over 6 turns: each role takes 3, so its history holds two earlier answers before its last."""
+
+    turns = 6
 
 
 def _ctx(url, tokenizer, role_engines=None, **cfg) -> EpisodeContext:
@@ -117,14 +126,6 @@ async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tin
         await bad.engine.close()
         for e in engines.values():
             await e.close()
-    for flags, message in (
-        ({"partial_rollout": True}, "--partial-rollout"),
-        ({"history_mode": "template"}, "--history-mode template"),
-    ):
-        bad = _ctx(tiny_server, tiny_tokenizer, **flags)
-        with pytest.raises(ValueError, match=f"an env with roles \\['a', 'b'\\] does not support {message}"):
-            await generate_rollout(bad, Debate, [{"prompt": "x"}])
-        await bad.engine.close()
 
 
 def test_role_engine_urls_are_validated():
@@ -226,8 +227,7 @@ class ToolCallingEngine(Engine):
 
 
 async def test_unanswered_tool_calls_when_the_turn_passes_fail_the_episode(tiny_tokenizer):
-    from agentrl.env import EnvContractError
-    from agentrl.rollout import roles
+    from agentrl.env import EnvContractError, check_roles_step
 
     template = ChatTemplate(tiny_tokenizer)
     ctx = EpisodeContext(engine=ToolCallingEngine(template), template=template, config=RolloutConfig(max_turns=4))
@@ -235,11 +235,11 @@ async def test_unanswered_tool_calls_when_the_turn_passes_fail_the_episode(tiny_
     assert (s.status, s.status_reason) == (Status.FAILED, "env_contract")
     assert "role 'a' made tool call(s) ['call_0_0'] that step() left unanswered" in s.metadata["error"]
     with pytest.raises(EnvContractError, match="unknown role"):
-        roles.check_roles_step(({"z": []}, 0.0, False, False, {}), ("a",), "a")
+        check_roles_step(({"z": []}, 0.0, False, False, {}), ("a",), "a")
     with pytest.raises(EnvContractError, match="unknown role"):  # not a string: refused, not a sorting crash
-        roles.check_roles_step(({}, {1: 0.0, "a": 1.0}, False, False, {}), ("a",), "a")
+        check_roles_step(({}, {1: 0.0, "a": 1.0}, False, False, {}), ("a",), "a")
     with pytest.raises(EnvContractError, match="reward for role 'a' must be a finite number"):
-        roles.check_roles_step(({}, {"a": float("nan")}, False, False, {}), ("a",), "a")
+        check_roles_step(({}, {"a": float("nan")}, False, False, {}), ("a",), "a")
 
 
 async def test_tictactoe_rules_and_rewards():
@@ -311,3 +311,166 @@ async def test_a_custom_reward_scores_each_role_once(tiny_server, tiny_tokenizer
     await ctx.engine.close()
     assert sorted(calls) == ["a", "b"]
     assert {s.metadata["role"]: s.reward for s in samples} == {"a": 1.0, "b": 100.5}
+
+
+# -- every feature of the episode loop works with roles (one loop over seats) --------------------------------
+
+
+class RewritingDebate(LongDebate):
+    """LongDebate whose own rewrite_history() compacts role a's conversation (called for the role about to act)."""
+
+    async def rewrite_history(self, messages):
+        if self.who != "a" or len(messages) < 5:
+            return None
+        return [{"role": "user", "content": "Summary: you argued twice."}, messages[-1]]
+
+
+async def test_a_roles_rewrite_history_segments_that_role_only(tiny_server, tiny_ckpt, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_segments import _assert_token_exact
+
+    ctx = _ctx(tiny_server, tiny_tokenizer)
+    samples, _ = await generate_rollout(ctx, RewritingDebate, [{"prompt": "tea"}])
+    await ctx.engine.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    a = [s for s in samples if s.role == "a"]
+    b = [s for s in samples if s.role == "b"]
+    assert {s.status for s in samples} == {Status.COMPLETED}, [s.metadata.get("error") for s in samples]
+    assert [s.segment for s in a] == [0, 1] and len(b) == 1 and b[0].segment == 0
+    assert a[1].prompt[0]["content"] == "Summary: you argued twice." and a[0].metadata["history_rewrites"] == 1
+    assert [len(s.turn_spans) for s in a] == [2, 1] and {s.reward for s in a} == {1.0} and b[0].reward == 0.75
+    assert {s.episode_id for s in samples} == {samples[0].episode_id} and all(s.trained for s in samples)
+    for s in samples:
+        _assert_token_exact(model, ctx.template, s)
+
+
+async def test_roles_follow_the_template_in_template_history_mode(tiny_server, tiny_ckpt, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_segments import EARLIER, FORGETFUL_TEMPLATE, _assert_token_exact
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    for mode in ("exact", "template"):
+        config = RolloutConfig(rollout_max_turn_len=200, max_turns=10, history_mode=mode)
+        ctx = EpisodeContext(
+            engine=SGLangEngine(tiny_server),
+            template=ChatTemplate(tiny_tokenizer, template=FORGETFUL_TEMPLATE),
+            config=config,
+        )
+        samples, _ = await generate_rollout(ctx, LongDebate, [{"prompt": "tea"}])
+        await ctx.engine.close()
+        assert {s.status for s in samples} == {Status.COMPLETED}, [s.metadata.get("error") for s in samples]
+        for role in ("a", "b"):
+            segs = [s for s in samples if s.role == role]
+            # a role's third turn follows two of its answers: the template renders the first as a placeholder
+            assert sum(len(s.turn_spans) for s in segs) == 3, (mode, role)
+            if mode == "exact":  # the break is counted once: the sample differs from then on anyway
+                assert len(segs) == 1 and segs[0].metadata["template_breaks"] == 1
+            else:  # a new segment at each break (a random model's reply may itself re-tokenize differently)
+                assert len(segs) >= 2 and {s.episode_id for s in segs} == {samples[0].episode_id}
+                assert EARLIER in ctx.template.decode(segs[-1].tokens[: segs[-1].prompt_length])
+                for s in segs:
+                    _assert_token_exact(model, ctx.template, s)
+
+
+class SlowDebate(Debate):
+    """Debate whose reset and steps each take 50 ms of the env's time."""
+
+    async def reset(self, *, seed=None, options=None):
+        await asyncio.sleep(0.05)
+        return await super().reset(seed=seed, options=options)
+
+    async def step(self, action):
+        await asyncio.sleep(0.05)
+        return await super().step(action)
+
+
+@pytest.fixture
+def sglang_standin(tiny_tokenizer):
+    """A stand-in for an SGLang server (SGLang cannot run on this machine), over HTTP on loopback: every turn is
+    first aborted after two tokens (a weight push pausing the engine: weight version 1), then finished from
+    there on version 2; every reply carries SGLang's routed-expert ids (2 per forwarded token, base64 int32,
+    what an MoE model reports) and speculative-decoding counters."""
+    import base64
+    import http.server
+    import json
+    import threading
+
+    import numpy as np
+
+    words = tiny_tokenizer.encode("ok then", add_special_tokens=False)[:3]
+    eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    requests: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            requests.append(body)
+            resumed = len(requests) % 2 == 0
+            out = [words[-1], eos] if resumed else words[:2]
+            prompt = len(body["input_ids"])
+            experts = np.arange((prompt + len(out) - 1) * 2, dtype=np.int32)
+            reply = {
+                "text": "",
+                "output_ids": out,
+                "meta_info": {
+                    "finish_reason": {"type": "stop", "matched": eos} if resumed else {"type": "abort"},
+                    "output_token_logprobs": [[-0.5, t, None] for t in out],
+                    "prompt_tokens": prompt,
+                    "completion_tokens": len(out),
+                    "weight_version": "2" if resumed else "1",
+                    "routed_experts": base64.b64encode(experts.tobytes()).decode("ascii"),
+                    "spec_verify_ct": 1,
+                    "spec_accept_token_num": 1,
+                    "spec_draft_token_num": 2,
+                },
+            }
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    server.shutdown()
+    server.server_close()
+
+
+async def test_roles_resume_aborted_turns_and_keep_routed_experts_spec_info_and_env_time(
+    sglang_standin, tiny_tokenizer
+):
+    url, requests = sglang_standin
+    config = RolloutConfig(rollout_max_turn_len=50, max_turns=10, partial_rollout=True)
+    ctx = EpisodeContext(
+        engine=SGLangEngine(url, return_routed_experts=True), template=ChatTemplate(tiny_tokenizer), config=config
+    )
+    samples, _ = await generate_rollout(ctx, SlowDebate, [{"prompt": "tea"}])
+    await ctx.engine.close()
+    assert len(requests) == 8 and all(r["return_routed_experts"] for r in requests)  # 4 turns, each resumed once
+    assert {s.role for s in samples} == {"a", "b"}
+    for s in samples:
+        assert s.status == Status.COMPLETED, s.metadata.get("error")
+        s.validate()
+        assert s.metadata["partial_resumes"] == 2 and s.weight_versions == ["1", "2", "1", "2"]
+        spans = s.metadata["version_spans"]  # each turn: 2 tokens on version 1, then 2 on version 2
+        assert [b - a for a, b in spans] == [2, 2, 2, 2]
+        assert sorted(p for a, b in spans for p in range(a, b)) == [p for p, m in enumerate(s.loss_mask) if m]
+        assert s.rollout_log_probs.count(-0.5) == 8
+        # the last reply's expert ids cover every token the role's engine forwarded: all but the last
+        assert s.rollout_routed_experts.shape == (len(s.tokens) - 1, 2)
+        assert s.spec_info.spec_verify_ct == 4 and s.spec_info.spec_draft_token_num == 8
+        # the env's time: reset (every role waited for it) and the role's own two steps
+        assert s.non_generation_time >= 0.05 * 3, s.non_generation_time

@@ -461,8 +461,7 @@ def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks,
             check_rollout_features(RolloutConfig(history_rewrite_path=path), TalkEnv, [{"prompt": "x"}])
     hook = RolloutConfig(history_rewrite_path="my_hooks:summarize")
     check_rollout_features(hook, TalkEnv, [{"prompt": "x"}])  # a hook that loads, on a single-agent env
-    with pytest.raises(ValueError, match="does not support --history-rewrite-path"):
-        check_rollout_features(hook, TicTacToe, [{"prompt": "x"}])  # read off the class: no engine needed
+    assert check_rollout_features(hook, TicTacToe, [{"prompt": "x"}]) is hooks.summarize  # roles: each role's history
     with pytest.raises(ValueError, match="a row's generate_function_path"):
         check_rollout_features(hook, TalkEnv, [{"prompt": "x", "generate_function_path": "my_hooks:summarize"}])
     with pytest.raises(ValueError, match="custom generate or rollout function"):
@@ -476,29 +475,25 @@ def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks,
         cfg.validate()
 
 
-async def test_an_env_built_by_a_function_is_probed_for_roles_at_the_first_rollout(tiny_server, tiny_tokenizer, hooks):
-    from agentrl.envs.tictactoe import TicTacToe
+async def test_the_hook_rewrites_each_roles_history(tiny_server, tiny_tokenizer, tiny_model, hooks):
+    from tests.test_roles import LongDebate
 
-    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize")
-    with pytest.raises(ValueError, match="does not support --history-rewrite-path"):
-        await generate_rollout(ctx, lambda: TicTacToe(), [{"prompt": "x"}])
+    ctx = _ctx(tiny_server, tiny_tokenizer, history_rewrite_path="my_hooks:summarize", max_turns=10)
+    samples, _ = await generate_rollout(ctx, lambda: LongDebate(), [{"prompt": "tea"}])  # built by a function
     await ctx.engine.close()
-
-
-def test_the_cli_refuses_a_hook_on_a_roles_env_before_starting_an_engine(tmp_path, capsys, hooks, monkeypatch):
-    import agentrl.checkpoint
-    from agentrl.cli import main
-
-    def no_model(*a, **kw):
-        raise AssertionError("the checkpoint was resolved: the refusal came too late")
-
-    monkeypatch.setattr(agentrl.checkpoint, "resolve_hf_checkpoint", no_model)
-
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"prompt": "x"}\n')
-    code = main(["rollout", "--env", "agentrl/TicTacToe-v0", "--prompt-data", str(rows),
-                 "--history-rewrite-path", "my_hooks:summarize"])  # fmt: skip
-    assert code != 0 and "does not support --history-rewrite-path" in capsys.readouterr().err
+    assert {s.status for s in samples} == {Status.COMPLETED}, [s.metadata.get("error") for s in samples]
+    by_role = {r: [s for s in samples if s.role == r] for r in ("a", "b")}
+    for role, segs in by_role.items():  # each role's history reached 5 messages before its third turn
+        assert [s.segment for s in segs] == [0, 1] and segs[0].metadata["history_rewrites"] == 1, role
+        assert segs[1].prompt[0]["content"] == f"{SUMMARY} (tea)"
+        assert {s.episode_id for s in segs} == {samples[0].episode_id} and {s.reward for s in segs} == {
+            sum(sum(x.turn_rewards) for x in segs)
+        }
+        assert sum(len(s.turn_spans) for s in segs) == 3
+        for s in segs:
+            _assert_token_exact(tiny_model, ctx.template, s)
+    assert by_role["a"][0].reward == 1.0 and by_role["b"][0].reward == 0.75
+    assert len(hooks.seen) == 4  # before each role's second and third turns
 
 
 def test_train_refuses_a_hook_its_eval_rows_would_skip_before_anything_starts(tiny_ckpt, tmp_path, hooks, monkeypatch):

@@ -361,3 +361,56 @@ async def test_the_chat_completions_adapter_sends_the_pictures_as_image_parts(ti
     for s in samples:
         assert s.status == Status.COMPLETED and not s.token_exact, s.metadata
         assert len(s.turn_spans) == 2 and len(s.multimodal_inputs["images"]) == 2
+
+
+class PictureDebate(agentrl.Env):
+    """Two roles take 4 turns in turn; a sees a picture at reset, and each role is shown the next picture
+    (``count`` shapes, ``count`` = 1, 2, 3, ...) when the other one has answered."""
+
+    roles = ("a", "b")
+
+    def _picture(self) -> agentrl.Message:
+        from agentrl.envs.shapes import draw
+
+        self.shown += 1
+        img = draw(self.shown, self.shown)
+        return {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "How many?"}]}
+
+    async def reset(self, *, seed=None, options=None):
+        self.turn, self.who, self.shown = 0, "a", 0
+        return {"a": [self._picture()], "b": [{"role": "user", "content": "Wait for a picture."}]}, {}
+
+    def current_role(self):
+        return self.who
+
+    async def step(self, action):
+        self.turn += 1
+        if self.turn >= 4:
+            return {}, 1.0, True, False, {}
+        self.who = "b" if self.who == "a" else "a"
+        return {self.who: [self._picture()]}, 0.0, False, False, {}
+
+
+async def test_each_role_sees_its_own_pictures_token_exact(tiny_vlm_server, tiny_vlm):
+    ctx = _ctx(tiny_vlm_server, tiny_vlm, rollout_temperature=1.0)
+    samples, _ = await generate_rollout(ctx, PictureDebate, [{"prompt": "x"}])
+    await ctx.engine.close()
+    vision = ctx.template.vision
+    by_role = {s.role: s for s in samples}
+    assert set(by_role) == {"a", "b"}
+    # a: the reset's picture and the one after b's first answer; b: the one shown before its first turn
+    # (part of its prompt) and the one after a's second answer
+    for role, counts in (("a", [1, 3]), ("b", [2, 4])):
+        s = by_role[role]
+        s.validate()
+        assert s.status == Status.COMPLETED, s.metadata
+        assert [count_regions(u) for u in s.multimodal_inputs["images"]] == counts, role
+        assert [len(v) for v in s.multimodal_train_inputs.values()] == [2, 2]
+        placeholders = [j for j, t in enumerate(s.tokens[s.prompt_length :]) if t == vision.image_token_id]
+        assert s.tokens[: s.prompt_length].count(vision.image_token_id) == 4 and len(placeholders) == 4
+        assert all(s.loss_mask[j] == 0 for j in placeholders)
+    batch = _train_samples(samples)  # the trainer re-scores each role's tokens with that role's pictures
+    trainer = TorchTrainer(tiny_vlm, TrainConfig(lr=1e-2, global_batch_size=len(batch), seed=0))
+    for s, lp in zip(batch, trainer.compute_log_probs(batch, ref=False).old):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert (torch.tensor(lp)[m] - torch.tensor(s.rollout_log_probs)[m]).abs().max() < 1e-4

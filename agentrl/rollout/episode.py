@@ -1,19 +1,26 @@
 """One episode: reset the env, then alternate engine turns and env steps, recording every token once.
 
-The loop (token in, token out):
+The episode is played by *seats* (:class:`Seat`): one for a single-agent env, one per role for an env
+with ``roles`` (:attr:`agentrl.Env.roles`). Each seat has its own engine, conversation, token ledger
+and sample; one loop serves both shapes (token in, token out):
 
-1. ``env.reset(seed, options=task)`` gives the first messages; the chat template renders them once
-   into the prompt ids.
-2. Each turn sends the ledger's exact ids to the engine and appends the returned ids verbatim
-   (mask 1, with log-probs). The turn's text is parsed into an :class:`~agentrl.Action`.
-3. ``env.step(action)`` answers; its messages are appended as a template *delta* (mask 0).
+1. ``env.reset(seed, options=task)`` gives every seat's first messages; the chat template renders
+   them once into the seat's prompt ids.
+2. Each turn the acting seat (``current_role()`` with roles) first lays down what the env showed it
+   since its last turn, as a template *delta* (mask 0), or, after a history rewrite or a template
+   break in ``--history-mode template``, as the conversation rendered again (an extension of its
+   ledger, or a new *segment*: a sample of its own). Then its ledger's exact ids go to its engine and
+   the returned ids are appended verbatim (mask 1, with log-probs); the text is parsed into an
+   :class:`~agentrl.Action`.
+3. ``env.step(action)`` answers with messages and rewards for the seats.
 4. The episode ends when the env terminates or truncates, at ``max_turns``, when a turn hits its
-   length limit (``--rollout-max-turn-len``), when the response reaches its whole budget
+   length limit (``--rollout-max-turn-len``), when a seat's response reaches its whole budget
    (``--rollout-max-response-len``, turns and observations together), or when the next observation
-   would overflow the context or the response budget (it is then not appended).
+   would overflow the context or the response budget (it is then not appended). The status is
+   every seat's.
 
-Faults never escape: an env that raises, times out or breaks its contract ends the sample as
-``failed``; an engine that cannot serve the turn ends it as ``aborted``. The reason is in
+Faults never escape: an env that raises, times out or breaks its contract ends the episode's samples
+as ``failed``; an engine that cannot serve the turn ends them as ``aborted``. The reason is in
 ``sample.status_reason`` (and ``metadata["error"]``).
 """
 
@@ -36,7 +43,16 @@ from typing import Any
 from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.config import RolloutConfig
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
-from agentrl.env import Env, EnvContractError, call_env, check_messages, check_reset, check_step
+from agentrl.env import (
+    Env,
+    EnvContractError,
+    call_env,
+    check_messages,
+    check_reset,
+    check_roles_reset,
+    check_roles_step,
+    check_step,
+)
 from agentrl.images import ImageError
 from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
 from agentrl.rollout.pictures import Pictures, observe, sampled_placeholder
@@ -200,6 +216,49 @@ async def _timed(coro: Any, timeout: float, what: str) -> Any:
         ) from None
 
 
+@dataclass
+class Seat:
+    """One agent's side of an episode: its engine, conversation, token ledger and sample.
+
+    A single-agent env has one seat (``role`` None); an env with ``roles`` has one per role, each with its
+    own conversation as the chat template renders it (its turns are the assistant's, the rest is what the
+    env showed it). :func:`run_episode` works on whichever seat acts, so every turn mechanic (budgets,
+    partial rollouts, pictures, history rewrites and segments, routed experts, timing) serves every shape.
+    """
+
+    role: str | None
+    engine: Engine
+    key: str
+    """The routing key of the seat's requests: one engine serves a seat's whole episode (its prefix cache)."""
+    sample: Sample
+    tools: list[dict] = field(default_factory=list)
+    convo: list[Message] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
+    """Every image of the conversation, in order (a new segment's prompt holds them all)."""
+    ledger: TokenLedger | None = None
+    pictures: Pictures = field(default_factory=Pictures)
+    delta_context: Any = None
+    prompt_len: int = 0
+    pending: list[Message] = field(default_factory=list)
+    """What the env showed the seat since its last turn: laid down before its next one."""
+    owed: bool = False
+    """Whether a step answered the seat since its last turn (a single agent's step may show it nothing)."""
+    last_token_text: str | None = None
+    seen_ids: set[str] = field(default_factory=set)
+    """Tool-call ids of this seat's turns (:func:`~agentrl.parsing.unique_call_ids`)."""
+    checking: bool = True
+    """Exact mode: whether the live segment is still checked for template breaks."""
+    early_reward: float = 0.0
+    """Reward given to the seat before its first turn: added to that turn."""
+    done: list[tuple[Sample, TokenLedger]] = field(default_factory=list)
+    """Finished segments, before the live one."""
+
+    @property
+    def who(self) -> str:
+        """How errors name the seat (nothing for the single agent)."""
+        return "" if self.role is None else f"role {self.role!r}: "
+
+
 async def run_episode(
     ctx: EpisodeContext,
     env_factory: Callable[[], Env],
@@ -211,71 +270,61 @@ async def run_episode(
 ) -> list[Sample]:
     """Run one episode of a fresh env on ``task``; never raises.
 
-    Returns the episode's samples: one, or one per *segment* when the history was rewritten
-    (:meth:`Env.rewrite_history`, or ``--history-mode template`` at a template break). Segments share
-    ``metadata["episode_id"]``, the episode's status and reward; ``metadata["segment"]`` orders them.
+    Returns the episode's samples: one per seat that acted (one for a single-agent env, one per role for an
+    env with ``roles``), and per seat one per *segment* when its history was rewritten
+    (:meth:`Env.rewrite_history`, the ``--history-rewrite-path`` hook, or ``--history-mode template`` at a
+    template break). A seat's segments share ``metadata["episode_id"]`` and the seat's reward;
+    ``metadata["segment"]`` orders them. Every sample carries the episode's status.
     """
     cfg = ctx.config
     t0 = time.monotonic()
     key = f"{_RUN_KEY}-{next(_EPISODE_COUNTER)}"  # routing key: sticky engine per episode; the episode id
-    sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
-    sample.metadata = _segment_metadata()
-    extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
-    if extra:
-        sample.metadata["task"] = extra
-    done: list[tuple[Sample, TokenLedger]] = []  # finished segments, before the live one
-    ledger: TokenLedger | None = None
+    first = _task_sample(task, group_index, index)  # the single agent's; reports an episode no seat of which acted
     env: Env | None = None
-    status, reason = Status.TRUNCATED, "max_turns"
+    roles: tuple[str, ...] = ()
+    seats: dict[str | None, Seat] = {}
+    order: list[Seat] = []  # the seats that acted, in the order they first did
+    status, reason, error = Status.TRUNCATED, "max_turns", None
+    closing: dict[str, Any] = {}  # close()'s errors, every sample's
+    close_seconds = 0.0
     try:
-        with _env_clock(sample):
+        with _env_clock(first):
             env = _construct(env_factory)
-        if env.roles:
-            roles_env, env = env, None  # that loop closes it itself
-            return await _roles_episode(ctx, roles_env, task, key, group_index, index, seed, t0)
-        max_turns = cfg.turn_limit(env.max_turns)
+        roles = tuple(env.roles)
         step_timeout = env.step_timeout or cfg.env_step_timeout
         parser = get_parser(cfg.tool_parser or env.tool_parser)
         hook = ctx.history_rewrite if ctx.history_rewrite is not None else history_hook(cfg.history_rewrite_path)
         rewrites = type(env).rewrite_history is not Env.rewrite_history or hook is not None
-        with _env_clock(sample):
+        with _env_clock(first):
             reset = call_env(env.reset, seed=seed, options=dict(task), _executor=ctx.executor)
-            obs, info = check_reset(await _timed(reset, step_timeout, "reset()"))
-        obs, images = await _observe(obs)
-        sample.prompt = obs
-        sample.metadata["reset_info"] = info
+            raw = await _timed(reset, step_timeout, "reset()")
+            views, info = check_roles_reset(raw, roles) if roles else _one_view(check_reset(raw))
         tools = env.tool_schemas()
-        pictures = Pictures()
-        try:
-            if images or ctx.template.vision is not None:  # the processor, in a worker thread
-                try:
-                    _, expanded = await asyncio.to_thread(ctx.template.prompt_images, obs, images, tools)
-                except TemplateError as exc:
-                    raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
-                prompt_ids = expanded.ids
-                pictures.add(images, expanded, sample)
-            elif _long(obs, tools):  # seconds of tokenizing (a many-MiB first message) must not stall every episode
-                _, prompt_ids = await asyncio.to_thread(ctx.template.prompt, obs, tools)
-            else:
-                _, prompt_ids = ctx.template.prompt(obs, tools)
-            delta_context = ctx.template.delta_context(tools, obs)
-        except TemplateError as exc:
-            raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
-        convo_images = list(images)  # every image of the conversation, in order (a new segment's prompt holds them all)
-        ledger = TokenLedger(prompt_ids)
-        convo = list(obs)
-        seen_ids: set[str] = set()  # tool-call ids of this episode (unique_call_ids)
-        sample.token_exact = ctx.engine.token_exact
-        context_len = cfg.rollout_max_context_len
-        if context_len is not None and len(ledger) >= context_len:
-            raise _EndEpisode(Status.TRUNCATED, "context_length")
-        prompt_len, whole = len(ledger), cfg.rollout_max_response_len
-        checking = True  # exact mode: is this sample still checked for template breaks
+        for role, obs in views.items():
+            seats[role] = seat = _seat(ctx, role, key, first, task)
+            await _open(ctx, seat, obs, info, tools)
+        if not roles:
+            order.append(seats[None])
+        max_turns = cfg.turn_limit(env.max_turns)
+        context_len, whole = cfg.rollout_max_context_len, cfg.rollout_max_response_len
         for turn in range(max_turns):
-            meta = sample.metadata
+            seat = seats[_current_role(env, roles)] if roles else seats[None]
+            if seat not in order:  # a role's first turn: what it was shown before is part of its prompt
+                order.append(seat)
+                if seat.pending:
+                    await _reopen(ctx, seat)
+            elif roles and not seat.pending:
+                raise EnvContractError(
+                    f"role {seat.role!r} was asked to act again with nothing new to read since its last turn: "
+                    "give it a message in step()'s {role: messages} first"
+                )
+            if seat.owed:
+                await _lay_down(ctx, env, seat, hook, rewrites, task, step_timeout)
+            sample, ledger = seat.sample, seat.ledger
+            assert ledger is not None
             budget = cfg.rollout_max_turn_len
             if whole is not None:  # slime's budget over the whole response: this turn gets what is left
-                left = whole - (len(ledger) - prompt_len)
+                left = whole - (len(ledger) - seat.prompt_len)
                 if left < 1:
                     raise _EndEpisode(Status.TRUNCATED, "response_budget")
                 budget = min(budget, left)
@@ -284,175 +333,346 @@ async def run_episode(
                 budget = min(budget, context_len - 1 - len(ledger))
                 if budget < 1:
                     raise _EndEpisode(Status.TRUNCATED, "context_length")
-            out = await _generate_turn(ctx, sample, ledger, budget, key, convo, tools, pictures.urls)
+            out = await _generate_turn(ctx, seat, budget)
+            meta = sample.metadata
             meta["finish_reasons"].append(out.finish_reason)
             if out.finish_reason == "length":
                 hit_context = context_len is not None and len(ledger) >= context_len - 1
-                spent = whole is not None and len(ledger) - prompt_len >= whole
+                spent = whole is not None and len(ledger) - seat.prompt_len >= whole
                 reason = "context_length" if hit_context else "response_budget" if spent else "response_length"
-                await _cut_off(ctx, env, out, parser, turn, seen_ids, sample, step_timeout, len(ledger))
+                await _cut_off(ctx, env, out, parser, turn, seat, step_timeout)
                 raise _EndEpisode(Status.TRUNCATED, reason)
             turn_prompt = len(ledger) - len(out.output_ids)  # what the engine read (usage.prompt_tokens)
-            action, message, last_token_text = parse_turn(ctx, out, parser, turn, seen_ids, prompt_length=turn_prompt)
+            action, message, seat.last_token_text = parse_turn(
+                ctx, out, parser, turn, seat.seen_ids, prompt_length=turn_prompt
+            )
             calls, errors = action.tool_calls, action.errors
-            convo.append(message)
+            seat.convo.append(message)
             meta["tool_calls"] += len(calls)
             meta["parse_errors"] += len(errors)
             with _env_clock(sample):
                 step = call_env(env.step, action, _executor=ctx.executor)
-                obs, reward, terminated, truncated, info = check_step(await _timed(step, step_timeout, "step()"))
-            sample.turn_rewards.append(reward)
+                raw = await _timed(step, step_timeout, "step()")
+                if roles:
+                    shown, rewards, terminated, truncated, info = check_roles_step(raw, roles, seat.role or "")
+                else:
+                    obs, reward, terminated, truncated, info = check_step(raw)
+                    shown, rewards = {None: obs}, {None: reward}
+            sample.turn_rewards.append(0.0)
             meta["env_infos"].append(info)
+            for r, value in rewards.items():
+                _credit(seats[r], value)
+            for r, msgs in shown.items():
+                seats[r].pending += msgs
+                seats[r].owed = not roles or bool(seats[r].pending)
             if terminated:
                 status, reason = Status.COMPLETED, "terminated"
                 break
             if truncated:
                 status, reason = Status.TRUNCATED, "env_truncated"
                 break
-            if turn == max_turns - 1:
-                break
-            obs, images = await _observe(obs)
-            convo.extend(obs)
-            convo_images.extend(images)
-            rewritten = None
-            if rewrites:
-                rewritten = await _rewrite_history(ctx, env, hook, convo, task, step_timeout, sample)
-                if rewritten is not None:
-                    rewritten, rewritten_images = await _observe(rewritten)  # its pictures as data URLs, as convo's
-                    if rewritten == convo:
-                        rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
-                    else:
-                        convo, convo_images = rewritten, rewritten_images
-                        meta["history_rewrites"] = meta.get("history_rewrites", 0) + 1
-            if rewritten is None:
-                try:
-                    delta = ctx.template.observation_delta(
-                        obs, tools, last_token_text=last_token_text, context=delta_context
+            if roles and (calls or errors):  # the acting role's calls are answered to it before anyone else acts
+                answered = {m.get("tool_call_id") for m in seat.pending if m.get("role") == "tool"}
+                missing = [c.id for c in (*calls, *errors) if c.id not in answered]
+                if missing:
+                    raise EnvContractError(
+                        f"role {seat.role!r} made tool call(s) {missing} that step() left unanswered: a turn's "
+                        "calls are answered in that role's messages before another role acts"
                     )
-                except TemplateError as exc:
-                    raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
-                if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
-                    raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
-                expanded = None
-                if images or ctx.template.vision is not None:
-                    expanded = await _encode_images(ctx, delta, images)
-                    delta_ids = expanded.ids
-                else:
-                    delta_ids = await _encode(ctx, delta)
-                if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
-                    raise _EndEpisode(Status.TRUNCATED, "context_length")
-                if whole is not None and len(ledger) + len(delta_ids) - prompt_len >= whole:
-                    raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
-                ledger.append_env(delta_ids)
-                if expanded is not None:
-                    pictures.add(images, expanded, sample)
-            # what the chat template makes of the conversation now: the rewritten history's prompt, or (to
-            # detect a template break) the whole conversation re-rendered; in exact mode only until the first
-            # break of the sample (the ledger differs from then on anyway), and never when rendering fails
-            if rewritten is None and not (cfg.history_mode == "template" or checking):
-                continue
-            try:
-                rendered, rendered_expanded = await _render_prompt(ctx, convo, tools, convo_images)
-            except _EndEpisode:
-                if rewritten is not None or cfg.history_mode == "template":
-                    raise
-                meta["template_check_error"] = True  # the template cannot re-render this history: keep the tokens
-                checking = False
-                continue
-            same_pictures = [im.digest for im in convo_images[: len(pictures.images)]] == [
-                im.digest for im in pictures.images
-            ]  # a picture swapped for another of its size leaves the placeholder ids as they were
-            if rendered[: len(ledger)] == ledger.tokens and same_pictures:  # an extension of the ledger: one sample
-                if rewritten is not None:
-                    extra_ids = rendered[len(ledger) :]
-                    if context_len is not None and len(rendered) >= context_len:
-                        raise _EndEpisode(Status.TRUNCATED, "context_length")
-                    if whole is not None and len(rendered) - prompt_len >= whole:
-                        raise _EndEpisode(Status.TRUNCATED, "response_budget")
-                    ledger.append_env(extra_ids)
-                    if rendered_expanded is not None and len(rendered_expanded.pixels) > len(pictures.images):
-                        new = len(pictures.images)  # the rewrite's new images sit in the appended tail
-                        tail = dataclasses.replace(
-                            rendered_expanded,
-                            pixels=rendered_expanded.pixels[new:],
-                            num_tokens=rendered_expanded.num_tokens[new:],
-                        )
-                        pictures.add(convo_images[new:], tail, sample)
-                continue
-            if rewritten is None:
-                meta["template_breaks"] = meta.get("template_breaks", 0) + 1
-                if cfg.history_mode != "template":
-                    checking = False
-                    continue  # keep the rollout's exact tokens (the default)
-            # a new segment: its prompt is the conversation as the template renders it now
-            if context_len is not None and len(rendered) >= context_len:
-                raise _EndEpisode(Status.TRUNCATED, "context_length")
-            done.append((sample, ledger))
-            sample = _next_segment(sample, convo)
-            ledger = TokenLedger(rendered)
-            pictures = Pictures()
-            if rendered_expanded is not None:
-                pictures.add(convo_images, rendered_expanded, sample)
-            prompt_len, checking = len(ledger), True
-            try:
-                delta_context = ctx.template.delta_context(tools, convo)
-            except TemplateError as exc:
-                raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
     except _EndEpisode as end:
-        status, reason = end.status, end.reason
-        if end.error:
-            sample.metadata["error"] = end.error
-    except EnvContractError as exc:  # reset()/step()/rewrite_history() returned the wrong shapes
-        status, reason = Status.FAILED, "env_contract"
-        sample.metadata["error"] = str(exc)
+        status, reason, error = end.status, end.reason, end.error
+    except EnvContractError as exc:  # reset()/step()/rewrite_history()/current_role() returned the wrong shapes
+        status, reason, error = Status.FAILED, "env_contract", str(exc)
     except ImageError as exc:  # an undecodable or oversized image fails its sample only
-        status, reason = Status.FAILED, "image"
-        sample.metadata["error"] = str(exc)
+        status, reason, error = Status.FAILED, "image", str(exc)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # an SDK bug, a parser/template surprise, a stray SystemExit: fail the sample only
         status, reason = Status.FAILED, "internal_error"
-        sample.metadata["error"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         if env is not None:
-            with _env_clock(sample):
-                await _close_env(env, sample.metadata, cfg.env_step_timeout, ctx.executor)
-        release = getattr(ctx.engine, "release", None)
-        if release is not None:
-            release(key)
+            c0 = time.monotonic()
+            await _close_env(env, closing, cfg.env_step_timeout, ctx.executor)
+            close_seconds = time.monotonic() - c0
+        for seat in seats.values():
+            release = getattr(seat.engine, "release", None)
+            if release is not None:
+                release(seat.key)
+    return _episode_samples(ctx, key, first, order, roles, status, reason, error, closing, close_seconds, t0)
+
+
+def _episode_samples(
+    ctx: EpisodeContext,
+    key: str,
+    first: Sample,
+    order: list[Seat],
+    roles: tuple[str, ...],
+    status: Status,
+    reason: str,
+    error: str | None,
+    closing: dict[str, Any],
+    close_seconds: float,
+    t0: float,
+) -> list[Sample]:
+    """Every seat's finished samples, segments in order; the episode's status, error and close errors on
+    each; a seat's reward (the sum of its segments' turns) on each of its segments. An episode none of
+    whose seats acted (a failed construct or reset) is reported by ``first``."""
     seconds = time.monotonic() - t0
-    segments = [_finish(s, led, ctx, status, reason, seconds) for s, led in done]
-    segments.append(_finish(sample, ledger, ctx, status, reason, seconds))
-    if len(segments) > 1:  # the episode's reward and outcome are every segment's
-        total = float(sum(sum(s.turn_rewards) for s in segments))
-        error = segments[-1].metadata.get("error")
-        for k, s in enumerate(segments):
-            s.reward = total
-            s.episode_id, s.segment = key, k
-            s.metadata["num_segments"] = len(segments)
-            if error is not None:
-                s.metadata.setdefault("error", error)
-    return segments
+    out: list[Sample] = []
+    for seat in order:
+        segments = [*seat.done, (seat.sample, seat.ledger)]
+        if seat.early_reward:  # given before the seat's first turn: that turn's (even one cut before its step)
+            s, led = segments[0]
+            spans = len(led.model_spans) if led is not None else 0
+            s.turn_rewards.extend([0.0] * (max(spans, 1) - len(s.turn_rewards)))
+            s.turn_rewards[0] += seat.early_reward
+        finished = [_finish(s, led, ctx, status, reason, seconds) for s, led in segments]
+        if len(finished) > 1:
+            total = float(sum(sum(s.turn_rewards) for s in finished))
+            for k, s in enumerate(finished):
+                s.reward = total
+                s.episode_id, s.segment = key, k
+                s.metadata["num_segments"] = len(finished)
+        finished[-1].non_generation_time += close_seconds
+        out += finished
+    if not out:
+        if roles:
+            first.episode_id = key
+        first.non_generation_time += close_seconds
+        out = [_finish(first, None, ctx, status, reason, seconds)]
+    for s in out:
+        if error is not None:
+            s.metadata["error"] = error
+        for k, v in closing.items():
+            s.metadata.setdefault(k, v)
+        if roles:
+            s.metadata["num_roles"] = max(len(order), 1)
+    return out
+
+
+def _task_sample(task: dict[str, Any], group_index: int | None, index: int | None) -> Sample:
+    """A sample of ``task`` before anything happened: the row's prompt and label, its other fields as
+    ``metadata["task"]``, empty per-turn records."""
+    sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
+    sample.metadata = _segment_metadata()
+    extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
+    if extra:
+        sample.metadata["task"] = extra
+    return sample
+
+
+def _one_view(reset: tuple[list[Message], dict]) -> tuple[dict[str | None, list[Message]], dict]:
+    """A single agent's reset as the seats' view: its one seat's messages."""
+    obs, info = reset
+    return {None: obs}, info
+
+
+def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: dict[str, Any]) -> Seat:
+    """The seat of ``role`` (None: the single agent, whose sample is ``first``): its engine (a role played on
+    ``--role-engine-url`` is recorded, not trained), routing key and sample."""
+    if role is None:
+        return Seat(None, ctx.engine, key, first)
+    engine = ctx.role_engines.get(role, ctx.engine)
+    sample = _task_sample(task, first.group_index, first.index)
+    sample.role, sample.episode_id = role, key
+    sample.non_generation_time = first.non_generation_time  # constructing and resetting the env: every role waited
+    if role in ctx.role_engines:
+        sample.trained = False
+    return Seat(role, engine, f"{key}-{role}", sample)
+
+
+async def _open(ctx: EpisodeContext, seat: Seat, obs: list[Message], info: dict, tools: list[dict]) -> None:
+    """Render the seat's first conversation into its prompt ids (a worker thread for a long one, the
+    processor's for one with images) and start its ledger."""
+    obs, images = await _observe(obs)
+    sample = seat.sample
+    sample.prompt = obs
+    sample.metadata["reset_info"] = info
+    sample.token_exact = seat.engine.token_exact
+    seat.tools = tools
+    try:
+        if images or ctx.template.vision is not None:  # the processor, in a worker thread
+            try:
+                _, expanded = await asyncio.to_thread(ctx.template.prompt_images, obs, images, tools)
+            except TemplateError as exc:
+                raise _EndEpisode(Status.FAILED, "image" if images else "template", str(exc)) from None
+            prompt_ids = expanded.ids
+            seat.pictures.add(images, expanded, sample)
+        elif _long(obs, tools):  # seconds of tokenizing (a many-MiB first message) must not stall every episode
+            _, prompt_ids = await asyncio.to_thread(ctx.template.prompt, obs, tools)
+        else:
+            _, prompt_ids = ctx.template.prompt(obs, tools)
+        seat.delta_context = ctx.template.delta_context(tools, obs)
+    except TemplateError as exc:
+        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+    seat.convo, seat.images = list(obs), list(images)
+    seat.ledger = TokenLedger(prompt_ids)
+    seat.prompt_len = len(seat.ledger)
+
+
+async def _reopen(ctx: EpisodeContext, seat: Seat) -> None:
+    """A role shown messages before its first turn: they join its prompt, which is rendered again (once)."""
+    obs, images = await _observe(seat.pending)
+    seat.pending, seat.owed = [], False
+    seat.convo += obs
+    seat.images += images
+    rendered, expanded = await _render_prompt(ctx, seat.convo, seat.tools, seat.images)
+    seat.ledger = TokenLedger(rendered)
+    seat.prompt_len = len(rendered)
+    seat.sample.prompt = list(seat.convo)
+    seat.pictures = Pictures()
+    if expanded is not None:
+        seat.pictures.add(seat.images, expanded, seat.sample)
+    try:
+        seat.delta_context = ctx.template.delta_context(seat.tools, seat.convo)
+    except TemplateError as exc:
+        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+
+
+def _current_role(env: Env, roles: tuple[str, ...]) -> str:
+    """Whose turn it is (``current_role()``, the user's code: one that raises fails the episode)."""
+    try:
+        role = env.current_role()
+    except Exception as exc:
+        raise _EndEpisode(Status.FAILED, "env_error", f"current_role() raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(role, str) or role not in roles:
+        raise EnvContractError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
+    return role
+
+
+def _credit(seat: Seat, value: float) -> None:
+    """A reward the env gave the seat: its last turn's (the turn just stepped, or the last one before
+    another role's step rewarded it), or its first turn's when it has not acted yet."""
+    for s in (seat.sample, *(done for done, _ in reversed(seat.done))):
+        if s.turn_rewards:
+            s.turn_rewards[-1] += value
+            return
+    seat.early_reward += value
+
+
+async def _lay_down(
+    ctx: EpisodeContext,
+    env: Env,
+    seat: Seat,
+    hook: Callable[..., Any] | None,
+    rewrites: bool,
+    task: dict[str, Any],
+    timeout: float,
+) -> None:
+    """What the env showed the seat since its last turn, into its ledger before its next turn.
+
+    The messages are appended as the chat template's *delta* (mask 0), unless the history is rewritten
+    (the env's ``rewrite_history()``, then the hook) or, with ``--history-mode template``, the template
+    renders the conversation differently from the tokens held (a template break): then the conversation
+    as rendered now either extends the ledger (the same sample goes on) or starts a new segment. Raises
+    :class:`_EndEpisode` when the observation cannot fit the context or the response budget."""
+    cfg = ctx.config
+    context_len, whole = cfg.rollout_max_context_len, cfg.rollout_max_response_len
+    obs, images = await _observe(seat.pending)
+    seat.pending, seat.owed = [], False
+    sample, ledger = seat.sample, seat.ledger
+    assert ledger is not None
+    meta = sample.metadata
+    seat.convo.extend(obs)
+    seat.images.extend(images)
+    rewritten = None
+    if rewrites:
+        rewritten = await _rewrite_history(ctx, env, hook, seat.convo, task, timeout, sample)
+        if rewritten is not None:
+            rewritten, rewritten_images = await _observe(rewritten)  # its pictures as data URLs, as convo's
+            if rewritten == seat.convo:
+                rewritten = None  # nothing changed: the sample goes on as if there was no rewrite
+            else:
+                seat.convo, seat.images = rewritten, rewritten_images
+                meta["history_rewrites"] = meta.get("history_rewrites", 0) + 1
+    if rewritten is None:
+        try:
+            delta = ctx.template.observation_delta(
+                obs, seat.tools, last_token_text=seat.last_token_text, context=seat.delta_context
+            )
+        except TemplateError as exc:
+            raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+        if context_len is not None and len(ledger) + ctx.template.min_tokens(delta) >= context_len:
+            raise _EndEpisode(Status.TRUNCATED, "context_length")  # cannot fit: not worth tokenizing
+        expanded = None
+        if images or ctx.template.vision is not None:
+            expanded = await _encode_images(ctx, delta, images)
+            delta_ids = expanded.ids
+        else:
+            delta_ids = await _encode(ctx, delta)
+        if context_len is not None and len(ledger) + len(delta_ids) >= context_len:
+            raise _EndEpisode(Status.TRUNCATED, "context_length")
+        if whole is not None and len(ledger) + len(delta_ids) - seat.prompt_len >= whole:
+            raise _EndEpisode(Status.TRUNCATED, "response_budget")  # no room left for the next turn's answer
+        ledger.append_env(delta_ids)
+        if expanded is not None:
+            seat.pictures.add(images, expanded, sample)
+    # what the chat template makes of the conversation now: the rewritten history's prompt, or (to detect a
+    # template break) the whole conversation re-rendered; in exact mode only until the first break of the
+    # sample (the ledger differs from then on anyway), and never when rendering fails
+    if rewritten is None and not (cfg.history_mode == "template" or seat.checking):
+        return
+    try:
+        rendered, rendered_expanded = await _render_prompt(ctx, seat.convo, seat.tools, seat.images)
+    except _EndEpisode:
+        if rewritten is not None or cfg.history_mode == "template":
+            raise
+        meta["template_check_error"] = True  # the template cannot re-render this history: keep the tokens
+        seat.checking = False
+        return
+    pictures = seat.pictures
+    same_pictures = [im.digest for im in seat.images[: len(pictures.images)]] == [
+        im.digest for im in pictures.images
+    ]  # a picture swapped for another of its size leaves the placeholder ids as they were
+    if rendered[: len(ledger)] == ledger.tokens and same_pictures:  # an extension of the ledger: one sample
+        if rewritten is not None:
+            if context_len is not None and len(rendered) >= context_len:
+                raise _EndEpisode(Status.TRUNCATED, "context_length")
+            if whole is not None and len(rendered) - seat.prompt_len >= whole:
+                raise _EndEpisode(Status.TRUNCATED, "response_budget")
+            ledger.append_env(rendered[len(ledger) :])
+            if rendered_expanded is not None and len(rendered_expanded.pixels) > len(pictures.images):
+                new = len(pictures.images)  # the rewrite's new images sit in the appended tail
+                tail = dataclasses.replace(
+                    rendered_expanded,
+                    pixels=rendered_expanded.pixels[new:],
+                    num_tokens=rendered_expanded.num_tokens[new:],
+                )
+                pictures.add(seat.images[new:], tail, sample)
+        return
+    if rewritten is None:
+        meta["template_breaks"] = meta.get("template_breaks", 0) + 1
+        if cfg.history_mode != "template":
+            seat.checking = False
+            return  # keep the rollout's exact tokens (the default)
+    # a new segment: its prompt is the conversation as the template renders it now
+    if context_len is not None and len(rendered) >= context_len:
+        raise _EndEpisode(Status.TRUNCATED, "context_length")
+    seat.done.append((sample, ledger))
+    seat.sample = _next_segment(sample, seat.convo)
+    seat.ledger = TokenLedger(rendered)
+    seat.pictures = Pictures()
+    if rendered_expanded is not None:
+        seat.pictures.add(seat.images, rendered_expanded, seat.sample)
+    seat.prompt_len, seat.checking = len(seat.ledger), True
+    try:
+        seat.delta_context = ctx.template.delta_context(seat.tools, seat.convo)
+    except TemplateError as exc:
+        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
 
 
 async def _cut_off(
-    ctx: EpisodeContext,
-    env: Env,
-    out: GenerateOutput,
-    parser: Any,
-    turn: int,
-    seen_ids: set[str],
-    sample: Sample,
-    timeout: float,
-    ledger_length: int,
+    ctx: EpisodeContext, env: Env, out: GenerateOutput, parser: Any, turn: int, seat: Seat, timeout: float
 ) -> None:
     """Hand a turn the length limit cut off to an env that overrides :meth:`Env.turn_cut_off` (``step`` never
     sees such a turn): :class:`~agentrl.proxy.ProxyEnv`'s agent is waiting for it, as an OpenAI reply with
     ``finish_reason`` ``"length"``. The episode ends ``truncated`` either way."""
     if type(env).turn_cut_off is not Env.turn_cut_off:
-        prompt_length = ledger_length - len(out.output_ids)
-        action = parse_turn(ctx, out, parser, turn, seen_ids, prompt_length=prompt_length)[0]
-        with _env_clock(sample):
+        assert seat.ledger is not None
+        prompt_length = len(seat.ledger) - len(out.output_ids)
+        action = parse_turn(ctx, out, parser, turn, seat.seen_ids, prompt_length=prompt_length)[0]
+        with _env_clock(seat.sample):
             await _timed(call_env(env.turn_cut_off, action, _executor=ctx.executor), timeout, "turn_cut_off()")
 
 
@@ -460,18 +680,9 @@ MAX_RESUMES = 16
 """``--partial-rollout``: how many aborts one turn may survive (a push per resume) before it ends aborted."""
 
 
-async def _generate_turn(
-    ctx: EpisodeContext,
-    sample: Sample,
-    ledger: TokenLedger,
-    budget: int,
-    key: str,
-    convo: list[Message],
-    tools: list[dict],
-    image_data: list[str],
-) -> GenerateOutput:
-    """One assistant turn into ``ledger``: the engine's ids verbatim (mask 1, log-probs) and its
-    weight version in ``sample.weight_versions``.
+async def _generate_turn(ctx: EpisodeContext, seat: Seat, budget: int) -> GenerateOutput:
+    """One assistant turn of ``seat`` on its engine, into its ledger: the engine's ids verbatim (mask 1,
+    log-probs) and its weight version in the sample's ``weight_versions``.
 
     ``--partial-rollout`` on a token-exact engine: an aborted request (a weight push pausing the
     engine) keeps what it sampled and the turn continues from there with the same budget minus those
@@ -479,23 +690,25 @@ async def _generate_turn(
     ``weight_versions`` entry to its tokens. The returned output is the whole turn.
     """
     cfg = ctx.config
-    resume = cfg.partial_rollout and ctx.engine.token_exact
+    sample, ledger, engine, image_data = seat.sample, seat.ledger, seat.engine, seat.pictures.urls
+    assert ledger is not None
+    resume = cfg.partial_rollout and engine.token_exact
     turn_ids: list[int] = []
     turn_lps: list[float] = []
     for attempt in range(MAX_RESUMES + 1):
         try:
-            out = await ctx.engine.generate_turn(
+            out = await engine.generate_turn(
                 ledger.tokens,
                 cfg.sampling(budget - len(turn_ids)),
-                key=key,
-                messages=convo,
-                tools=tools,
+                key=seat.key,
+                messages=seat.convo,
+                tools=seat.tools,
                 **({"image_data": image_data} if image_data else {}),
             )
         except EngineError as exc:
-            raise _EndEpisode(Status.ABORTED, "engine_error", str(exc)) from None
+            raise _EndEpisode(Status.ABORTED, "engine_error", f"{seat.who}{exc}") from None
         if out.finish_reason == "abort" and not resume:
-            raise _EndEpisode(Status.ABORTED, "engine_abort", str(out.matched or ""))
+            raise _EndEpisode(Status.ABORTED, "engine_abort", f"{seat.who}{out.matched or ''}")
         start = len(ledger.response_ids)
         ledger.append_model(out.output_ids, out.output_logprobs, continues_turn=attempt > 0)
         turn_ids += out.output_ids
@@ -512,7 +725,7 @@ async def _generate_turn(
             raise _EndEpisode(
                 Status.FAILED,
                 "image_token_sampled",
-                f"the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
+                f"{seat.who}the policy sampled the image placeholder token {ctx.template.vision.marker!r}: later requests "
                 "and the trainer would take it for a picture that does not exist",
             )
         if out.finish_reason != "abort":
@@ -528,63 +741,16 @@ async def _generate_turn(
     )
 
 
-async def _roles_episode(
-    ctx: EpisodeContext,
-    env: Env,
-    task: dict[str, Any],
-    key: str,
-    group_index: int | None,
-    index: int | None,
-    seed: int | None,
-    t0: float,
-) -> list[Sample]:
-    """An env with ``roles``: one sample per role that acted (:mod:`agentrl.rollout.roles`)."""
-    from agentrl.rollout.roles import run_roles_episode
-
-    cfg = ctx.config
-    acted: list[tuple[Sample, TokenLedger | None]] = []
-    meta: dict[str, Any] = {}
-    try:
-        acted, status, reason, error = await run_roles_episode(
-            ctx,
-            env,
-            task,
-            key=key,
-            group_index=group_index,
-            index=index,
-            seed=seed,
-            timed=_timed,
-            end_episode=_EndEpisode,
-            parse_turn=parse_turn,
-        )
-    finally:
-        await _close_env(env, meta, cfg.env_step_timeout, ctx.executor)
-        for role in env.roles:  # each role's requests had their own routing key
-            for engine in (ctx.engine, *ctx.role_engines.values()):
-                release = getattr(engine, "release", None)
-                if release is not None:
-                    release(f"{key}-{role}")
-    seconds = time.monotonic() - t0
-    out = []
-    for s, led in acted:
-        s.metadata.update(meta)
-        if error is not None:
-            s.metadata["error"] = error
-        s.metadata["num_roles"] = len(acted)
-        out.append(_finish(s, led, ctx, status, reason, seconds))
-    return out
-
-
 def _segment_metadata() -> dict[str, Any]:
     """A segment's own per-turn records (the sample's ``metadata`` starts with these)."""
     return {"turn_rewards": [], "finish_reasons": [], "env_infos": [], "tool_calls": 0, "parse_errors": 0}
 
 
 def _next_segment(prev: Sample, convo: list[Message]) -> Sample:
-    """The sample that continues an episode after a history rewrite: same group, index and task, the
-    rewritten conversation as its prompt, fresh per-turn records."""
+    """The sample that continues a seat's episode after a history rewrite: same group, index, task and seat,
+    the rewritten conversation as its prompt, fresh per-turn records."""
     meta = _segment_metadata()
-    for k in ("task", "reset_info"):
+    for k in ("task", "reset_info", "role", "trained", "episode_id"):
         if k in prev.metadata:
             meta[k] = prev.metadata[k]
     nxt = Sample(group_index=prev.group_index, index=prev.index, prompt=list(convo), label=prev.label)

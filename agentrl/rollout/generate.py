@@ -21,7 +21,7 @@ import logging
 import time
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,36 +169,13 @@ def _units(samples: list[Sample]) -> list[list[Sample]]:
     return list(units.values())
 
 
-def _unsupported_with_roles(config: RolloutConfig, env_cls: type) -> list[str]:
-    """The features the multi-role loop does not support yet that this run asks for."""
-    return [
-        flag
-        for flag, on in (
-            ("--partial-rollout", config.partial_rollout),
-            ("--history-mode template", config.history_mode == "template"),
-            ("rewrite_history()", getattr(env_cls, "rewrite_history", None) is not Env.rewrite_history),
-            ("--history-rewrite-path", bool(config.history_rewrite_path)),
-        )
-        if on
-    ]
-
-
-def _refuse_with_roles(roles: Sequence[str], unsupported: list[str]) -> None:
-    if roles and unsupported:
-        raise ValueError(
-            f"an env with roles {list(roles)} does not support {', '.join(unsupported)} yet: drop "
-            f"{'it' if len(unsupported) == 1 else 'them'}"
-        )
-
-
 def check_rollout_features(
     config: RolloutConfig, env_factory: Any, rows: Iterable[dict[str, Any]] = (), *, custom: bool = False
 ) -> Callable[..., Any] | None:
     """Refuse, before any engine starts, what the env-driven episode loop cannot honour: a
     ``--history-rewrite-path`` that does not load, or that episodes it does not run (a custom generate or
-    rollout function, rows with their own ``generate_function_path``) would silently skip, and the features an
-    env class's ``roles`` rule out (an env built by a function is probed at the first rollout instead).
-    Returns the loaded hook (None without the flag)."""
+    rollout function, rows with their own ``generate_function_path``) would silently skip. Returns the loaded
+    hook (None without the flag)."""
     hook = history_hook(config.history_rewrite_path)
     if hook is not None:
         if custom or any(isinstance(r, dict) and r.get("generate_function_path") for r in rows):
@@ -206,23 +183,22 @@ def check_rollout_features(
                 "--history-rewrite-path rewrites the env-driven episode loop's conversations; a custom generate or "
                 "rollout function (or a row's generate_function_path) runs its own: drop one of them"
             )
-    if isinstance(env_factory, type):
-        _refuse_with_roles(tuple(getattr(env_factory, "roles", ()) or ()), _unsupported_with_roles(config, env_factory))
     return hook
 
 
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
-    """Refuse, before any episode, what an env's roles make impossible: a ``--role-engine-url`` for a role
-    it does not have, and the features the multi-role loop does not support yet. An env built by a
-    function (or a partial) is constructed once to read its roles."""
-    env_cls: type = env_factory if isinstance(env_factory, type) else Env
+    """Refuse, before any episode, a ``--role-engine-url`` the env cannot use: an engine that does not
+    answer, or a role the env does not have. An env built by a function (or a partial) is constructed
+    once to read its roles (only when the run names role engines)."""
+    if not ctx.role_engines:
+        return
     roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
-    if roles is None and (ctx.role_engines or _unsupported_with_roles(ctx.config, Env)):
+    if roles is None:
         try:
             probe = env_factory()
         except Exception:  # noqa: BLE001 - the episodes report a factory that fails
             return
-        roles, env_cls = getattr(probe, "roles", ()), type(probe)
+        roles = getattr(probe, "roles", ())
         with contextlib.suppress(Exception):
             await call_env(probe.close)
     roles = tuple(roles or ())
@@ -236,7 +212,6 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
         raise ValueError(
             f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(roles)}"
         )
-    _refuse_with_roles(roles, _unsupported_with_roles(ctx.config, env_cls))
 
 
 def check_row_code(config: RolloutConfig, rows: Iterable[dict[str, Any]]) -> None:

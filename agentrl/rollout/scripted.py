@@ -14,7 +14,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.env import Env, call_env, check_messages, check_reset, check_step, maybe_await
+from agentrl.env import (
+    Env,
+    call_env,
+    check_messages,
+    check_reset,
+    check_roles_reset,
+    check_roles_step,
+    check_step,
+    maybe_await,
+)
 from agentrl.parsing import get_parser
 from agentrl.rollout.episode import release_episode
 from agentrl.sandbox import close_default_pool
@@ -125,7 +134,6 @@ async def _roles_episode(
 
     ``result.rewards`` holds the acting role's reward of each step, ``result.role_rewards`` each role's
     total; ``result.messages`` is the first role's conversation."""
-    from agentrl.rollout.roles import check_roles_reset, check_roles_step
 
     roles = tuple(env.roles)
     views, _ = check_roles_reset(await call_env(env.reset, seed=seed, options=dict(task)), roles)
