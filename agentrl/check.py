@@ -243,6 +243,8 @@ async def _play(
             steps += 1
             if roles:
                 by_role, _, terminated, truncated, _ = check_roles_step(raw, roles, role)
+                for r, msgs in by_role.items():  # every role's pictures are laid down in its own ledger
+                    _decodable(msgs, f"step() for role {r!r}")
                 obs = by_role.get(role, [])
             else:
                 obs, _, terminated, truncated, _ = check_step(raw)

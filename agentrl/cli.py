@@ -505,7 +505,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     custom_generate = _custom_generate(args, evaluation=False)
     check_apply_chat_template(cfg, custom=custom_generate is not None, rows=tasks)
-    check_rollout_features(cfg, factory, tasks, custom=custom_generate is not None)  # before any engine starts
+    check_rollout_features(cfg, tasks, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)
@@ -562,7 +562,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             datasets[name] = loaded[: args.num_tasks]
     eval_rows = [r for rows in datasets.values() for r in rows]
     check_apply_chat_template(cfg, custom=custom_generate is not None, rows=eval_rows)
-    check_rollout_features(cfg, factory, eval_rows, custom=custom_generate is not None)  # before any engine starts
+    check_rollout_features(cfg, eval_rows, custom=custom_generate is not None)  # before any engine starts
     custom_rm = load_function(args.custom_rm_path) if args.custom_rm_path else None
     ckpt = resolve_hf_checkpoint(args.hf_checkpoint)
     tokenizer, template_src = load_tokenizer(ckpt, args.chat_template)

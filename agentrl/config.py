@@ -157,9 +157,9 @@ class RolloutConfig:
     )
     history_rewrite_path: str | None = option(
         None,
-        help="module:fn, fn(messages, task) -> messages or None (sync or async): rewrites every single-agent "
-        "episode's conversation before each next turn, after the env's own rewrite_history(): compaction for envs "
-        "you do not own; a rewrite that changes the rendered history starts a new segment",
+        help="module:fn, fn(messages, task) -> messages or None (sync or async): rewrites every episode's "
+        "conversation (with roles: the acting role's) before each next turn, after the env's own rewrite_history(): "
+        "compaction for envs you do not own; a rewrite that changes the rendered history starts a new segment",
     )
     rollout_temperature: float = option(
         1.0, help="sampling temperature of rollouts (the trainer scales its logits by it too)"
@@ -738,6 +738,23 @@ class RunConfig:
         return self.train.loss_type == "sft_loss"
 
     @property
+    def trainer_logit_temperature(self) -> float:
+        """What the trainer divides logits by (``TrainConfig.logit_temperature``, derived here only): RL re-scores
+        what the engine sampled at ``--rollout-temperature``, so its log-probs are the sampling distribution's;
+        SFT fits the model itself (1.0)."""
+        return 1.0 if self.is_sft else self.rollout.rollout_temperature
+
+    def critic_only_rule(self, num_rollout: int, origin: str = "") -> tuple[bool, str]:
+        """``--num-critic-only-steps`` below the run's length with ppo (else the actor would never train), checked
+        against ``--num-rollout`` or, once ``--num-epoch`` has set it, the derived length (``origin`` says so)."""
+        t = self.train
+        return (
+            t.advantage_estimator != "ppo" or t.num_critic_only_steps < num_rollout,
+            f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({num_rollout}{origin}): "
+            "the actor would never train",
+        )
+
+    @property
     def worker_resources(self) -> dict[str, float]:
         """``--rollout-worker-resources`` as ``{name: amount}`` (malformed entries are refused by :meth:`problems`)."""
         return dict(r for r in map(worker_resource, self.rollout_worker_resources) if r is not None)
@@ -799,11 +816,9 @@ class RunConfig:
                 "--critic-hf-checkpoint is the critic's start: it needs --advantage-estimator ppo",
             ),
             (
-                t.num_critic_only_steps < self.num_rollout
-                or t.advantage_estimator != "ppo"
+                self.critic_only_rule(self.num_rollout)[0]
                 or (self.num_epoch is not None and not sft),  # checked again once --num-epoch sets --num-rollout
-                f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({self.num_rollout}): "
-                "the actor would never train",
+                self.critic_only_rule(self.num_rollout)[1],
             ),
             (self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1"),
             (

@@ -179,9 +179,12 @@ class Env:
     truncated, info)``: each role's new messages (what it reads before its next turn; the acting role's
     own turn is already in its conversation) and a reward for the acting role or a ``{role: reward}`` dict
     (a game's outcome for both players). A role's reward lands on its last turn (before its first turn:
-    on that one). A role asked to act with nothing new to read, or a turn whose tool calls another role
-    answers, fails the episode. :meth:`rewrite_history` is called with the conversation of the role about
-    to act. Empty (the default): one agent, the contract below."""
+    on that one). A role asked to act with nothing new to read, or a turn whose tool calls are not
+    answered in that role's own messages of the same step, fails the episode. :meth:`rewrite_history`
+    and :meth:`turn_cut_off` are called for the role about to act / the role whose turn was cut.
+    ``--rollout-max-turn-len`` and ``--rollout-max-response-len`` apply to each role's own turns and
+    response; the status is every role's (one role's turn cut at a length limit truncates them all, and
+    ``--mask-truncated-samples`` masks them all). Empty (the default): one agent, the contract below."""
     tool_timeout: float = 30.0
     turn_budget: float = 50.0
     sandbox_pool: SandboxPool | None = None
@@ -247,7 +250,9 @@ class Env:
         """Rewrite the conversation before the next turn, or return None to keep it (the default).
 
         Called after every ``step`` that continues the episode, with the whole conversation so far
-        (the step's observation included); an env that does not override it costs nothing. Return a
+        (the step's observation included); with ``roles``, before a role's next turn when it was shown
+        something, with that role's conversation (:meth:`current_role` names it). An env that does not
+        override it costs nothing. Return a
         new list of messages to compact the context: summarise old turns, drop old tool outputs
         (:func:`agentrl.rollout.history.drop_tool_outputs`), strip earlier reasoning
         (:func:`~agentrl.rollout.history.strip_thinking`). The next turn is then prompted with the
@@ -255,8 +260,8 @@ class Env:
         token the episode holds (the rewrite only appended), the sample simply goes on; otherwise the
         episode starts a new **segment**: its own token-exact sample whose prompt is the new
         conversation, linked to the others by ``metadata["episode_id"]`` and ``metadata["segment"]``.
-        Every segment carries the episode's status and reward (the sum of all turns'); each keeps its
-        own turns' ``turn_rewards``; group advantages count the episode once.
+        Every segment carries the episode's status and reward (the sum of all turns'; with roles, the
+        role's); each keeps its own turns' ``turn_rewards``; group advantages count the episode once.
 
         Anything but a list of chat messages fails the sample (``env_contract``), as a bad ``step``
         return does.

@@ -208,7 +208,6 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(
         rollout=RolloutConfig(**parts[RolloutConfig]), train=TrainConfig(**parts[TrainConfig]), **parts[RunConfig]
     )
-    cfg.train.logit_temperature = cfg.rollout.rollout_temperature
     if values.get("num_epoch") is not None and values.get("num_rollout") is not None:
         raise ValueError("bad configuration: --num-epoch and --num-rollout both set the run's length; pass one")
     if cfg.is_sft:
@@ -218,9 +217,9 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
                 "--global-batch-size demonstrations; drop --num-steps-per-rollout"
             )
         cfg.train.num_steps_per_rollout = 1
-        cfg.train.logit_temperature = 1.0  # the model itself is fitted, not its sampling distribution
         if values.get("num_rollout") is None and cfg.num_epoch is None:
             cfg.num_epoch = 1
     elif values.get("num_steps_per_rollout") is None and cfg.train.global_batch_size >= 1:  # else validate() says so
         cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
+    cfg.train.logit_temperature = cfg.trainer_logit_temperature
     return cfg

@@ -660,3 +660,20 @@ async def test_a_custom_generate_function_gets_the_whole_budget_as_max_new_token
         ctx = _ctx(SGLangEngine("http://127.0.0.1:9"), tiny_tokenizer, **cfg)  # never called
         await generate_rollout(ctx, None, [{"prompt": "x"}], custom_generate=generate)
         assert seen.pop() == want
+
+
+async def test_an_episodes_group_and_task_are_written_once(tiny_server, tiny_tokenizer):
+    """The row is ``metadata["task"]`` from the episode loop on; ``group_base`` moves the groups (the train
+    loop's ids, unique across steps), not the indices or the env seeds."""
+    ctx = _ctx(tiny_server, tiny_tokenizer, n_samples_per_prompt=2, rollout_seed=7)
+    rows = [{"prompt": "a", "label": "1", "kind": "x"}, {"prompt": "b"}]
+    samples, _ = await generate_rollout(ctx, TalkEnv, rows, group_base=2_000_000)
+    await ctx.engine.close()
+    assert [(s.group_index, s.index) for s in samples] == [
+        (2_000_000, 0),
+        (2_000_000, 1),
+        (2_000_001, 2),
+        (2_000_001, 3),
+    ]
+    assert [s.metadata["task"] for s in samples] == [rows[0], rows[0], rows[1], rows[1]]
+    assert [s.metadata["reset_info"]["seed"] for s in samples] == [7, 8, 9, 10]  # rollout_seed + index

@@ -98,3 +98,37 @@ def test_rollout_flags_build_the_rollout_config():
     cfg = rollout_config_from_args(args)
     assert cfg.rollout_stop == ["###"] and cfg.rollout_stop_token_ids == [7] and cfg.max_turns == 3
     assert cli.build_parser().parse_args(["rollout"]).engine_max_running_requests == 32
+
+
+def test_derived_values_come_from_one_place():
+    """``logit_temperature`` and the critic-only rule are written once (config.py), read by flags and train()."""
+    from agentrl.config import RolloutConfig, RunConfig, TrainConfig
+    from agentrl.flags import run_config_from_values
+
+    rl = RunConfig(rollout=RolloutConfig(rollout_temperature=0.7))
+    sft = RunConfig(rollout=RolloutConfig(rollout_temperature=0.7), train=TrainConfig(loss_type="sft_loss"))
+    assert rl.trainer_logit_temperature == 0.7 and sft.trainer_logit_temperature == 1.0
+    assert run_config_from_values({"rollout_temperature": 0.7}).train.logit_temperature == 0.7
+    assert run_config_from_values({"rollout_temperature": 0.7, "loss_type": "sft_loss"}).train.logit_temperature == 1.0
+    ppo = RunConfig(num_rollout=3, train=TrainConfig(advantage_estimator="ppo", num_critic_only_steps=3))
+    ok, problem = ppo.critic_only_rule(ppo.num_rollout)
+    assert not ok and problem in ppo.problems()
+    assert ppo.critic_only_rule(4)[0] and not ppo.critic_only_rule(2, ", from --num-epoch 1")[0]
+    assert "(2, from --num-epoch 1): the actor would never train" in ppo.critic_only_rule(2, ", from --num-epoch 1")[1]
+    assert RunConfig(num_rollout=1, train=TrainConfig(num_critic_only_steps=3)).critic_only_rule(1)[
+        0
+    ]  # grpo: no critic
+
+
+def test_a_checkpoint_without_a_critic_is_refused_for_ppo(tmp_path):
+    import pytest
+
+    from agentrl.runtime import run_folder
+
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    run_folder.check_critic(ckpt, ppo=False)  # a grpo resume needs none
+    with pytest.raises(ValueError, match=r"holds no critic \(critic/\): it was not a ppo run"):
+        run_folder.check_critic(ckpt, ppo=True)
+    (ckpt / run_folder.CRITIC_DIR).mkdir()
+    run_folder.check_critic(ckpt, ppo=True)

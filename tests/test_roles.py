@@ -474,3 +474,28 @@ async def test_roles_resume_aborted_turns_and_keep_routed_experts_spec_info_and_
         assert s.spec_info.spec_verify_ct == 4 and s.spec_info.spec_draft_token_num == 8
         # the env's time: reset (every role waited for it) and the role's own two steps
         assert s.non_generation_time >= 0.05 * 3, s.non_generation_time
+
+
+async def test_scripted_self_play_rewrites_each_roles_history_as_the_episode_loop_does():
+    from agentrl.rollout.scripted import play
+
+    (result,) = await play(RewritingDebate, lambda messages, task: "I disagree.", [{"prompt": "tea"}])
+    assert result.error is None and result.turns == 6
+    assert result.rewrites == 1  # a's third turn (the env rewrites a's history only), as in a rollout
+    assert result.role_rewards == {"a": 1.0, "b": 0.75}
+
+
+class BadPictureDebate(Debate):
+    """Debate whose step shows b a picture that cannot be decoded."""
+
+    async def step(self, action):
+        obs, reward, done, trunc, info = await super().step(action)
+        if "b" in obs:
+            obs = {"b": [{"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,AAAA"}]}]}
+        return obs, reward, done, trunc, info
+
+
+async def test_check_env_decodes_every_roles_pictures():
+    report = await agentrl.check_env(BadPictureDebate, [{"prompt": "tea"}])
+    assert not report.ok and "step() for role 'b'" in report.format(), report.format()
+    assert (await agentrl.check_env(Debate, [{"prompt": "tea"}])).ok

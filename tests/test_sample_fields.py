@@ -360,6 +360,28 @@ async def test_a_batch_rollout_function_gets_every_sample_in_one_call(tiny_token
         assert all(s.status_reason == "rollout_function_error" and message in s.metadata["error"] for s in samples)
 
 
+async def test_a_custom_samples_group_and_task_are_written_once(tiny_tokenizer):
+    """``group_base`` numbers the groups (the train loop's unique ids) where the samples are made; the row is
+    ``metadata["task"]``, kept on a new object a batch function builds."""
+    from agentrl.rollout.generate import BatchGenerate
+
+    async def rebuild(args, samples, evaluation=False):  # new Samples, built without the given metadata
+        return [
+            Sample(group_index=s.group_index, index=s.index, prompt=s.prompt, tokens=[1, 2], response_length=1,
+                   loss_mask=[1], rollout_log_probs=[-1.0])
+            for s in samples
+        ]  # fmt: skip
+
+    ctx = EpisodeContext(
+        engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(n_samples_per_prompt=2)
+    )
+    rows = [{"prompt": "a", "kind": 1}, {"prompt": "b", "label": "2"}]
+    samples, _ = await generate_rollout(ctx, None, rows, custom_generate=BatchGenerate(rebuild), group_base=3_000)
+    assert [(s.group_index, s.index) for s in samples] == [(3000, 0), (3000, 1), (3001, 2), (3001, 3)]
+    assert [s.metadata["task"] for s in samples] == [rows[0], rows[0], rows[1], rows[1]]
+    assert {s.status for s in samples} == {Status.COMPLETED}
+
+
 async def test_a_rollout_function_may_not_move_samples_between_groups(tiny_tokenizer):
     from agentrl.rollout.generate import BatchGenerate
 

@@ -446,7 +446,6 @@ async def test_a_bad_history_hook_fails_only_its_sample(tiny_server, tiny_tokeni
 
 def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks, tmp_path):
     from agentrl.config import RunConfig
-    from agentrl.envs.tictactoe import TicTacToe
     from agentrl.rollout.generate import check_rollout_features
 
     (tmp_path / "broken_hook.py").write_text("def fn(messages, task)\n")  # a syntax error
@@ -458,14 +457,14 @@ def test_a_history_hook_that_cannot_run_is_refused_before_anything_starts(hooks,
         (f"{tmp_path}/broken_hook.py:fn", "SyntaxError"),
     ):
         with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
-            check_rollout_features(RolloutConfig(history_rewrite_path=path), TalkEnv, [{"prompt": "x"}])
+            check_rollout_features(RolloutConfig(history_rewrite_path=path), [{"prompt": "x"}])
     hook = RolloutConfig(history_rewrite_path="my_hooks:summarize")
-    check_rollout_features(hook, TalkEnv, [{"prompt": "x"}])  # a hook that loads, on a single-agent env
-    assert check_rollout_features(hook, TicTacToe, [{"prompt": "x"}]) is hooks.summarize  # roles: each role's history
+    check_rollout_features(hook, [{"prompt": "x"}])  # a hook that loads
+    assert check_rollout_features(hook, [{"prompt": "x"}]) is hooks.summarize  # loaded once, for every episode
     with pytest.raises(ValueError, match="a row's generate_function_path"):
-        check_rollout_features(hook, TalkEnv, [{"prompt": "x", "generate_function_path": "my_hooks:summarize"}])
+        check_rollout_features(hook, [{"prompt": "x", "generate_function_path": "my_hooks:summarize"}])
     with pytest.raises(ValueError, match="custom generate or rollout function"):
-        check_rollout_features(hook, TalkEnv, [], custom=True)
+        check_rollout_features(hook, [], custom=True)
     cfg = RunConfig(
         env="agentrl/Digits-v0",
         custom_generate_function_path="my_hooks:summarize",
@@ -494,6 +493,22 @@ async def test_the_hook_rewrites_each_roles_history(tiny_server, tiny_tokenizer,
             _assert_token_exact(tiny_model, ctx.template, s)
     assert by_role["a"][0].reward == 1.0 and by_role["b"][0].reward == 0.75
     assert len(hooks.seen) == 4  # before each role's second and third turns
+
+
+def test_the_cli_refuses_a_hook_that_cannot_run_before_starting_an_engine(tmp_path, capsys, hooks, monkeypatch):
+    import agentrl.checkpoint
+    from agentrl.cli import main
+
+    def no_model(*a, **kw):
+        raise AssertionError("the checkpoint was resolved: the refusal came too late")
+
+    monkeypatch.setattr(agentrl.checkpoint, "resolve_hf_checkpoint", no_model)
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "x"}\n')
+    code = main(["rollout", "--env", "agentrl/TicTacToe-v0", "--prompt-data", str(rows),
+                 "--history-rewrite-path", "my_hooks:one_arg"])  # fmt: skip
+    assert code != 0 and "--history-rewrite-path my_hooks:one_arg: expected module:fn" in capsys.readouterr().err
 
 
 def test_train_refuses_a_hook_its_eval_rows_would_skip_before_anything_starts(tiny_ckpt, tmp_path, hooks, monkeypatch):

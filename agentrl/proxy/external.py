@@ -85,7 +85,7 @@ def check_config(cfg: Any) -> Callable[..., Any] | None:
     from agentrl.rollout.generate import check_rollout_features
 
     get_parser(cfg.tool_parser or ExternalSession.tool_parser)
-    return check_rollout_features(cfg, ExternalSession)
+    return check_rollout_features(cfg)
 
 
 class Recorder:

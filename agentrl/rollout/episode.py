@@ -216,7 +216,7 @@ async def _timed(coro: Any, timeout: float, what: str) -> Any:
         ) from None
 
 
-@dataclass
+@dataclass(eq=False)
 class Seat:
     """One agent's side of an episode: its engine, conversation, token ledger and sample.
 
@@ -380,7 +380,7 @@ async def run_episode(
                         "calls are answered in that role's messages before another role acts"
                     )
     except _EndEpisode as end:
-        status, reason, error = end.status, end.reason, end.error
+        status, reason, error = end.status, end.reason, end.error or None
     except EnvContractError as exc:  # reset()/step()/rewrite_history()/current_role() returned the wrong shapes
         status, reason, error = Status.FAILED, "env_contract", str(exc)
     except ImageError as exc:  # an undecodable or oversized image fails its sample only
@@ -452,13 +452,12 @@ def _episode_samples(
 
 
 def _task_sample(task: dict[str, Any], group_index: int | None, index: int | None) -> Sample:
-    """A sample of ``task`` before anything happened: the row's prompt and label, its other fields as
-    ``metadata["task"]``, empty per-turn records."""
+    """A sample of ``task`` before anything happened: the row's prompt and label, the row itself as
+    ``metadata["task"]`` (written here only: what a retry of an aborted group runs again), empty per-turn
+    records."""
     sample = Sample(group_index=group_index, index=index, prompt=task.get("prompt", ""), label=task.get("label"))
     sample.metadata = _segment_metadata()
-    extra = {k: v for k, v in task.items() if k not in ("prompt", "label")}
-    if extra:
-        sample.metadata["task"] = extra
+    sample.metadata["task"] = dict(task)
     return sample
 
 

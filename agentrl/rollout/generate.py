@@ -170,7 +170,7 @@ def _units(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def check_rollout_features(
-    config: RolloutConfig, env_factory: Any, rows: Iterable[dict[str, Any]] = (), *, custom: bool = False
+    config: RolloutConfig, rows: Iterable[dict[str, Any]] = (), *, custom: bool = False
 ) -> Callable[..., Any] | None:
     """Refuse, before any engine starts, what the env-driven episode loop cannot honour: a
     ``--history-rewrite-path`` that does not load, or that episodes it does not run (a custom generate or
@@ -236,7 +236,10 @@ def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sampl
         index=index,
         prompt=task["prompt"],
         label=task.get("label"),
-        metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
+        metadata={
+            **{k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
+            "task": dict(task),  # the row, as an env episode's sample carries it (a retried group runs it again)
+        },
         generate_function_path=task.get("generate_function_path"),
     )
 
@@ -296,8 +299,11 @@ async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]
                 f"samples {want[:6]}... it was given: it must return the same samples, in their groups "
                 "(none added, dropped, repeated or moved)"
             )
+        given = {(s.group_index, s.index): s for s in pending}
         done = []
         for s in out:
+            if "task" not in s.metadata:  # a new object the function built: it keeps the row it was given
+                s.metadata["task"] = given[(s.group_index, s.index)].metadata["task"]
             if s.status == Status.PENDING:
                 s.status = Status.COMPLETED
             try:
@@ -324,13 +330,16 @@ async def generate_rollout(
     custom_reward: RewardFn | None = None,
     on_sample: Callable[[Sample], None] | None = None,
     first_group: int = 0,
+    group_base: int = 0,
 ) -> tuple[list[Sample], RolloutSummary]:
     """Run ``n_samples_per_prompt`` episodes per task; return samples (by index) and a summary.
 
     ``on_sample`` is called as each sample finishes (the CLI streams them to the output file and
     advances the progress bar), so a killed run keeps what it finished. ``first_group``: the group
     index of the first task (a rollout worker runs one group of a step: its samples keep the
-    ``group_index``, ``index`` and seeds the whole step would give them).
+    ``group_index``, ``index`` and seeds the whole step would give them). ``group_base`` is added to every
+    ``group_index`` (not to ``index`` or the seeds): the train loop numbers a run's groups uniquely across its
+    steps and rounds, here, so a sample's group is written once.
     """
     cfg = ctx.config
     tasks = list(tasks)
@@ -339,7 +348,7 @@ async def generate_rollout(
         raise ValueError("need an env (--env) or a custom generate function (--custom-generate-function-path)")
     if not isinstance(ctx.engine, Engine):
         raise TypeError(f"EpisodeContext.engine must be an agentrl Engine, not {type(ctx.engine).__name__}")
-    hook = check_rollout_features(cfg, env_factory, tasks, custom=custom_generate is not None or env_factory is None)
+    hook = check_rollout_features(cfg, tasks, custom=custom_generate is not None or env_factory is None)
     if hook is not None and ctx.history_rewrite is None:  # loaded once for the whole rollout
         ctx = dataclasses.replace(ctx, history_rewrite=hook)
     if env_factory is not None:
@@ -402,14 +411,14 @@ async def generate_rollout(
             if task.get("generate_function_path"):
                 continue
             for j in range(n):
-                sample = _pending_sample(task, g, g * n + j)
+                sample = _pending_sample(task, group_base + g, g * n + j)
                 try:
                     _apply_chat_template(sample, task, ctx)
                     pending.append(sample)
                 except Exception as exc:  # noqa: BLE001 - a row the template cannot render fails its samples
                     unrendered.append(_fail(sample, "custom_generate_error", exc))
         own = [
-            one(task, g, g * n + j)
+            one(task, group_base + g, g * n + j)
             for g, task in enumerate(tasks, start=first_group)
             if task.get("generate_function_path")  # a row's own function wins, as with per-sample generation
             for j in range(n)
@@ -422,7 +431,7 @@ async def generate_rollout(
     else:
         for g, task in enumerate(tasks, start=first_group):
             for j in range(n):
-                jobs.append(one(task, g, g * n + j))
+                jobs.append(one(task, group_base + g, g * n + j))
     try:
         if isinstance(custom_generate, BatchGenerate):  # the batch and rows with their own function, together
             batched, mine = await asyncio.gather(batch_then_finish(), asyncio.gather(*own))

@@ -139,10 +139,20 @@ async def _roles_episode(
     views, _ = check_roles_reset(await call_env(env.reset, seed=seed, options=dict(task)), roles)
     result.role_rewards = dict.fromkeys(roles, 0.0)
     result.tools = env.tool_schemas()
+    rewrites = type(env).rewrite_history is not Env.rewrite_history
+    acted: set[str] = set()
+    shown: set[str] = set()  # roles shown something since their last turn
     for _ in range(_turn_limit(max_turns, env)):
         role = env.current_role()
         if role not in views:
             raise ValueError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
+        if rewrites and role in acted and role in shown:  # as the episode loop: before a role's next turn
+            rewritten = await call_env(env.rewrite_history, list(views[role]))
+            if rewritten is not None:
+                views[role] = check_messages(rewritten, "rewrite_history()")
+                result.rewrites += 1
+        acted.add(role)
+        shown.discard(role)
         text = await maybe_await(policy(list(views[role]), task))
         if not isinstance(text, str):
             raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
@@ -156,6 +166,8 @@ async def _roles_episode(
             result.role_rewards[r] += value
         for r, msgs in obs.items():
             views[r].extend(msgs)
+            if msgs:
+                shown.add(r)
         if terminated or truncated:
             result.terminated, result.truncated = bool(terminated), bool(truncated)
             break

@@ -211,8 +211,9 @@ class TrainLoop:
         seed = rc.rollout_seed + 1_000_003 * step + 7_919 * round_
         ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(rc, rollout_seed=seed))
         group_rm = self.cfg.group_rm and self.custom_reward is not None
+        base = step * 1_000_000 + round_ * 10_000  # group indices unique across rounds and steps
         if self.rollout_workers is not None:  # one group per call, on the workers' own event loops and nodes
-            samples = [s for group in await self.rollout_workers.run_groups(rows, seed) for s in group]
+            samples = [s for group in await self.rollout_workers.run_groups(rows, seed, base) for s in group]
         else:
             samples, _ = await generate_rollout(
                 ctx,
@@ -221,16 +222,15 @@ class TrainLoop:
                 args=self.args,
                 custom_generate=self.custom_generate,
                 custom_reward=None if group_rm else self.custom_reward,
+                group_base=base,
             )
         by_group: dict[int, Group] = {}
         for s in samples:
             by_group.setdefault(int(s.group_index or 0), []).append(s)
         groups = []
-        for g, members in sorted(by_group.items()):
+        for _, members in sorted(by_group.items()):
             for s in members:
-                s.metadata["task"] = rows[g]
                 s.metadata["rollout_id"] = step
-                s.group_index = step * 1_000_000 + round_ * 10_000 + g  # unique across rounds and steps
             # an episode in several segments is scored once (its last segment) and every segment gets the result
             units = episode_units(members)
             if group_rm:
@@ -553,13 +553,8 @@ class TrainLoop:
         if path is None:
             return False
         state = run_folder.read_loop_state(path)
+        run_folder.check_critic(path, self.critic is not None)
         critic_dir = path / run_folder.CRITIC_DIR
-        if self.critic is not None and not critic_dir.is_dir():
-            raise ValueError(
-                f"--load: {path} holds no critic ({run_folder.CRITIC_DIR}/): it was not a ppo run. Resuming it "
-                "with --advantage-estimator ppo would start a critic from scratch; start a new run from its "
-                "weights with --hf-checkpoint instead"
-            )
         if self.critic is None and critic_dir.is_dir():
             log.warning("resuming %s without ppo: its critic (%s) is not used", path, critic_dir)
         self.trainers.load(str(path))

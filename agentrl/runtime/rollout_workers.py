@@ -179,8 +179,9 @@ class RolloutWorker:
         """Point this worker's router at engines that came back on other addresses (as the driver's)."""
         follow_urls(self.ctx.engine, urls, self.api_key)
 
-    async def run_group(self, row: dict[str, Any], group: int, seed: int) -> list[Sample]:
-        """The ``n_samples_per_prompt`` episodes of ``row``, as group ``group`` of a rollout seeded ``seed``."""
+    async def run_group(self, row: dict[str, Any], group: int, seed: int, group_base: int = 0) -> list[Sample]:
+        """The ``n_samples_per_prompt`` episodes of ``row``, as group ``group`` of a rollout seeded ``seed``
+        (its ``group_index`` is ``group_base + group``, as in :func:`~agentrl.rollout.generate.generate_rollout`)."""
         import dataclasses
 
         from agentrl.rollout.generate import generate_rollout
@@ -194,6 +195,7 @@ class RolloutWorker:
             custom_generate=self.custom_generate,
             custom_reward=self.custom_reward,
             first_group=group,
+            group_base=group_base,
         )
         return samples
 
@@ -410,15 +412,18 @@ class RolloutWorkerGroup:
         self.urls = list(urls)  # what replacements start with
         self._ask_all("follow_urls", self.urls, timeout=5.0)
 
-    async def run_groups(self, rows: Sequence[dict[str, Any]], seed: int) -> list[list[Sample]]:
-        """Every row as one group (index = its position), spread over the workers; returns them in order.
+    async def run_groups(self, rows: Sequence[dict[str, Any]], seed: int, group_base: int = 0) -> list[list[Sample]]:
+        """Every row as one group (index = ``group_base`` + its position), spread over the workers; returns them
+        in order.
 
         At most ``--rollout-concurrency`` episodes (whole groups; at least one group) are in flight."""
         per_group = max(1, self.cfg.rollout.n_samples_per_prompt)
         slots = asyncio.Semaphore(max(1, self.cfg.rollout.rollout_concurrency // per_group))
         monitor = asyncio.create_task(self._monitor())
         try:
-            return list(await asyncio.gather(*(self._one(slots, row, g, seed) for g, row in enumerate(rows))))
+            return list(
+                await asyncio.gather(*(self._one(slots, row, g, seed, group_base) for g, row in enumerate(rows)))
+            )
         finally:
             monitor.cancel()
             await asyncio.gather(monitor, return_exceptions=True)
@@ -427,7 +432,9 @@ class RolloutWorkerGroup:
         """The least busy worker, preferring ones that have started (a replacement may still be loading)."""
         return min(range(len(self.workers)), key=lambda i: (bool(self.infos[i].get("starting")), self.in_flight[i]))
 
-    async def _one(self, slots: asyncio.Semaphore, row: dict[str, Any], group: int, seed: int) -> list[Sample]:
+    async def _one(
+        self, slots: asyncio.Semaphore, row: dict[str, Any], group: int, seed: int, group_base: int
+    ) -> list[Sample]:
         from ray.exceptions import RayActorError
 
         async with slots:
@@ -437,7 +444,7 @@ class RolloutWorkerGroup:
                 self.in_flight[w] += 1
                 try:
                     worker = await self._handle(w)
-                    return await worker.run_group.remote(row, group, seed)
+                    return await worker.run_group.remote(row, group, seed, group_base)
                 except (RayActorError, _WorkerUnavailable) as exc:
                     self._replace(w, generation)
                     if attempt + 1 == MAX_GROUP_ATTEMPTS:

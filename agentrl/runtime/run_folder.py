@@ -79,3 +79,14 @@ def commit(save: str | Path, step: int, tmp: Path, loop_state: dict[str, Any], *
 
 def read_loop_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "loop_state.json").read_text())
+
+
+def check_critic(path: Path, ppo: bool) -> None:
+    """Refuse to resume ``path`` (a checkpoint) with ``--advantage-estimator ppo`` when it holds no critic: the
+    critic would silently start from scratch beside a trained actor."""
+    if ppo and not (path / CRITIC_DIR).is_dir():
+        raise ValueError(
+            f"--load: {path} holds no critic ({CRITIC_DIR}/): it was not a ppo run. Resuming it with "
+            "--advantage-estimator ppo would start a critic from scratch; start a new run from its weights with "
+            "--hf-checkpoint instead"
+        )

@@ -62,8 +62,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
     from agentrl.user_code import load_function
 
     check_run(cfg)
-    # RL: the trainer's log-probs match the engine's sampling distribution; SFT fits the model itself
-    cfg.train.logit_temperature = 1.0 if cfg.is_sft else cfg.rollout.rollout_temperature
+    cfg.train.logit_temperature = cfg.trainer_logit_temperature
     sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
     with naming_flag("--env", cfg.env):
         factory = load_env(cfg.env) if cfg.env else None
@@ -101,7 +100,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
 
         custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
         sampled = [*rows, *(r for rows_ in eval_sets.values() for r in rows_)]
-        check_rollout_features(cfg.rollout, factory, sampled, custom=custom)
+        check_rollout_features(cfg.rollout, sampled, custom=custom)
     custom_generate: Any = (
         load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
     )
@@ -127,12 +126,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
             sample_filter = load_function(cfg.rollout_sample_filter_path)
     if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
         cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
-        t = cfg.train
-        if t.advantage_estimator == "ppo" and t.num_critic_only_steps >= cfg.num_rollout:
-            raise ValueError(
-                f"--num-critic-only-steps ({t.num_critic_only_steps}) must be below --num-rollout ({cfg.num_rollout}, "
-                f"from --num-epoch {cfg.num_epoch}): the actor would never train"
-            )
+        ok, problem = cfg.critic_only_rule(cfg.num_rollout, f", from --num-epoch {cfg.num_epoch}")
+        if not ok:
+            raise ValueError(problem)
     args = args if args is not None else argparse_namespace(cfg)
     if cfg.rollout_num_workers > 1:  # each worker gets a pickled copy: refused now, not after the models load
         from agentrl.runtime.rollout_workers import check_worker_args
@@ -270,12 +266,7 @@ def _resume_point(cfg: RunConfig) -> Path | None:
                 f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
                 "; to start from its weights pass it as --hf-checkpoint instead"
             )
-        if cfg.train.advantage_estimator == "ppo" and not (found / run_folder.CRITIC_DIR).is_dir():
-            raise ValueError(
-                f"--load {cfg.load}: {found} holds no critic ({run_folder.CRITIC_DIR}/): it was not a ppo run. "
-                "Resuming it with --advantage-estimator ppo would start a critic from scratch; start a new run "
-                "from its weights with --hf-checkpoint instead"
-            )
+        run_folder.check_critic(found, cfg.train.advantage_estimator == "ppo")
         return found
     root = Path(cfg.load)
     if root.is_dir() and any(root.iterdir()):
