@@ -483,6 +483,8 @@ async def test_scripted_self_play_rewrites_each_roles_history_as_the_episode_loo
     assert result.error is None and result.turns == 6
     assert result.rewrites == 1  # a's third turn (the env rewrites a's history only), as in a rollout
     assert result.role_rewards == {"a": 1.0, "b": 0.75}
+    # messages keep a's whole episode as played (its prompt, 3 answers, 2 replies), not the rewritten view
+    assert result.messages[0]["content"] == "Argue for: tea" and len(result.messages) == 6
 
 
 class BadPictureDebate(Debate):

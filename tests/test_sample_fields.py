@@ -372,14 +372,34 @@ async def test_a_custom_samples_group_and_task_are_written_once(tiny_tokenizer):
             for s in samples
         ]  # fmt: skip
 
+    async def replace_metadata(args, samples, evaluation=False):  # the same objects, their metadata replaced
+        for s in samples:
+            s.tokens, s.response_length, s.loss_mask, s.rollout_log_probs = [1, 2], 1, [1], [-1.0]
+            s.metadata = {"mine": 1}
+        return samples
+
+    seen = []
+
+    async def one_new(args, sample, sampling_params):  # per sample: sees the row's columns, returns a new object
+        seen.append(sample.metadata.get("task"))
+        return Sample(group_index=sample.group_index, index=sample.index, prompt=sample.prompt, tokens=[1, 2],
+                      response_length=1, loss_mask=[1], rollout_log_probs=[-1.0], metadata={"task": "mine"})  # fmt: skip
+
     ctx = EpisodeContext(
         engine=NoEngine(), template=ChatTemplate(tiny_tokenizer), config=RolloutConfig(n_samples_per_prompt=2)
     )
-    rows = [{"prompt": "a", "kind": 1}, {"prompt": "b", "label": "2"}]
-    samples, _ = await generate_rollout(ctx, None, rows, custom_generate=BatchGenerate(rebuild), group_base=3_000)
-    assert [(s.group_index, s.index) for s in samples] == [(3000, 0), (3000, 1), (3001, 2), (3001, 3)]
-    assert [s.metadata["task"] for s in samples] == [rows[0], rows[0], rows[1], rows[1]]
-    assert {s.status for s in samples} == {Status.COMPLETED}
+    rows = [{"prompt": "a", "kind": 1}, {"prompt": "b", "label": "2", "task": "gsm8k"}]  # a column named task
+    for fn in (BatchGenerate(rebuild), BatchGenerate(replace_metadata), one_new):
+        samples, _ = await generate_rollout(ctx, None, rows, custom_generate=fn, group_base=3_000)
+        assert [(s.group_index, s.index) for s in samples] == [(3000, 0), (3000, 1), (3001, 2), (3001, 3)]
+        assert [s.metadata["task"] for s in samples] == [rows[0], rows[0], rows[1], rows[1]], fn
+        assert {s.status for s in samples} == {Status.COMPLETED}, [s.metadata.get("error") for s in samples]
+    assert sorted(seen, key=str) == [
+        None,
+        None,
+        "gsm8k",
+        "gsm8k",
+    ]  # during generation: the row's own columns, as in slime
 
 
 async def test_a_rollout_function_may_not_move_samples_between_groups(tiny_tokenizer):

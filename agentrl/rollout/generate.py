@@ -1,8 +1,9 @@
 """Generate a rollout: many episodes concurrently, grouped per task, with a summary.
 
 Each task row yields ``n_samples_per_prompt`` samples sharing a ``group_index`` (the row's
-position) with consecutive ``index`` values; seeds are ``rollout_seed + index`` so a rerun with
-the same seed gives each episode the same env seed. At most ``rollout_concurrency`` episodes run
+position, plus the train loop's ``group_base``) with consecutive ``index`` values, each carrying the
+row as ``metadata["task"]``; seeds are ``rollout_seed + index`` so a rerun with the same seed gives
+each episode the same env seed. At most ``rollout_concurrency`` episodes run
 at once. A sample that fails, aborts or truncates is counted and kept; the run itself only stops
 on a bad configuration.
 
@@ -118,11 +119,19 @@ async def _custom_episode(
             out.status = Status.COMPLETED
         out.validate()
         out.status_reason = out.status_reason or "custom_generate"
-        return out
+        return _with_row(out, task)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: the user's function fails its sample only
-        return _fail(sample, "custom_generate_error", exc)
+        return _with_row(_fail(sample, "custom_generate_error", exc), task)
+
+
+def _with_row(sample: Sample, task: dict[str, Any]) -> Sample:
+    """Record the task row as ``metadata["task"]`` on a custom-generated sample once its function is done (the
+    function sees the row's columns in ``metadata``, as in slime; what it returns, a new object or not, carries
+    the row, as an env episode's sample does from the start: a retried group runs it again)."""
+    sample.metadata["task"] = dict(task)
+    return sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +245,7 @@ def _pending_sample(task: dict[str, Any], group_index: int, index: int) -> Sampl
         index=index,
         prompt=task["prompt"],
         label=task.get("label"),
-        metadata={
-            **{k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
-            "task": dict(task),  # the row, as an env episode's sample carries it (a retried group runs it again)
-        },
+        metadata={k: v for k, v in task.items() if k not in ("prompt", "label", "generate_function_path")},
         generate_function_path=task.get("generate_function_path"),
     )
 
@@ -285,9 +291,14 @@ def _fail(sample: Sample, reason: str, exc: BaseException) -> Sample:
     return sample
 
 
-async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]) -> list[Sample]:
-    """Every sample through one call of the batch function, checked; a failure fails them all."""
-    want = sorted((s.group_index, s.index) for s in pending)
+async def _batch_episodes(
+    batch: BatchGenerate, args: Any, pending: list[Sample], rows: list[dict[str, Any]]
+) -> list[Sample]:
+    """Every sample through one call of the batch function, checked; a failure fails them all. ``rows[i]`` is
+    ``pending[i]``'s task row (matched to what the function returns by the ids given, read before the call)."""
+    given = [(s.group_index, s.index) for s in pending]
+    by_key = dict(zip(given, rows))
+    want = sorted(given)
     try:
         out = await batch.fn(args, pending, batch.evaluation)
         if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
@@ -299,11 +310,9 @@ async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]
                 f"samples {want[:6]}... it was given: it must return the same samples, in their groups "
                 "(none added, dropped, repeated or moved)"
             )
-        given = {(s.group_index, s.index): s for s in pending}
         done = []
         for s in out:
-            if "task" not in s.metadata:  # a new object the function built: it keeps the row it was given
-                s.metadata["task"] = given[(s.group_index, s.index)].metadata["task"]
+            _with_row(s, by_key[(s.group_index, s.index)])
             if s.status == Status.PENDING:
                 s.status = Status.COMPLETED
             try:
@@ -317,7 +326,7 @@ async def _batch_episodes(batch: BatchGenerate, args: Any, pending: list[Sample]
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # SystemExit included: the user's function fails its samples only
-        return [_fail(s, "rollout_function_error", exc) for s in pending]
+        return [_with_row(_fail(s, "rollout_function_error", exc), row) for s, row in zip(pending, rows)]
 
 
 async def generate_rollout(
@@ -407,6 +416,7 @@ async def generate_rollout(
     n = cfg.n_samples_per_prompt
     if isinstance(custom_generate, BatchGenerate):  # one call for the rows without their own function
         pending, unrendered = [], []
+        rows: list[dict[str, Any]] = []  # pending's task rows, in its order
         for g, task in enumerate(tasks, start=first_group):
             if task.get("generate_function_path"):
                 continue
@@ -415,8 +425,9 @@ async def generate_rollout(
                 try:
                     _apply_chat_template(sample, task, ctx)
                     pending.append(sample)
+                    rows.append(task)
                 except Exception as exc:  # noqa: BLE001 - a row the template cannot render fails its samples
-                    unrendered.append(_fail(sample, "custom_generate_error", exc))
+                    unrendered.append(_with_row(_fail(sample, "custom_generate_error", exc), task))
         own = [
             one(task, group_base + g, g * n + j)
             for g, task in enumerate(tasks, start=first_group)
@@ -425,7 +436,7 @@ async def generate_rollout(
         ]
 
         async def batch_then_finish() -> list[Sample]:
-            done = await _batch_episodes(custom_generate, args, pending) if pending else []
+            done = await _batch_episodes(custom_generate, args, pending, rows) if pending else []
             return list(await asyncio.gather(*(finish(s) for s in done + unrendered)))
 
     else:

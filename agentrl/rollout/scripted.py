@@ -140,6 +140,7 @@ async def _roles_episode(
     result.role_rewards = dict.fromkeys(roles, 0.0)
     result.tools = env.tool_schemas()
     rewrites = type(env).rewrite_history is not Env.rewrite_history
+    played = {r: list(v) for r, v in views.items()}  # each role's whole episode (views: as the rewrites left it)
     acted: set[str] = set()
     shown: set[str] = set()  # roles shown something since their last turn
     for _ in range(_turn_limit(max_turns, env)):
@@ -149,8 +150,10 @@ async def _roles_episode(
         if rewrites and role in acted and role in shown:  # as the episode loop: before a role's next turn
             rewritten = await call_env(env.rewrite_history, list(views[role]))
             if rewritten is not None:
-                views[role] = check_messages(rewritten, "rewrite_history()")
-                result.rewrites += 1
+                rewritten = check_messages(rewritten, "rewrite_history()")
+                if rewritten != views[role]:  # as the loop: a rewrite that changes nothing is none
+                    views[role] = rewritten
+                    result.rewrites += 1
         acted.add(role)
         shown.discard(role)
         text = await maybe_await(policy(list(views[role]), task))
@@ -160,12 +163,14 @@ async def _roles_episode(
         action = Action(text=text, tool_calls=calls, errors=errors)
         result.texts.append(text)
         views[role].append(action.as_message())
+        played[role].append(action.as_message())
         obs, rewards, terminated, truncated, _ = check_roles_step(await call_env(env.step, action), roles, role)
         result.rewards.append(rewards.get(role, 0.0))
         for r, value in rewards.items():
             result.role_rewards[r] += value
         for r, msgs in obs.items():
             views[r].extend(msgs)
+            played[r].extend(msgs)
             if msgs:
                 shown.add(r)
         if terminated or truncated:
@@ -173,7 +178,7 @@ async def _roles_episode(
             break
     else:
         result.truncated = True
-    result.messages = views[roles[0]]
+    result.messages = played[roles[0]]
 
 
 async def play(
