@@ -792,6 +792,7 @@ class RunConfig:
         sft = self.is_sft
         ahead = self.async_buffer_size if self.async_mode else 0  # rollouts collected before their step trains
         sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
+        critic_only_ok, critic_only_problem = self.critic_only_rule(self.num_rollout)
         checks = [
             (
                 self.env is not None
@@ -816,9 +817,9 @@ class RunConfig:
                 "--critic-hf-checkpoint is the critic's start: it needs --advantage-estimator ppo",
             ),
             (
-                self.critic_only_rule(self.num_rollout)[0]
+                critic_only_ok
                 or (self.num_epoch is not None and not sft),  # checked again once --num-epoch sets --num-rollout
-                self.critic_only_rule(self.num_rollout)[1],
+                critic_only_problem,
             ),
             (self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1"),
             (

@@ -83,11 +83,16 @@ def check_step(result: Any) -> StepResult:
     obs, reward, terminated, truncated, info = result
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
         raise EnvContractError(f"step() reward must be a finite number, got {reward!r}")
+    _check_step_ending(terminated, truncated, info)
+    return check_messages(obs, "step()"), float(reward), terminated, truncated, info
+
+
+def _check_step_ending(terminated: Any, truncated: Any, info: Any) -> None:
+    """``step()``'s flags and info, for one agent and for roles alike: two bools and a dict."""
     if not isinstance(terminated, bool) or not isinstance(truncated, bool):
         raise EnvContractError("step() terminated and truncated must be bools")
     if not isinstance(info, dict):
         raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
-    return check_messages(obs, "step()"), float(reward), terminated, truncated, info
 
 
 def check_roles_reset(result: Any, roles: tuple[str, ...]) -> tuple[dict[str, list[Message]], dict]:
@@ -130,10 +135,7 @@ def check_roles_step(
     for role, r in rewards.items():
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(float(r)):
             raise EnvContractError(f"step() reward for role {role!r} must be a finite number, got {r!r}")
-    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
-        raise EnvContractError("step() terminated and truncated must be bools")
-    if not isinstance(info, dict):
-        raise EnvContractError(f"step() info must be a dict, got {type(info).__name__}")
+    _check_step_ending(terminated, truncated, info)
     checked = {role: check_messages(msgs, f"step() for role {role!r}") for role, msgs in obs.items()}
     return checked, {k: float(v) for k, v in rewards.items()}, terminated, truncated, info
 

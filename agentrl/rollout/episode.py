@@ -516,10 +516,16 @@ async def _reopen(ctx: EpisodeContext, seat: Seat) -> None:
     seat.pending, seat.owed = [], False
     seat.convo += obs
     seat.images += images
-    rendered, expanded = await _render_prompt(ctx, seat.convo, seat.tools, seat.images)
-    seat.ledger = TokenLedger(rendered)
-    seat.prompt_len = len(rendered)
     seat.sample.prompt = list(seat.convo)
+    _restart(ctx, seat, *await _render_prompt(ctx, seat.convo, seat.tools, seat.images))
+
+
+def _restart(ctx: EpisodeContext, seat: Seat, rendered: list[int], expanded: Any) -> None:
+    """Start the seat's ledger over from its conversation as the template renders it (``rendered``, and the
+    processor's :class:`~agentrl.vlm.Expanded` for a vision model, else None): a role's first prompt after it
+    was shown messages, or a new segment's. Its pictures and delta context follow the new prompt."""
+    seat.ledger = TokenLedger(rendered)
+    seat.prompt_len, seat.checking = len(rendered), True
     seat.pictures = Pictures()
     if expanded is not None:
         seat.pictures.add(seat.images, expanded, seat.sample)
@@ -650,15 +656,7 @@ async def _lay_down(
         raise _EndEpisode(Status.TRUNCATED, "context_length")
     seat.done.append((sample, ledger))
     seat.sample = _next_segment(sample, seat.convo)
-    seat.ledger = TokenLedger(rendered)
-    seat.pictures = Pictures()
-    if rendered_expanded is not None:
-        seat.pictures.add(seat.images, rendered_expanded, seat.sample)
-    seat.prompt_len, seat.checking = len(seat.ledger), True
-    try:
-        seat.delta_context = ctx.template.delta_context(seat.tools, seat.convo)
-    except TemplateError as exc:
-        raise _EndEpisode(Status.FAILED, "template", str(exc)) from None
+    _restart(ctx, seat, rendered, rendered_expanded)
 
 
 async def _cut_off(
