@@ -3,7 +3,8 @@
 Write an environment (:class:`Env`, or :class:`ToolEnv` with :func:`tool` functions); the SDK's
 generate loop drives token-exact multi-turn episodes against SGLang-compatible engines and hands
 out :class:`Sample` records with loss masks, rollout log-probs and per-turn rewards;
-:func:`train` (``agentrl train``) runs GRPO-family or PPO training on them with a :class:`RunConfig`.
+:func:`train` (``agentrl train``) runs GRPO-family or PPO training on them with a :class:`RunConfig`,
+after :func:`preflight` (every check of the run, before anything starts) resolved it into a :class:`ResolvedRun`.
 Model-written code runs in a :class:`Sandbox` (:func:`create_sandbox`); environments of other
 frameworks run unchanged through :class:`GymnasiumEnv` and :class:`OpenEnvEnv`; :func:`play`
 runs an env with a scripted policy. Tools, agents and envs made elsewhere come in through
@@ -18,6 +19,9 @@ refused with :class:`ImageError`) for a vision-language policy (:func:`vision_fo
 The scale path is imported on first use (it pulls in megatron-core and Ray): the trainer backends
 :class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
 ppo's value models :class:`TorchCritic` and :class:`MegatronCritic` (the :class:`Critic` contract), and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
+The train loop's parts, for assembling a loop by hand: :class:`TrainLoop` (the phases, in order) over a rollout
+side (:class:`EpisodeCollector`, :class:`DemoCollector`), a recipe (:class:`PolicyGradient`, :class:`PPO`,
+:class:`SFT`; :func:`recipe_for`), :class:`EngineHooks` and :class:`Observers`.
 """
 
 from agentrl.adapters import GymnasiumEnv, OpenEnvEnv
@@ -29,6 +33,7 @@ from agentrl.images import ImageError, load_image
 from agentrl.registry import load_env, make, register
 from agentrl.rollout.demos import DemoError, DemoStats, conversation_samples, rejection_samples, scripted_samples
 from agentrl.rollout.scripted import play
+from agentrl.runtime.preflight import ResolvedRun, preflight
 from agentrl.runtime.train import train
 from agentrl.sandbox import ExecResult, Sandbox, SandboxConfig, create_sandbox
 from agentrl.tool import Tool, ToolError, ToolResult, tool
@@ -45,6 +50,7 @@ __all__ = [
     "Message",
     "OpenEnvEnv",
     "ParseError",
+    "ResolvedRun",
     "RolloutConfig",
     "RunConfig",
     "Sample",
@@ -64,6 +70,7 @@ __all__ = [
     "load_image",
     "make",
     "play",
+    "preflight",
     "read_rows",
     "register",
     "rejection_samples",
@@ -84,6 +91,15 @@ _LAZY = {
     "MegatronCritic": "agentrl.trainer.megatron_critic",
     "SGLangLaunch": "agentrl.engines.sglang",
     "SGLangEngineGroup": "agentrl.runtime.engine_group",
+    "TrainLoop": "agentrl.runtime.loop",
+    "EngineHooks": "agentrl.runtime.loop",
+    "Observers": "agentrl.runtime.loop",
+    "EpisodeCollector": "agentrl.runtime.collect",
+    "DemoCollector": "agentrl.runtime.collect",
+    "PolicyGradient": "agentrl.runtime.recipes",
+    "PPO": "agentrl.runtime.recipes",
+    "SFT": "agentrl.runtime.recipes",
+    "recipe_for": "agentrl.runtime.recipes",
     "mcp_tools": "agentrl.mcp",
     "MCPServerSpec": "agentrl.mcp",
     "MCPServerError": "agentrl.mcp",

@@ -4,7 +4,8 @@ Every field is a flag named after it (``rollout_batch_size`` -> ``--rollout-batc
 and choices live here, in the field's metadata (:func:`option`), and :mod:`agentrl.flags` builds
 every subcommand's flags and reads config files from them, so a flag cannot drift from its field.
 This module is a leaf: it checks values (``validate``) but imports no backend; what a chosen backend
-needs from the machine is checked by :func:`agentrl.runtime.backends.check_run`.
+needs from the machine is checked by :func:`agentrl.runtime.backends.backend_problems`; a run's
+every check, these included, runs once in :func:`agentrl.runtime.preflight.preflight`.
 
 Token budgets of an episode: ``--rollout-max-turn-len`` caps one assistant turn (``max_new_tokens``
 of each generate call); ``--rollout-max-response-len`` is slime's: the whole response of a sample
@@ -110,8 +111,23 @@ def _role_url(spec: Any) -> tuple[str, str] | None:
     return name.strip(), url
 
 
+class _ReadOnlyOnce:
+    """Fields assignable until :func:`read_only` marks the object (a run's preflight does, on its resolved
+    copy), so nothing after the preflight changes what the run was checked against."""
+
+    _read_only = False  # the class's default; read_only() sets it on one object
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._read_only:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: a run's configuration is read-only once its "
+                "preflight resolved it (agentrl.runtime.preflight); build a changed copy with dataclasses.replace"
+            )
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_ReadOnlyOnce):
     """Everything that shapes how episodes are generated."""
 
     n_samples_per_prompt: int = option(1, help="episodes per task (a GRPO group)")
@@ -310,7 +326,7 @@ GPU_TOKEN_BUDGET = 4096
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_ReadOnlyOnce):
     """Everything that shapes one policy update (slime's flag names).
 
     ``global_batch_size`` samples make one optimizer step; a rollout of ``rollout_batch_size *
@@ -521,7 +537,7 @@ class TrainConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_ReadOnlyOnce):
     """A training run: what to train on, where engines and trainers run, what gets saved.
 
     ``rollout`` and ``train`` hold the episode and update knobs; the rest is the run itself. The
@@ -777,7 +793,7 @@ class RunConfig:
     def validate(self) -> None:
         """Refuse a bad run before any model is loaded or actor started; say which flag to change.
 
-        Values only: :func:`agentrl.runtime.backends.check_run` adds what the chosen backends need.
+        Values only: :func:`agentrl.runtime.preflight.check_values` adds what the chosen backends need.
         """
         problems = self.problems()
         if problems:
@@ -1159,6 +1175,27 @@ def _unknown_flags_message(megatron_args: dict[str, Any]) -> str:
         f"unknown flag(s) {'; '.join(parts)}; flags agentrl does not know are Megatron flags, which need "
         "--train-backend megatron"
     )
+
+
+def read_only(cfg: RunConfig) -> RunConfig:
+    """``cfg`` (and its rollout and train sections) refusing assignment from now on; returned for chaining.
+
+    :func:`dataclasses.replace` still builds changed copies (assignable ones): a part that needs another
+    value (an eval temperature, an engine's context length) derives its own copy and leaves the run's alone.
+    """
+    for part in (cfg.rollout, cfg.train, cfg):
+        object.__setattr__(part, "_read_only", True)
+    return cfg
+
+
+def writable_copy(cfg: RunConfig) -> RunConfig:
+    """A deep copy of ``cfg`` that takes assignment again (of a resolved, read-only one too)."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    for part in (out.rollout, out.train, out):
+        object.__setattr__(part, "_read_only", False)
+    return out
 
 
 def argparse_namespace(cfg: RunConfig) -> Any:

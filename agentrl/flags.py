@@ -221,5 +221,4 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
             cfg.num_epoch = 1
     elif values.get("num_steps_per_rollout") is None and cfg.train.global_batch_size >= 1:  # else validate() says so
         cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
-    cfg.train.logit_temperature = cfg.trainer_logit_temperature
     return cfg

@@ -633,16 +633,15 @@ def test_imports():
 def test_kl_in_the_reward_fetches_reference_log_probs_for_both_reinforce_estimators(estimator):
     """--kl-coef folds KL into the reward of both REINFORCE++ variants: the loop must compute reference
     log-probs for either (the baseline variant used to raise at its first train step without them)."""
-    from types import SimpleNamespace
 
     from agentrl.config import RunConfig, TrainConfig
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.recipes import PolicyGradient
 
     cfg = RunConfig(train=TrainConfig(advantage_estimator=estimator, kl_coef=0.1))
-    old, ref = TrainLoop.needs_log_probs(SimpleNamespace(cfg=cfg))  # the method reads only self.cfg
+    old, ref = PolicyGradient(cfg, None).needs_log_probs()
     assert old and ref
     cfg = RunConfig(train=TrainConfig(advantage_estimator=estimator, kl_coef=0.0))
-    assert TrainLoop.needs_log_probs(SimpleNamespace(cfg=cfg)) == (False, False)
+    assert PolicyGradient(cfg, None).needs_log_probs() == (False, False)
     assert TrainConfig(advantage_estimator=estimator, kl_coef=0.1).needs_ref_model  # the trainers load it
 
 

@@ -41,7 +41,7 @@ def test_main_job_rl_batches_see_every_template_once():
     from agentrl.data import task_rows
     from agentrl.flags import load_config_file, run_config_from_values
     from agentrl.registry import load_env
-    from agentrl.runtime.train import _data_source
+    from agentrl.runtime.preflight import _data_source
 
     rl = run_config_from_values(load_config_file(REPO / "examples/calculator_agent/grpo.yaml"))
     src = _data_source(rl, task_rows(load_env(rl.env), rl.prompt_data), None)  # what `agentrl train` samples from

@@ -101,15 +101,19 @@ def test_rollout_flags_build_the_rollout_config():
 
 
 def test_derived_values_come_from_one_place():
-    """``logit_temperature`` and the critic-only rule are written once (config.py), read by flags and train()."""
+    """``logit_temperature`` and the critic-only rule are written once (config.py), read by the preflight
+    (which sets ``TrainConfig.logit_temperature`` from it: tests/test_preflight.py) and by ``problems()``."""
     from agentrl.config import RolloutConfig, RunConfig, TrainConfig
     from agentrl.flags import run_config_from_values
 
     rl = RunConfig(rollout=RolloutConfig(rollout_temperature=0.7))
     sft = RunConfig(rollout=RolloutConfig(rollout_temperature=0.7), train=TrainConfig(loss_type="sft_loss"))
     assert rl.trainer_logit_temperature == 0.7 and sft.trainer_logit_temperature == 1.0
-    assert run_config_from_values({"rollout_temperature": 0.7}).train.logit_temperature == 0.7
-    assert run_config_from_values({"rollout_temperature": 0.7, "loss_type": "sft_loss"}).train.logit_temperature == 1.0
+    # the flags build the configuration as given; the derived temperature is the preflight's to set
+    assert run_config_from_values({"rollout_temperature": 0.7}).trainer_logit_temperature == 0.7
+    assert (
+        run_config_from_values({"rollout_temperature": 0.7, "loss_type": "sft_loss"}).trainer_logit_temperature == 1.0
+    )
     ppo = RunConfig(num_rollout=3, train=TrainConfig(advantage_estimator="ppo", num_critic_only_steps=3))
     ok, problem = ppo.critic_only_rule(ppo.num_rollout)
     assert not ok and problem in ppo.problems()

@@ -52,11 +52,11 @@ def test_grpo_raises_reward(tiny_ckpt, tmp_path, ray_local):
 
 
 def test_flipped_advantage_sign_does_not_learn(tiny_ckpt, tmp_path, ray_local, monkeypatch):
-    import agentrl.runtime.loop as loop
+    import agentrl.runtime.recipes as recipes
     from agentrl.runtime.train import train
 
-    real = loop.compute_advantages
-    monkeypatch.setattr(loop, "compute_advantages", lambda *a, **kw: [-x for x in real(*a, **kw)])
+    real = recipes.compute_advantages
+    monkeypatch.setattr(recipes, "compute_advantages", lambda *a, **kw: [-x for x in real(*a, **kw)])
     train(_config(tiny_ckpt, tmp_path / "flipped"))
     first, last = _first_last(_rewards(tmp_path / "flipped"))
     print(f"flipped: reward first {first:.3f} last {last:.3f}")

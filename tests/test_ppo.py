@@ -281,9 +281,8 @@ def test_a_forward_that_still_transforms_the_head_is_refused(tiny_ckpt):
 def test_a_failing_critic_fails_the_step_naming_it():
     """Either critic call failing fails the step with the critic named (the actor never trains alone silently)."""
     import asyncio
-    from types import SimpleNamespace
 
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.recipes import PPO
     from agentrl.trainer.base import LogProbs
     from agentrl.types import Sample
 
@@ -313,41 +312,21 @@ def test_a_failing_critic_fails_the_step_naming_it():
     sample = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=1.0)
     sample.rollout_log_probs = [-1.0, -1.0]
     for where, message in (("values", "the critic's values failed: MemoryError"), ("train", "the critic's train step")):
-        loop = TrainLoop(
-            cfg,
-            ctx=SimpleNamespace(),
-            env_factory=None,
-            source=None,
-            trainers=Actor(),
-            sync_weights=print,
-            metrics=None,
-            critic=BrokenCritic(where),
-        )
+        recipe = PPO(cfg, Actor(), BrokenCritic(where))
         with pytest.raises(RuntimeError, match=message):
-            asyncio.run(loop.train([sample], step=0))
+            asyncio.run(recipe.update([sample], step=0))
 
 
 def test_the_reward_kl_uses_the_kl_loss_type():
     """--kl-coef's KL in the rewards is --kl-loss-type's estimator (slime's compute_approx_kl), not always k1."""
-    from types import SimpleNamespace
-
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.recipes import PPO
     from agentrl.trainer.base import TrainSample
     from agentrl.types import Sample
 
     out = {}
     for kind in ("k1", "k2"):
         cfg = RunConfig(train=TrainConfig(advantage_estimator="ppo", kl_coef=1.0, kl_loss_type=kind, gamma=1.0))
-        loop = TrainLoop(
-            cfg,
-            ctx=SimpleNamespace(),
-            env_factory=None,
-            source=None,
-            trainers=None,
-            sync_weights=print,
-            metrics=None,
-            critic=object(),
-        )
+        recipe = PPO(cfg, None, object())
         sample = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=0.0)
         batch = [
             TrainSample(
@@ -359,7 +338,7 @@ def test_the_reward_kl_uses_the_kl_loss_type():
                 values=[0.0, 0.0],
             )
         ]
-        loop.advantages([sample], batch)
+        recipe.advantages([sample], batch)
         out[kind] = batch[0].advantages
     assert out["k1"] == pytest.approx([-2.0, -1.0])  # k1 = 1 per token, returns -2, -1
     assert out["k2"] == pytest.approx([-1.0, -0.5])  # k2 = 0.5 * 1^2 per token
@@ -378,22 +357,11 @@ def test_critic_only_steps_are_checked_against_the_epoch_count(tmp_path, capsys)
 
 def test_ppo_refuses_episodes_split_into_segments():
     """GAE bootstraps along one token sequence: segments of a rewritten history are refused, naming the way out."""
-    from types import SimpleNamespace
-
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.recipes import PPO
     from agentrl.trainer.base import TrainSample
     from agentrl.types import Sample
 
-    loop = TrainLoop(
-        RunConfig(train=TrainConfig(advantage_estimator="ppo")),
-        ctx=SimpleNamespace(),
-        env_factory=None,
-        source=None,
-        trainers=None,
-        sync_weights=print,
-        metrics=None,
-        critic=object(),
-    )
+    recipe = PPO(RunConfig(train=TrainConfig(advantage_estimator="ppo")), None, object())
     samples = []
     for k in range(2):
         s = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=1.0)
@@ -401,4 +369,4 @@ def test_ppo_refuses_episodes_split_into_segments():
         samples.append(s)
     batch = [TrainSample(tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], values=[0.0, 0.0]) for _ in samples]
     with pytest.raises(ValueError, match="ppo bootstraps values along one token sequence"):
-        loop.advantages(samples, batch)
+        recipe.advantages(samples, batch)

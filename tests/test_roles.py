@@ -99,7 +99,8 @@ async def test_each_role_is_its_own_token_exact_sample(tiny_server, tiny_ckpt, t
 
 
 async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tiny_tokenizer):
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.collect import Batch
+    from agentrl.runtime.recipes import PolicyGradient
 
     fixed = SGLangEngine(tiny_server)  # another engine object: the opponent's policy
     ctx = _ctx(tiny_server, tiny_tokenizer, role_engines={"b": fixed}, n_samples_per_prompt=2)
@@ -107,11 +108,8 @@ async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tin
     await ctx.engine.close()
     await fixed.close()
     assert {s.metadata["role"]: s.metadata.get("trained", True) for s in samples} == {"a": True, "b": False}
-    loop = TrainLoop(
-        RunConfig(), ctx=ctx, env_factory=None, source=None, trainers=None, sync_weights=print, metrics=None
-    )
     counts: dict[str, int] = {}
-    keep = loop.trainable(samples, counts)
+    keep = PolicyGradient(RunConfig(), None).select(Batch([samples], 0.0), counts, version=0)
     assert [s.metadata["role"] for s in keep] == ["a", "a"] and counts["dropped_fixed_role"] == 2
     for engines, message in (
         ({"c": fixed}, r"--role-engine-url names role\(s\) \['c'\] the env does not have"),
@@ -141,20 +139,11 @@ def test_role_engine_urls_are_validated():
 
 
 def test_advantages_are_normalised_per_role():
-    from types import SimpleNamespace
 
-    from agentrl.runtime.loop import TrainLoop
+    from agentrl.runtime.recipes import PolicyGradient
     from agentrl.trainer.base import TrainSample
 
-    loop = TrainLoop(
-        RunConfig(),
-        ctx=SimpleNamespace(),
-        env_factory=None,
-        source=None,
-        trainers=None,
-        sync_weights=print,
-        metrics=None,
-    )
+    recipe = PolicyGradient(RunConfig(), None)
     samples = []
     for episode, (ra, rb) in enumerate(((1.0, 0.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.5))):
         for role, r in (("a", ra), ("b", rb)):
@@ -162,7 +151,7 @@ def test_advantages_are_normalised_per_role():
             s.metadata.update(episode_id=f"e{episode}", role=role)
             samples.append(s)
     batch = [TrainSample(tokens=[1, 2], response_length=1, loss_mask=[1]) for _ in samples]
-    loop.advantages(samples, batch)
+    recipe.advantages(samples, batch)
     got = {(s.index, s.metadata["role"]): b.advantages[0] for s, b in zip(samples, batch)}
     # role a: rewards 1, 0, 1, 1 (mean 0.75); role b: 0, 1, .5, .5 (mean 0.5): each against its own role
     assert got[(0, "a")] > 0 and got[(1, "a")] < 0 and got[(2, "b")] == pytest.approx(0.0, abs=1e-6)

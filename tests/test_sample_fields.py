@@ -16,7 +16,7 @@ from agentrl.data import task_from_row
 from agentrl.engines.base import Engine, EngineError, GenerateOutput
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
-from agentrl.runtime.loop import TrainLoop
+from agentrl.runtime.collect import EpisodeCollector
 from agentrl.types import Sample, Status
 
 
@@ -287,17 +287,8 @@ def test_sft_refuses_the_rl_only_hooks():
 def test_a_sample_filter_must_work_in_place():
     samples = [[Sample(index=i) for i in range(2)]]
 
-    def loop(fn) -> TrainLoop:
-        return TrainLoop(
-            RunConfig(),
-            ctx=None,
-            env_factory=None,
-            source=None,
-            trainers=None,
-            sync_weights=lambda v: None,
-            metrics=None,
-            sample_filter=fn,
-        )
+    def loop(fn) -> EpisodeCollector:
+        return EpisodeCollector(RunConfig(), ctx=None, env_factory=None, source=None, sample_filter=fn)
 
     def drop_first(args, groups):
         groups[0][0].remove_sample = True

@@ -6,7 +6,8 @@ import pytest
 
 from agentrl.config import RunConfig, TrainConfig
 from agentrl.flags import load_config_file, parse_passthrough_flags, run_config_from_values
-from agentrl.runtime.backends import check_run, sglang_launch
+from agentrl.runtime.backends import sglang_launch
+from agentrl.runtime.preflight import check_values
 from agentrl.runtime.trainer_group import DataLayout
 
 
@@ -169,7 +170,7 @@ def test_bad_scale_configs_are_refused_before_any_work(values, message):
     pytest.importorskip("megatron.core")
     cfg = run_config_from_values(_values(**values))
     with pytest.raises(ValueError, match="bad configuration") as err:
-        check_run(cfg)
+        check_values(cfg)
     assert message in str(err.value)
 
 
@@ -180,7 +181,7 @@ def test_sglang_launcher_needs_gpus(monkeypatch):
     cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
     cfg.validate()  # the values alone are fine: only the backend check knows about this machine
     with pytest.raises(ValueError, match="needs GPUs for its servers"):
-        check_run(cfg)
+        check_values(cfg)
     auto = run_config_from_values(_values(rollout_backend="sglang"))
     assert sglang_launch(auto, "ckpt").binary == "agentrl"  # auto on a CPU-only run: the embedded engine
     gpus = run_config_from_values(_values(rollout_backend="sglang", rollout_num_gpus=2, actor_num_gpus_per_node=2))
@@ -194,7 +195,7 @@ def test_sglang_launcher_needs_sglang_installed():
         pytest.skip("sglang is installed here")
     cfg = run_config_from_values(_values(rollout_backend="sglang", sglang_launcher="sglang"))
     with pytest.raises(ValueError, match="the sglang package is not installed"):
-        check_run(cfg)
+        check_values(cfg)
 
 
 def test_good_megatron_config_validates_and_derives_data_parallel():
@@ -207,7 +208,7 @@ def test_good_megatron_config_validates_and_derives_data_parallel():
             megatron_args={"attention_softmax_in_fp32": True},
         )
     )
-    check_run(cfg)
+    check_values(cfg)
     assert cfg.data_parallel_size == 2 and cfg.train.model_parallel_size == 2
     assert run_config_from_values(_values(backend=None, train_backend="megatron")).train_backend == "megatron"
 

@@ -329,7 +329,7 @@ def test_a_sample_whose_images_do_not_match_its_placeholders_is_refused(template
 
 
 def test_megatron_and_critics_refuse_a_vision_policy_before_anything_starts(tiny_vlm):
-    from agentrl.runtime.train import _check_vision
+    from agentrl.runtime.preflight import _check_vision
 
     with pytest.raises(ValueError, match="--train-backend megatron: .* vision-language model"):
         _check_vision(RunConfig(train_backend="megatron"), tiny_vlm)

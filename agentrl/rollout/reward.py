@@ -122,3 +122,14 @@ def share_outcome(segments: list[Sample]) -> None:
         for k in ("rm_reward", "error"):
             if k in last.metadata:
                 s.metadata[k] = last.metadata[k]
+
+
+def train_reward(s: Sample) -> float:
+    """The reward an update trains on: a number (None, or an empty dict, counts as 0.0). A dict reward (slime allows
+    them from custom reward models) has no single value to train on and is refused, naming the sample."""
+    if isinstance(s.reward, dict) and s.reward:
+        raise TypeError(
+            f"sample {s.index}: its reward is a dict ({sorted(s.reward)[:5]}); a reward function must return a "
+            "number for the update to train on"
+        )
+    return float(s.reward or 0.0)

@@ -1,7 +1,7 @@
 """What the chosen backends need from this machine, checked before a run starts; how SGLang servers launch.
 
-:meth:`agentrl.config.RunConfig.validate` checks values alone (the config is a leaf, it imports no
-backend). :func:`check_run` adds what only the chosen backends can say: is megatron-core importable
+:meth:`agentrl.config.RunConfig.problems` checks values alone (the config is a leaf, it imports no
+backend). :func:`backend_problems` adds what only the chosen backends can say: is megatron-core importable
 and does it know every pass-through Megatron flag, is SGLang installed where it is asked for, does
 the server command line build. Each probe imports its backend only when that backend is chosen.
 """
@@ -187,13 +187,3 @@ def sglang_launch(cfg: RunConfig, checkpoint: str, *, engine_gpus: float = 0, lo
         log_dir=log_dir,
         host=cfg.engine_host,
     )
-
-
-def check_run(cfg: RunConfig) -> None:
-    """Refuse a bad run before any model is loaded or actor started: its values, then its backends' needs.
-
-    One ``ValueError`` lists every problem, each naming the flag to change.
-    """
-    problems = cfg.problems() + backend_problems(cfg)
-    if problems:
-        raise ValueError("bad configuration: " + "; ".join(problems))

@@ -3,9 +3,11 @@
 ``agentrl sft`` (= ``agentrl train --loss-type sft_loss``, slime's name) trains on token-exact
 demonstrations (:mod:`agentrl.rollout.demos`) with the trainer backends, Ray actors, ``iter_*``
 checkpoints, ``metrics.jsonl`` and eval that ``agentrl train`` uses; only the data and the loss
-differ. One step is one optimizer step on ``--global-batch-size`` demonstrations drawn in a seeded,
-epoch-shuffled order (:class:`~agentrl.runtime.buffer.PromptSource`, whose cursor is checkpointed);
-``--num-epoch`` passes over the demonstrations (default 1), or ``--num-rollout`` steps.
+differ. It runs in the same :class:`~agentrl.runtime.loop.TrainLoop` as RL, with the demonstrations as its rollout
+side (:class:`~agentrl.runtime.collect.DemoCollector`) and :class:`~agentrl.runtime.recipes.SFT` as its recipe. One
+step is one optimizer step on ``--global-batch-size`` demonstrations drawn in a seeded, epoch-shuffled order
+(:class:`~agentrl.runtime.buffer.PromptSource`, whose cursor is checkpointed); ``--num-epoch`` passes over the
+demonstrations (default 1), or ``--num-rollout`` steps (:func:`sft_steps`).
 
 Demonstrations are loaded and checked before Ray starts (:func:`load_demonstrations`): a bad row
 stops the run with its file and line before any model is loaded for training, and the counts are
@@ -18,20 +20,15 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import random
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig
-from agentrl.runtime import run_folder
-from agentrl.runtime.buffer import PromptSource
-from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample
 
-__all__ = ["SFTLoop", "env_tool_schemas", "load_demonstrations"]
+__all__ = ["env_tool_schemas", "load_demonstrations", "sft_steps"]
 
 
 def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], checkpoint: Path) -> list[Sample]:
@@ -189,106 +186,3 @@ def sft_steps(cfg: RunConfig, n_demos: int) -> int:
     if cfg.num_epoch is not None:
         return cfg.num_epoch * math.ceil(n_demos / cfg.train.global_batch_size)
     return cfg.num_rollout
-
-
-class SFTLoop:
-    """Drives a warm start; collaborators are passed in, as for :class:`~agentrl.runtime.loop.TrainLoop`.
-
-    ``sync_weights(version)`` and ``evaluator(step)`` are only used at ``--eval-interval`` steps (and
-    after the last step when eval sets are given): the engines serve the checkpoint until then.
-    """
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        *,
-        demos: list[Sample],
-        trainers: Any,
-        metrics: Any,
-        sync_weights: Callable[[int], Any] | None = None,
-        evaluator: Callable[[int], Any] | None = None,
-        ctx: Any = None,
-        memory_probe: Callable[[], dict[str, float]] | None = None,
-    ):
-        self.cfg, self.demos, self.trainers, self.metrics = cfg, demos, trainers, metrics
-        self.memory_probe = memory_probe  # each step: {"<actor>_peak_rss_mb": MiB} into metrics.jsonl
-        self.ctx = ctx  # the eval episodes' context (its engine is closed with the run)
-        self.sync_weights, self.evaluator = sync_weights, evaluator
-        self.source = PromptSource(
-            [{"demo": i} for i in range(len(demos))], shuffle=cfg.shuffle_prompts, seed=cfg.train.seed
-        )
-        self.total = sft_steps(cfg, len(demos))
-        self.per_epoch = math.ceil(len(demos) / cfg.train.global_batch_size)
-        self.start_step = 0
-        self.version = 0
-        self.run_dir = Path(cfg.save) if cfg.save else None
-
-    def batch(self) -> list[TrainSample]:
-        """The next ``--global-batch-size`` demonstrations as trainer records (advantages unused: zeros)."""
-        picked = [self.demos[r["demo"]] for r in self.source.get_samples(self.cfg.train.global_batch_size)]
-        return [
-            TrainSample(
-                tokens=list(s.tokens),
-                response_length=s.response_length,
-                loss_mask=list(s.loss_mask or []),
-                advantages=[0.0] * s.response_length,
-                multimodal_inputs=s.multimodal_inputs,
-                multimodal_train_inputs=s.multimodal_train_inputs,
-            )
-            for s in picked
-        ]
-
-    async def run(self) -> list[dict[str, Any]]:
-        lines = []
-        for step in range(self.start_step, self.total):
-            lines.append(await self.step(step))
-        return lines
-
-    async def step(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg
-        batch = self.batch()
-        t0 = time.monotonic()
-        metrics = await asyncio.to_thread(self.trainers.train_step, batch)
-        self.version += 1
-        line: dict[str, Any] = {
-            **metrics,
-            "epoch": (step + 1) / self.per_epoch,
-            "train_samples": len(batch),
-            "step_train_seconds": time.monotonic() - t0,
-            **(await asyncio.to_thread(self.memory_probe) if self.memory_probe is not None else {}),
-        }
-        last = step + 1 == self.total
-        if self.evaluator is not None and ((cfg.eval_interval and (step + 1) % cfg.eval_interval == 0) or last):
-            if self.sync_weights is not None:
-                await asyncio.to_thread(self.sync_weights, self.version)
-            line.update(await self.evaluator(step))
-        self.metrics.log(step, line)
-        if self.run_dir is not None and ((cfg.save_interval and (step + 1) % cfg.save_interval == 0) or last):
-            await asyncio.to_thread(self.save, step + 1)
-        return line
-
-    def save(self, steps_done: int) -> Path:
-        """``iter_<steps_done>``: the HF model, optimizer and RNG state, the demonstration cursor."""
-        assert self.run_dir is not None
-        tmp = run_folder.begin(self.run_dir, steps_done)
-        state = {
-            "step": steps_done,
-            "weight_version": self.version,
-            "loss_type": "sft_loss",
-            "data": self.source.state_dict(),
-            "python_random": repr(random.getstate()),
-        }
-        self.trainers.save(str(tmp), extra_state={"loop": state})
-        return run_folder.commit(self.run_dir, steps_done, tmp, state)
-
-    def resume(self, path: Path) -> None:
-        """Continue from a checkpoint written by :meth:`save`."""
-        state = run_folder.read_loop_state(path)
-        self.trainers.load(str(path))
-        if state.get("data") is not None:
-            self.source.load_state_dict(state["data"])
-        self.start_step = int(state["step"])
-        self.version = int(state.get("weight_version", self.start_step))
-        if hasattr(self.metrics, "truncate_after"):
-            self.metrics.truncate_after(self.start_step)
-        print(f"resumed from {path} at step {self.start_step}", file=sys.stderr)

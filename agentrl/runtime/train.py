@@ -1,9 +1,10 @@
 """Assemble a training run from a :class:`~agentrl.config.RunConfig` and run it.
 
-``agentrl train`` calls :func:`train`. The order matters for the promise that a bad run fails
-before any work: the configuration is validated, the env, task files and user functions are
-loaded, and only then are Ray, the engines and the trainer started. The resolved configuration is
-written to ``<save>/config.json`` before the first step.
+``agentrl train`` calls :func:`train`: :func:`~agentrl.runtime.preflight.preflight` checks the run and
+resolves it (every check and derived value is there), the resolved configuration is written to
+``<save>/config.json``, and only then are Ray, the engines and the trainer started (:class:`_Runtime`)
+and the loop built from them: :class:`~agentrl.runtime.loop.TrainLoop` over a rollout side
+(:mod:`agentrl.runtime.collect`) and a recipe (:mod:`agentrl.runtime.recipes`: GRPO family, PPO or SFT).
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig, argparse_namespace
-from agentrl.flags import naming_flag
+from agentrl.config import RunConfig
+from agentrl.runtime.preflight import ResolvedRun, preflight
 
 log = logging.getLogger(__name__)
 
@@ -30,198 +30,30 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
-def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
-    from agentrl.runtime.buffer import BufferedSource, DataSource, PromptSource
-    from agentrl.user_code import load_function
-
-    if cfg.data_source_path:
-        source = load_function(cfg.data_source_path)(args)
-        if not isinstance(source, DataSource):
-            raise TypeError(
-                f"--data-source-path {cfg.data_source_path} must build an object with "
-                "get_samples(num_samples) and add_samples(samples)"
-            )
-    else:
-        source = PromptSource(rows, shuffle=cfg.shuffle_prompts, seed=cfg.train.seed)
-    if cfg.buffer_filter_path or cfg.dynamic_sampling_filter_path or cfg.async_mode:
-        bf = load_function(cfg.buffer_filter_path) if cfg.buffer_filter_path else None
-        stale = 0 if cfg.true_on_policy_mode else cfg.max_staleness  # the loop's own limit, one value
-        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=stale)
-    return source
-
-
 def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
-    """Run ``cfg`` to the end; return the last metrics line (plus the run folder)."""
-    from agentrl import sandbox
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.data import load_tasks, task_rows
-    from agentrl.registry import load_env
-    from agentrl.runtime import run_folder
-    from agentrl.runtime.backends import check_run
-    from agentrl.runtime.buffer import check_reward_nonzero_std
-    from agentrl.user_code import load_function
+    """Run ``cfg`` to the end; return the last metrics line (plus the run folder).
 
-    check_run(cfg)
-    cfg.train.logit_temperature = cfg.trainer_logit_temperature
-    sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
-    with naming_flag("--env", cfg.env):
-        factory = load_env(cfg.env) if cfg.env else None
-    # a user data source (--data-source-path) brings its own prompts, --sft-data its own conversations
-    with naming_flag("--prompt-data" if cfg.prompt_data else "--env", cfg.prompt_data or cfg.env):
-        rows = (
-            task_rows(
-                factory,
-                cfg.prompt_data,
-                input_key=cfg.rollout.input_key,
-                label_key=cfg.rollout.label_key,
-                env_name=cfg.env,
-                trust_row_code=cfg.rollout.trust_row_code,
-            )
-            if not cfg.data_source_path and not cfg.sft_data and (factory is not None or cfg.prompt_data)
-            else []
-        )
-    if not cfg.is_sft:
-        from agentrl.rollout.generate import check_apply_chat_template
-
-        check_apply_chat_template(
-            cfg.rollout, custom=bool(cfg.custom_generate_function_path or cfg.rollout_function_path), rows=rows
-        )
-    eval_sets = {}
-    for name, path in cfg.eval_prompt_data:
-        with naming_flag("--eval-prompt-data", f"{name} {path}"):
-            eval_sets[name] = load_tasks(
-                path,
-                input_key=cfg.rollout.input_key,
-                label_key=cfg.rollout.label_key,
-                trust_row_code=cfg.rollout.trust_row_code,
-            )
-    if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour, before Ray starts
-        from agentrl.rollout.generate import check_rollout_features
-
-        custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
-        sampled = [*rows, *(r for rows_ in eval_sets.values() for r in rows_)]
-        check_rollout_features(cfg.rollout, sampled, custom=custom)
-    custom_generate: Any = (
-        load_function(cfg.custom_generate_function_path) if cfg.custom_generate_function_path else None
-    )
-    if cfg.rollout_function_path:
-        from agentrl.rollout.generate import BatchGenerate
-
-        with naming_flag("--rollout-function-path", cfg.rollout_function_path):
-            custom_generate = BatchGenerate.load(cfg.rollout_function_path)
-    custom_rm = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
-    group_filter = None
-    if cfg.dynamic_sampling_filter_path:
-        group_filter = (
-            check_reward_nonzero_std
-            if cfg.dynamic_sampling_filter_path == "default"
-            else load_function(cfg.dynamic_sampling_filter_path)
-        )
-    if cfg.train.custom_loss_function_path:  # loaded here first, so a bad path stops the run before Ray starts
-        with naming_flag("--custom-loss-function-path", cfg.train.custom_loss_function_path):
-            load_function(cfg.train.custom_loss_function_path)
-    sample_filter = None
-    if cfg.rollout_sample_filter_path:
-        with naming_flag("--rollout-sample-filter-path", cfg.rollout_sample_filter_path):
-            sample_filter = load_function(cfg.rollout_sample_filter_path)
-    if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
-        cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
-        ok, problem = cfg.critic_only_rule(cfg.num_rollout, f", from --num-epoch {cfg.num_epoch}")
-        if not ok:
-            raise ValueError(problem)
-    args = args if args is not None else argparse_namespace(cfg)
-    if cfg.rollout_num_workers > 1:  # each worker gets a pickled copy: refused now, not after the models load
-        from agentrl.runtime.rollout_workers import check_worker_args
-
-        check_worker_args(args)
-    source = _data_source(cfg, rows, args) if not cfg.is_sft else None
-    resume_from = _resume_point(cfg)
-    resume_step = run_folder.read_loop_state(resume_from)["step"] if resume_from else None
-    ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
-    cfg.hf_checkpoint = str(ckpt)
-    _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
-    _check_vision(cfg, ckpt)
-    if cfg.critic_hf_checkpoint:  # checked before Ray starts, as the policy's
-        with naming_flag("--critic-hf-checkpoint", cfg.critic_hf_checkpoint):
-            critic_ckpt = resolve_hf_checkpoint(cfg.critic_hf_checkpoint)
-            _refuse_critic_checkpoint("--critic-hf-checkpoint", critic_ckpt, "an HF causal LM to start a critic from")
-            _check_critic_vocab(ckpt, critic_ckpt)
-            if (critic_ckpt / run_folder.CRITIC_DIR).is_dir():
-                raise ValueError(
-                    f"{critic_ckpt} is a ppo run's checkpoint: its actor would start the new critic, not its critic. "
-                    "Resume that run (actor and critic) with --load; a saved critic cannot start another run's"
-                )
-        cfg.critic_hf_checkpoint = str(critic_ckpt)
-    if cfg.train_backend == "megatron":  # an architecture megatron cannot express is refused before Ray starts
-        from transformers import AutoConfig
-
-        from agentrl.trainer.megatron_model import transformer_config_from_hf
-
-        t = cfg.train
-        checked: list[tuple[str, str | None]] = [
-            ("--hf-checkpoint", str(ckpt)),
-            ("--critic-hf-checkpoint", cfg.critic_hf_checkpoint),
-        ]
-        for flag, model_path in checked:
-            if model_path is None:
-                continue
-            with naming_flag(flag, model_path):
-                transformer_config_from_hf(
-                    AutoConfig.from_pretrained(model_path, local_files_only=True),
-                    tp=t.tensor_model_parallel_size,
-                    pp=t.pipeline_model_parallel_size,
-                    cp=t.context_parallel_size,
-                    overrides=dict(t.megatron_args),
-                )
-    demos = None
-    if cfg.is_sft:  # loaded and checked before Ray starts: a bad row stops the run here
-        from agentrl.runtime.sft import load_demonstrations, sft_steps
-
-        saved = resume_from.parent / "demos.jsonl" if resume_from is not None else None  # the run folder of iter_*
-        if saved is not None and saved.is_file():  # a resumed warm start trains on the same demonstrations
-            from agentrl.types import Sample
-
-            demos = [Sample.from_dict(json.loads(line)) for line in saved.open(encoding="utf-8")]
-            print(f"demonstrations: {len(demos)} from {saved} (resuming)", file=sys.stderr)
-        else:
-            demos = load_demonstrations(cfg, factory, rows, ckpt)
-        cfg.num_rollout = sft_steps(cfg, len(demos))
+    :func:`~agentrl.runtime.preflight.preflight` checks and resolves the run first; Ray, the engines and the
+    trainer start only from what it returns, and ``cfg`` itself is left as it was given.
+    """
+    run = preflight(cfg, args)
+    cfg = run.config
     run_dir = Path(cfg.save) if cfg.save else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
-        if demos is not None:
+        if run.demos is not None:
             with open(run_dir / "demos.jsonl", "w", encoding="utf-8") as f:
-                f.writelines(s.to_json() + "\n" for s in demos)
+                f.writelines(s.to_json() + "\n" for s in run.demos)
     with contextlib.ExitStack() as stack:
-        runtime = stack.enter_context(_Runtime(cfg, ckpt))
-        if demos is not None:
-            loop = runtime.build_sft_loop(
-                demos=demos,
-                factory=factory,
-                eval_sets=eval_sets,
-                custom_rm=custom_rm,
-                args=args,
-                resume_step=resume_step,
-            )
-        else:
-            loop = runtime.build_loop(
-                factory=factory,
-                source=source,
-                args=args,
-                custom_generate=custom_generate,
-                custom_rm=custom_rm,
-                group_filter=group_filter,
-                sample_filter=sample_filter,
-                eval_sets=eval_sets,
-                resume_step=resume_step,
-            )
-        if resume_from is not None:
-            loop.resume(resume_from)
+        runtime = stack.enter_context(_Runtime(cfg, run.checkpoint))
+        loop = runtime.build_loop(run)
+        if run.resume_from is not None:
+            loop.resume(run.resume_from)
         elif cfg.train.initial_megatron_checkpoint:  # the engines loaded --hf-checkpoint's weights: replace them
             runtime.sync_weights(0)
         t0 = time.monotonic()
-        lines = asyncio.run(_run(loop))
+        lines = asyncio.run(_run(loop, runtime.ctx))
         summary = dict(lines[-1]) if lines else {}
         summary["wall_seconds"] = round(time.monotonic() - t0, 1)
         summary["run_dir"] = str(run_dir) if run_dir else None
@@ -229,63 +61,14 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         return summary
 
 
-def _refuse_critic_checkpoint(flag: str, path: Path, wanted: str) -> None:
-    """A saved critic (``iter_*/critic``: a value head, not an LM head) is not a model to start from."""
-    config = json.loads((path / "config.json").read_text())
-    if config.get("agentrl_value_head"):
-        raise ValueError(
-            f"{flag} {path}: a ppo run's saved critic (a value head), not {wanted}; "
-            "a run's critic resumes with --load of its run folder"
-        )
-
-
-def _check_critic_vocab(policy: Path, critic: Path) -> None:
-    """The critic reads the policy's token ids: both checkpoints must share a vocabulary."""
-    a = json.loads((policy / "config.json").read_text()).get("vocab_size")
-    b = json.loads((critic / "config.json").read_text()).get("vocab_size")
-    if a != b:
-        raise ValueError(
-            f"its vocabulary ({b} ids) differs from the policy's ({a} ids, --hf-checkpoint {policy}); the critic "
-            "scores the policy's tokens: start it from a model with the same tokenizer"
-        )
-
-
-def _resume_point(cfg: RunConfig) -> Path | None:
-    """The checkpoint ``--load`` resumes from. A folder that holds a run but no complete checkpoint is
-    refused (resuming must never silently start over); a missing or empty folder starts fresh, and says so."""
-    from agentrl.runtime import run_folder
-
-    if not cfg.load:
-        return None
-    if Path(cfg.load).exists() and not Path(cfg.load).is_dir():
-        raise ValueError(f"--load {cfg.load} is a file; pass the run folder (the --save folder of the run to resume)")
-    found = run_folder.latest_checkpoint(cfg.load)
-    if found is not None:
-        if run_folder.read_loop_state(found).get("loss_type", "policy_loss") != cfg.train.loss_type:
-            raise ValueError(
-                f"--load {cfg.load}: {found} was written by a {'warm start' if not cfg.is_sft else 'RL run'}"
-                "; to start from its weights pass it as --hf-checkpoint instead"
-            )
-        run_folder.check_critic(found, cfg.train.advantage_estimator == "ppo")
-        return found
-    root = Path(cfg.load)
-    if root.is_dir() and any(root.iterdir()):
-        raise ValueError(
-            f"--load {cfg.load}: the folder holds no complete checkpoint (iter_*/loop_state.json); "
-            "pass the run folder that has one, or drop --load to start a new run elsewhere"
-        )
-    print(f"--load {cfg.load}: no checkpoint yet; starting from --hf-checkpoint", file=sys.stderr)
-    return None
-
-
-async def _run(loop: Any) -> list[dict[str, Any]]:
+async def _run(loop: Any, ctx: Any) -> list[dict[str, Any]]:
     from agentrl.rollout.context import close_context
     from agentrl.sandbox import close_default_pool
 
     try:
         return await loop.run()
     finally:
-        await close_context(loop.ctx)
+        await close_context(ctx)
         await close_default_pool()
 
 
@@ -303,6 +86,7 @@ class _Runtime:
         self.routes_taken: list[str] = []  # the route of every weight push, in order
         self.rollout_workers: Any = None  # --rollout-num-workers > 1: the episodes' Ray actors
         self.worker_placement: Any = None  # their bundles, reserved before any model loads
+        self.ctx: Any = None  # the episodes' context, once the engines are up
 
     def __enter__(self) -> _Runtime:
         from agentrl.runtime.cluster import init_ray, plan_placement
@@ -457,6 +241,7 @@ class _Runtime:
         if cfg.rollout_return_routed_experts:
             _check_routed_experts(engine)
         self.env_pool = ctx.executor
+        self.ctx = ctx  # closed with the run (its engine clients), after the loop
         bind_engine_args(args, engine, tokenizer, template, self.engines.urls)
         self.metrics = MetricsLogger(
             cfg.save,
@@ -470,73 +255,66 @@ class _Runtime:
         )
         return ctx
 
-    def build_sft_loop(self, *, demos, factory, eval_sets, custom_rm, args, resume_step) -> Any:
-        from agentrl.runtime.sft import SFTLoop
-
-        ctx = self._context(args, resume_step, curve_key="loss")
-        evaluator = _evaluator(self.cfg, ctx, factory, eval_sets, custom_rm, args) if eval_sets else None
-        return SFTLoop(
-            self.cfg,
-            demos=demos,
-            trainers=self.trainers,
-            metrics=self.metrics,
-            sync_weights=self.sync_weights,
-            evaluator=evaluator,
-            ctx=ctx,
-            memory_probe=self.peak_memory,
-        )
-
-    def build_loop(
-        self,
-        *,
-        factory,
-        source,
-        args,
-        custom_generate,
-        custom_rm,
-        group_filter,
-        eval_sets,
-        resume_step,
-        sample_filter=None,
-    ) -> Any:
-        from agentrl.runtime.loop import TrainLoop
+    def build_loop(self, run: ResolvedRun) -> Any:
+        """The run's :class:`~agentrl.runtime.loop.TrainLoop`: its rollout side, its recipe, the engines' hooks
+        (weight pushes, their guard, colocated memory) and the observers (metrics, eval, peak memory)."""
+        from agentrl.runtime.collect import DemoCollector, EpisodeCollector
+        from agentrl.runtime.loop import EngineHooks, Observers, TrainLoop
+        from agentrl.runtime.recipes import recipe_for
 
         cfg = self.cfg
-        ctx = self._context(args, resume_step)
+        args = run.args
+        sft = run.demos is not None
+        ctx = self._context(args, run.resume_step, curve_key="loss" if sft else "reward_mean")
         engine = ctx.engine
-        if cfg.rollout_num_workers > 1:
-            from agentrl.runtime.rollout_workers import RolloutWorkerGroup
+        collector: Any
+        if run.demos is not None:
+            collector = DemoCollector(cfg, run.demos)
+        else:
+            if cfg.rollout_num_workers > 1:
+                from agentrl.runtime.rollout_workers import RolloutWorkerGroup
 
-            self.rollout_workers = RolloutWorkerGroup(
+                self.rollout_workers = RolloutWorkerGroup(
+                    cfg,
+                    self.checkpoint,
+                    self.engines.urls,
+                    self.engines.api_key,
+                    placement_group=self.worker_placement,
+                    args=args,
+                )
+                nodes = len(set(self.rollout_workers.node_ids()))
+                print(f"{cfg.rollout_num_workers} rollout workers on {nodes} node(s)", file=sys.stderr)
+            collector = EpisodeCollector(
                 cfg,
-                self.checkpoint,
-                self.engines.urls,
-                self.engines.api_key,
-                placement_group=self.worker_placement,
+                ctx=ctx,
+                env_factory=run.env_factory,
+                source=run.source,
                 args=args,
+                custom_generate=run.custom_generate,
+                custom_reward=run.custom_rm,
+                group_filter=run.group_filter,
+                sample_filter=run.sample_filter,
+                workers=self.rollout_workers,
             )
-            nodes = len(set(self.rollout_workers.node_ids()))
-            print(f"{cfg.rollout_num_workers} rollout workers on {nodes} node(s)", file=sys.stderr)
-        evaluator = _evaluator(cfg, ctx, factory, eval_sets, custom_rm, args, custom_generate) if eval_sets else None
+        evaluator = (
+            _evaluator(
+                cfg, ctx, run.env_factory, run.eval_sets, run.custom_rm, args, None if sft else run.custom_generate
+            )
+            if run.eval_sets
+            else None
+        )
         return TrainLoop(
             cfg,
-            ctx=ctx,
-            env_factory=factory,
-            source=source,
-            trainers=self.trainers,
-            sync_weights=self.sync_weights,
-            metrics=self.metrics,
-            args=args,
-            custom_generate=custom_generate,
-            custom_reward=custom_rm,
-            group_filter=group_filter,
-            sample_filter=sample_filter,
-            evaluator=evaluator,
-            engine_memory=_EngineMemory(engine, self.engines) if cfg.colocate else None,
-            update_guard=self._update_guard(engine),
-            critic=self.critic,
-            memory_probe=self.peak_memory,
-            rollout_workers=self.rollout_workers,
+            collector=collector,
+            recipe=recipe_for(
+                cfg, self.trainers, critic=self.critic, n_demos=len(run.demos) if run.demos is not None else None
+            ),
+            engines=EngineHooks(
+                push=self.sync_weights,
+                guard=None if sft else self._update_guard(engine),
+                memory=_EngineMemory(engine, self.engines) if cfg.colocate and not sft else None,
+            ),
+            observers=Observers(metrics=self.metrics, evaluator=evaluator, memory_probe=self.peak_memory),
         )
 
     def peak_memory(self) -> dict[str, float]:
@@ -760,26 +538,3 @@ def _evaluator(
         return out
 
     return run
-
-
-def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
-    """A vision-language policy: refuse what cannot train it, before Ray starts (names the flag)."""
-    from agentrl.vlm import is_vision_checkpoint, vision_for
-
-    if not is_vision_checkpoint(ckpt):
-        return
-    vision_for(ckpt)  # an unsupported family (or a checkpoint without its processor) is refused here
-    if cfg.train_backend == "megatron":
-        raise ValueError(
-            f"--train-backend megatron: {ckpt} is a vision-language model, and agentrl's megatron backend builds "
-            "text-only GPT models (megatron-core's multimodal LLaVA model is not wired in); use --train-backend torch"
-        )
-    if cfg.critic_hf_checkpoint or cfg.train.advantage_estimator == "ppo":
-        raise ValueError(
-            "a vision-language policy trains without a critic here: use a critic-free --advantage-estimator"
-        )
-    if cfg.trainer_world_size > 1:  # FSDP2 would shard the embeddings and vision tower the SDK calls before forward
-        raise ValueError(
-            f"a vision-language policy trains on one rank here (this run: {cfg.trainer_world_size}): set "
-            "--trainer-num-procs 1 (on GPUs: --actor-num-nodes 1 --actor-num-gpus-per-node 1)"
-        )
