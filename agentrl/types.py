@@ -153,7 +153,7 @@ class Sample:
 
     The episode loop's own record (not slime fields) is typed here too, as properties:
     :attr:`turn_rewards`, :attr:`turn_spans`, :attr:`env_spans`, :attr:`status_reason` and the episode's
-    identity (:attr:`episode_id`, :attr:`role`, :attr:`segment`, :attr:`trained`, :attr:`episode_key`). Their
+    identity (:attr:`episode_id`, :attr:`role`, :attr:`segment`, :attr:`trained`, :attr:`policy`, :attr:`episode_key`). Their
     values live in ``metadata`` under the same keys, where slime's consumers keep custom data, where
     a slime-style custom generate function writes them and where every dump since the first holds
     them; so there is one copy, the JSON is unchanged, and code that reads ``metadata["turn_rewards"]``
@@ -330,6 +330,21 @@ class Sample:
     @trained.setter
     def trained(self, value: bool) -> None:
         self.metadata["trained"] = bool(value)
+
+    @property
+    def policy(self) -> str | None:
+        """The policy that played this sample's seat: None for the run's own (trained) policy; for a role played on
+        ``--role-engine-url``, that engine's address. Written only for a seat another policy played, so a single
+        agent's JSON is unchanged."""
+        value = self.metadata.get("policy")
+        return None if value is None else str(value)
+
+    @policy.setter
+    def policy(self, value: str | None) -> None:
+        if value is None:
+            self.metadata.pop("policy", None)
+        else:
+            self.metadata["policy"] = str(value)
 
     @property
     def episode_key(self) -> tuple[Hashable, str | None]:

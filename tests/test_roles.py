@@ -108,6 +108,9 @@ async def test_a_role_on_a_fixed_engine_is_recorded_not_trained(tiny_server, tin
     await ctx.engine.close()
     await fixed.close()
     assert {s.metadata["role"]: s.metadata.get("trained", True) for s in samples} == {"a": True, "b": False}
+    # the policy each seat was played by: the run's own (None) and the fixed engine's address
+    assert {s.role: s.policy for s in samples} == {"a": None, "b": tiny_server.rstrip("/")}
+    assert all("policy" not in s.metadata for s in samples if s.role == "a")  # the trained seat's JSON: unchanged
     counts: dict[str, int] = {}
     keep = PolicyGradient(RunConfig(), None).select(Batch([samples], 0.0), counts, version=0)
     assert [s.metadata["role"] for s in keep] == ["a", "a"] and counts["dropped_fixed_role"] == 2

@@ -118,6 +118,12 @@ def test_episode_identity_is_typed_and_one_copy_with_its_metadata_keys():
     back = Sample.from_dict(json.loads(s.to_json()))
     assert (back.episode_id, back.role, back.segment, back.trained) == ("ep-1", "o", 3, True)
     assert back.episode_key == s.episode_key == ("ep-1", "o")
+    # the policy a seat is played by: None (the run's) unless another policy played it; None writes no key
+    assert alone.policy is None and "policy" not in alone.metadata
+    s.policy = "http://127.0.0.1:9"
+    assert Sample.from_dict(json.loads(s.to_json())).policy == "http://127.0.0.1:9" == s.metadata["policy"]
+    s.policy = None
+    assert "policy" not in s.metadata and s.policy is None
 
 
 def test_episode_units_groups_segments_by_episode_and_seat_in_order():

@@ -228,6 +228,8 @@ class Seat:
 
     role: str | None
     engine: Engine
+    """The engine of the policy that plays the seat (the run's, or a role's ``--role-engine-url``; the sample's
+    :attr:`~agentrl.types.Sample.policy` names it)."""
     key: str
     """The routing key of the seat's requests: one engine serves a seat's whole episode (its prefix cache)."""
     sample: Sample
@@ -476,8 +478,9 @@ def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: 
     sample = _task_sample(task, first.group_index, first.index)
     sample.role, sample.episode_id = role, key
     sample.non_generation_time = first.non_generation_time  # constructing and resetting the env: every role waited
-    if role in ctx.role_engines:
+    if role in ctx.role_engines:  # played by another policy: that engine's
         sample.trained = False
+        sample.policy = getattr(engine, "url", None) or f"role-engine:{role}"
     return Seat(role, engine, f"{key}-{role}", sample)
 
 
@@ -747,7 +750,7 @@ def _next_segment(prev: Sample, convo: list[Message]) -> Sample:
     """The sample that continues a seat's episode after a history rewrite: same group, index, task and seat,
     the rewritten conversation as its prompt, fresh per-turn records."""
     meta = _segment_metadata()
-    for k in ("task", "reset_info", "role", "trained", "episode_id"):
+    for k in ("task", "reset_info", "role", "trained", "policy", "episode_id"):
         if k in prev.metadata:
             meta[k] = prev.metadata[k]
     nxt = Sample(group_index=prev.group_index, index=prev.index, prompt=list(convo), label=prev.label)
