@@ -754,6 +754,12 @@ class RunConfig(_ReadOnlyOnce):
         return self.train.loss_type == "sft_loss"
 
     @property
+    def staleness_limit(self) -> int:
+        """How many weight versions a trained sample may lag (``--max-staleness``; 0 in ``--true-on-policy-mode``):
+        the buffer and the recipe's selection read this one value."""
+        return 0 if self.true_on_policy_mode else self.max_staleness
+
+    @property
     def trainer_logit_temperature(self) -> float:
         """What the trainer divides logits by (``TrainConfig.logit_temperature``, derived here only): RL re-scores
         what the engine sampled at ``--rollout-temperature``, so its log-probs are the sampling distribution's;

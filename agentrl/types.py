@@ -333,9 +333,9 @@ class Sample:
 
     @property
     def policy(self) -> str | None:
-        """The policy that played this sample's seat: None for the run's own (trained) policy; for a role played on
-        ``--role-engine-url``, that engine's address. Written only for a seat another policy played, so a single
-        agent's JSON is unchanged."""
+        """The policy that played this sample's seat, when it is not the engine the episode ran on: for a role played
+        on ``--role-engine-url``, that engine's address; None otherwise (the run's trained policy, an evaluated or
+        demonstrating engine). Written only when set, so a single agent's JSON is unchanged."""
         value = self.metadata.get("policy")
         return None if value is None else str(value)
 

@@ -7,7 +7,9 @@ import ast
 import dataclasses
 import json
 import math
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -92,16 +94,27 @@ def test_checks_run_by_concern_values_first(tiny_ckpt, tmp_path):
     cfg = _rl(tmp_path / "no-checkpoint-here", data_source_path="tests.no_such_source:build")
     with pytest.raises(Exception, match="no_such_source"):
         preflight(cfg)
+    # the run's length, args for rollout workers and the fixed opponents' engines are checked before a model file
+    cfg = _rl(tmp_path / "no-checkpoint-here", rollout_num_workers=2)
+    with pytest.raises(ValueError, match="cannot be pickled: bad"):
+        preflight(cfg, args=SimpleNamespace(bad=threading.Lock()))
+    cfg = RunConfig(
+        env="agentrl.envs.tictactoe:TicTacToe",
+        hf_checkpoint=str(tmp_path / "no-checkpoint-here"),
+        rollout=RolloutConfig(role_engine_url=["o=http://127.0.0.1:9"]),
+    )
+    with pytest.raises(ValueError, match=r"--role-engine-url o=http://127.0.0.1:9: the engine does not answer"):
+        preflight(cfg)
     # everything before fine: the checkpoint is checked last, and named
     with pytest.raises(Exception, match="no-checkpoint-here"):
         preflight(_rl(tmp_path / "no-checkpoint-here"))
 
 
-def test_num_epoch_rule_is_checked_against_the_derived_length(tiny_ckpt):
+def test_num_epoch_rule_is_checked_against_the_derived_length(tiny_ckpt, tmp_path):
     rows = preflight(_rl(tiny_ckpt, num_epoch=1)).rows
     length = math.ceil(len(rows) / 2)
     ppo = dataclasses.replace(
-        _rl(tiny_ckpt, num_epoch=1),
+        _rl(tmp_path / "no-checkpoint-here", num_epoch=1),  # refused before the checkpoint is read
         train=TrainConfig(global_batch_size=4, advantage_estimator="ppo", num_critic_only_steps=length),
     )
     with pytest.raises(ValueError, match=rf"must be below --num-rollout \({length}, from --num-epoch 1\)"):
@@ -149,7 +162,11 @@ def _assignments(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_no_module_assigns_a_run_configuration_after_the_preflight():
-    """Source check: only the flags and the preflight assign a config field; every other module reads."""
+    """Source check: only the flags and the preflight assign a config field; every other module reads.
+
+    It sees the names the code gives a configuration (``cfg``, ``self.cfg``, ``ctx.config``, ``run.config`` and their
+    ``train`` / ``rollout`` sections), not aliases or ``setattr``; the read-only configuration catches those at run
+    time (every end-to-end run trains on one)."""
     found = [
         f"{path.relative_to(ROOT).as_posix()}:{line} {target}"
         for path in sorted((ROOT / "agentrl").rglob("*.py"))

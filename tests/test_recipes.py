@@ -32,6 +32,17 @@ def test_the_recipe_is_chosen_by_the_configuration_and_a_critic_goes_with_ppo_on
         recipe_for(RunConfig(), None, critic=object())
     with pytest.raises(ValueError, match="pass n_demos"):
         recipe_for(sft, None)
+    # built by hand, each recipe refuses a configuration that is not its own
+    with pytest.raises(ValueError, match="is not PolicyGradient's"):
+        PolicyGradient(ppo, None)
+    with pytest.raises(ValueError, match="is not PPO's"):
+        PPO(RunConfig(), None, object())
+    with pytest.raises(ValueError, match="sft_loss"):
+        SFT(RunConfig(), None, 3)
+    with pytest.raises(ValueError, match="is not this warm start's length \\(2 steps for 3 demonstrations\\)"):
+        SFT(
+            RunConfig(num_epoch=1, num_rollout=5, train=TrainConfig(loss_type="sft_loss", global_batch_size=2)), None, 3
+        )
 
 
 def test_the_loop_takes_a_handful_of_objects():
@@ -85,6 +96,9 @@ def test_sft_runs_the_same_phases_pushing_only_before_an_evaluation(tiny_ckpt, t
     loop = _sft_loop(tiny_ckpt, tmp_path, demos, pushes, evals)
     lines = asyncio.run(loop.run())
     assert len(lines) == 3 and all("loss" in line for line in lines)
+    for line in lines:  # an SFT line: the update, its epoch, what it trained, its time; no weight-push or rollout keys
+        assert {"epoch", "train_samples", "step_train_seconds"} <= set(line)
+        assert not {"weight_version", "weight_sync_seconds", "hung_threads", "dropped_stale"} & set(line)
     assert [line["epoch"] for line in lines] == [0.5, 1.0, 1.5]  # 4 demos, 2 per step
     # pushed (and evaluated) at the --eval-interval step and after the last step, never in between
     assert evals == [1, 2] and pushes.versions == [2, 3]

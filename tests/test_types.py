@@ -124,6 +124,12 @@ def test_episode_identity_is_typed_and_one_copy_with_its_metadata_keys():
     assert Sample.from_dict(json.loads(s.to_json())).policy == "http://127.0.0.1:9" == s.metadata["policy"]
     s.policy = None
     assert "policy" not in s.metadata and s.policy is None
+    # a seat's later segment (a history rewrite) keeps who played it
+    from agentrl.rollout.episode import _next_segment
+
+    s.policy = "http://127.0.0.1:9"
+    nxt = _next_segment(s, [{"role": "user", "content": "again"}])
+    assert (nxt.policy, nxt.role, nxt.trained, nxt.episode_id) == ("http://127.0.0.1:9", "o", True, "ep-1")
 
 
 def test_episode_units_groups_segments_by_episode_and_seat_in_order():

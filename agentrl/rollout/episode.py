@@ -480,7 +480,7 @@ def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: 
     sample.non_generation_time = first.non_generation_time  # constructing and resetting the env: every role waited
     if role in ctx.role_engines:  # played by another policy: that engine's
         sample.trained = False
-        sample.policy = getattr(engine, "url", None) or f"role-engine:{role}"
+        sample.policy = getattr(engine, "url", None) or repr(engine)  # an SGLang client's address
     return Seat(role, engine, f"{key}-{role}", sample)
 
 

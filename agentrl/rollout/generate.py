@@ -196,10 +196,15 @@ def check_rollout_features(
 
 
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
-    """Refuse, before any episode, a ``--role-engine-url`` the env cannot use: an engine that does not
-    answer, or a role the env does not have. An env built by a function (or a partial) is constructed
-    once to read its roles (only when the run names role engines)."""
-    if not ctx.role_engines:
+    """Refuse, before any episode, a ``--role-engine-url`` the env cannot use (:func:`check_role_engines`)."""
+    await check_role_engines(ctx.role_engines, env_factory)
+
+
+async def check_role_engines(role_engines: dict[str, Engine], env_factory: Callable[[], Env]) -> None:
+    """Refuse a ``--role-engine-url`` the env cannot use: an engine that does not answer, or a role the env
+    does not have. An env built by a function (or a partial) is constructed once to read its roles (only
+    when the run names role engines)."""
+    if not role_engines:
         return
     roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
     if roles is None:
@@ -211,12 +216,12 @@ async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]
         with contextlib.suppress(Exception):
             await call_env(probe.close)
     roles = tuple(roles or ())
-    for role, engine in ctx.role_engines.items():  # a wrong URL is one clear error, not every episode aborted
+    for role, engine in role_engines.items():  # a wrong URL is one clear error, not every episode aborted
         if not await engine.health():
             raise ValueError(
                 f"--role-engine-url {role}={getattr(engine, 'url', engine)}: the engine does not answer /health"
             )
-    unknown = sorted(set(ctx.role_engines) - set(roles))
+    unknown = sorted(set(role_engines) - set(roles))
     if unknown:
         raise ValueError(
             f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(roles)}"

@@ -10,8 +10,8 @@ One step (``rollout_id``):
    around it;
 3. **push weights** to the engines when the recipe says they are due (version += 1 for each update that moved the
    policy);
-4. **log** the step's metrics line, dump its rollouts, **evaluate** and **checkpoint** at their intervals (``--save``
-   always keeps the final model).
+4. dump the step's rollouts, **evaluate** at ``--eval-interval`` (its metrics join the line), **log** the metrics
+   line, **checkpoint** at ``--save-interval`` (``--save`` always keeps the final model).
 
 ``--async`` overlaps step 1 of rollout k+1 with steps 2-3 of rollout k (slime's ``train_async.py``):
 the engines keep generating while the trainer works, and take new weights between batches. Each

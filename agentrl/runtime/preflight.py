@@ -14,7 +14,8 @@ The checks, by concern, in order (cheap ones first; a model file is read only on
    backends need from this machine), listed together in one error;
 2. **data and rollout**: the env loads and the task rows parse (row code only behind ``--trust-row-code``), the
    chat template can render them, the eval sets parse, each rollout feature can be honoured by the episodes
-   (:func:`~agentrl.rollout.generate.check_rollout_features`), the user's functions load; the run's length
+   (:func:`~agentrl.rollout.generate.check_rollout_features`), ``--role-engine-url``'s engines answer for roles the
+   env has, the user's functions load; the run's length
    (``--num-epoch``) is derived and checked, ``args`` built and checked to travel to rollout workers, the data
    source built;
 3. **train**: the resume point (``--load`` never silently starts over), the policy and critic checkpoints (a
@@ -92,6 +93,8 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
         from agentrl.rollout.generate import check_rollout_features
 
         check_rollout_features(cfg.rollout, [*rows, *(r for rows_ in eval_sets.values() for r in rows_)], custom=custom)
+    if factory is not None and cfg.rollout.role_engine_urls():  # the fixed opponents answer; their roles exist
+        _check_role_engines(cfg, factory)
     fns = _load_functions(cfg)
     _derive_length(cfg, rows)
     args = args if args is not None else argparse_namespace(cfg)
@@ -179,6 +182,24 @@ def _load_eval_sets(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
 # -- rollout ------------------------------------------------------------------------------------------
 
 
+def _check_role_engines(cfg: RunConfig, factory: Any) -> None:
+    """``--role-engine-url``: each engine answers ``/health`` and each role is one the env has."""
+    import asyncio
+
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.rollout.generate import check_role_engines
+
+    async def check() -> None:
+        engines = {role: SGLangEngine(url) for role, url in cfg.rollout.role_engine_urls().items()}
+        try:
+            await check_role_engines(dict(engines), factory)
+        finally:
+            for engine in engines.values():
+                await engine.close()
+
+    asyncio.run(check())
+
+
 def _load_functions(cfg: RunConfig) -> dict[str, Any]:
     """The user's functions, each loaded once here (a bad path names its flag)."""
     from agentrl.runtime.buffer import check_reward_nonzero_std
@@ -225,8 +246,7 @@ def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
         source = PromptSource(rows, shuffle=cfg.shuffle_prompts, seed=cfg.train.seed)
     if cfg.buffer_filter_path or cfg.dynamic_sampling_filter_path or cfg.async_mode:
         bf = load_function(cfg.buffer_filter_path) if cfg.buffer_filter_path else None
-        stale = 0 if cfg.true_on_policy_mode else cfg.max_staleness  # the loop's own limit, one value
-        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=stale)
+        source = BufferedSource(source, buffer_filter=bf, args=args, max_staleness=cfg.staleness_limit)
     return source
 
 

@@ -79,6 +79,11 @@ class PolicyGradient:
     critic: Any = None
 
     def __init__(self, cfg: RunConfig, trainers: Any):
+        if cfg.is_sft or (cfg.train.advantage_estimator == "ppo") != isinstance(self, PPO):
+            raise ValueError(
+                f"--loss-type {cfg.train.loss_type} --advantage-estimator {cfg.train.advantage_estimator} is not "
+                f"{type(self).__name__}'s: build the recipe with recipe_for(cfg, ...)"
+            )
         self.cfg = cfg
         self.trainers = trainers
 
@@ -95,7 +100,7 @@ class PolicyGradient:
                 counts["dropped_fixed_role"] += 1
             elif not is_trainable(s, allow_non_token_exact=self.cfg.allow_non_token_exact):
                 counts["dropped_untrainable"] += 1
-            elif staleness([s], version) > (0 if self.cfg.true_on_policy_mode else self.cfg.max_staleness):
+            elif staleness([s], version) > self.cfg.staleness_limit:
                 counts["dropped_stale"] += 1
             else:
                 keep.append(s)
@@ -339,6 +344,15 @@ class SFT:
     critic = None
 
     def __init__(self, cfg: RunConfig, trainers: Any, n_demos: int):
+        from agentrl.runtime.sft import sft_steps
+
+        if not cfg.is_sft:
+            raise ValueError(f"SFT trains with --loss-type sft_loss, not {cfg.train.loss_type}")
+        if cfg.num_rollout != sft_steps(cfg, n_demos):  # the preflight derives it; a hand-built loop must agree
+            raise ValueError(
+                f"--num-rollout {cfg.num_rollout} is not this warm start's length ({sft_steps(cfg, n_demos)} steps "
+                f"for {n_demos} demonstrations): pass the configuration preflight() resolved"
+            )
         self.cfg = cfg
         self.trainers = trainers
         self.per_epoch = math.ceil(n_demos / cfg.train.global_batch_size)
