@@ -70,9 +70,12 @@ def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]
     private: list[tuple[str, str, str]] = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # a name this module binds to one of the package's modules (`import ... as P`)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [(a.name, None) for a in node.names]
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -81,6 +84,9 @@ def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]
                 targets = [
                     (f"{base}.{a.name}", None) if f"{base}.{a.name}" in modules else (base, a.name) for a in node.names
                 ]
+                aliases.update(
+                    {a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+                )
             else:
                 continue
             for target, attr in targets:
@@ -98,6 +104,16 @@ def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]
                     parent = parent.rpartition(".")[0]
                 if attr and attr.startswith("_") and not attr.startswith("__"):
                     private.append((name, target, attr))
+        for node in ast.walk(tree):  # `P._name` on a module imported as P reaches into it just the same
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                private.append((name, aliases[node.value.id], node.attr))
     return graph, private
 
 
@@ -175,6 +191,12 @@ def test_the_graph_checks_can_fail(tmp_path):
     assert private == [("pkg.a", "pkg.sub.b", "_helper")]
     assert graph["pkg.c"] == {"pkg.a"}  # pkg itself is already running when pkg.c runs
     assert graph["pkg.a"] == {"pkg.sub", "pkg.sub.b"}
+    # a private name reached through a module alias (`from pkg.sub import b as B; B._helper`) counts as well
+    (pkg / "d.py").write_text(
+        "from pkg.sub import b as B\nimport pkg.a as A\n\n\ndef f():\n    return B._helper, A.x\n"
+    )
+    _, private = import_graph(pkg)
+    assert ("pkg.d", "pkg.sub.b", "_helper") in private and not [p for p in private if p[2] == "x"]
 
 
 def test_the_graph_sees_a_circle_through_a_package_init(tmp_path):

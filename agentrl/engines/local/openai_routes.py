@@ -189,7 +189,7 @@ def add_openai_routes(
         return await json_reply({**head, "choices": choices, "usage": _usage(outs, req.n)}, large=heavy)
 
 
-def _samples(req: P._OpenAIBody, sp: dict | None = None) -> list[dict]:
+def _samples(req: P.CompletionRequest | P.ChatCompletionRequest, sp: dict | None = None) -> list[dict]:
     """One sampling-params dict per requested sample (``n``); sample ``i`` seeded ``seed + i``."""
     sp = sp if sp is not None else req.sampling(default_max=None)
     seed = sp.get("sampling_seed")
