@@ -26,7 +26,7 @@ from agentrl.metrics import TRAINABLE, scalar_reward, step_metrics
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import generate_rollout
 from agentrl.rollout.reward import RewardFn
-from agentrl.types import Sample
+from agentrl.types import Sample, episode_units
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,10 @@ def score_samples(samples: list[Sample], *, n_samples: int, success_threshold: f
     own (pass@k over (prompt, role)), with ``reward_mean/<role>`` per role; a fixed opponent's samples
     (``--role-engine-url``) are not the policy's attempts and are left out."""
     groups: dict[Any, list[Sample]] = defaultdict(list)
-    for s in samples:  # an episode in several segments is one attempt: its last segment has the outcome
-        if not s.trained:  # a role played by a fixed opponent is not the policy's attempt
-            continue
-        if s.metadata.get("segment", 0) == s.metadata.get("num_segments", 1) - 1:
-            groups[(s.group_index, s.role)].append(s)
+    for unit in episode_units(samples):  # an episode in several segments is one attempt: its last has the outcome
+        last = max(unit, key=lambda s: s.segment)
+        if last.trained:  # a role played by a fixed opponent is not the policy's attempt
+            groups[(last.group_index, last.role)].append(last)
     m = step_metrics(samples, rollout_seconds=0.0)
     out: dict[str, Any] = {
         "num_prompts": len({prompt for prompt, _ in groups}),
