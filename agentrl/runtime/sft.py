@@ -37,17 +37,12 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
         raise ValueError(
             "a task row has 'generate_function_path': a per-row generate function is for RL rollouts, not demonstrations"
         )
-    from transformers import AutoTokenizer
-
-    from agentrl.chat import ChatTemplate
     from agentrl.rollout import demos
-    from agentrl.vlm import vision_for
+    from agentrl.rollout.context import chat_template, load_tokenizer
 
-    template = ChatTemplate(
-        AutoTokenizer.from_pretrained(str(checkpoint)),
-        tool_template=cfg.rollout.tool_template,
-        vision=vision_for(checkpoint),
-    )
+    # the run's own chat template, built as the episodes' is (an unsupported vision family was refused by the
+    # preflight's checkpoint checks before this)
+    template = chat_template(load_tokenizer(str(checkpoint))[0], cfg.rollout, vision_source=checkpoint)
     if cfg.sft_data:
         from agentrl.data import read_rows
 
