@@ -274,6 +274,19 @@ async def test_compact_search_qa_plays_with_rewrites():
     assert report.ok, report.format()
 
 
+async def test_play_counts_rewrites_as_the_rollout_does():
+    """``play`` walks the episode loop's seats: a rewrite before the agent's next turn counts only when it
+    changes the history (as a rollout's ``history_rewrites``); the whole episode stays in ``messages``."""
+    from agentrl.rollout.scripted import play
+
+    same, summarized = await play(SameHistory, lambda m, t: "hi", [{"prompt": "hello"}]) + await play(
+        SummarizingTalk, lambda m, t: "hi", [{"prompt": "hello"}]
+    )
+    assert same.error is None and same.turns == 3 and same.rewrites == 0 and len(same.messages) == 7
+    assert summarized.error is None and summarized.turns == 3 and summarized.rewrites == 1
+    assert len(summarized.messages) == 7 and summarized.reward == 1.5 and summarized.terminated
+
+
 @pytest.mark.e2e
 def test_training_on_segmented_episodes(tiny_ckpt, tmp_path, ray_local):
     """A run whose env summarises its history: every segment is trained, each with its episode's advantage,

@@ -49,7 +49,8 @@ class PlayResult:
     role_rewards: dict[str, float] = field(default_factory=dict)
     """An env with roles (the policy plays them all): each role's total reward."""
     rewrites: int = 0
-    """How often the env rewrote the history (:meth:`agentrl.Env.rewrite_history`); ``messages`` keeps
+    """How often the env changed the history (:meth:`agentrl.Env.rewrite_history`), counted as a rollout's
+    ``history_rewrites``: a rewrite that returns the same messages is none; ``messages`` keeps
     the whole episode as played, the policy saw the rewritten history."""
     terminated: bool = False
     truncated: bool = False
@@ -64,43 +65,80 @@ class PlayResult:
         return len(self.rewards)
 
 
+@dataclass
+class _Seat:
+    """Who the policy plays: the single agent, or one role of an env with roles (self-play)."""
+
+    view: list[Message]
+    """What the policy sees: the seat's conversation as the env's rewrites left it."""
+    played: list[Message]
+    """The seat's whole episode, as played."""
+    acted: bool = False
+    owed: bool = False
+    """Shown something since its last turn (the single agent: after every step), so the env may rewrite
+    its history before its next turn, as in a rollout."""
+
+
 async def _episode(
     make_env: Callable[[], Env], policy: Policy, task: dict[str, Any], seed: int, max_turns: int | None
 ) -> PlayResult:
+    """One episode over seats, as the rollout's episode loop plays it (one seat, or one per role).
+
+    ``result.rewards`` holds the acting seat's reward of each step; with roles ``result.role_rewards``
+    holds each role's total and ``result.messages`` is the first role's conversation."""
     result = PlayResult(task=task)
     env: Env | None = None
     try:
         env = make_env()
         parser = get_parser(getattr(env, "tool_parser", "hermes"))
-        if env.roles:
-            await _roles_episode(env, policy, task, seed, max_turns, parser, result)
-            return result
-        obs, _ = check_reset(await call_env(env.reset, seed=seed, options=dict(task)))
-        result.messages.extend(obs)
+        roles = tuple(env.roles)
+        raw = await call_env(env.reset, seed=seed, options=dict(task))
+        views = check_roles_reset(raw, roles)[0] if roles else {None: check_reset(raw)[0]}
+        seats = {role: _Seat(list(obs), list(obs)) for role, obs in views.items()}
+        result.messages = seats[roles[0] if roles else None].played  # grows as the episode is played
+        result.role_rewards = dict.fromkeys(roles, 0.0)
         result.tools = env.tool_schemas()
         rewrites = type(env).rewrite_history is not Env.rewrite_history
-        view = list(obs)  # what the policy sees: the history, as the env's rewrites left it
         for _ in range(_turn_limit(max_turns, env)):
-            text = await maybe_await(policy(list(view), task))
+            role = _current_role(env, roles) if roles else None
+            seat = seats[role]
+            if rewrites and seat.owed:  # before the seat's next turn; a rewrite that changes nothing is none
+                rewritten = await call_env(env.rewrite_history, list(seat.view))
+                if rewritten is not None:
+                    rewritten = check_messages(rewritten, "rewrite_history()")
+                    if rewritten != seat.view:
+                        seat.view = rewritten
+                        result.rewrites += 1
+            seat.acted, seat.owed = True, False
+            text = await maybe_await(policy(list(seat.view), task))
             if not isinstance(text, str):
                 raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
             _, calls, errors = parser.parse(text)
             action = Action(text=text, tool_calls=calls, errors=errors)
             result.texts.append(text)
-            result.messages.append(action.as_message())
-            view.append(action.as_message())
-            obs, reward, terminated, truncated, _ = check_step(await call_env(env.step, action))
-            result.rewards.append(float(reward))
-            result.messages.extend(obs)
+            seat.view.append(action.as_message())
+            seat.played.append(action.as_message())
+            raw = await call_env(env.step, action)
+            shown: dict[str | None, list[Message]]
+            rewards: dict[str | None, float]
+            if roles:
+                by_role, role_reward, terminated, truncated, _ = check_roles_step(raw, roles, role or "")
+                shown = {r: msgs for r, msgs in by_role.items()}
+                rewards = {r: value for r, value in role_reward.items()}
+            else:
+                obs, reward, terminated, truncated, _ = check_step(raw)
+                shown, rewards = {None: obs}, {None: float(reward)}
+            result.rewards.append(float(rewards.get(role, 0.0)))
+            for r, value in rewards.items():
+                if r is not None:
+                    result.role_rewards[r] += value
+            for r, msgs in shown.items():
+                seats[r].view.extend(msgs)
+                seats[r].played.extend(msgs)
+                seats[r].owed = seats[r].acted and (not roles or bool(msgs))
             if terminated or truncated:
                 result.terminated, result.truncated = bool(terminated), bool(truncated)
                 break
-            view.extend(obs)
-            if rewrites:
-                rewritten = await call_env(env.rewrite_history, list(view))
-                if rewritten is not None:
-                    view = check_messages(rewritten, "rewrite_history()")
-                    result.rewrites += 1
         else:
             result.truncated = True
     except asyncio.CancelledError:
@@ -121,64 +159,17 @@ async def _episode(
     return result
 
 
+def _current_role(env: Env, roles: tuple[str, ...]) -> str:
+    role = env.current_role()
+    if role not in roles:
+        raise ValueError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
+    return role
+
+
 def _turn_limit(max_turns: int | None, env: Env) -> int:
     """The smaller of ``max_turns`` and the env's own ``max_turns``; 10 when neither is set."""
     limits = [n for n in (max_turns, getattr(env, "max_turns", None)) if n]
     return min(limits) if limits else 10
-
-
-async def _roles_episode(
-    env: Env, policy: Policy, task: dict[str, Any], seed: int, max_turns: int | None, parser: Any, result: PlayResult
-) -> None:
-    """An env with roles: the policy plays every role (self-play), seeing that role's conversation.
-
-    ``result.rewards`` holds the acting role's reward of each step, ``result.role_rewards`` each role's
-    total; ``result.messages`` is the first role's conversation."""
-
-    roles = tuple(env.roles)
-    views, _ = check_roles_reset(await call_env(env.reset, seed=seed, options=dict(task)), roles)
-    result.role_rewards = dict.fromkeys(roles, 0.0)
-    result.tools = env.tool_schemas()
-    rewrites = type(env).rewrite_history is not Env.rewrite_history
-    played = {r: list(v) for r, v in views.items()}  # each role's whole episode (views: as the rewrites left it)
-    acted: set[str] = set()
-    shown: set[str] = set()  # roles shown something since their last turn
-    for _ in range(_turn_limit(max_turns, env)):
-        role = env.current_role()
-        if role not in views:
-            raise ValueError(f"current_role() returned {role!r}; the env's roles are {list(roles)}")
-        if rewrites and role in acted and role in shown:  # as the episode loop: before a role's next turn
-            rewritten = await call_env(env.rewrite_history, list(views[role]))
-            if rewritten is not None:
-                rewritten = check_messages(rewritten, "rewrite_history()")
-                if rewritten != views[role]:  # as the loop: a rewrite that changes nothing is none
-                    views[role] = rewritten
-                    result.rewrites += 1
-        acted.add(role)
-        shown.discard(role)
-        text = await maybe_await(policy(list(views[role]), task))
-        if not isinstance(text, str):
-            raise TypeError(f"the policy returned {type(text).__name__}, not the assistant's text (str)")
-        _, calls, errors = parser.parse(text)
-        action = Action(text=text, tool_calls=calls, errors=errors)
-        result.texts.append(text)
-        views[role].append(action.as_message())
-        played[role].append(action.as_message())
-        obs, rewards, terminated, truncated, _ = check_roles_step(await call_env(env.step, action), roles, role)
-        result.rewards.append(rewards.get(role, 0.0))
-        for r, value in rewards.items():
-            result.role_rewards[r] += value
-        for r, msgs in obs.items():
-            views[r].extend(msgs)
-            played[r].extend(msgs)
-            if msgs:
-                shown.add(r)
-        if terminated or truncated:
-            result.terminated, result.truncated = bool(terminated), bool(truncated)
-            break
-    else:
-        result.truncated = True
-    result.messages = played[roles[0]]
 
 
 async def play(
