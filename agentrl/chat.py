@@ -29,6 +29,7 @@ from typing import Any
 
 from agentrl.images import Image, count_images, flat_text, template_messages
 from agentrl.types import Message
+from agentrl.vlm import Expanded
 
 BUILTIN_TOOL_TEMPLATE = """\
 {%- if tools %}
@@ -246,8 +247,6 @@ class ChatTemplate:
         """Template text holding image markers, tokenized with each marker expanded by the model's processor."""
         if self.vision is None:
             if not images:
-                from agentrl.vlm import Expanded
-
                 return Expanded(self.encode(text), [], [])
             raise TemplateError(
                 f"the observation holds {len(images)} image(s) but the model is text-only (no image processor): "

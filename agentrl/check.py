@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.adapters.openenv_actions import is_tool_call_schema
 from agentrl.env import (
     Env,
     EnvContractError,
@@ -302,8 +303,6 @@ async def _first_look(
         raise EnvContractError(f"reset() shows the model nothing to act on: its last message reads {shown}")
     schema = getattr(env, "action_schema", None)
     if isinstance(schema, dict):
-        from agentrl.adapters.openenv_actions import is_tool_call_schema
-
         if is_tool_call_schema(schema) and not env.tools:
             raise EnvContractError(
                 f"the env's action schema ({schema.get('title', 'tool_name, arguments')}) takes tool calls, "

@@ -19,6 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
+from agentrl.runtime.run_folder import latest_checkpoint
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -83,8 +85,6 @@ def resolve_hf_checkpoint(path: str | os.PathLike | None) -> Path:
     """
     if path is not None:
         p = Path(path).expanduser()
-        from agentrl.runtime.run_folder import latest_checkpoint
-
         found = latest_checkpoint(p) if p.is_dir() else None
         if (
             found is not None and found != p and (found / "config.json").is_file()

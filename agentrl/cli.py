@@ -22,9 +22,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentrl import sandbox
+from agentrl.check import check_env
+from agentrl.checkpoint import resolve_hf_checkpoint
 from agentrl.config import RolloutConfig
-from agentrl.flags import ROLLOUT_FIELDS, add_config_flags, add_field_flags, naming_flag, rollout_config_from_args
+from agentrl.data import load_tasks, task_rows
+from agentrl.engines.http import API_KEY_ENV
+from agentrl.flags import (
+    ROLLOUT_FIELDS,
+    add_config_flags,
+    add_field_flags,
+    load_config_file,
+    naming_flag,
+    parse_passthrough_flags,
+    rollout_config_from_args,
+    run_config_from_values,
+)
+from agentrl.http_guard import DEFAULT_MAX_BODY_MB, max_body_bytes, resolve_api_key
+from agentrl.proxy.command import add_proxy_parser, cmd_proxy
+from agentrl.registry import load_env
 from agentrl.rollout.context import command_context, command_engine_urls, load_tokenizer
+from agentrl.rollout.eval import evaluate, format_eval
+from agentrl.rollout.generate import BatchGenerate, check_apply_chat_template, check_rollout_features, generate_rollout
+from agentrl.runtime.train import train
+from agentrl.sandbox import audit, close_default_pool
+from agentrl.sandbox import docker as docker_backend
+from agentrl.sandbox.base import DEFAULT_IMAGE, SandboxError
+from agentrl.sandbox.image import build_image
+from agentrl.user_code import load_function
+from agentrl.view import cmd_view
 
 log = logging.getLogger("agentrl")
 
@@ -69,8 +95,6 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
 def _config_from_args(a: argparse.Namespace) -> RolloutConfig:
     cfg = rollout_config_from_args(a)
     cfg.validate()
-    from agentrl import sandbox
-
     sandbox.configure(cfg.sandbox_config())
     return cfg
 
@@ -83,8 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="run episodes and write one JSON Sample per line")
     _add_rollout_args(p)
     p.add_argument("--output", default="samples.jsonl", help="JSONL file the samples are written to")
-
-    from agentrl.http_guard import DEFAULT_MAX_BODY_MB
 
     s = sub.add_parser(
         "serve",
@@ -260,8 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(v)
     v.add_argument("--limit", type=int, default=None, help="show only the first N samples")
     _add_sandbox_parser(sub)
-    from agentrl.proxy.command import add_proxy_parser
-
     add_proxy_parser(sub)
     return parser
 
@@ -289,12 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return cmd_env_serve(args)
         if args.command == "view":
-            from agentrl.view import cmd_view
-
             return cmd_view(args)
         if args.command == "proxy":
-            from agentrl.proxy.command import cmd_proxy
-
             return cmd_proxy(args)
         if args.command == "sandbox":
             return cmd_sandbox(args)
@@ -308,8 +324,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _add_sandbox_parser(sub: Any) -> None:
-    from agentrl.sandbox.base import DEFAULT_IMAGE
-
     sb = sub.add_parser("sandbox", help="the Docker sandbox: build its image, remove leftover containers, audit it")
     actions = sb.add_subparsers(dest="sandbox_action", required=True)
     b = actions.add_parser("build", help="build the sandbox image from this host's Debian Python (no registry needed)")
@@ -329,21 +343,13 @@ def _add_sandbox_parser(sub: Any) -> None:
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
     """``agentrl sandbox build|reap|check``; check hands its arguments to ``agentrl.sandbox.audit.main``."""
-    from agentrl.sandbox.base import SandboxError
-
     try:
         if args.sandbox_action == "check":
-            from agentrl.sandbox import audit
-
             return int(audit.main(list(args.rest)) or 0)
-        from agentrl.sandbox import docker as docker_backend
-
         reason = docker_backend.unavailable_reason()
         if reason:
             raise SandboxError(reason)
         if args.sandbox_action == "build":
-            from agentrl.sandbox.image import build_image
-
             logging.getLogger("agentrl.sandbox").setLevel(logging.INFO)
             print(build_image(args.image, python=args.python))
             return 0
@@ -370,12 +376,9 @@ def _exit_when_stdin_closes() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.engines.http import API_KEY_ENV
     from agentrl.engines.local.distributed import check_rendezvous_timeout
     from agentrl.engines.local.openai_routes import openai_tool_parser
     from agentrl.engines.local.server import serve
-    from agentrl.http_guard import max_body_bytes, resolve_api_key
 
     api_key = resolve_api_key(args.api_key, file=args.api_key_file, env=API_KEY_ENV)  # before the model loads
     max_body_bytes(args.max_body_mb)
@@ -411,9 +414,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from agentrl.flags import load_config_file, parse_passthrough_flags, run_config_from_values
-    from agentrl.runtime.train import train
-
     values = dict(vars(args))
     passthrough = parse_passthrough_flags(values.pop("passthrough", None) or [])
     if args.config:
@@ -441,9 +441,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check_env(args: argparse.Namespace) -> int:
-    from agentrl import sandbox
-    from agentrl.registry import load_env
-
     sandbox.configure(sandbox.SandboxConfig(backend=args.sandbox))
     with naming_flag("--env", args.env):
         factory = load_env(args.env)
@@ -457,9 +454,6 @@ def cmd_check_env(args: argparse.Namespace) -> int:
 
 
 async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: float) -> Any:
-    from agentrl.check import check_env
-    from agentrl.sandbox import close_default_pool
-
     try:
         return await check_env(factory, tasks, step_timeout=step_timeout)
     finally:
@@ -470,8 +464,6 @@ async def _check_env(factory: Any, tasks: list[dict[str, Any]], step_timeout: fl
 
 
 def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, Any]]:
-    from agentrl.data import task_rows
-
     with naming_flag("--prompt-data" if args.prompt_data else "--env", args.prompt_data or args.env):
         rows = task_rows(
             factory,
@@ -485,10 +477,6 @@ def _load_task_rows(args: argparse.Namespace, factory: Any) -> list[dict[str, An
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.registry import load_env
-    from agentrl.user_code import load_function
-
     cfg = _config_from_args(args)
     if not args.env and not args.custom_generate_function_path and not args.rollout_function_path:
         raise ValueError(
@@ -501,8 +489,6 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     tasks = _load_task_rows(args, factory) if (factory or args.prompt_data) else []
     if not tasks:
         raise ValueError("no tasks: pass --prompt-data FILE.jsonl")
-    from agentrl.rollout.generate import check_apply_chat_template, check_rollout_features
-
     custom_generate = _custom_generate(args, evaluation=False)
     check_apply_chat_template(cfg, custom=custom_generate is not None, rows=tasks)
     check_rollout_features(cfg, tasks, custom=custom_generate is not None)  # before any engine starts
@@ -524,9 +510,6 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
     """``--custom-generate-function-path`` (one sample) or ``--rollout-function-path`` (the batch, told whether
     it evaluates, as slime's), loaded and checked; None when neither is given."""
-    from agentrl.rollout.generate import BatchGenerate
-    from agentrl.user_code import load_function
-
     if args.custom_generate_function_path and args.rollout_function_path:
         raise ValueError("pass one of --custom-generate-function-path (one sample) and --rollout-function-path (all)")
     if args.custom_generate_function_path:
@@ -539,12 +522,6 @@ def _custom_generate(args: argparse.Namespace, *, evaluation: bool) -> Any:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.data import load_tasks
-    from agentrl.registry import load_env
-    from agentrl.rollout.generate import check_apply_chat_template, check_rollout_features
-    from agentrl.user_code import load_function
-
     cfg = _config_from_args(args)
     if args.n_samples_per_eval_prompt < 1:
         raise ValueError("--n-samples-per-eval-prompt must be >= 1")
@@ -571,8 +548,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         results = asyncio.run(
             _eval(args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate)
         )
-    from agentrl.rollout.eval import format_eval
-
     print(format_eval(results))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2, default=str))
@@ -582,8 +557,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _eval(
     args, cfg, factory, datasets, urls, tokenizer, template_src, custom_rm, custom_generate=None
 ) -> dict[str, Any]:
-    from agentrl.rollout.eval import evaluate
-
     ctx, closers = await command_context(args, cfg, urls, tokenizer, template_src)
     try:
         return await evaluate(
@@ -605,8 +578,6 @@ async def _rollout(
     args, cfg, factory, tasks, urls, tokenizer, template_src, custom_generate, custom_rm
 ) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from agentrl.rollout.generate import generate_rollout
 
     ctx, closers = await command_context(args, cfg, urls, tokenizer, template_src)
     try:

@@ -405,8 +405,10 @@ class TrainConfig(_ReadOnlyOnce):
     )
     tis_threshold: float = option(2.0, help="C of --use-tis")
     global_batch_size: int = option(8, help="samples per optimizer step")
-    num_steps_per_rollout: int = option(
-        1, help="optimizer steps per rollout (default: rollout samples / --global-batch-size)"
+    num_steps_per_rollout: int | None = option(
+        None,
+        help="optimizer steps per rollout (default: rollout samples / --global-batch-size, derived by the run's "
+        "preflight; 1 with --loss-type sft_loss, and for a trainer used on its own)",
     )
     max_tokens_per_gpu: int | None = option(
         None,
@@ -521,7 +523,10 @@ class TrainConfig(_ReadOnlyOnce):
             ),
             (self.tis_threshold > 0, "--tis-threshold must be > 0"),
             (self.global_batch_size >= 1, "--global-batch-size must be >= 1"),
-            (self.num_steps_per_rollout >= 1, "--num-steps-per-rollout must be >= 1"),
+            (
+                self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1,
+                "--num-steps-per-rollout must be >= 1",
+            ),
             (self.max_tokens_per_gpu is None or self.max_tokens_per_gpu >= 16, "--max-tokens-per-gpu must be >= 16"),
             (self.clip_grad >= 0, "--clip-grad must be >= 0 (0 = off)"),
             (self.micro_batch_size is None or self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
@@ -754,6 +759,16 @@ class RunConfig(_ReadOnlyOnce):
         return self.train.loss_type == "sft_loss"
 
     @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout (``TrainConfig.num_steps_per_rollout``, derived here only when unset): slime's
+        rollout samples / ``--global-batch-size``, so each step sees one global batch; SFT makes one step per
+        global batch of demonstrations (its rollout is that batch)."""
+        t = self.train
+        if t.num_steps_per_rollout is not None:
+            return t.num_steps_per_rollout
+        return 1 if self.is_sft else max(1, self.samples_per_rollout // max(t.global_batch_size, 1))
+
+    @property
     def staleness_limit(self) -> int:
         """How many weight versions a trained sample may lag (``--max-staleness``; 0 in ``--true-on-policy-mode``):
         the buffer and the recipe's selection read this one value."""
@@ -957,6 +972,11 @@ class RunConfig(_ReadOnlyOnce):
                 "--role-engine-url plays a role of an RL rollout; demonstrations (sft) do not use it",
             ),
             (
+                not (sft and t.num_steps_per_rollout not in (None, 1)),
+                "--loss-type sft_loss makes one optimizer step per --global-batch-size demonstrations; drop "
+                "--num-steps-per-rollout",
+            ),
+            (
                 not (sft and (self.mask_truncated_samples or self.overlong_buffer_len is not None)),
                 "--mask-truncated-samples and --overlong-buffer-len shape RL rollouts, not --loss-type sft_loss",
             ),
@@ -967,7 +987,9 @@ class RunConfig(_ReadOnlyOnce):
                 f"--n-samples-per-prompt ({self.rollout_batch_size} x {self.rollout.n_samples_per_prompt} = {n})",
             ),
             (
-                sft or n // max(t.global_batch_size, 1) == t.num_steps_per_rollout or n % t.global_batch_size != 0,
+                sft
+                or t.num_steps_per_rollout in (None, n // max(t.global_batch_size, 1))
+                or n % t.global_batch_size != 0,
                 f"--num-steps-per-rollout ({t.num_steps_per_rollout}) must equal rollout samples / --global-batch-size "
                 f"({n} / {t.global_batch_size} = {n // max(t.global_batch_size, 1)}); set one of them consistently",
             ),
@@ -1006,7 +1028,7 @@ class RunConfig(_ReadOnlyOnce):
                 "--update-weights-interval",
             ),
             (
-                not (self.true_on_policy_mode and t.num_steps_per_rollout > 1),
+                not (self.true_on_policy_mode and self.steps_per_rollout > 1),
                 "--true-on-policy-mode: a second step per rollout would train on the previous weights' samples; "
                 "use --num-steps-per-rollout 1",
             ),

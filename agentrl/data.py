@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from agentrl.user_code import load_function
+
 __all__ = ["load_tasks", "lookup", "read_rows", "task_from_row", "task_rows", "untrusted_row_code"]
 
 _MISSING = object()
@@ -190,8 +192,6 @@ def task_from_row(
         raise ValueError(f"{where}: no value at --label-key {label_key!r}; {hint}")
     gen = row.get("generate_function_path")
     if gen is not None and gen != "":  # the row's own generate function (slime's); "": a CSV row without one
-        from agentrl.user_code import load_function
-
         if not isinstance(gen, str):
             raise ValueError(f"{where}: 'generate_function_path' must be a module:fn string, not {gen!r}")
         if not trust_row_code:

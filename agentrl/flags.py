@@ -198,7 +198,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def run_config_from_values(values: dict[str, Any]) -> RunConfig:
-    """Build a RunConfig from flat ``field -> value`` (None = default); derive num_steps_per_rollout."""
+    """Build a RunConfig from flat ``field -> value`` (None = default).
+
+    Two things only the flags can see are settled here: ``--num-epoch`` and ``--num-rollout`` both given (refused),
+    and an SFT run given neither (one epoch). Every other derived value is the preflight's."""
     parts: dict[type, dict[str, Any]] = {RunConfig: {}, RolloutConfig: {}, TrainConfig: {}}
     for cls in parts:
         for f in dataclasses.fields(cls):
@@ -210,15 +213,6 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
     )
     if values.get("num_epoch") is not None and values.get("num_rollout") is not None:
         raise ValueError("bad configuration: --num-epoch and --num-rollout both set the run's length; pass one")
-    if cfg.is_sft:
-        if values.get("num_steps_per_rollout") not in (None, 1):
-            raise ValueError(
-                "bad configuration: --loss-type sft_loss makes one optimizer step per "
-                "--global-batch-size demonstrations; drop --num-steps-per-rollout"
-            )
-        cfg.train.num_steps_per_rollout = 1
-        if values.get("num_rollout") is None and cfg.num_epoch is None:
-            cfg.num_epoch = 1
-    elif values.get("num_steps_per_rollout") is None and cfg.train.global_batch_size >= 1:  # else validate() says so
-        cfg.train.num_steps_per_rollout = max(1, cfg.samples_per_rollout // cfg.train.global_batch_size)
+    if cfg.is_sft and values.get("num_rollout") is None and cfg.num_epoch is None:
+        cfg.num_epoch = 1
     return cfg

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentrl.adapters import adapter_factory
 from agentrl.adapters.base import ADAPTER_PREFIXES
+from agentrl.env import Env
 from agentrl.user_code import import_failed, import_object, import_spec_module, import_user_module, load_function
 
 if TYPE_CHECKING:
@@ -158,8 +159,6 @@ def _suggest(env_id: str) -> str:
 
 def _check_env_class(spec: str, target: Any) -> None:
     """A class that is not an agentrl Env is refused now, naming what would work instead."""
-    from agentrl.env import Env
-
     if not isinstance(target, type) or issubclass(target, Env):
         return
     bases = {f"{c.__module__}.{c.__qualname__}" for c in target.__mro__}

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.rollout.threads import SyncPool
 from agentrl.sandbox.base import SandboxError
 
 __all__ = ["Tool", "ToolError", "ToolResult", "call_tool", "find_tool", "tool"]
@@ -380,8 +381,6 @@ def tool_pool() -> Any:
     """The process's pool for sync tools: 32 threads, up to 64 written off (see :class:`SyncPool`)."""
     global _TOOL_POOL
     if _TOOL_POOL is None:
-        from agentrl.rollout.threads import SyncPool
-
         _TOOL_POOL = SyncPool(32, max_hung=64, name="agentrl-tool")
     return _TOOL_POOL
 

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from agentrl.checkpoint import resolve_hf_checkpoint
 from agentrl.types import Sample
 
 log = logging.getLogger(__name__)
@@ -330,8 +331,6 @@ def find_run_checkpoint(samples_path: str | Path) -> str | None:
 def load_tokenizer(samples_path: str | Path, hf_checkpoint: str | None = None) -> Any:
     """The tokenizer of ``--hf-checkpoint``, else of the run's config, else of the default model."""
     from transformers import AutoTokenizer
-
-    from agentrl.checkpoint import resolve_hf_checkpoint
 
     return AutoTokenizer.from_pretrained(resolve_hf_checkpoint(hf_checkpoint or find_run_checkpoint(samples_path)))
 

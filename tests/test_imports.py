@@ -177,6 +177,87 @@ def test_the_cli_is_the_top_floor():
     assert {m for m, deps in graph.items() if "agentrl.cli" in deps} == {"agentrl.__main__"}
 
 
+# what a function-local import may defer: a dependency that costs seconds or hundreds of MB to import, or
+# one ``import agentrl`` must not need (the web stack, an HTTP client, pydantic)
+DEFERRED = (*HEAVY, "transformers", "httpx", "pydantic", "mcp")
+
+
+def imports_deferring_nothing(root, deferred=DEFERRED) -> list[tuple[str, str, int]]:
+    """Every ``(importer, module, line)`` where a function imports one of the package's modules without
+    deferring one of ``deferred``: the module (with what it imports at its top, transitively) brings in no
+    such dependency that the importer's own top does not already bring. Such an import hides the real
+    graph and defers nothing; it belongs at the top of the file."""
+    import ast
+    from pathlib import Path
+
+    root = Path(root)
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    top: dict[str, set[str]] = {m: set() for m in modules}  # the package's modules run by importing m
+    outside: dict[str, set[str]] = {m: set() for m in modules}  # top-level names of other distributions m imports
+    local: list[tuple[str, str, int]] = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parent = name.rpartition(".")[0]
+        while parent:  # importing a.b.c runs a and a.b first
+            top[name].add(parent)
+            parent = parent.rpartition(".")[0]
+
+        def walk(node, in_function, name=name, package=package):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    continue  # never runs
+                if isinstance(child, ast.Import):
+                    targets = [a.name for a in child.names]
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                        base = ".".join(up + ([child.module] if child.module else []))
+                    targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names]
+                else:
+                    walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+                    continue
+                for target in targets:
+                    if target.split(".")[0] != root.name:
+                        if not in_function:
+                            outside[name].add(target.split(".")[0])
+                        continue
+                    while target and target not in modules:
+                        target = target.rpartition(".")[0]
+                    if in_function:
+                        local.append((name, target, child.lineno))
+                        continue
+                    while target:
+                        top[name].add(target)
+                        target = target.rpartition(".")[0]
+
+        walk(ast.parse(path.read_text(), str(path)), False)
+
+    def brings(module: str) -> set[str]:
+        seen, todo = set(), [module]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(top.get(m, ()))
+        return {d for m in seen for d in outside[m] if d in deferred}
+
+    return [(m, t, line) for m, t, line in local if not brings(t) - brings(m)]
+
+
+def test_a_function_local_import_defers_a_heavy_dependency():
+    """Issue 39, item 6: a function imports one of the package's modules only to defer what that module
+    brings (torch, Ray, megatron, the web stack), never to dodge a circle or out of habit."""
+    from pathlib import Path
+
+    assert imports_deferring_nothing(Path(__file__).resolve().parents[1] / "agentrl") == []
+
+
 def test_the_graph_checks_can_fail(tmp_path):
     """The checker sees a circle made of a function-local import and a private name across modules."""
     pkg = tmp_path / "pkg"
@@ -197,6 +278,14 @@ def test_the_graph_checks_can_fail(tmp_path):
     )
     _, private = import_graph(pkg)
     assert ("pkg.d", "pkg.sub.b", "_helper") in private and not [p for p in private if p[2] == "x"]
+    # a function-local import defers nothing when the module brings no heavy dependency the importer lacks
+    (pkg / "heavy.py").write_text("import torch\n")
+    (pkg / "e.py").write_text(
+        "import pkg.c\n\n\ndef f():\n    from pkg import a\n    from pkg.sub import b\n    from pkg import heavy\n"
+    )
+    # (b's own `from .. import a` dodges the circle above: it defers nothing either)
+    found = sorted(imports_deferring_nothing(pkg))
+    assert found == [("pkg.e", "pkg.a", 5), ("pkg.e", "pkg.sub.b", 6), ("pkg.sub.b", "pkg.a", 2)]
 
 
 def test_the_graph_sees_a_circle_through_a_package_init(tmp_path):

@@ -62,6 +62,30 @@ def test_preflight_resolves_a_read_only_copy_and_leaves_the_callers_config(tiny_
     assert resolved.rollout.rollout_temperature == 0.7 and changed.max_turns == 9 != resolved.rollout.max_turns
 
 
+def test_steps_per_rollout_are_derived_by_the_preflight_for_the_api_and_the_flags_alike(tiny_ckpt, tmp_path):
+    """Unset, ``num_steps_per_rollout`` is slime's rollout samples / ``--global-batch-size`` (1 for SFT), derived in
+    one place whether the run came from flags or from Python; set, it must agree."""
+    from agentrl.flags import run_config_from_values
+
+    cfg = _rl(tiny_ckpt, rollout={"n_samples_per_prompt": 4})  # 2 prompts x 4 samples, global batches of 4
+    assert cfg.train.num_steps_per_rollout is None and cfg.steps_per_rollout == 2
+    run = preflight(cfg)
+    assert run.config.train.num_steps_per_rollout == 2 and run.args.num_steps_per_rollout == 2
+    assert cfg.train.num_steps_per_rollout is None  # the caller's: as given
+    values = {"env": cfg.env, "hf_checkpoint": str(tiny_ckpt), "rollout_batch_size": 2, "n_samples_per_prompt": 4}
+    from_flags = run_config_from_values({**values, "global_batch_size": 4})
+    assert from_flags.train.num_steps_per_rollout is None
+    assert preflight(from_flags).config.train.num_steps_per_rollout == 2
+    explicit = dataclasses.replace(cfg, train=TrainConfig(global_batch_size=4, num_steps_per_rollout=3))
+    with pytest.raises(ValueError, match=r"--num-steps-per-rollout \(3\) must equal rollout samples"):
+        preflight(explicit)
+    sft = RunConfig(sft_data=str(tmp_path / "d.jsonl"), train=TrainConfig(loss_type="sft_loss", global_batch_size=2))
+    assert sft.steps_per_rollout == 1
+    sft = dataclasses.replace(sft, train=TrainConfig(loss_type="sft_loss", num_steps_per_rollout=2))
+    with pytest.raises(ValueError, match="sft_loss makes one optimizer step per --global-batch-size demonstrations"):
+        preflight(sft)
+
+
 def test_sft_preflight_derives_its_length_and_temperature_from_its_demonstrations(tiny_ckpt, tmp_path):
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(_row()) + "\n" for _ in range(5)))

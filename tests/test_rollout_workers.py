@@ -80,7 +80,7 @@ def test_the_cli_builds_the_worker_flags(monkeypatch):
     from agentrl import cli
 
     seen = {}
-    monkeypatch.setattr("agentrl.runtime.train.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr("agentrl.cli.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
     argv = ["train", "--env", "agentrl.envs.digits:Digits", "--rollout-num-workers", "4", "--rollout-worker-cpus"]
     argv += ["0.5", "--rollout-worker-resources", "sandbox_host=1", "--rollout-worker-resources", "big_disk=2"]
     assert cli.main([*argv, "--rollout-worker-timeout", "30"]) == 0

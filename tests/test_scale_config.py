@@ -64,7 +64,7 @@ def test_cli_passes_flags_through_into_the_config(monkeypatch):
     from agentrl import cli
 
     seen = {}
-    monkeypatch.setattr("agentrl.runtime.train.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr("agentrl.cli.train", lambda cfg: seen.setdefault("cfg", cfg) and {})
     rc = cli.main(
         [
             "train",

@@ -516,6 +516,7 @@ def test_the_cli_refuses_a_hook_that_cannot_run_before_starting_an_engine(tmp_pa
         raise AssertionError("the checkpoint was resolved: the refusal came too late")
 
     monkeypatch.setattr(agentrl.checkpoint, "resolve_hf_checkpoint", no_model)
+    monkeypatch.setattr("agentrl.cli.resolve_hf_checkpoint", no_model)  # the name the command calls
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "x"}\n')

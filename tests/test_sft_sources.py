@@ -99,6 +99,7 @@ def test_best_of_n_keeps_the_chosen_episode_whole(tiny_server, tiny_tokenizer):
 
 
 def test_best_of_n_chooses_each_role_of_a_multi_role_env_apart(tiny_server, tiny_tokenizer, monkeypatch):
+    import agentrl.rollout.demos as demos
     import agentrl.rollout.generate as generate
     from agentrl.engines.http import SGLangEngine
     from agentrl.envs.tictactoe import TicTacToe
@@ -111,7 +112,7 @@ def test_best_of_n_chooses_each_role_of_a_multi_role_env_apart(tiny_server, tiny
         played.extend(out[0])
         return out
 
-    monkeypatch.setattr(generate, "generate_rollout", spy)
+    monkeypatch.setattr(demos, "generate_rollout", spy)  # the name rejection sampling calls
     engine = SGLangEngine(tiny_server)
     cfg = RolloutConfig(n_samples_per_prompt=6, max_turns=9, rollout_max_turn_len=48, rollout_seed=5)
     ctx = EpisodeContext(engine=engine, template=ChatTemplate(tiny_tokenizer), config=cfg)

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.adapters.base import ADAPTER_PREFIXES, InvalidAction, seed_prompt
-from agentrl.adapters.gymnasium import GymnasiumEnv, format_observation, json_safe
+from agentrl.adapters.gem import GemEnv, resolve_gem_id
+from agentrl.adapters.gymnasium import GymnasiumEnv, format_observation, json_safe, resolve_gym_id
 from agentrl.adapters.openenv import OpenEnvEnv, OpenEnvError
+from agentrl.adapters.openenv_probe import SERVER_INFO, probe_server, session_urls
 from agentrl.env import Env
 
 PREFIXES = ADAPTER_PREFIXES
@@ -46,8 +48,6 @@ def _adapter_class(kind: str) -> Any:
     if kind == "openenv":
         return OpenEnvEnv
     if kind == "gem":
-        from agentrl.adapters.gem import GemEnv
-
         return GemEnv
     from agentrl.adapters.verifiers import VerifiersEnv
 
@@ -96,18 +96,12 @@ def adapter_factory(spec: str, **kwargs: Any) -> AdapterFactory:
     if not target:
         raise ValueError(f"{spec!r}: nothing after {kind + ':'!r}")
     if kind == "gym":
-        from agentrl.adapters.gymnasium import resolve_gym_id
-
         resolve_gym_id(target)
     elif kind == "openenv":
-        from agentrl.adapters.openenv_probe import SERVER_INFO, probe_server, session_urls
-
         # its answers travel with the factory: envs built in Ray workers know them too
         probe_server(target, api_key=kwargs.get("api_key"))
         kwargs = {"server_info": SERVER_INFO[session_urls(target)[0]], **kwargs}
     elif kind == "gem":
-        from agentrl.adapters.gem import resolve_gem_id
-
         resolve_gem_id(target)
     else:
         from agentrl.adapters.verifiers_taskset import resolve_verifiers_env, taskset_settings

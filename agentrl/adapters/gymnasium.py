@@ -37,6 +37,7 @@ import numpy as np
 from agentrl.adapters.base import InvalidAction
 from agentrl.env import Env, StepResult
 from agentrl.types import Action, Message
+from agentrl.user_code import import_user_module
 
 _INTEGER = re.compile(r"-?\d+")
 _SHOWN = 80  # characters of a bad reply quoted back to the model
@@ -60,8 +61,6 @@ def resolve_gym_id(env_id: str) -> Any:
     gym = _gymnasium()
     module, sep, name = env_id.rpartition(":")
     if sep:
-        from agentrl.user_code import import_user_module
-
         import_user_module(module, hint=f"it should register {name!r} with gymnasium.register")
     try:
         return gym.spec(name)

@@ -74,7 +74,7 @@ from agentrl.adapters.openenv_actions import (
 from agentrl.adapters.openenv_probe import API_KEY_ENV, auth_headers, probe_server, session_urls, start_probe
 from agentrl.adapters.openenv_probe import SERVER_INFO as _server_info
 from agentrl.env import Env, StepResult
-from agentrl.parsing import format_tool_error
+from agentrl.parsing import format_tool_error, unique_call_ids
 from agentrl.tool import Tool, ToolError, find_tool
 from agentrl.types import Action, Message, ToolCall
 
@@ -335,8 +335,6 @@ class OpenEnvEnv(Env):
             return f"Error: {validation_summary(reply['data'])}", True, 0.0, False, {}
         result = self._observation(reply, "step")
         if self.served is not None:  # a served env counts a call_tool step as a turn and numbers its call
-            from agentrl.parsing import unique_call_ids
-
             unique_call_ids([ToolCall(name, arguments, "call_0")], self._turns, self._seen)
             self._turns += 1
         observation = result.get("observation", {})

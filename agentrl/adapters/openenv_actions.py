@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.adapters.base import InvalidAction
-from agentrl.env import StepResult
+from agentrl.adapters.gymnasium import json_safe
+from agentrl.env import EnvContractError, StepResult, check_messages
+from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
 from agentrl.tool import Tool, ToolResult
 from agentrl.types import Action, Message, ParseError, ToolCall
 
@@ -285,8 +287,6 @@ def served_env(metadata: dict[str, Any]) -> ServedEnv | None:
     """The served agentrl env a ``/metadata`` answer describes, or None when it has no ``agentrl`` marker
     (any other OpenEnv server). A marker of another protocol or a malformed field raises ValueError
     naming the field, so a broken server is refused before an episode is played against it."""
-    from agentrl.parsing import get_parser
-
     marker = metadata.get("agentrl")
     if marker is None:
         return None
@@ -347,8 +347,6 @@ def served_result(
     messages checked as an in-process env's are, each tool result's ``tool_call_id`` written back as the
     action's own id (``ids``: the server's id -> the action's), ``truncated`` the observation's and
     ``terminated`` done without it. Raises ValueError naming the field that is wrong."""
-    from agentrl.env import EnvContractError, check_messages
-
     observation = result.get("observation") if isinstance(result, dict) else None
     if not isinstance(observation, dict):
         raise ValueError(f"the served env's {where} answered observation={observation!r:.100}, which is not an object")
@@ -377,8 +375,6 @@ def served_reset_data(task: dict[str, Any], seed: int | None, placeholder: str) 
     """A served env's reset data: the task row itself (JSON-safe; the server plays it as an in-process
     run would) unless its prompt is the ``placeholder`` of ``tasks()``'s seed rows (the server then
     plays its own task ``seed``), the row's ``options`` and the seed."""
-    from agentrl.adapters.gymnasium import json_safe
-
     data: dict[str, Any] = {}
     if "prompt" in task and task["prompt"] != placeholder:
         data = json_safe({k: v for k, v in task.items() if k not in ("seed", "options")})
@@ -399,8 +395,6 @@ def served_step(action: Action, parser_name: str, turn: int, seen: set[str]) -> 
     raises ValueError saying which ``--tool-parser`` to use. ``seen`` mirrors the server's ids of the
     episode (the rollout loop's :func:`~agentrl.parsing.unique_call_ids`), ``turn`` its turn count.
     """
-    from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
-
     _, calls, errors = get_parser(parser_name).parse(action.text)
     theirs = [(c.name, c.arguments) for c in calls], len(errors)
     if theirs == ([(c.name, c.arguments) for c in action.tool_calls], len(action.errors)):

@@ -88,6 +88,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 
+from agentrl import __version__, sandbox
 from agentrl.adapters.openenv_actions import AGENTRL_PROTOCOL
 from agentrl.adapters.openenv_probe import API_KEY_ENV
 from agentrl.adapters.openenv_session import (
@@ -101,7 +102,9 @@ from agentrl.adapters.openenv_session import (
     named_files,
     openenv_tool,
 )
+from agentrl.data import task_rows
 from agentrl.env import Env, call_env
+from agentrl.flags import naming_flag
 from agentrl.http_guard import (
     DEFAULT_MAX_BODY_MB,
     ApiKeyGuard,
@@ -109,9 +112,19 @@ from agentrl.http_guard import (
     BodyLimit,
     max_body_bytes,
     read_json,
+    resolve_api_key,
     warn_if_open,
 )
-from agentrl.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxPool
+from agentrl.registry import load_env
+from agentrl.sandbox import (
+    Sandbox,
+    SandboxConfig,
+    SandboxError,
+    SandboxPool,
+    close_default_pool,
+    create_sandbox,
+    resolve_backend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +257,6 @@ class EnvServer:
         """Why ``what`` (model code) may not run here, or None: the sandboxes are the ``process`` backend
         (model code reads the host's files) and the operator did not allow it. Resolving the backend may
         raise :class:`~agentrl.sandbox.SandboxError` (an explicit ``docker`` without an engine)."""
-        from agentrl.sandbox import resolve_backend
-
         if self.allow_host_sandbox or resolve_backend(self.sandbox_config.backend) != "process":
             return None
         return (
@@ -267,8 +278,6 @@ class EnvServer:
 
     async def _new_sandbox(self) -> Sandbox:
         """A sandbox for an episode (the server pool's factory): refused on the unallowed ``process`` backend."""
-        from agentrl.sandbox import create_sandbox
-
         why = self.host_sandbox_refusal("this env runs")
         if why:
             raise SandboxError(why)
@@ -368,8 +377,6 @@ class EnvServer:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            from agentrl.sandbox import close_default_pool
-
             await self.describe()
             self.sandbox_pool = SandboxPool(self._new_sandbox, self.sandbox_config)
             try:
@@ -442,8 +449,6 @@ class BasicKey:
 
 
 def _version() -> str:
-    from agentrl import __version__
-
     return __version__
 
 
@@ -466,9 +471,6 @@ def build_server(
     ``guards`` go to :class:`EnvServer` (``idle_timeout``, ``api_key``, ``max_body_bytes``, ``sandbox``,
     ``allow_host_sandbox``).
     """
-    from agentrl.data import task_rows
-    from agentrl.registry import load_env
-
     factory = load_env(env) if isinstance(env, str) else env
     tasks = None
     if prompt_data or getattr(factory, "tasks", None) is not None:
@@ -496,10 +498,6 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     import math
 
     import uvicorn
-
-    from agentrl import sandbox
-    from agentrl.flags import naming_flag
-    from agentrl.http_guard import resolve_api_key
 
     if args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")

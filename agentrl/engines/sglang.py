@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.engines.http import API_KEY_ENV
+from agentrl.engines.http import API_KEY_ENV, auth_headers
 from agentrl.engines.router import fan_out
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,6 @@ class SGLangLaunch:
     @property
     def headers(self) -> dict[str, str]:
         """What the launcher's own health checks and weight loads send."""
-        from agentrl.engines.http import auth_headers
-
         return auth_headers(self.api_key)
 
 

@@ -14,6 +14,7 @@ from typing import Any, overload
 
 from agentrl.mcp.sessions import Sessions, shared_sessions
 from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
+from agentrl.sandbox import create_sandbox
 from agentrl.sandbox.base import Sandbox, SandboxConfig
 from agentrl.tool import Tool, ToolError, ToolResult
 
@@ -273,8 +274,6 @@ async def _list_tools(spec: MCPServerSpec, sandboxed: bool, config: SandboxConfi
     try:
         if not sandboxed:
             return await (await sessions.get(None)).list_tools()
-        from agentrl.sandbox import create_sandbox
-
         async with await create_sandbox(config) as sandbox:
             return await (await sessions.get(sandbox)).list_tools()
     finally:

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 from typing import Any
 
+from agentrl.checkpoint import resolve_hf_checkpoint
+from agentrl.config import RolloutConfig
+from agentrl.flags import add_field_flags
 from agentrl.http_guard import DEFAULT_MAX_BODY_MB, max_body_bytes, resolve_api_key, warn_if_open
 
 __all__ = ["API_KEY_ENV", "DEFAULT_MAX_SESSIONS", "PROXY_FIELDS", "add_proxy_parser", "cmd_proxy"]
@@ -46,8 +49,6 @@ is given (a flag's value is in ``/proc/PID/cmdline``, readable by every local us
 def add_proxy_parser(sub: Any) -> None:
     """``agentrl proxy``: the flags (the rollout flags of :data:`PROXY_FIELDS`, generated from RolloutConfig,
     and the server's)."""
-    from agentrl.flags import add_field_flags
-
     p = sub.add_parser(
         "proxy",
         help="an OpenAI-compatible recording proxy: agents call /s/TOKEN/v1, every session becomes samples",
@@ -94,8 +95,6 @@ def add_proxy_parser(sub: Any) -> None:
 
 def cmd_proxy(args: Any) -> int:
     """Serve the proxy until SIGINT/SIGTERM; every ended session's samples go to ``--output``."""
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.config import RolloutConfig
     from agentrl.proxy.external import check_config, serve
     from agentrl.rollout.context import command_engine_urls, load_tokenizer
 

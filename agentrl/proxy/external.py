@@ -21,8 +21,11 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
+from agentrl.parsing import get_parser
 from agentrl.proxy.proxy_env import REWARD_SECONDS, ProxyEnv
 from agentrl.proxy.server import Call, ProxyServer, Session
+from agentrl.rollout.episode import run_episode
+from agentrl.rollout.generate import check_rollout_features
 from agentrl.types import Action, Message
 
 __all__ = ["ExternalSession", "Recorder", "check_config", "serve"]
@@ -81,9 +84,6 @@ class ExternalSession(ProxyEnv):
 def check_config(cfg: Any) -> Callable[..., Any] | None:
     """Refuse, before anything is served, a config every session's episode would fail on (an unknown
     ``--tool-parser``, a ``--history-rewrite-path`` that does not load); return the loaded hook."""
-    from agentrl.parsing import get_parser
-    from agentrl.rollout.generate import check_rollout_features
-
     get_parser(cfg.tool_parser or ExternalSession.tool_parser)
     return check_rollout_features(cfg)
 
@@ -102,8 +102,6 @@ class Recorder:
 
     def new_session(self, session: Session) -> None:
         """Start the episode of a session just opened."""
-        from agentrl.rollout.episode import run_episode
-
         cfg = self.ctx.config
         env = ExternalSession(self.server, session, self.idle_timeout, tool_parser=cfg.tool_parser)
         k = next(self._count)

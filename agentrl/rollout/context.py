@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.chat import ChatTemplate
+from agentrl.checkpoint import cache_dir
 from agentrl.config import RolloutConfig, RunConfig
 from agentrl.engines.base import Engine
 from agentrl.engines.http import API_KEY_ENV, ChatCompletionsEngine, SGLangEngine, wait_healthy
 from agentrl.engines.router import Router
 from agentrl.rollout.episode import EpisodeContext
 from agentrl.rollout.generate import bind_engine_args
+from agentrl.rollout.threads import SyncPool
+from agentrl.sandbox import close_default_pool
 from agentrl.vlm import vision_for
 
 if TYPE_CHECKING:
@@ -98,8 +101,6 @@ def run_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str], api
     """What every episode of a training run's process shares: a router over ``urls``, the checkpoint's chat
     template, one thread pool for blocking env calls. Returns ``(ctx, tokenizer, template)``. The driver
     builds one for in-process rollouts and evals; each rollout worker builds its own."""
-    from agentrl.rollout.threads import SyncPool
-
     tokenizer, _ = load_tokenizer(str(checkpoint))
     template = chat_template(tokenizer, cfg.rollout, vision_source=checkpoint)
     # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
@@ -134,7 +135,6 @@ def engine_urls(
     can then drive it)."""
     if given:
         return list(given), os.environ.get(API_KEY_ENV) or None
-    from agentrl.checkpoint import cache_dir
     from agentrl.engines.local.process import local_server
 
     api_key = secrets.token_urlsafe(24)
@@ -164,8 +164,6 @@ async def command_context(
     """The context of a command's episodes (``rollout``, ``eval``, ``proxy``): token-exact, or chat
     completions with ``--engine-api chat``; waits for the engines, binds slime's engine attributes on
     ``args``. Returns the context and what to close when the command ends."""
-    from agentrl.sandbox import close_default_pool
-
     template = chat_template(tokenizer, cfg, template_src, vision_source=getattr(tokenizer, "name_or_path", None))
     if args.engine_api == "chat":
         # the engine this command started wants its own key; a given URL, the user's API key

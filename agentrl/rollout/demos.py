@@ -33,7 +33,9 @@ from agentrl.chat import ChatTemplate, TemplateError, TokenLedger
 from agentrl.images import ImageError, count_images, normalize
 from agentrl.metrics import scalar_reward
 from agentrl.rollout.demo_checks import DemoError, check_conversation, check_row
+from agentrl.rollout.generate import generate_rollout
 from agentrl.rollout.pictures import Pictures
+from agentrl.rollout.scripted import play
 from agentrl.types import Message, Sample, Status
 
 __all__ = [
@@ -347,8 +349,6 @@ async def scripted_samples(
     concurrency: int = 8,
 ) -> tuple[list[Sample], DemoStats]:
     """Play ``policy`` once per task; keep episodes without errors whose reward reaches ``min_reward``."""
-    from agentrl.rollout.scripted import play
-
     results = await play(make_env, policy, tasks, seed=seed, max_turns=max_turns, concurrency=concurrency)
     stats = DemoStats(rows=len(results))
     samples = []
@@ -386,8 +386,6 @@ async def rejection_samples(
     engine's own, so the engine must share the trained model's tokenizer (the policy itself, or a
     larger model of the same family).
     """
-    from agentrl.rollout.generate import generate_rollout
-
     rollout, _ = await generate_rollout(ctx, make_env, tasks)
     stats = DemoStats(rows=len(rollout))
     best: dict[tuple[int, Any], tuple[float, Any]] = {}  # per (task, role): the best episode's reward and id

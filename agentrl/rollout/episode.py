@@ -57,6 +57,7 @@ from agentrl.images import ImageError
 from agentrl.parsing import OpenAIToolCallsParser, get_parser, unique_call_ids
 from agentrl.rollout.pictures import Pictures, observe, sampled_placeholder
 from agentrl.types import Action, Message, Sample, Status
+from agentrl.user_code import load_function
 
 _BIG_OBSERVATION = 32_768
 """Observation text (characters) above which it is tokenized in a worker thread, off the event loop."""
@@ -98,8 +99,6 @@ def history_hook(path: str | None) -> Callable[..., Any] | None:
     function that cannot take ``(messages, task)``, is a ValueError naming the flag."""
     if path is None:
         return None
-    from agentrl.user_code import load_function
-
     try:
         fn = load_function(path)
         inspect.signature(fn).bind([], {})

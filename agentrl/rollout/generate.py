@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config import RolloutConfig
+from agentrl.data import untrusted_row_code
 from agentrl.engines.base import Engine
 from agentrl.env import Env, call_env
 from agentrl.rollout.episode import EpisodeContext, history_hook, run_episode
@@ -236,8 +237,6 @@ def check_row_code(config: RolloutConfig, rows: Iterable[dict[str, Any]]) -> Non
     the Python API), so no path imports a row's module without the opt-in."""
     if config.trust_row_code:
         return
-    from agentrl.data import untrusted_row_code
-
     for i, row in enumerate(rows):
         spec = row.get("generate_function_path") if isinstance(row, dict) else None
         if spec:

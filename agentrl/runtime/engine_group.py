@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
+from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.sglang import SGLangLaunch, SGLangServer, build_launch_command
+from agentrl.runtime.cluster import actor_options, peak_rss_mb
+from agentrl.runtime.shm_weights import open_weights
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +156,6 @@ class EngineServer:
         :func:`agentrl.runtime.shm_weights.write_checked`), so the engine does not read each page again
         to look for a NaN (that doubled the cost of a push: bench P5).
         """
-        from agentrl.runtime.shm_weights import open_weights
-
         try:
             weights = open_weights(path, layout)
         except OSError as exc:
@@ -172,8 +173,6 @@ class EngineServer:
         return self.engine.weight_version
 
     def peak_rss_mb(self) -> float:
-        from agentrl.runtime.cluster import peak_rss_mb
-
         return peak_rss_mb()
 
     def shutdown(self) -> None:
@@ -217,8 +216,6 @@ class EngineGroup:
         api_key = api_key or secrets.token_urlsafe(24)
         remote = ray.remote(EngineServer)
         actors = []
-        from agentrl.runtime.cluster import actor_options
-
         for i in range(n):
             opts = actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None)
             if num_gpus:
@@ -234,8 +231,6 @@ class EngineGroup:
     @classmethod
     def external(cls, urls: Sequence[str], api_key: str | None = None) -> EngineGroup:
         import os
-
-        from agentrl.engines.http import API_KEY_ENV
 
         return cls(urls, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
 
@@ -320,8 +315,6 @@ class SGLangEngineGroup:
         build_launch_command(launch, port=launch.port or 1)  # refuse bad server args here, before any actor
         if num_gpus is None:
             num_gpus = float(launch.tp_size) if launch.binary == "sglang" else 0.0
-        from agentrl.runtime.cluster import actor_options
-
         options = [actor_options(num_cpus, num_gpus, placement[i] if i < len(placement) else None) for i in range(n)]
         remote = ray.remote(SGLangServer)
         actors = [remote.options(**options[i]).remote(launch, i) for i in range(n)]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig
+from agentrl.metrics import dump_rollout
 from agentrl.runtime import run_folder
 from agentrl.runtime.collect import Batch
 from agentrl.runtime.recipes import Recipe
@@ -116,8 +117,6 @@ class TrainLoop:
 
     async def step(self, step: int, batch: Batch) -> dict[str, Any]:
         """Select, update, push, log, checkpoint: one step over a collected batch."""
-        from agentrl.metrics import dump_rollout
-
         cfg, recipe, engines, observers = self.cfg, self.recipe, self.engines, self.observers
         counts = dict(batch.counts)
         self.collector.filter_samples(batch.groups)  # --rollout-sample-filter-path, when the step trains them

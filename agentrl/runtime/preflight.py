@@ -36,9 +36,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl import sandbox
+from agentrl.checkpoint import resolve_hf_checkpoint
 from agentrl.config import RunConfig, argparse_namespace, read_only, writable_copy
+from agentrl.data import load_tasks, task_rows
 from agentrl.flags import naming_flag
+from agentrl.registry import load_env
+from agentrl.rollout.generate import (
+    BatchGenerate,
+    check_apply_chat_template,
+    check_role_engines,
+    check_rollout_features,
+)
+from agentrl.runtime import run_folder
+from agentrl.runtime.backends import backend_problems
+from agentrl.runtime.buffer import BufferedSource, DataSource, PromptSource, check_reward_nonzero_std
+from agentrl.runtime.sft import load_demonstrations, sft_steps
 from agentrl.types import Sample
+from agentrl.user_code import load_function
+from agentrl.vlm import is_vision_checkpoint, vision_for
 
 __all__ = ["ResolvedRun", "check_values", "preflight"]
 
@@ -75,9 +91,6 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
     ``args`` is what user functions receive (slime's ``args``); by default the resolved configuration as a
     flat namespace. ``cfg`` itself is not changed.
     """
-    from agentrl import sandbox
-    from agentrl.runtime import run_folder
-
     cfg = writable_copy(cfg)  # derived values go on the run's own copy
     check_values(cfg)
     sandbox.configure(cfg.rollout.sandbox_config())  # the episodes' sandboxed tools run in the driver
@@ -85,13 +98,9 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
     factory, rows = _load_tasks(cfg)
     custom = bool(cfg.custom_generate_function_path or cfg.rollout_function_path)
     if not cfg.is_sft:
-        from agentrl.rollout.generate import check_apply_chat_template
-
         check_apply_chat_template(cfg.rollout, custom=custom, rows=rows)
     eval_sets = _load_eval_sets(cfg)
     if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour
-        from agentrl.rollout.generate import check_rollout_features
-
         check_rollout_features(cfg.rollout, [*rows, *(r for rows_ in eval_sets.values() for r in rows_)], custom=custom)
     if factory is not None and cfg.rollout.role_engine_urls():  # the fixed opponents answer; their roles exist
         _check_role_engines(cfg, factory)
@@ -131,8 +140,6 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
 
 def check_values(cfg: RunConfig) -> None:
     """Every value's problem and every backend's, in one ``ValueError`` naming each flag (the first concern)."""
-    from agentrl.runtime.backends import backend_problems
-
     problems = cfg.problems() + backend_problems(cfg)
     if problems:
         raise ValueError("bad configuration: " + "; ".join(problems))
@@ -143,9 +150,6 @@ def check_values(cfg: RunConfig) -> None:
 
 def _load_tasks(cfg: RunConfig) -> tuple[Any, list[dict[str, Any]]]:
     """The env factory and the training rows, parsed (a bad one names its flag)."""
-    from agentrl.data import task_rows
-    from agentrl.registry import load_env
-
     with naming_flag("--env", cfg.env):
         factory = load_env(cfg.env) if cfg.env else None
     # a user data source (--data-source-path) brings its own prompts, --sft-data its own conversations
@@ -165,8 +169,6 @@ def _load_tasks(cfg: RunConfig) -> tuple[Any, list[dict[str, Any]]]:
 
 def _load_eval_sets(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
     """``--eval-prompt-data``'s sets by name, parsed (a bad file names its flag)."""
-    from agentrl.data import load_tasks
-
     eval_sets = {}
     for name, path in cfg.eval_prompt_data:
         with naming_flag("--eval-prompt-data", f"{name} {path}"):
@@ -187,7 +189,6 @@ def _check_role_engines(cfg: RunConfig, factory: Any) -> None:
     import asyncio
 
     from agentrl.engines.http import SGLangEngine
-    from agentrl.rollout.generate import check_role_engines
 
     async def check() -> None:
         engines = {role: SGLangEngine(url) for role, url in cfg.rollout.role_engine_urls().items()}
@@ -202,15 +203,10 @@ def _check_role_engines(cfg: RunConfig, factory: Any) -> None:
 
 def _load_functions(cfg: RunConfig) -> dict[str, Any]:
     """The user's functions, each loaded once here (a bad path names its flag)."""
-    from agentrl.runtime.buffer import check_reward_nonzero_std
-    from agentrl.user_code import load_function
-
     fns: dict[str, Any] = {"custom_generate": None, "custom_rm": None, "group_filter": None, "sample_filter": None}
     if cfg.custom_generate_function_path:
         fns["custom_generate"] = load_function(cfg.custom_generate_function_path)
     if cfg.rollout_function_path:
-        from agentrl.rollout.generate import BatchGenerate
-
         with naming_flag("--rollout-function-path", cfg.rollout_function_path):
             fns["custom_generate"] = BatchGenerate.load(cfg.rollout_function_path)
     if cfg.custom_rm_path:
@@ -232,9 +228,6 @@ def _load_functions(cfg: RunConfig) -> dict[str, Any]:
 
 def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
     """Where an RL run's prompts come from: the task rows, or ``--data-source-path``; buffered when asked."""
-    from agentrl.runtime.buffer import BufferedSource, DataSource, PromptSource
-    from agentrl.user_code import load_function
-
     if cfg.data_source_path:
         source = load_function(cfg.data_source_path)(args)
         if not isinstance(source, DataSource):
@@ -256,8 +249,6 @@ def _data_source(cfg: RunConfig, rows: list[dict[str, Any]], args: Any) -> Any:
 def _resume_point(cfg: RunConfig) -> Path | None:
     """The checkpoint ``--load`` resumes from. A folder that holds a run but no complete checkpoint is
     refused (resuming must never silently start over); a missing or empty folder starts fresh, and says so."""
-    from agentrl.runtime import run_folder
-
     if not cfg.load:
         return None
     if Path(cfg.load).exists() and not Path(cfg.load).is_dir():
@@ -283,9 +274,6 @@ def _resume_point(cfg: RunConfig) -> Path | None:
 
 def _check_checkpoints(cfg: RunConfig) -> tuple[Path, Path | None]:
     """The policy's and the critic's checkpoint folders, resolved and checked as what each must be."""
-    from agentrl.checkpoint import resolve_hf_checkpoint
-    from agentrl.runtime import run_folder
-
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
     _check_vision(cfg, ckpt)
@@ -343,8 +331,6 @@ def _check_critic_vocab(policy: Path, critic: Path) -> None:
 
 def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
     """A vision-language policy: refuse what cannot train it (names the flag); text models pass."""
-    from agentrl.vlm import is_vision_checkpoint, vision_for
-
     if not is_vision_checkpoint(ckpt):
         return
     vision_for(ckpt)  # an unsupported family (or a checkpoint without its processor) is refused here
@@ -368,8 +354,6 @@ def _load_demos(
     cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], checkpoint: Path, resume_from: Path | None
 ) -> list[Sample]:
     """SFT's demonstrations, loaded and checked (a bad row stops the run here); a resumed run reuses its own."""
-    from agentrl.runtime.sft import load_demonstrations
-
     saved = resume_from.parent / "demos.jsonl" if resume_from is not None else None  # the run folder of iter_*
     if saved is not None and saved.is_file():  # a resumed warm start trains on the same demonstrations
         demos = [Sample.from_dict(json.loads(line)) for line in saved.open(encoding="utf-8")]
@@ -382,9 +366,10 @@ def _load_demos(
 
 
 def _derive_length(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
-    """The trainer's logit temperature, and an RL run's length from ``--num-epoch`` (checked against the critic-only
+    """The trainer's logit temperature and optimizer steps per rollout, and an RL run's length from ``--num-epoch`` (checked against the critic-only
     rule); before ``args`` is built, so user functions see them."""
     cfg.train.logit_temperature = cfg.trainer_logit_temperature
+    cfg.train.num_steps_per_rollout = cfg.steps_per_rollout
     if cfg.num_epoch is not None and not cfg.is_sft:  # slime: one epoch = every prompt once
         cfg.num_rollout = math.ceil(cfg.num_epoch * len(rows) / cfg.rollout_batch_size)
         ok, problem = cfg.critic_only_rule(cfg.num_rollout, f", from --num-epoch {cfg.num_epoch}")
@@ -399,7 +384,5 @@ def _resolve(cfg: RunConfig, *, demos: list[Sample] | None, checkpoint: Path, cr
     if critic is not None:
         cfg.critic_hf_checkpoint = str(critic)
     if demos is not None:
-        from agentrl.runtime.sft import sft_steps
-
         cfg.num_rollout = sft_steps(cfg, len(demos))
     return read_only(cfg)

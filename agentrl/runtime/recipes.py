@@ -26,10 +26,12 @@ import torch
 from agentrl.algo.advantages import compute_advantages, masked_whiten, ppo_advantages
 from agentrl.algo.loss import kl_penalty
 from agentrl.config import RunConfig
+from agentrl.metrics import step_metrics
 from agentrl.rollout.reward import cut_by_length, train_reward
 from agentrl.runtime import run_folder
 from agentrl.runtime.buffer import staleness
 from agentrl.runtime.collect import Batch
+from agentrl.runtime.sft import sft_steps
 from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample, Status
 
@@ -105,7 +107,7 @@ class PolicyGradient:
             else:
                 keep.append(s)
         # every optimizer step's global batch must split evenly over the trainer ranks
-        unit = self.cfg.trainer_world_size * self.cfg.train.num_steps_per_rollout
+        unit = self.cfg.trainer_world_size * self.cfg.steps_per_rollout
         counts["dropped_uneven"] = len(keep) % unit
         if counts["dropped_uneven"]:
             keep = keep[: len(keep) - counts["dropped_uneven"]]
@@ -124,7 +126,7 @@ class PolicyGradient:
         """(old, ref): whether this configuration needs them before the update."""
         t = self.cfg.train
         ref = t.needs_ref_model
-        old = ref or t.use_tis or t.num_steps_per_rollout > 1 or t.loss_type == "custom_loss"
+        old = ref or t.use_tis or self.cfg.steps_per_rollout > 1 or t.loss_type == "custom_loss"
         old = old or self.cfg.true_on_policy_mode
         return old, ref
 
@@ -256,8 +258,6 @@ class PolicyGradient:
 
     def line(self, step: int, batch: Batch, train_metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
         """The step's metrics line: the episodes' rewards and lengths, the update's metrics, ``extra``."""
-        from agentrl.metrics import step_metrics
-
         return step_metrics(batch.samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
 
     # -- checkpoints
@@ -344,8 +344,6 @@ class SFT:
     critic = None
 
     def __init__(self, cfg: RunConfig, trainers: Any, n_demos: int):
-        from agentrl.runtime.sft import sft_steps
-
         if not cfg.is_sft:
             raise ValueError(f"SFT trains with --loss-type sft_loss, not {cfg.train.loss_type}")
         if cfg.num_rollout != sft_steps(cfg, n_demos):  # the preflight derives it; a hand-built loop must agree

@@ -39,9 +39,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentrl import sandbox
 from agentrl.config import RunConfig, argparse_namespace
+from agentrl.registry import load_env
 from agentrl.rollout.context import close_context, follow_urls, run_context
+from agentrl.rollout.generate import bind_engine_args, generate_rollout
+from agentrl.runtime.cluster import peak_rss_mb
+from agentrl.sandbox import docker as docker_backend
 from agentrl.types import Sample
+from agentrl.user_code import load_function
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +129,6 @@ class RolloutWorker:
         driver_path: list[str] | None = None,
         args: Any = None,
     ):
-        from agentrl import sandbox
-        from agentrl.registry import load_env
-        from agentrl.rollout.generate import bind_engine_args
-        from agentrl.user_code import load_function
-
         for entry in driver_path or []:  # modules the driver could import (a test's or a script's own folder)
             if entry not in sys.path:
                 sys.path.append(entry)
@@ -151,8 +152,6 @@ class RolloutWorker:
         """Where this worker runs: Ray node id, pid, host, and the run id on its Docker sandboxes' labels."""
         import ray
 
-        from agentrl.sandbox import docker as docker_backend
-
         return {
             "index": self.index,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -163,8 +162,6 @@ class RolloutWorker:
 
     async def peak_rss_mb(self) -> float:
         """This worker's peak resident memory (MiB), for ``metrics.jsonl`` and the benchmark."""
-        from agentrl.runtime.cluster import peak_rss_mb
-
         return peak_rss_mb()
 
     async def hung_threads(self) -> int:
@@ -184,8 +181,6 @@ class RolloutWorker:
         (its ``group_index`` is ``group_base + group``, as in :func:`~agentrl.rollout.generate.generate_rollout`)."""
         import dataclasses
 
-        from agentrl.rollout.generate import generate_rollout
-
         ctx = dataclasses.replace(self.ctx, config=dataclasses.replace(self.ctx.config, rollout_seed=seed))
         samples, _ = await generate_rollout(
             ctx,
@@ -201,8 +196,6 @@ class RolloutWorker:
 
     async def shutdown(self) -> None:
         """Close this worker's sandboxes and engine sessions (its actor is killed next)."""
-        from agentrl import sandbox
-
         try:
             await sandbox.close_default_pool()
         finally:
@@ -214,8 +207,6 @@ class RolloutWorker:
 def _reap_sandboxes(run_id: str) -> int:
     """Remove the Docker sandboxes labelled with ``run_id`` (a dead worker's), on the node this runs on."""
     try:
-        from agentrl.sandbox import docker as docker_backend
-
         return docker_backend.reap(run_id=run_id)
     except Exception as exc:  # noqa: BLE001 - no Docker on that node, or the engine is gone: nothing to remove
         log.debug("reaping sandboxes of run %s: %s", run_id, exc)

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig
+from agentrl.data import read_rows
+from agentrl.env import call_env, reset_once
+from agentrl.rollout import demos
+from agentrl.rollout.demos import rejection_samples, scripted_samples
+from agentrl.sandbox import close_default_pool
 from agentrl.types import Sample
+from agentrl.user_code import load_function
 
 __all__ = ["env_tool_schemas", "load_demonstrations", "sft_steps"]
 
@@ -37,15 +43,12 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
         raise ValueError(
             "a task row has 'generate_function_path': a per-row generate function is for RL rollouts, not demonstrations"
         )
-    from agentrl.rollout import demos
     from agentrl.rollout.context import chat_template, load_tokenizer
 
     # the run's own chat template, built as the episodes' is (an unsupported vision family was refused by the
     # preflight's checkpoint checks before this)
     template = chat_template(load_tokenizer(str(checkpoint))[0], cfg.rollout, vision_source=checkpoint)
     if cfg.sft_data:
-        from agentrl.data import read_rows
-
         demo_rows = list(read_rows(cfg.sft_data))
         env_tools = None
         if factory is not None:
@@ -66,8 +69,6 @@ def load_demonstrations(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]]
             demo_rows, template, env_tools=env_tools, allow_non_token_exact=cfg.allow_non_token_exact
         )
     elif cfg.demo_policy:
-        from agentrl.user_code import load_function
-
         policy = load_function(cfg.demo_policy)
         samples, stats = asyncio.run(_scripted(factory, policy, rows, template, cfg))
     else:
@@ -119,9 +120,6 @@ def env_tool_schemas(
 
 
 async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeout: float) -> list[dict]:
-    from agentrl.env import call_env, reset_once
-    from agentrl.sandbox import close_default_pool
-
     async def call(what: str, method: Callable[..., Any], **kwargs: Any) -> Any:
         async with asyncio.timeout(timeout):  # in this task: a SystemExit in a task of its own would stop the loop
             return await call_env(method, **kwargs)  # a sync reset or close runs in a worker thread
@@ -142,9 +140,6 @@ async def _tools_after_reset(env: Any, task: dict[str, Any], *, seed: int, timeo
 
 
 async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], template: Any, cfg: RunConfig) -> Any:
-    from agentrl.rollout.demos import scripted_samples
-    from agentrl.sandbox import close_default_pool
-
     try:
         return await scripted_samples(
             factory,
@@ -163,8 +158,6 @@ async def _scripted(factory: Any, policy: Any, rows: list[dict[str, Any]], templ
 async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], template: Any) -> Any:
     from agentrl.engines.http import API_KEY_ENV
     from agentrl.rollout.context import close_context, episode_context
-    from agentrl.rollout.demos import rejection_samples
-    from agentrl.sandbox import close_default_pool
 
     api_key = os.environ.get(API_KEY_ENV) or None
     ctx = episode_context(cfg.rollout, cfg.demo_engine_url, template, api_key=api_key)

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig
+from agentrl.cpu_share import usable_cores
+from agentrl.metrics import MetricsLogger
+from agentrl.rollout.eval import evaluate
+from agentrl.rollout.generate import BatchGenerate, bind_engine_args
+from agentrl.runtime.backends import sglang_launch
+from agentrl.runtime.cluster import init_ray, peak_rss_mb, plan_placement
+from agentrl.runtime.collect import DemoCollector, EpisodeCollector
 from agentrl.runtime.preflight import ResolvedRun, preflight
+from agentrl.sandbox import close_default_pool
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +71,6 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
 
 async def _run(loop: Any, ctx: Any) -> list[dict[str, Any]]:
     from agentrl.rollout.context import close_context
-    from agentrl.sandbox import close_default_pool
 
     try:
         return await loop.run()
@@ -89,7 +96,6 @@ class _Runtime:
         self.ctx: Any = None  # the episodes' context, once the engines are up
 
     def __enter__(self) -> _Runtime:
-        from agentrl.runtime.cluster import init_ray, plan_placement
         from agentrl.runtime.engine_group import EngineGroup
         from agentrl.runtime.trainer_group import TrainerGroup
 
@@ -230,9 +236,6 @@ class _Runtime:
 
     def _context(self, args: Any, resume_step: int | None, curve_key: str = "reward_mean") -> Any:
         """The episodes' context (router over the run's engines, chat template) and the metrics logger."""
-        from agentrl.metrics import MetricsLogger
-        from agentrl.rollout.generate import bind_engine_args
-
         cfg = self.cfg
         from agentrl.rollout.context import run_context  # the engines' HTTP clients: not on `import agentrl`
 
@@ -258,7 +261,6 @@ class _Runtime:
     def build_loop(self, run: ResolvedRun) -> Any:
         """The run's :class:`~agentrl.runtime.loop.TrainLoop`: its rollout side, its recipe, the engines' hooks
         (weight pushes, their guard, colocated memory) and the observers (metrics, eval, peak memory)."""
-        from agentrl.runtime.collect import DemoCollector, EpisodeCollector
         from agentrl.runtime.loop import EngineHooks, Observers, TrainLoop
         from agentrl.runtime.recipes import recipe_for
 
@@ -324,8 +326,6 @@ class _Runtime:
         servers are other processes and are not measured), ``rollout_worker_`` (largest worker, with
         ``--rollout-num-workers`` > 1) and ``driver_peak_rss_mb``.
         """
-        from agentrl.runtime.cluster import peak_rss_mb
-
         out = {"driver_peak_rss_mb": peak_rss_mb(), "trainer_peak_rss_mb": self.trainers.peak_rss_mb()}
         if self.critic is not None:
             out["critic_peak_rss_mb"] = self.critic.peak_rss_mb()
@@ -415,8 +415,6 @@ def _launch_sglang(cfg: RunConfig, checkpoint: Path, placement: Any) -> Any:
     from agentrl.runtime.engine_group import SGLangEngineGroup
 
     log_dir = str(Path(cfg.save) / "engine_logs") if cfg.save else None
-    from agentrl.runtime.backends import sglang_launch
-
     launch = sglang_launch(cfg, str(checkpoint), engine_gpus=placement.engine_gpus, log_dir=log_dir)
     if not launch.api_key:  # a fresh key per run: nothing else that reaches the ports can drive the servers
         import secrets
@@ -493,8 +491,6 @@ def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None, in
     ``--cpu-threads fixed`` splits the cores evenly; ``adaptive`` still gives each every core and lets
     its :class:`~agentrl.cpu_share.CoreShare` shed the ones the other phase is using, down to that
     even split (the floor), so neither can starve the other."""
-    from agentrl.cpu_share import usable_cores
-
     if placement.trainer_gpus or placement.engine_gpus:
         return None, None, 1
     cores = usable_cores()
@@ -509,9 +505,6 @@ def _threads(cfg: RunConfig, placement: Any) -> tuple[int | None, int | None, in
 def _evaluator(
     cfg: RunConfig, ctx: Any, factory: Any, eval_sets: dict, custom_rm: Any, args: Any, custom_generate: Any = None
 ):
-    from agentrl.rollout.eval import evaluate
-    from agentrl.rollout.generate import BatchGenerate
-
     if isinstance(custom_generate, BatchGenerate):  # slime: the rollout function evaluates too, told so
         custom_generate = dataclasses.replace(custom_generate, evaluation=True)
 

@@ -38,7 +38,13 @@ from typing import Any
 import ray
 
 from agentrl.config import TrainConfig
+from agentrl.cpu_share import CoreShare
+from agentrl.runtime.cluster import peak_rss_mb
 from agentrl.trainer.base import LogProbs, TrainSample
+from agentrl.trainer.megatron_critic import MegatronCritic
+from agentrl.trainer.megatron_trainer import MegatronTrainer
+from agentrl.trainer.torch_critic import TorchCritic
+from agentrl.trainer.torch_trainer import TorchTrainer
 
 ROLES = ("actor", "critic")
 """What a trainer group trains: the policy (``actor``) or ppo's value model (``critic``)."""
@@ -59,19 +65,11 @@ def make_trainer(
         raise ValueError(f"unknown trainer role {role!r}: expected actor or critic")
     if backend == "torch":
         if role == "critic":
-            from agentrl.trainer.torch_critic import TorchCritic
-
             return TorchCritic(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
-        from agentrl.trainer.torch_trainer import TorchTrainer
-
         return TorchTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
     if backend == "megatron":  # layout from cfg
         if role == "critic":
-            from agentrl.trainer.megatron_critic import MegatronCritic
-
             return MegatronCritic(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
-        from agentrl.trainer.megatron_trainer import MegatronTrainer
-
         return MegatronTrainer(checkpoint, cfg, rank=rank, world_size=world_size, device=device)
     raise ValueError(f"unknown train backend {backend!r}: expected torch or megatron")
 
@@ -122,8 +120,6 @@ class TrainerActor:
         )
         self.checkpoint = checkpoint
         if self.adaptive_threads and device == "cpu":
-            from agentrl.cpu_share import CoreShare
-
             self.cores = CoreShare(self.num_threads, min_threads=self.min_threads)
             if hasattr(self.trainer, "core_share"):  # the torch trainer re-checks before every micro-batch
                 self.trainer.core_share = self.cores
@@ -141,8 +137,6 @@ class TrainerActor:
         return self.trainer.train_step(samples)
 
     def peak_rss_mb(self) -> float:
-        from agentrl.runtime.cluster import peak_rss_mb
-
         return peak_rss_mb()
 
     def full_weights(self) -> dict[str, Any] | None:
@@ -328,7 +322,7 @@ class TrainerGroup:
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """``num_steps_per_rollout`` steps; each global batch is split evenly over the data-parallel ranks."""
-        n_steps, dp = self.cfg.num_steps_per_rollout, self.layout.dp
+        n_steps, dp = self.cfg.num_steps_per_rollout or 1, self.layout.dp  # preflight derived it (1: used alone)
         if not samples or len(samples) % (n_steps * dp):
             raise ValueError(
                 f"train_step got {len(samples)} samples: it needs a positive multiple of num_steps_per_rollout "

@@ -48,7 +48,9 @@ import torch.distributed as dist
 
 from agentrl.engines.base import EngineError
 from agentrl.engines.http import EngineRequestError, SGLangEngine
+from agentrl.engines.ipc_folder import IpcFolder
 from agentrl.engines.local.process import free_port
+from agentrl.engines.tensor_ipc import TensorStash, serialize_named_tensors
 from agentrl.engines.weight_group import (
     DEFAULT_GROUP_NAME,
     comm_device,
@@ -56,6 +58,8 @@ from agentrl.engines.weight_group import (
     resolve_backend,
     run_in_thread,
 )
+from agentrl.runtime.engine_group import tensors_to_numpy
+from agentrl.runtime.shm_weights import SharedWeightsWriter
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +225,6 @@ class TensorTransport(WeightTransport):
         ranks_per_engine: int = 1,
         ipc_dir: str | Path | None = None,
     ):
-        from agentrl.engines.ipc_folder import IpcFolder
-
         if not engines:
             raise ValueError("TensorTransport needs at least one engine")
         self.engines = list(engines)
@@ -248,8 +250,6 @@ class TensorTransport(WeightTransport):
     async def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         """CUDA: one pickle per receiving rank (each takes its own IPC reference, as slime sends); CPU: one
         payload for all, its files written once and deleted once every engine has answered."""
-        from agentrl.engines.tensor_ipc import TensorStash, serialize_named_tensors
-
         stash = TensorStash(self.folder) if self.folder is not None and not self.cuda else None
         ranks = range(self.ranks_per_engine)
         try:
@@ -306,8 +306,6 @@ class ObjectStoreTransport(WeightTransport):
     async def push_list(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
         import ray
 
-        from agentrl.runtime.engine_group import tensors_to_numpy
-
         ref = ray.put(tensors_to_numpy(dict(named)))
         answers = await asyncio.gather(*(e.update_weights_from_tensors.remote(ref, str(version)) for e in self.engines))
         _check_answers(answers, "weight update")
@@ -335,8 +333,6 @@ class SharedMemoryTransport(WeightTransport):
         if self._fallback is None:
             try:
                 if self._writer is None:
-                    from agentrl.runtime.shm_weights import SharedWeightsWriter
-
                     self._writer = SharedWeightsWriter()
                 path, layout = self._writer.write(named, checked=finite)
             except ValueError as exc:  # NaN or inf in the weights: no engine saw them

@@ -14,6 +14,8 @@ import logging
 import shutil
 import weakref
 
+from agentrl.sandbox import docker as docker_backend
+from agentrl.sandbox import local as local_backend
 from agentrl.sandbox.base import (
     DEFAULT_IMAGE,
     ExecResult,
@@ -24,6 +26,8 @@ from agentrl.sandbox.base import (
     check_relative_path,
     truncate_output,
 )
+from agentrl.sandbox.docker import DockerSandbox
+from agentrl.sandbox.local import LocalSandbox
 from agentrl.sandbox.pool import SandboxPool
 
 __all__ = [
@@ -59,9 +63,6 @@ def resolve_backend(backend: str = "auto") -> str:
     """
     if backend in _resolved:
         return _resolved[backend]
-    from agentrl.sandbox import docker as docker_backend
-    from agentrl.sandbox import local as local_backend
-
     if backend == "docker":
         reason = docker_backend.unavailable_reason()
         if reason:
@@ -98,11 +99,7 @@ async def create_sandbox(config: SandboxConfig | None = None) -> Sandbox:
     config.validate()
     chosen = resolve_backend(config.backend)
     if chosen == "docker":
-        from agentrl.sandbox.docker import DockerSandbox
-
         return await DockerSandbox.create(config)
-    from agentrl.sandbox.local import LocalSandbox
-
     return await LocalSandbox.create(config, bubblewrap=chosen == "bubblewrap")
 
 

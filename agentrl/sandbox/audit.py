@@ -37,6 +37,7 @@ from pathlib import Path
 from agentrl.sandbox import create_sandbox, resolve_backend
 from agentrl.sandbox.base import DEFAULT_IMAGE, Sandbox, SandboxConfig, SandboxError
 from agentrl.sandbox.hostile import CHECKS, MARK_PREFIX, SECRET_ENV, WEAK_ON_PROCESS, Hostile, leftovers
+from agentrl.sandbox.image import ensure_image
 
 __all__ = ["CHECKS", "MARK_PREFIX", "SECRET_ENV", "WEAK_ON_PROCESS", "AuditReport", "CheckResult", "audit", "main"]
 
@@ -197,8 +198,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if resolve_backend(a.backend) == "docker":
-            from agentrl.sandbox.image import ensure_image
-
             ensure_image(a.image)  # the default image is built locally on first use
         report = asyncio.run(audit(SandboxConfig(backend=a.backend, image=a.image), checks=a.check, calls=a.calls))
     except SandboxError as e:

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.user_code import load_function
+
 
 @dataclass
 class TrainSample:
@@ -126,8 +128,6 @@ def load_custom_loss(cfg: Any) -> Callable[..., Any] | None:
     loads it itself: functions do not travel to Ray actors by value); else None."""
     if getattr(cfg, "loss_type", None) != "custom_loss":
         return None
-    from agentrl.user_code import load_function
-
     return load_function(cfg.custom_loss_function_path)
 
 
@@ -163,7 +163,7 @@ def mean_over_trained(
 
 def run_optimizer_steps(
     samples: Sequence[TrainSample],
-    n_steps: int,
+    n_steps: int | None,
     optimizer_step: Callable[[Sequence[TrainSample]], dict[str, float] | None],
     sum_over_ranks: Callable[[list[float]], list[float]],
     lr: float,
@@ -171,9 +171,11 @@ def run_optimizer_steps(
     """``train_step``'s outer loop, shared by the backends: ``n_steps`` equal consecutive chunks of
     ``samples``, one ``optimizer_step`` each (None = no rank had samples), then step-mean metrics plus
     ``lr``, ``train_tokens`` (masked response tokens, summed over ranks by ``sum_over_ranks``),
-    ``train_seconds``, ``tokens_per_s`` (every token through the model) and ``steps``.
+    ``train_seconds``, ``tokens_per_s`` (every token through the model) and ``steps``. ``n_steps`` None: a
+    trainer used on its own, outside a run whose preflight derived ``num_steps_per_rollout``, makes one step.
     """
     t0 = time.perf_counter()
+    n_steps = 1 if n_steps is None else n_steps
     bounds = np.linspace(0, len(samples), n_steps + 1).round().astype(int)
     sums: dict[str, float] = defaultdict(float)
     done = 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from agentrl.trainer.base import TrainSample
+from agentrl.vlm import image_positions
 
 
 def pack_micro_batches(lengths: Sequence[int], max_tokens: int, max_samples: int | None = None) -> list[list[int]]:
@@ -184,8 +185,6 @@ def pack_samples(
 
 def _pack_images(s: TrainSample, offset: int, image_token_id: int, images: list[dict], positions: list[int]) -> None:
     """Append one sample's images (per-image dicts of arrays) and its placeholders' row positions."""
-    from agentrl.vlm import image_positions
-
     found = image_positions(s.tokens, image_token_id)
     mm = s.multimodal_train_inputs or {}
     lists = [v for v in mm.values() if isinstance(v, list)]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentrl.algo.loss import entropy_from_logits
+from agentrl.trainer.megatron_model import padded_vocab_size
 
 
 @contextlib.contextmanager
@@ -61,8 +62,6 @@ def padded_vocab_mask(vocab_size: int, tp_rank: int, tp_size: int, device: torch
     padding rows sit at the end of the last rank(s). Their weights are meaningless and must never be sampled
     or scored, hence ``-inf`` in :func:`head_logits`.
     """
-    from agentrl.trainer.megatron_model import padded_vocab_size
-
     local = padded_vocab_size(vocab_size, tp_size) // tp_size
     ids = torch.arange(tp_rank * local, (tp_rank + 1) * local, device=device)
     return ids >= vocab_size if ids[-1] >= vocab_size else None

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from agentrl.flags import parse_literal
 from agentrl.trainer.megatron_compat import apply_cpu_workarounds
 
 if TYPE_CHECKING:
@@ -189,8 +190,6 @@ def check_model_flags(hf_config: Any, flags: dict[str, Any]) -> None:
 
     A flag given without a value (``--swiglu``) is True; numbers compare within float rounding.
     """
-    from agentrl.flags import parse_literal
-
     d = _dims(hf_config)
     for name, given in flags.items():
         if name not in MODEL_FLAGS:

@@ -66,8 +66,20 @@ from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_loss, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
-from agentrl.trainer.megatron_compat import cpu_schedule
+from agentrl.trainer.megatron_compat import (
+    cpu_schedule,
+    destroy_megatron_parallel,
+    init_megatron_parallel,
+    megatron_available,
+)
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
+from agentrl.trainer.megatron_model import (
+    build_gpt_model,
+    iter_hf_weights,
+    load_hf_checkpoint,
+    load_megatron_checkpoint,
+    transformer_config_from_hf,
+)
 from agentrl.trainer.torch_trainer import resolve_dtype, rng_state, save_hf_metadata, set_rng_state
 
 
@@ -122,8 +134,6 @@ class MegatronTrainer(Trainer):
     ):
         from transformers import AutoConfig
 
-        from agentrl.trainer.megatron_compat import init_megatron_parallel, megatron_available
-
         cfg.validate()
         self.custom_loss_fn = load_custom_loss(cfg)
         reason = megatron_available()
@@ -151,8 +161,6 @@ class MegatronTrainer(Trainer):
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
         if cfg.initial_megatron_checkpoint:  # the starting policy is the checkpoint's: the reference too
-            from agentrl.trainer.megatron_model import load_megatron_checkpoint
-
             for model in filter(None, (self.model, self.ref_model)):
                 load_megatron_checkpoint(model, cfg.initial_megatron_checkpoint)
         self.optimizer = torch.optim.AdamW(
@@ -217,8 +225,6 @@ class MegatronTrainer(Trainer):
 
     def _build(self, params_dtype: torch.dtype) -> nn.Module:
         """This rank's shard of the model, loaded from the HF checkpoint, on ``self.device``."""
-        from agentrl.trainer.megatron_model import build_gpt_model, load_hf_checkpoint, transformer_config_from_hf
-
         p = self.parallel
         overrides = dict(p.overrides)
         # perform_initialization is deliberately left at megatron's default (True), although the checkpoint
@@ -516,8 +522,6 @@ class MegatronTrainer(Trainer):
         """Full weights in HF names on every rank; a collective (all ranks iterate in lockstep)."""
         from megatron.core import parallel_state as ps
 
-        from agentrl.trainer.megatron_model import iter_hf_weights
-
         yield from iter_hf_weights(
             self.model,
             self.hf_config,
@@ -603,8 +607,6 @@ class MegatronTrainer(Trainer):
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
-        from agentrl.trainer.megatron_model import load_hf_checkpoint
-
         path = Path(path)
         state = self._read_trainer_state(path, "backend")
         load_hf_checkpoint(
@@ -620,8 +622,6 @@ class MegatronTrainer(Trainer):
 
     def close(self) -> None:
         """Forget megatron's parallel state (and the process group, if this trainer started it)."""
-        from agentrl.trainer.megatron_compat import destroy_megatron_parallel
-
         destroy_megatron_parallel()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

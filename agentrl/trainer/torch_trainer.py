@@ -49,6 +49,7 @@ from torch import nn
 from agentrl.algo.loss import entropy_from_logits, policy_loss
 from agentrl.config import TrainConfig
 from agentrl.cpu_share import CoreShare
+from agentrl.images import load_image
 from agentrl.trainer import packed_attention
 from agentrl.trainer.base import (
     LogProbs,
@@ -242,8 +243,6 @@ class TorchTrainer(Trainer):
         made by a custom generate function) with the processor's arrays, as the rollout would have. The
         samples are changed in place (this rank's copies), so later passes over them reuse the arrays; a
         sample whose images cannot be used stops the step naming it."""
-        from agentrl.images import load_image
-
         for i, s in enumerate(samples):
             urls = (s.multimodal_inputs or {}).get("images")
             if s.multimodal_train_inputs or not urls:

@@ -35,10 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.cpu_share import CoreShare
 from agentrl.engines.local.image_data import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
 from agentrl.engines.local.weights import WeightUpdateError, apply_weights, model_shapes, read_source
+from agentrl.vlm import load_vision_model, vision_for
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +136,6 @@ class LocalEngine:
         torch_compile_max_bs: int = 32,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from agentrl.cpu_share import CoreShare
-        from agentrl.vlm import load_vision_model, vision_for
 
         # refused before anything loads: a bad switch, or a compile this machine cannot do
         self.enable_torch_compile = _strict_bool("enable_torch_compile", enable_torch_compile)

@@ -13,6 +13,7 @@ from typing import Any
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
 from agentrl.engines.local.text_prompts import TextPrompts
+from agentrl.images import ImageError, load_image
 
 MAX_JOBS_PER_REQUEST = 4096
 """Most generations one request may ask for (its prompts times ``n``): each is a job with its own state and
@@ -118,8 +119,6 @@ def _image_items(value: Any, batch: bool, n: int) -> list[list[str] | None]:
 
 def _expand_text(engine: LocalEngine, text: str, items: list[str]) -> list[int]:
     """A text prompt holding the model's image markers, expanded by its processor for ``items``."""
-    from agentrl.images import ImageError, load_image
-
     assert engine.vision is not None
     try:
         images = [load_image(x, url=False, files=False) for x in items]

@@ -40,7 +40,8 @@ from agentrl.engines.local.engine import InvalidRequestError, LocalEngine
 from agentrl.engines.local.generate_jobs import check_job_count
 from agentrl.engines.local.text_prompts import TextPrompts
 from agentrl.http_guard import json_reply
-from agentrl.images import count_images
+from agentrl.images import ImageError, count_images, normalize
+from agentrl.parsing import get_parser
 
 ToolParser = Callable[[str], tuple[str, list[dict]]]
 """The server's tool-call hook: text -> (content, OpenAI ``tool_calls``). One from
@@ -51,8 +52,6 @@ def openai_tool_parser(name: str | None) -> ToolParser | None:
     """``--tool-call-parser NAME`` as the server's hook; None for none."""
     if not name or name == "none":
         return None
-    from agentrl.parsing import get_parser
-
     return _ParserHook(get_parser(name))
 
 
@@ -497,8 +496,6 @@ def _render_images(
     """A conversation with image parts: its images decoded and checked (400 naming the problem; a text-only
     model refuses them, and so does a ``file://`` URL: the server does not read its disk for a client), and
     its ids with every image's placeholders."""
-    from agentrl.images import ImageError, normalize
-
     if engine.vision is None:
         i, j = next(
             (i, j)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from agentrl.engines.http import API_KEY_ENV
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host`` (loopback)."""
@@ -45,8 +47,6 @@ def local_server(
     ``api_key`` (handed over in the environment, not on argv) is then required by every endpoint
     but ``/health``: send it with :func:`~agentrl.engines.http.auth_headers`.
     """
-    from agentrl.engines.http import API_KEY_ENV
-
     port = port or free_port(host)
     cmd = [
         sys.executable,

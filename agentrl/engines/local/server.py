@@ -58,6 +58,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from agentrl.engines.http import API_KEY_ENV
+from agentrl.engines.ipc_folder import IpcFolder
 from agentrl.engines.local import protocol as P
 from agentrl.engines.local.distributed import (
     DEFAULT_RENDEZVOUS_TIMEOUT,
@@ -70,6 +71,7 @@ from agentrl.engines.local.generate_jobs import generate_jobs
 from agentrl.engines.local.openai_routes import ToolParser, add_openai_routes, check_jobs, merge_streams, run_jobs
 from agentrl.engines.local.text_prompts import TextPrompts
 from agentrl.engines.local.weights import WeightUpdateError, check_declared_bytes
+from agentrl.engines.tensor_ipc import Receiver, deserialize_flattened_bucket, deserialize_named_tensors
 from agentrl.engines.weight_group import run_in_thread
 from agentrl.http_guard import (
     DEFAULT_MAX_BODY_MB,
@@ -264,8 +266,6 @@ def build_app(
     tensor handles of ``/update_weights_from_tensor`` may name; without it every handle, CPU or CUDA, is refused.
     ``dist_timeout``: seconds ``/init_weights_update_group`` waits for the other ranks (``--dist-timeout``).
     """
-    from agentrl.engines.ipc_folder import IpcFolder
-
     weight_ipc = IpcFolder(weight_ipc_dir) if weight_ipc_dir else None  # a bad folder: refused before serving
     cap = max_body_bytes(max_body_mb)
     app = FastAPI(title="agentrl embedded engine")
@@ -519,8 +519,6 @@ def _weight_sync_routes(app: FastAPI, engine: LocalEngine, dist_timeout: float) 
         ``weight_ipc_dir``), each checked against its storage and the parameter it replaces before a
         byte is read; the engine never unlinks, maps or connects to what a payload names.
         """
-        from agentrl.engines.tensor_ipc import Receiver, deserialize_flattened_bucket, deserialize_named_tensors
-
         req = P.UpdateWeightsFromTensorRequest.parse(await _json_body(request))
         read = deserialize_flattened_bucket if req.load_format == "flattened_bucket" else deserialize_named_tensors
         try:
@@ -583,8 +581,6 @@ def serve(
 ) -> None:
     """Load ``checkpoint`` into a :class:`LocalEngine` and serve it with uvicorn until SIGTERM or Ctrl-C
     (:func:`_run_until_stopped`: the server stops within about :data:`SHUTDOWN_GRACE_S` seconds)."""
-    from agentrl.engines.ipc_folder import IpcFolder
-
     max_body_bytes(max_body_mb)  # a bad cap is refused before the model loads
     check_rendezvous_timeout(dist_timeout)  # so is a bad --dist-timeout
     if weight_ipc_dir:  # so is a weight folder other users could write into
