@@ -322,6 +322,16 @@ class Sample:
         self.metadata["segment"] = int(value)
 
     @property
+    def num_segments(self) -> int:
+        """How many segments the seat's episode made (1 for an episode in one piece); written with ``segment`` when
+        there are several, so a single sample's JSON is unchanged."""
+        return int(self.metadata.get("num_segments") or 1)
+
+    @num_segments.setter
+    def num_segments(self, value: int) -> None:
+        self.metadata["num_segments"] = int(value)
+
+    @property
     def trained(self) -> bool:
         """False for a seat played by a fixed policy (``--role-engine-url``): recorded, never trained or
         counted as the policy's result."""

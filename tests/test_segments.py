@@ -107,6 +107,7 @@ async def test_a_rewrite_starts_a_linked_token_exact_segment(tiny_server, tiny_t
     for segs in episodes.values():
         first, second = segs
         assert [s.metadata["segment"] for s in segs] == [0, 1] and {s.metadata["num_segments"] for s in segs} == {2}
+        assert [(s.segment, s.num_segments) for s in segs] == [(0, 2), (1, 2)]  # the typed view of the same keys
         assert first.group_index == second.group_index and first.index == second.index
         assert {s.status for s in segs} == {Status.COMPLETED} and {s.reward for s in segs} == {1.5}
         assert first.turn_rewards == [0.5, 0.5] and second.turn_rewards == [0.5]  # each keeps its own turns

@@ -118,6 +118,10 @@ def test_episode_identity_is_typed_and_one_copy_with_its_metadata_keys():
     back = Sample.from_dict(json.loads(s.to_json()))
     assert (back.episode_id, back.role, back.segment, back.trained) == ("ep-1", "o", 3, True)
     assert back.episode_key == s.episode_key == ("ep-1", "o")
+    # how many segments the episode made: 1 and no key for a sample alone
+    assert alone.num_segments == 1 and "num_segments" not in alone.metadata
+    s.num_segments = 4
+    assert Sample.from_dict(json.loads(s.to_json())).num_segments == 4 == s.metadata["num_segments"]
     # the policy a seat is played by: None (the run's) unless another policy played it; None writes no key
     assert alone.policy is None and "policy" not in alone.metadata
     s.policy = "http://127.0.0.1:9"

@@ -433,8 +433,7 @@ def _episode_samples(
             total = float(sum(sum(s.turn_rewards) for s in finished))
             for k, s in enumerate(finished):
                 s.reward = total
-                s.episode_id, s.segment = key, k
-                s.metadata["num_segments"] = len(finished)
+                s.episode_id, s.segment, s.num_segments = key, k, len(finished)
         finished[-1].non_generation_time += close_seconds
         out += finished
     if not out:
