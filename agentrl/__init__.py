@@ -20,7 +20,7 @@ The scale path is imported on first use (it pulls in megatron-core and Ray): the
 :class:`TorchTrainer` and :class:`MegatronTrainer` (one rank each, the :class:`Trainer` contract),
 ppo's value models :class:`TorchCritic` and :class:`MegatronCritic` (the :class:`Critic` contract), and :class:`SGLangLaunch` / :class:`SGLangEngineGroup` (SGLang servers as Ray actors).
 The train loop's parts, for assembling a loop by hand: :class:`TrainLoop` (the phases, in order) over a rollout
-side (:class:`EpisodeCollector`, :class:`DemoCollector`), a recipe (:class:`PolicyGradient`, :class:`PPO`,
+side (:class:`EpisodeCollector`, :class:`DemoCollector`), a :class:`Recipe` (:class:`PolicyGradient`, :class:`PPO`,
 :class:`SFT`; :func:`recipe_for`), :class:`EngineHooks` and :class:`Observers`.
 """
 
@@ -97,6 +97,7 @@ _LAZY = {
     "EpisodeCollector": "agentrl.runtime.collect",
     "DemoCollector": "agentrl.runtime.collect",
     "PolicyGradient": "agentrl.runtime.recipes",
+    "Recipe": "agentrl.runtime.recipes",
     "PPO": "agentrl.runtime.recipes",
     "SFT": "agentrl.runtime.recipes",
     "recipe_for": "agentrl.runtime.recipes",

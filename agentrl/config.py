@@ -16,6 +16,8 @@ of each generate call); ``--rollout-max-response-len`` is slime's: the whole res
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -1211,25 +1213,22 @@ def read_only(cfg: RunConfig) -> RunConfig:
     :func:`dataclasses.replace` still builds changed copies (assignable ones): a part that needs another
     value (an eval temperature, an engine's context length) derives its own copy and leaves the run's alone.
     """
-    for part in (cfg.rollout, cfg.train, cfg):
-        object.__setattr__(part, "_read_only", True)
-    return cfg
+    return _mark(cfg, read_only=True)
 
 
 def writable_copy(cfg: RunConfig) -> RunConfig:
     """A deep copy of ``cfg`` that takes assignment again (of a resolved, read-only one too)."""
-    import copy
+    return _mark(copy.deepcopy(cfg), read_only=False)
 
-    out = copy.deepcopy(cfg)
-    for part in (out.rollout, out.train, out):
-        object.__setattr__(part, "_read_only", False)
-    return out
+
+def _mark(cfg: RunConfig, *, read_only: bool) -> RunConfig:
+    for part in (cfg.rollout, cfg.train, cfg):
+        object.__setattr__(part, "_read_only", read_only)
+    return cfg
 
 
 def argparse_namespace(cfg: RunConfig) -> Any:
     """A flat ``args`` object for slime-style user functions (``args.n_samples_per_prompt`` ...)."""
-    import argparse
-
     flat = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("rollout", "train")}
     flat.update(dataclasses.asdict(cfg.rollout))
     flat.update(dataclasses.asdict(cfg.train))

@@ -16,7 +16,7 @@ import pytest
 from agentrl.config import RunConfig, TrainConfig
 from agentrl.runtime.collect import DemoCollector
 from agentrl.runtime.loop import EngineHooks, Observers, TrainLoop
-from agentrl.runtime.recipes import PPO, SFT, PolicyGradient, recipe_for
+from agentrl.runtime.recipes import PPO, SFT, PolicyGradient, Recipe, recipe_for
 from tests.test_sft_conversations import _row
 
 
@@ -32,6 +32,10 @@ def test_the_recipe_is_chosen_by_the_configuration_and_a_critic_goes_with_ppo_on
         recipe_for(RunConfig(), None, critic=object())
     with pytest.raises(ValueError, match="pass n_demos"):
         recipe_for(sft, None)
+    # one base: the checkpoint verbs are written once (the actor); PPO alone adds its critic
+    assert all(issubclass(cls, Recipe) for cls in (PolicyGradient, PPO, SFT))
+    assert SFT.save is PolicyGradient.save is Recipe.save and SFT.load is PolicyGradient.load is Recipe.load
+    assert PPO.save is not Recipe.save and SFT.moves_policy is Recipe.moves_policy
     # built by hand, each recipe refuses a configuration that is not its own
     with pytest.raises(ValueError, match="is not PolicyGradient's"):
         PolicyGradient(ppo, None)

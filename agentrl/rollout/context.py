@@ -84,10 +84,15 @@ def episode_context(
         engines = [ChatCompletionsEngine(u, template, model=model, api_key=api_key) for u in urls]
     else:
         engines = [SGLangEngine(u, api_key=api_key, return_routed_experts=routed_experts) for u in urls]
-    roles: dict[str, Engine] = {r: SGLangEngine(u) for r, u in config.role_engine_urls().items()}
     return EpisodeContext(
-        engine=Router(engines), template=template, config=config, executor=executor, role_engines=roles
+        engine=Router(engines), template=template, config=config, executor=executor, role_engines=role_engines(config)
     )
+
+
+def role_engines(config: RolloutConfig) -> dict[str, Engine]:
+    """The engines of the roles played by a fixed policy (``--role-engine-url role=url``): one SGLang client each,
+    built here only (the episodes' context and the preflight's check use the same)."""
+    return {role: SGLangEngine(url) for role, url in config.role_engine_urls().items()}
 
 
 async def close_context(ctx: EpisodeContext) -> None:

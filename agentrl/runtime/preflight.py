@@ -29,6 +29,7 @@ The checks, by concern, in order (cheap ones first; a model file is read only on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sys
@@ -186,12 +187,10 @@ def _load_eval_sets(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
 
 def _check_role_engines(cfg: RunConfig, factory: Any) -> None:
     """``--role-engine-url``: each engine answers ``/health`` and each role is one the env has."""
-    import asyncio
-
-    from agentrl.engines.http import SGLangEngine
+    from agentrl.rollout.context import role_engines  # the HTTP client: not for `import agentrl`
 
     async def check() -> None:
-        engines = {role: SGLangEngine(url) for role, url in cfg.rollout.role_engine_urls().items()}
+        engines = role_engines(cfg.rollout)
         try:
             await check_role_engines(dict(engines), factory)
         finally:

@@ -35,7 +35,7 @@ from agentrl.runtime.sft import sft_steps
 from agentrl.trainer.base import TrainSample
 from agentrl.types import Sample, Status
 
-__all__ = ["PPO", "SFT", "PolicyGradient", "is_trainable", "recipe_for", "value_fit"]
+__all__ = ["PPO", "SFT", "PolicyGradient", "Recipe", "is_trainable", "recipe_for", "value_fit"]
 
 
 def is_trainable(s: Sample, *, allow_non_token_exact: bool = False) -> bool:
@@ -69,10 +69,11 @@ def value_fit(batch: list[TrainSample]) -> dict[str, float]:
     return out
 
 
-class PolicyGradient:
-    """The GRPO family: group-relative (or batch) advantages from sequence or per-turn rewards; no critic.
+class Recipe:
+    """What the loop asks of the train side each step (:class:`PolicyGradient`, :class:`PPO`, :class:`SFT` fill it in).
 
-    ``trainers`` is a :class:`~agentrl.runtime.trainer_group.TrainerGroup` (or anything with its methods).
+    ``trainers`` is a :class:`~agentrl.runtime.trainer_group.TrainerGroup` (or anything with its methods). A
+    checkpoint holds the actor (``save`` / ``load``); a recipe with more to keep (PPO's critic) adds it.
     """
 
     dumps_rollouts = True  # --dump-rollouts writes each step's samples
@@ -81,13 +82,52 @@ class PolicyGradient:
     critic: Any = None
 
     def __init__(self, cfg: RunConfig, trainers: Any):
+        self.cfg = cfg
+        self.trainers = trainers
+
+    def select(self, batch: Batch, counts: dict[str, int], version: int) -> list[Sample]:
+        """The samples this step trains on; each one left out is counted in ``counts`` by reason."""
+        raise NotImplementedError
+
+    async def update(self, samples: list[Sample], step: int = 0) -> tuple[dict[str, float], list[list[float]]]:
+        """One step on ``samples``: the update's metrics and each sample's per-token advantages (or none)."""
+        raise NotImplementedError
+
+    def moves_policy(self, step: int) -> bool:
+        """Whether this step changed the policy's weights (and so the engines need them)."""
+        return True
+
+    def push_due(self, step: int, evaluating: bool) -> bool:
+        """Whether the engines get the new weights after ``step`` (``evaluating``: an evaluation follows)."""
+        raise NotImplementedError
+
+    def line(self, step: int, batch: Batch, train_metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
+        """The step's metrics line."""
+        raise NotImplementedError
+
+    # -- checkpoints
+
+    def loop_state(self) -> dict[str, Any]:
+        """What this recipe adds to a checkpoint's ``loop_state.json``."""
+        return {}
+
+    def save(self, folder: Any, state: dict[str, Any]) -> None:
+        self.trainers.save(str(folder), extra_state={"loop": state})
+
+    def load(self, folder: Any) -> None:
+        self.trainers.load(str(folder))
+
+
+class PolicyGradient(Recipe):
+    """The GRPO family: group-relative (or batch) advantages from sequence or per-turn rewards; no critic."""
+
+    def __init__(self, cfg: RunConfig, trainers: Any):
         if cfg.is_sft or (cfg.train.advantage_estimator == "ppo") != isinstance(self, PPO):
             raise ValueError(
                 f"--loss-type {cfg.train.loss_type} --advantage-estimator {cfg.train.advantage_estimator} is not "
                 f"{type(self).__name__}'s: build the recipe with recipe_for(cfg, ...)"
             )
-        self.cfg = cfg
-        self.trainers = trainers
+        super().__init__(cfg, trainers)
 
     # -- select
 
@@ -248,10 +288,6 @@ class PolicyGradient:
 
     # -- after the update
 
-    def moves_policy(self, step: int) -> bool:
-        """Whether this step changed the policy's weights (and so the engines need them)."""
-        return True
-
     def push_due(self, step: int, evaluating: bool) -> bool:
         """Push after every ``--update-weights-interval`` steps and after the last."""
         return (step + 1) % self.cfg.update_weights_interval == 0 or step + 1 == self.cfg.num_rollout
@@ -259,18 +295,6 @@ class PolicyGradient:
     def line(self, step: int, batch: Batch, train_metrics: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
         """The step's metrics line: the episodes' rewards and lengths, the update's metrics, ``extra``."""
         return step_metrics(batch.samples, rollout_seconds=batch.seconds, train_metrics=train_metrics, extra=extra)
-
-    # -- checkpoints
-
-    def loop_state(self) -> dict[str, Any]:
-        """What this recipe adds to a checkpoint's ``loop_state.json``."""
-        return {}
-
-    def save(self, folder: Any, state: dict[str, Any]) -> None:
-        self.trainers.save(str(folder), extra_state={"loop": state})
-
-    def load(self, folder: Any) -> None:
-        self.trainers.load(str(folder))
 
 
 class PPO(PolicyGradient):
@@ -331,7 +355,7 @@ class PPO(PolicyGradient):
         self.critic.load(str(folder / run_folder.CRITIC_DIR))
 
 
-class SFT:
+class SFT(Recipe):
     """A warm start: the masked negative log-likelihood of demonstrations (``--loss-type sft_loss``).
 
     The engines serve the starting checkpoint until an evaluation needs the new weights: a push happens only
@@ -341,7 +365,6 @@ class SFT:
     dumps_rollouts = False
     eval_at_end = True
     push_on_resume = False
-    critic = None
 
     def __init__(self, cfg: RunConfig, trainers: Any, n_demos: int):
         if not cfg.is_sft:
@@ -351,8 +374,7 @@ class SFT:
                 f"--num-rollout {cfg.num_rollout} is not this warm start's length ({sft_steps(cfg, n_demos)} steps "
                 f"for {n_demos} demonstrations): pass the configuration preflight() resolved"
             )
-        self.cfg = cfg
-        self.trainers = trainers
+        super().__init__(cfg, trainers)
         self.per_epoch = math.ceil(n_demos / cfg.train.global_batch_size)
 
     def select(self, batch: Batch, counts: dict[str, int], version: int) -> list[Sample]:
@@ -372,9 +394,6 @@ class SFT:
         ]
         return await asyncio.to_thread(self.trainers.train_step, batch), []
 
-    def moves_policy(self, step: int) -> bool:
-        return True
-
     def push_due(self, step: int, evaluating: bool) -> bool:
         return evaluating
 
@@ -386,15 +405,6 @@ class SFT:
 
     def loop_state(self) -> dict[str, Any]:
         return {"loss_type": "sft_loss"}
-
-    def save(self, folder: Any, state: dict[str, Any]) -> None:
-        self.trainers.save(str(folder), extra_state={"loop": state})
-
-    def load(self, folder: Any) -> None:
-        self.trainers.load(str(folder))
-
-
-Recipe = PolicyGradient | SFT
 
 
 def recipe_for(cfg: RunConfig, trainers: Any, *, critic: Any = None, n_demos: int | None = None) -> Recipe:
