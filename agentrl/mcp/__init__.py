@@ -30,14 +30,14 @@ when shared, the next call) starts a fresh session.
 
 Listing: ``mcp_tools`` asks the server for ``tools/list`` once per process and server (cached), in
 a thread of its own, so it works at class level, in ``__init__`` and inside a running event loop.
-The package: :mod:`~agentrl.mcp.spec` (the server spec), :mod:`~agentrl.mcp.toolset` (``mcp_tools``,
+The package: :mod:`~agentrl.mcp.server_spec` (the server spec), :mod:`~agentrl.mcp.toolset` (``mcp_tools``,
 the toolset, the listing), :mod:`~agentrl.mcp.sessions` (per-episode and shared sessions),
 :mod:`~agentrl.mcp.connection` (one session: the SDK client, transports, results) and
 :mod:`~agentrl.mcp.tool_env` (:class:`MCPToolEnv`).
 """
 
+from agentrl.mcp.server_spec import MCPServerError, MCPServerSpec
 from agentrl.mcp.sessions import close_shared_sessions
-from agentrl.mcp.spec import MCPServerError, MCPServerSpec
 from agentrl.mcp.tool_env import MCPToolEnv, close_mcp_sessions
 from agentrl.mcp.toolset import MCPTool, MCPToolset, mcp_tools
 

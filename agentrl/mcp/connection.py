@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
+from agentrl.mcp.server_spec import Listing, MCPServerError, MCPServerSpec
 from agentrl.sandbox.base import Session
 from agentrl.tool import ToolResult
 

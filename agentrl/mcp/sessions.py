@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 from agentrl.mcp.connection import Connection
-from agentrl.mcp.spec import MCPServerError, MCPServerSpec
+from agentrl.mcp.server_spec import MCPServerError, MCPServerSpec
 from agentrl.sandbox.base import Sandbox, SandboxError, Session
 
 __all__ = ["Sessions", "close_shared_sessions", "shared_sessions"]

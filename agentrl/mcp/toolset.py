@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, overload
 
+from agentrl.mcp.server_spec import Listing, MCPServerError, MCPServerSpec
 from agentrl.mcp.sessions import Sessions, shared_sessions
-from agentrl.mcp.spec import Listing, MCPServerError, MCPServerSpec
 from agentrl.sandbox import create_sandbox
 from agentrl.sandbox.base import Sandbox, SandboxConfig
 from agentrl.tool import Tool, ToolError, ToolResult

@@ -26,7 +26,7 @@ A request's way through the package::
     agent                             runs its tools, sends the next request ... or finishes: reward()
     replies.same_history              the next request read against the reply, as the agent re-serialised it
 
-An agent given as a command runs through :func:`~agentrl.proxy.process.run_command` (its own process
+An agent given as a command runs through :func:`~agentrl.proxy.agent_process.run_command` (its own process
 group, killed when it exits). ``command`` is ``agentrl proxy`` (:mod:`agentrl.proxy.external`: sessions
 that clients open for agents started elsewhere, their samples appended to a JSONL file). Everything is imported on first use: importing this package
 costs nothing until a name is used.
@@ -38,10 +38,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agentrl.proxy.endpoint import SESSION_HEADER, ProxyServer, Session, SessionsFull
     from agentrl.proxy.external import ExternalSession
     from agentrl.proxy.proxy_env import AgentError, ProxyEnv, run_command
     from agentrl.proxy.requests import ChatRequest, Refusal, validation_message
-    from agentrl.proxy.server import SESSION_HEADER, ProxyServer, Session, SessionsFull
 
 __all__ = [
     "SESSION_HEADER",
@@ -65,10 +65,10 @@ _WHERE = {
     "ChatRequest": "requests",
     "Refusal": "requests",
     "validation_message": "requests",
-    "SESSION_HEADER": "server",
-    "ProxyServer": "server",
-    "Session": "server",
-    "SessionsFull": "server",
+    "SESSION_HEADER": "endpoint",
+    "ProxyServer": "endpoint",
+    "Session": "endpoint",
+    "SessionsFull": "endpoint",
 }
 
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from agentrl.parsing import get_parser
+from agentrl.proxy.endpoint import Call, ProxyServer, Session
 from agentrl.proxy.proxy_env import REWARD_SECONDS, ProxyEnv
-from agentrl.proxy.server import Call, ProxyServer, Session
 from agentrl.rollout.episode import run_episode
 from agentrl.rollout.generate import check_rollout_features
 from agentrl.types import Action, Message

@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from agentrl.env import Env, call_env
-from agentrl.proxy.process import AgentError, run_command
+from agentrl.proxy.agent_process import AgentError, run_command
+from agentrl.proxy.endpoint import Call, ProxyServer, Session, answer
 from agentrl.proxy.replies import completion, reply_content, same_history
 from agentrl.proxy.requests import Refusal
-from agentrl.proxy.server import Call, ProxyServer, Session, answer
 from agentrl.types import Action, Message
 
 __all__ = ["REWARD_SECONDS", "AgentError", "ProxyEnv", "run_command"]
