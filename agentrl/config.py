@@ -258,6 +258,12 @@ class RolloutConfig(_ReadOnlyOnce):
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("bad configuration: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem :meth:`validate` would refuse, one message each."""
         names = [r[0] for r in map(_role_url, self.role_engine_url) if r is not None]
         dups = sorted({n for n in names if names.count(n) > 1})
         checks = [
@@ -303,9 +309,7 @@ class RolloutConfig(_ReadOnlyOnce):
             (self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1"),
             (self.env_step_timeout > 0, "--env-step-timeout must be > 0"),
         ]
-        problems = choice_problems(self) + [msg for ok, msg in checks if not ok]
-        if problems:
-            raise ValueError("bad configuration: " + "; ".join(problems))
+        return choice_problems(self) + [msg for ok, msg in checks if not ok]
 
     def sampling(self, max_new_tokens: int | None = None) -> SamplingParams:
         """The sampling params of one generate call. Without ``max_new_tokens``: the whole-response
@@ -478,6 +482,12 @@ class TrainConfig(_ReadOnlyOnce):
 
     def validate(self) -> None:
         """Refuse a bad configuration before any work starts, naming the flag to change."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("bad configuration: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem :meth:`validate` would refuse, one message each."""
         checks = [
             (
                 (self.loss_type == "custom_loss") == bool(self.custom_loss_function_path),
@@ -538,9 +548,7 @@ class TrainConfig(_ReadOnlyOnce):
                 "--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1",
             ),
         ]
-        problems = choice_problems(self) + [msg for ok, msg in checks if not ok]
-        if problems:
-            raise ValueError("bad configuration: " + "; ".join(problems))
+        return choice_problems(self) + [msg for ok, msg in checks if not ok]
 
 
 @dataclass
@@ -823,9 +831,11 @@ class RunConfig(_ReadOnlyOnce):
             raise ValueError("bad configuration: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
-        """Every problem :meth:`validate` would refuse, one message each (the rollout's and train's first)."""
-        self.rollout.validate()
-        self.train.validate()
+        """Every problem :meth:`validate` would refuse, one message each: the rollout's and train's sections' together,
+        else the run's own (which read the sections' values: a batch size of 0 would divide by zero)."""
+        sections = self.rollout.problems() + self.train.problems()
+        if sections:
+            return sections
         t = self.train
         n = self.samples_per_rollout
         sft = self.is_sft

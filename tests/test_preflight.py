@@ -134,6 +134,16 @@ def test_checks_run_by_concern_values_first(tiny_ckpt, tmp_path):
         preflight(_rl(tmp_path / "no-checkpoint-here"))
 
 
+def test_every_bad_value_of_both_sections_is_named_at_once():
+    cfg = RunConfig(rollout=RolloutConfig(n_samples_per_prompt=0, max_turns=0), train=TrainConfig(global_batch_size=0))
+    with pytest.raises(ValueError) as caught:
+        preflight(cfg)
+    message = str(caught.value)
+    for flag in ("--n-samples-per-prompt", "--max-turns", "--global-batch-size"):
+        assert f"{flag} must be >= 1" in message, message
+    assert cfg.problems() == cfg.rollout.problems() + cfg.train.problems() and len(cfg.problems()) == 3
+
+
 def test_num_epoch_rule_is_checked_against_the_derived_length(tiny_ckpt, tmp_path):
     rows = preflight(_rl(tiny_ckpt, num_epoch=1)).rows
     length = math.ceil(len(rows) / 2)

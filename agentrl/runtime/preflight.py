@@ -141,7 +141,8 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
 
 def check_values(cfg: RunConfig) -> None:
     """Every value's problem and every backend's, in one ``ValueError`` naming each flag (the first concern)."""
-    problems = cfg.problems() + backend_problems(cfg)
+    sections = cfg.rollout.problems() + cfg.train.problems()  # the rest reads these values: alone when any is bad
+    problems = sections or cfg.problems() + backend_problems(cfg)
     if problems:
         raise ValueError("bad configuration: " + "; ".join(problems))
 
