@@ -1,8 +1,8 @@
 """Every check of a training run, once, before Ray or any engine starts; the run's derived values, once.
 
 :func:`preflight` turns a :class:`~agentrl.config.RunConfig` into a :class:`ResolvedRun`: the configuration
-with every derived value filled in (the trainer's logit temperature, the run's length from ``--num-epoch``,
-resolved checkpoint folders), read-only from then on, plus what the run loaded to check it (the env, its
+with every derived value filled in (the trainer's logit temperature, optimizer steps per rollout, the run's length
+from ``--num-epoch``, resolved checkpoint folders), read-only from then on, plus what the run loaded to check it (the env, its
 task rows, eval sets, user functions, the resume point, SFT's demonstrations). :func:`~agentrl.runtime.train.train`
 starts Ray, the engines and the trainer only from a ``ResolvedRun``, so a bad run fails here, with a message
 naming the flag, before any model loads; and the caller's configuration object is never changed.
@@ -10,13 +10,13 @@ naming the flag, before any model loads; and the caller's configuration object i
 The checks, by concern, in order (cheap ones first; a model file is read only once everything else passed):
 
 1. **values**: :meth:`RunConfig.problems <agentrl.config.RunConfig.problems>` (every flag's type, bounds and
-   combinations, placement included) and :func:`~agentrl.runtime.backends.backend_problems` (what the chosen
+   combinations, placement included; a bad rollout or train value is named with every other bad value of both) and :func:`~agentrl.runtime.backends.backend_problems` (what the chosen
    backends need from this machine), listed together in one error;
 2. **data and rollout**: the env loads and the task rows parse (row code only behind ``--trust-row-code``), the
    chat template can render them, the eval sets parse, each rollout feature can be honoured by the episodes
    (:func:`~agentrl.rollout.generate.check_rollout_features`), ``--role-engine-url``'s engines answer for roles the
    env has, the user's functions load; the run's length
-   (``--num-epoch``) is derived and checked, ``args`` built and checked to travel to rollout workers, the data
+   (``--num-epoch``) and its optimizer steps per rollout are derived and checked, ``args`` built and checked to travel to rollout workers, the data
    source built;
 3. **train**: the resume point (``--load`` never silently starts over), the policy and critic checkpoints (a
    saved critic is no policy, vocabularies match, a vision model's limits, an architecture megatron can
