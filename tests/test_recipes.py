@@ -8,12 +8,13 @@ no engine to push to in-process; the end-to-end runs in test_sft.py / test_train
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 
 import pytest
 
-from agentrl.config import RunConfig, TrainConfig
+from agentrl.config import RolloutConfig, RunConfig, TrainConfig
 from agentrl.runtime.collect import DemoCollector
 from agentrl.runtime.loop import EngineHooks, Observers, TrainLoop
 from agentrl.runtime.recipes import PPO, SFT, PolicyGradient, Recipe, recipe_for
@@ -32,6 +33,12 @@ def test_the_recipe_is_chosen_by_the_configuration_and_a_critic_goes_with_ppo_on
         recipe_for(RunConfig(), None, critic=object())
     with pytest.raises(ValueError, match="pass n_demos"):
         recipe_for(sft, None)
+    # steps per rollout: the recipe and the trainers read the one resolved value (unset, the trainers make one step)
+    two = RunConfig(rollout_batch_size=4, rollout=RolloutConfig(n_samples_per_prompt=4), train=TrainConfig())
+    with pytest.raises(ValueError, match="makes 2 optimizer steps per rollout: pass the configuration preflight"):
+        PolicyGradient(two, None)
+    set_ = dataclasses.replace(two, train=TrainConfig(num_steps_per_rollout=2))
+    assert PolicyGradient(set_, None).needs_log_probs()[0]  # a second step trains on the first's weights
     # one base: the checkpoint verbs are written once (the actor); PPO alone adds its critic
     assert all(issubclass(cls, Recipe) for cls in (PolicyGradient, PPO, SFT))
     assert SFT.save is PolicyGradient.save is Recipe.save and SFT.load is PolicyGradient.load is Recipe.load

@@ -479,6 +479,47 @@ async def test_scripted_self_play_rewrites_each_roles_history_as_the_episode_loo
     assert result.messages[0]["content"] == "Argue for: tea" and len(result.messages) == 6
 
 
+class QuietStep(Debate):
+    """a, b, a: b's step shows a nothing (an empty list); a was shown something after its first turn all the same."""
+
+    turns = 3
+
+    async def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            self.who = "b"
+            return (
+                {"a": [{"role": "user", "content": "noted"}], "b": [{"role": "user", "content": "go"}]},
+                0.0,
+                0,
+                0,
+                {},
+            )
+        if self.turn == 2:
+            self.who = "a"
+            return {"a": [], "b": [{"role": "user", "content": "ok"}]}, 0.0, False, False, {}
+        return {}, {"a": 1.0}, True, False, {}
+
+    async def rewrite_history(self, messages):
+        return [{"role": "user", "content": "Summary."}, *messages[-1:]] if self.who == "a" else None
+
+
+async def test_scripted_play_keeps_a_rewrite_owed_across_a_step_that_shows_the_role_nothing():
+    """As the episode loop's seat: what a role was shown stays owed until its next turn, so an empty list from a
+    later step does not cancel the rewrite before it."""
+    from agentrl.rollout.scripted import play
+
+    seen = []
+
+    def policy(messages, task):
+        seen.append([m["content"] for m in messages])
+        return "fine"
+
+    (result,) = await play(QuietStep, policy, [{"prompt": "tea"}])
+    assert result.error is None and result.turns == 3 and result.rewrites == 1
+    assert seen[2] == ["Summary.", "noted"]  # a's second turn read the rewritten history
+
+
 class BadPictureDebate(Debate):
     """Debate whose step shows b a picture that cannot be decoded."""
 

@@ -275,6 +275,31 @@ async def test_compact_search_qa_plays_with_rewrites():
     assert report.ok, report.format()
 
 
+class TrimmingTalk(TalkEnv):
+    """Rewrites by editing the messages it is given in place (and returning them)."""
+
+    async def rewrite_history(self, messages):
+        for m in messages:
+            if m["role"] == "user":
+                m["content"] = m["content"][:3]
+        return messages
+
+
+async def test_play_gives_a_rewrite_a_copy_as_the_rollout_does():
+    from agentrl.rollout.scripted import play
+
+    seen = []
+
+    def policy(messages, task):
+        seen.append([m["content"] for m in messages if m["role"] == "user"])
+        return "hi"
+
+    (r,) = await play(TrimmingTalk, policy, [{"prompt": "hello there"}])
+    assert r.error is None and r.turns == 3 and r.rewrites >= 1
+    assert all(len(c) <= 3 for c in seen[1])  # the policy read the trimmed history
+    assert r.messages[0]["content"] == "hello there"  # the episode as played is not edited by the rewrite
+
+
 async def test_play_counts_rewrites_as_the_rollout_does():
     """``play`` walks the episode loop's seats: a rewrite before the agent's next turn counts only when it
     changes the history (as a rollout's ``history_rewrites``); the whole episode stays in ``messages``."""

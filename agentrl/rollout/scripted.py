@@ -10,6 +10,7 @@ random policy should score low). :func:`play` runs episodes exactly as the rollo
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,7 +104,8 @@ async def _episode(
             role = _current_role(env, roles) if roles else None
             seat = seats[role]
             if rewrites and seat.owed:  # before the seat's next turn; a rewrite that changes nothing is none
-                rewritten = await call_env(env.rewrite_history, list(seat.view))
+                # a deep copy, as the rollout gives it: one that edits messages in place returns a new history
+                rewritten = await call_env(env.rewrite_history, copy.deepcopy(seat.view))
                 if rewritten is not None:
                     rewritten = check_messages(rewritten, "rewrite_history()")
                     if rewritten != seat.view:
@@ -135,7 +137,8 @@ async def _episode(
             for r, msgs in shown.items():
                 seats[r].view.extend(msgs)
                 seats[r].played.extend(msgs)
-                seats[r].owed = seats[r].acted and (not roles or bool(msgs))
+                # owed until the seat's next turn (a later step that shows it nothing keeps the debt)
+                seats[r].owed = seats[r].owed or (seats[r].acted and (not roles or bool(msgs)))
             if terminated or truncated:
                 result.terminated, result.truncated = bool(terminated), bool(truncated)
                 break

@@ -127,6 +127,11 @@ class PolicyGradient(Recipe):
                 f"--loss-type {cfg.train.loss_type} --advantage-estimator {cfg.train.advantage_estimator} is not "
                 f"{type(self).__name__}'s: build the recipe with recipe_for(cfg, ...)"
             )
+        if cfg.train.num_steps_per_rollout is None and cfg.steps_per_rollout != 1:  # the trainers would make one
+            raise ValueError(
+                f"num_steps_per_rollout is unset and this run makes {cfg.steps_per_rollout} optimizer steps per "
+                "rollout: pass the configuration preflight() resolved (or set it)"
+            )
         super().__init__(cfg, trainers)
 
     # -- select
