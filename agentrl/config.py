@@ -32,6 +32,7 @@ REWARD_KL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_basel
 """The estimators whose token rewards carry ``-kl_coef * kl`` (``--kl-coef``)."""
 
 DEFAULT_MAX_TURNS = 4
+DEFAULT_NUM_ROLLOUT = 10
 """Assistant turns per episode when neither ``--max-turns`` nor the env's ``max_turns`` says."""
 
 _INT32 = 2**31 - 1
@@ -572,7 +573,11 @@ class RunConfig(_ReadOnlyOnce):
         None,
         help="ppo: the HF checkpoint the critic starts from (its LM head becomes a value head; default: --hf-checkpoint)",
     )
-    num_rollout: int = option(10, help="number of rollout/train steps")
+    num_rollout: int | None = option(
+        None,
+        help=f"number of rollout/train steps (default: {DEFAULT_NUM_ROLLOUT}; with --num-epoch derived from it; SFT: "
+        "one epoch of its demonstrations; the preflight derives it, and a resolved run holds the number)",
+    )
     num_epoch: int | None = option(
         None, help="passes over the prompts (RL: sets --num-rollout) or the demonstrations (SFT; default 1)"
     )
@@ -841,7 +846,8 @@ class RunConfig(_ReadOnlyOnce):
         sft = self.is_sft
         ahead = self.async_buffer_size if self.async_mode else 0  # rollouts collected before their step trains
         sources = sum(bool(x) for x in (self.sft_data, self.demo_policy, self.demo_engine_url))
-        critic_only_ok, critic_only_problem = self.critic_only_rule(self.num_rollout)
+        length = self.num_rollout if self.num_rollout is not None else DEFAULT_NUM_ROLLOUT
+        critic_only_ok, critic_only_problem = self.critic_only_rule(length)
         checks = [
             (
                 self.env is not None
@@ -852,7 +858,7 @@ class RunConfig(_ReadOnlyOnce):
                 if not sft
                 else "--demo-policy / --demo-engine-url play episodes on an env: pass --env MODULE:CLASS",
             ),
-            (self.num_rollout >= 1, "--num-rollout must be >= 1"),
+            (self.num_rollout is None or self.num_rollout >= 1, "--num-rollout must be >= 1"),
             (
                 not (
                     t.advantage_estimator == "ppo" and t.initial_megatron_checkpoint and not self.critic_hf_checkpoint

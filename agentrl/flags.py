@@ -200,8 +200,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def run_config_from_values(values: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from flat ``field -> value`` (None = default).
 
-    Two things only the flags can see are settled here: ``--num-epoch`` and ``--num-rollout`` both given (refused),
-    and an SFT run given neither (one epoch). Every other derived value is the preflight's."""
+    One rule only the flags can see is checked here: ``--num-epoch`` and ``--num-rollout`` both given (refused; in
+    a resolved configuration both are set, the length derived from the epochs). Every derived value is the
+    preflight's."""
     parts: dict[type, dict[str, Any]] = {RunConfig: {}, RolloutConfig: {}, TrainConfig: {}}
     for cls in parts:
         for f in dataclasses.fields(cls):
@@ -213,6 +214,4 @@ def run_config_from_values(values: dict[str, Any]) -> RunConfig:
     )
     if values.get("num_epoch") is not None and values.get("num_rollout") is not None:
         raise ValueError("bad configuration: --num-epoch and --num-rollout both set the run's length; pass one")
-    if cfg.is_sft and values.get("num_rollout") is None and cfg.num_epoch is None:
-        cfg.num_epoch = 1
     return cfg

@@ -136,7 +136,7 @@ def main() -> None:
     import ray
 
     from agentrl.chat import ChatTemplate
-    from agentrl.engines.local.process import free_port
+    from agentrl.ports import free_port
     from agentrl.runtime.cluster import init_ray, peak_rss_mb
     from agentrl.runtime.rollout_workers import RolloutWorkerGroup
     from agentrl.tiny import build_tokenizer

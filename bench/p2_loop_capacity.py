@@ -23,7 +23,7 @@ import agentrl  # noqa: E402
 from agentrl.chat import ChatTemplate  # noqa: E402
 from agentrl.config import RolloutConfig  # noqa: E402
 from agentrl.engines.http import SGLangEngine  # noqa: E402
-from agentrl.engines.local.process import free_port  # noqa: E402
+from agentrl.ports import free_port  # noqa: E402
 from agentrl.rollout.episode import EpisodeContext  # noqa: E402
 from agentrl.rollout.generate import generate_rollout  # noqa: E402
 from agentrl.tiny import build_tokenizer  # noqa: E402

@@ -31,8 +31,9 @@ import torch
 
 from agentrl.engines.local import LocalEngine, build_app
 from agentrl.engines.local.distributed import MAX_GROUPS
-from agentrl.engines.local.process import free_port, local_server
+from agentrl.engines.local.process import local_server
 from agentrl.engines.local.weights import WeightUpdateError, read_source
+from agentrl.ports import free_port
 
 JOIN_THREADS = ("agentrl-init", "agentrl-rendezvous-watchdog")
 

@@ -381,7 +381,7 @@ class OneTurnEnv(TalkEnv):
 
 
 async def test_dead_engine_fails_over_to_a_live_one(tiny_server, tiny_tokenizer):
-    from agentrl.engines.local.process import free_port
+    from agentrl.ports import free_port
 
     dead = SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=1, backoff=0.01)
     router = Router([dead, SGLangEngine(tiny_server)])
@@ -393,7 +393,7 @@ async def test_dead_engine_fails_over_to_a_live_one(tiny_server, tiny_tokenizer)
 
 
 async def test_no_engine_left_aborts_samples_not_the_run(tiny_tokenizer):
-    from agentrl.engines.local.process import free_port
+    from agentrl.ports import free_port
 
     ctx = _ctx(Router([SGLangEngine(f"http://127.0.0.1:{free_port()}", max_retries=2, backoff=0.01)]), tiny_tokenizer)
     samples, summary = await generate_rollout(ctx, TalkEnv, [{"prompt": "x"}] * 2)
@@ -522,7 +522,7 @@ async def test_malformed_engine_replies_abort_after_retries(tiny_tokenizer, tmp_
     import subprocess
     import sys
 
-    from agentrl.engines.local.process import free_port
+    from agentrl.ports import free_port
 
     port = free_port()
     app = tmp_path / "bad_server.py"

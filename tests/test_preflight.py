@@ -134,6 +134,35 @@ def test_checks_run_by_concern_values_first(tiny_ckpt, tmp_path):
         preflight(_rl(tmp_path / "no-checkpoint-here"))
 
 
+def test_the_runs_length_is_derived_by_the_preflight_for_the_api_and_the_flags_alike(tiny_ckpt, tmp_path):
+    """Unset, ``num_rollout`` is 10 for RL, ``--num-epoch`` passes over the rows, or one epoch of an SFT run's
+    demonstrations: the same value whether the run came from flags or from Python."""
+    from agentrl.config import DEFAULT_NUM_ROLLOUT
+    from agentrl.flags import run_config_from_values
+
+    rl = _rl(tiny_ckpt)
+    assert rl.num_rollout is None and preflight(rl).config.num_rollout == DEFAULT_NUM_ROLLOUT == 10
+    assert preflight(_rl(tiny_ckpt, num_rollout=3)).config.num_rollout == 3
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(_row()) + "\n" for _ in range(5)))
+    sft = RunConfig(sft_data=str(data), hf_checkpoint=str(tiny_ckpt), train=TrainConfig(loss_type="sft_loss"))
+    sft = dataclasses.replace(sft, train=TrainConfig(loss_type="sft_loss", global_batch_size=2))
+    assert preflight(sft).config.num_rollout == math.ceil(5 / 2)  # neither given: one epoch
+    assert preflight(dataclasses.replace(sft, num_rollout=4)).config.num_rollout == 4
+    from_flags = run_config_from_values(
+        {"sft_data": str(data), "hf_checkpoint": str(tiny_ckpt), "loss_type": "sft_loss", "global_batch_size": 2}
+    )
+    assert from_flags.num_epoch is None and from_flags.num_rollout is None  # the flags derive nothing
+    assert preflight(from_flags).config.num_rollout == math.ceil(5 / 2)
+    with pytest.raises(ValueError, match="--num-epoch and --num-rollout both set the run's length"):
+        run_config_from_values({"num_epoch": 1, "num_rollout": 3})
+    # a loop is built from a resolved configuration: one whose length is not derived yet is refused
+    from agentrl.runtime.loop import EngineHooks, Observers, TrainLoop
+
+    with pytest.raises(ValueError, match="pass the configuration preflight\\(\\) resolved"):
+        TrainLoop(rl, collector=None, recipe=None, engines=EngineHooks(push=None), observers=Observers(metrics=None))
+
+
 def test_every_bad_value_of_both_sections_is_named_at_once():
     cfg = RunConfig(rollout=RolloutConfig(n_samples_per_prompt=0, max_turns=0), train=TrainConfig(global_batch_size=0))
     with pytest.raises(ValueError) as caught:

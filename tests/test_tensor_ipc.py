@@ -183,7 +183,7 @@ def test_a_push_that_never_arrives_leaves_no_shared_memory():
         from agentrl.engines.base import EngineError
         from agentrl.engines.http import SGLangEngine
         from agentrl.engines.ipc_folder import IpcFolder
-        from agentrl.engines.local.process import free_port
+        from agentrl.ports import free_port
         from agentrl.runtime.weight_sync import TensorTransport
 
         folder = IpcFolder.create()

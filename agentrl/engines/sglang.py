@@ -49,6 +49,7 @@ import httpx
 
 from agentrl.engines.http import API_KEY_ENV, auth_headers
 from agentrl.engines.router import fan_out
+from agentrl.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -358,8 +359,6 @@ class SGLangServer:
     """
 
     def __init__(self, launch: SGLangLaunch, index: int = 0, port: int | None = None):
-        from agentrl.engines.local.process import free_port
-
         self.launch, self.index = launch, index
         bind = "127.0.0.1" if launch.host in ("0.0.0.0", "::", "") else launch.host
         self.port = port or launch.port or free_port(bind)

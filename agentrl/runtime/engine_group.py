@@ -25,6 +25,7 @@ import torch
 
 from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.sglang import SGLangLaunch, SGLangServer, build_launch_command
+from agentrl.ports import free_port
 from agentrl.runtime.cluster import actor_options, peak_rss_mb
 from agentrl.runtime.shm_weights import open_weights
 
@@ -98,7 +99,6 @@ class EngineServer:
 
         from agentrl.engines.local.engine import LocalEngine
         from agentrl.engines.local.openai_routes import openai_tool_parser
-        from agentrl.engines.local.process import free_port
         from agentrl.engines.local.server import build_app
 
         if num_threads:

@@ -73,7 +73,12 @@ class TrainLoop:
     """
 
     def __init__(self, cfg: RunConfig, *, collector: Any, recipe: Recipe, engines: EngineHooks, observers: Observers):
+        if cfg.num_rollout is None:
+            raise ValueError(
+                "the run's length (num_rollout) is not derived yet: pass the configuration preflight() resolved"
+            )
         self.cfg = cfg
+        self.steps = cfg.num_rollout
         self.collector = collector
         self.recipe = recipe
         self.engines = engines
@@ -99,11 +104,11 @@ class TrainLoop:
         lines: list[dict[str, Any]] = []
         pending: collections.deque[asyncio.Task] = collections.deque()  # rollouts of the next steps, in order
         try:
-            for step in range(self.start_step, cfg.num_rollout):
+            for step in range(self.start_step, self.steps):
                 batch = await pending.popleft() if pending else await self.collect(step)
                 if cfg.async_mode:  # keep --async-buffer-size rollouts queued while this step trains
                     nxt = step + 1 + len(pending)
-                    while len(pending) < cfg.async_buffer_size and nxt < cfg.num_rollout:
+                    while len(pending) < cfg.async_buffer_size and nxt < self.steps:
                         # one rollout generates at a time (as slime's rollout manager): --rollout-concurrency
                         # bounds the episodes in flight and prompts are drawn in step order
                         pending.append(asyncio.create_task(self._collect_after(pending[-1] if pending else None, nxt)))
@@ -130,7 +135,7 @@ class TrainLoop:
             await engines.memory.resume()
         moved = recipe.moves_policy(step)
         self.version += int(moved)  # a critic-only step leaves the policy (and the engines) as they were
-        last = step + 1 == cfg.num_rollout
+        last = step + 1 == self.steps
         evaluating = observers.evaluator is not None and (
             bool(cfg.eval_interval and (step + 1) % cfg.eval_interval == 0) or (last and recipe.eval_at_end)
         )

@@ -39,7 +39,7 @@ from typing import Any
 
 from agentrl import sandbox
 from agentrl.checkpoint import resolve_hf_checkpoint
-from agentrl.config import RunConfig, argparse_namespace, read_only, writable_copy
+from agentrl.config import DEFAULT_NUM_ROLLOUT, RunConfig, argparse_namespace, read_only, writable_copy
 from agentrl.data import load_tasks, task_rows
 from agentrl.flags import naming_flag
 from agentrl.registry import load_env
@@ -375,6 +375,8 @@ def _derive_length(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
         ok, problem = cfg.critic_only_rule(cfg.num_rollout, f", from --num-epoch {cfg.num_epoch}")
         if not ok:
             raise ValueError(problem)
+    elif cfg.num_rollout is None and not cfg.is_sft:  # SFT's comes from its demonstrations (_resolve)
+        cfg.num_rollout = DEFAULT_NUM_ROLLOUT
 
 
 def _resolve(cfg: RunConfig, *, demos: list[Sample] | None, checkpoint: Path, critic: Path | None) -> RunConfig:

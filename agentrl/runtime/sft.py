@@ -170,7 +170,8 @@ async def _rejection(cfg: RunConfig, factory: Any, rows: list[dict[str, Any]], t
 
 
 def sft_steps(cfg: RunConfig, n_demos: int) -> int:
-    """Optimizer steps of the run: ``--num-epoch`` passes of ``--global-batch-size`` demonstrations, or ``--num-rollout``."""
-    if cfg.num_epoch is not None:
-        return cfg.num_epoch * math.ceil(n_demos / cfg.train.global_batch_size)
-    return cfg.num_rollout
+    """Optimizer steps of the run: ``--num-epoch`` passes of ``--global-batch-size`` demonstrations, or
+    ``--num-rollout``; one epoch when neither is given."""
+    if cfg.num_epoch is None and cfg.num_rollout is not None:
+        return cfg.num_rollout
+    return (cfg.num_epoch or 1) * math.ceil(n_demos / cfg.train.global_batch_size)

@@ -49,7 +49,6 @@ import torch.distributed as dist
 from agentrl.engines.base import EngineError
 from agentrl.engines.http import EngineRequestError, SGLangEngine
 from agentrl.engines.ipc_folder import IpcFolder
-from agentrl.engines.local.process import free_port
 from agentrl.engines.tensor_ipc import TensorStash, serialize_named_tensors
 from agentrl.engines.weight_group import (
     DEFAULT_GROUP_NAME,
@@ -58,6 +57,7 @@ from agentrl.engines.weight_group import (
     resolve_backend,
     run_in_thread,
 )
+from agentrl.ports import free_port
 from agentrl.runtime.engine_group import tensors_to_numpy
 from agentrl.runtime.shm_weights import SharedWeightsWriter
 
