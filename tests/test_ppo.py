@@ -308,7 +308,7 @@ def test_a_failing_critic_fails_the_step_naming_it():
         def train_step(self, batch):
             raise RuntimeError("nan in the value loss")
 
-    cfg = RunConfig(train=TrainConfig(advantage_estimator="ppo", global_batch_size=1))
+    cfg = RunConfig(train=TrainConfig(advantage_estimator="ppo", global_batch_size=1, num_steps_per_rollout=1))
     sample = Sample(group_index=0, index=0, tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], reward=1.0)
     sample.rollout_log_probs = [-1.0, -1.0]
     for where, message in (("values", "the critic's values failed: MemoryError"), ("train", "the critic's train step")):

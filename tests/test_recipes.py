@@ -25,7 +25,7 @@ def test_the_recipe_is_chosen_by_the_configuration_and_a_critic_goes_with_ppo_on
     assert type(recipe_for(RunConfig(), None)) is PolicyGradient
     ppo = RunConfig(train=TrainConfig(advantage_estimator="ppo"))
     assert type(recipe_for(ppo, None, critic=object())) is PPO
-    sft = RunConfig(train=TrainConfig(loss_type="sft_loss"))
+    sft = RunConfig(num_rollout=1, train=TrainConfig(loss_type="sft_loss"))  # 3 demonstrations, one global batch
     assert type(recipe_for(sft, None, n_demos=3)) is SFT
     with pytest.raises(ValueError, match="pass critic= \\(and only then\\)"):
         recipe_for(ppo, None)
@@ -50,6 +50,8 @@ def test_the_recipe_is_chosen_by_the_configuration_and_a_critic_goes_with_ppo_on
         PPO(RunConfig(), None, object())
     with pytest.raises(ValueError, match="sft_loss"):
         SFT(RunConfig(), None, 3)
+    with pytest.raises(ValueError, match="not derived yet: pass the configuration preflight"):
+        SFT(RunConfig(train=TrainConfig(loss_type="sft_loss")), None, 3)
     with pytest.raises(ValueError, match="is not this warm start's length \\(2 steps for 3 demonstrations\\)"):
         SFT(
             RunConfig(num_epoch=1, num_rollout=5, train=TrainConfig(loss_type="sft_loss", global_batch_size=2)), None, 3

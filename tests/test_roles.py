@@ -491,8 +491,8 @@ class QuietStep(Debate):
             return (
                 {"a": [{"role": "user", "content": "noted"}], "b": [{"role": "user", "content": "go"}]},
                 0.0,
-                0,
-                0,
+                False,
+                False,
                 {},
             )
         if self.turn == 2:

@@ -374,6 +374,10 @@ class SFT(Recipe):
     def __init__(self, cfg: RunConfig, trainers: Any, n_demos: int):
         if not cfg.is_sft:
             raise ValueError(f"SFT trains with --loss-type sft_loss, not {cfg.train.loss_type}")
+        if cfg.num_rollout is None:
+            raise ValueError(
+                "the run's length (num_rollout) is not derived yet: pass the configuration preflight() resolved"
+            )
         if cfg.num_rollout != sft_steps(cfg, n_demos):  # the preflight derives it; a hand-built loop must agree
             raise ValueError(
                 f"--num-rollout {cfg.num_rollout} is not this warm start's length ({sft_steps(cfg, n_demos)} steps "
