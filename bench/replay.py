@@ -16,6 +16,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import aiohttp
+
 from agentrl.engines.base import Engine, GenerateOutput
 from agentrl.engines.http import SGLangEngine
 
@@ -64,8 +66,7 @@ async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tu
         async with sem:
             for c in seq:
                 payload = {"input_ids": c.input_ids, "sampling_params": c.sampling, "return_logprob": True}
-                async with engine.session.post(url + "/generate", json=payload) as resp:
-                    body = await resp.json()
+                body = await _post(engine, url + "/generate", payload)
                 out_ids = GenerateOutput.from_sglang(body).output_ids
                 differing += out_ids != c.output_ids
                 tokens += len(out_ids)
@@ -75,3 +76,16 @@ async def replay(url: str, calls: dict[str, list[Call]], concurrency: int) -> tu
     dt = time.perf_counter() - t
     await engine.close()
     return dt, differing, tokens
+
+
+async def _post(engine: SGLangEngine, url: str, payload: dict) -> dict:
+    """One replayed call, resent when the server closed a pooled keep-alive connection as it was reused (aiohttp's
+    ``ServerDisconnectedError`` / ``ClientOSError``): the SDK's client retries those too, so the baseline does."""
+    for attempt in range(4):
+        try:
+            async with engine.session.post(url, json=payload) as resp:
+                return await resp.json()
+        except aiohttp.ClientConnectionError:
+            if attempt == 3:
+                raise
+    raise AssertionError("unreachable")
