@@ -114,6 +114,24 @@ def _role_url(spec: Any) -> tuple[str, str] | None:
     return name.strip(), url
 
 
+def refuse(problems: list[str]) -> None:
+    """Raise one ``ValueError`` naming every problem (each names its flag); nothing when there are none."""
+    if problems:
+        raise ValueError("bad configuration: " + "; ".join(problems))
+
+
+class _Checked:
+    """A configuration section that lists its problems (``problems()``) and refuses them all at once."""
+
+    def problems(self) -> list[str]:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Refuse a bad configuration before any work starts, naming the flag to change (values only: the run's
+        preflight, :func:`agentrl.runtime.preflight.check_values`, adds what the chosen backends need)."""
+        refuse(self.problems())
+
+
 class _ReadOnlyOnce:
     """Fields assignable until :func:`read_only` marks the object (a run's preflight does, on its resolved
     copy), so nothing after the preflight changes what the run was checked against."""
@@ -130,7 +148,7 @@ class _ReadOnlyOnce:
 
 
 @dataclass
-class RolloutConfig(_ReadOnlyOnce):
+class RolloutConfig(_ReadOnlyOnce, _Checked):
     """Everything that shapes how episodes are generated."""
 
     n_samples_per_prompt: int = option(1, help="episodes per task (a GRPO group)")
@@ -257,12 +275,6 @@ class RolloutConfig(_ReadOnlyOnce):
             max_concurrency=self.sandbox_max_concurrency or self.rollout_concurrency,
         )
 
-    def validate(self) -> None:
-        """Refuse a bad configuration before any work starts, naming the flag to change."""
-        problems = self.problems()
-        if problems:
-            raise ValueError("bad configuration: " + "; ".join(problems))
-
     def problems(self) -> list[str]:
         """Every problem :meth:`validate` would refuse, one message each."""
         names = [r[0] for r in map(_role_url, self.role_engine_url) if r is not None]
@@ -333,7 +345,7 @@ GPU_TOKEN_BUDGET = 4096
 
 
 @dataclass
-class TrainConfig(_ReadOnlyOnce):
+class TrainConfig(_ReadOnlyOnce, _Checked):
     """Everything that shapes one policy update (slime's flag names).
 
     ``global_batch_size`` samples make one optimizer step; a rollout of ``rollout_batch_size *
@@ -481,12 +493,6 @@ class TrainConfig(_ReadOnlyOnce):
             return self.max_tokens_per_gpu
         return CPU_TOKEN_BUDGET if device_type == "cpu" else GPU_TOKEN_BUDGET
 
-    def validate(self) -> None:
-        """Refuse a bad configuration before any work starts, naming the flag to change."""
-        problems = self.problems()
-        if problems:
-            raise ValueError("bad configuration: " + "; ".join(problems))
-
     def problems(self) -> list[str]:
         """Every problem :meth:`validate` would refuse, one message each."""
         checks = [
@@ -553,7 +559,7 @@ class TrainConfig(_ReadOnlyOnce):
 
 
 @dataclass
-class RunConfig(_ReadOnlyOnce):
+class RunConfig(_ReadOnlyOnce, _Checked):
     """A training run: what to train on, where engines and trainers run, what gets saved.
 
     ``rollout`` and ``train`` hold the episode and update knobs; the rest is the run itself. The
@@ -825,15 +831,6 @@ class RunConfig(_ReadOnlyOnce):
     def data_parallel_size(self) -> int:
         """Trainer ranks that see different samples (the world divided by the model-parallel size)."""
         return max(1, self.trainer_world_size // self.train.model_parallel_size)
-
-    def validate(self) -> None:
-        """Refuse a bad run before any model is loaded or actor started; say which flag to change.
-
-        Values only: :func:`agentrl.runtime.preflight.check_values` adds what the chosen backends need.
-        """
-        problems = self.problems()
-        if problems:
-            raise ValueError("bad configuration: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
         """Every problem :meth:`validate` would refuse, one message each: the rollout's and train's sections' together,

@@ -52,20 +52,35 @@ def test_config_is_a_leaf_and_the_loss_math_stands_alone():
 # -- the package's import graph (issue 39, item 6) ------------------------------------------------------
 
 
-def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """The package's import graph read from its source with ``ast``: module -> the package's modules it
-    imports (top level, inside functions and under ``TYPE_CHECKING`` alike), and every ``(importer,
-    module, name)`` where one module imports another's ``_private`` name."""
-    import ast
+def _modules(root) -> dict:
+    """The package's modules under ``root``: dotted name -> file (a package is its ``__init__.py``)."""
     from pathlib import Path
 
     root = Path(root)
-    modules: dict[str, Path] = {}
+    modules = {}
     for path in root.rglob("*.py"):
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
+    return modules
+
+
+def _from_base(node, package: str) -> str:
+    """The module a ``from ... import`` names, its relative dots resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+    return ".".join(up + ([node.module] if node.module else []))
+
+
+def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """The package's import graph read from its source with ``ast``: module -> the package's modules it
+    imports (top level, inside functions and under ``TYPE_CHECKING`` alike), and every ``(importer,
+    module, name)`` where one module imports another's ``_private`` name."""
+    import ast
+
+    modules = _modules(root)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     private: list[tuple[str, str, str]] = []
     for name, path in modules.items():
@@ -77,10 +92,7 @@ def import_graph(root) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]
                 targets = [(a.name, None) for a in node.names]
                 aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(up + ([node.module] if node.module else []))
+                base = _from_base(node, package)
                 targets = [
                     (f"{base}.{a.name}", None) if f"{base}.{a.name}" in modules else (base, a.name) for a in node.names
                 ]
@@ -191,12 +203,7 @@ def imports_deferring_nothing(root, deferred=DEFERRED) -> list[tuple[str, str, i
     from pathlib import Path
 
     root = Path(root)
-    modules = {}
-    for path in root.rglob("*.py"):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        modules[".".join(parts)] = path
+    modules = _modules(root)
     top: dict[str, set[str]] = {m: set() for m in modules}  # the package's modules run by importing m
     outside: dict[str, set[str]] = {m: set() for m in modules}  # top-level names of other distributions m imports
     local: list[tuple[str, str, int]] = []
@@ -214,10 +221,7 @@ def imports_deferring_nothing(root, deferred=DEFERRED) -> list[tuple[str, str, i
                 if isinstance(child, ast.Import):
                     targets = [a.name for a in child.names]
                 elif isinstance(child, ast.ImportFrom):
-                    base = child.module or ""
-                    if child.level:
-                        up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
-                        base = ".".join(up + ([child.module] if child.module else []))
+                    base = _from_base(child, package)
                     targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names]
                 else:
                     walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))

@@ -39,7 +39,7 @@ from typing import Any
 
 from agentrl import sandbox
 from agentrl.checkpoint import resolve_hf_checkpoint
-from agentrl.config import DEFAULT_NUM_ROLLOUT, RunConfig, argparse_namespace, read_only, writable_copy
+from agentrl.config import DEFAULT_NUM_ROLLOUT, RunConfig, argparse_namespace, read_only, refuse, writable_copy
 from agentrl.data import load_tasks, task_rows
 from agentrl.flags import naming_flag
 from agentrl.registry import load_env
@@ -142,9 +142,7 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
 def check_values(cfg: RunConfig) -> None:
     """Every value's problem and every backend's, in one ``ValueError`` naming each flag (the first concern)."""
     sections = cfg.rollout.problems() + cfg.train.problems()  # the rest reads these values: alone when any is bad
-    problems = sections or cfg.problems() + backend_problems(cfg)
-    if problems:
-        raise ValueError("bad configuration: " + "; ".join(problems))
+    refuse(sections or cfg.problems() + backend_problems(cfg))
 
 
 # -- data ---------------------------------------------------------------------------------------------
