@@ -45,7 +45,7 @@ async def sb(docker_image):
 
 def _containers(**labels: str) -> list:
     filters = ["agentrl.sandbox=1", *(f"{k}={v}" for k, v in labels.items())]
-    return docker_client().containers.list(all=True, filters={"label": filters})
+    return docker_client().containers.list(all=True, filters={"label": filters}, ignore_removed=True)
 
 
 def _rss_mb() -> float:

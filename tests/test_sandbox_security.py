@@ -50,7 +50,7 @@ def _my_containers(backend: str) -> set[str]:
 
     label = {"label": f"agentrl.owner_pid={os.getpid()}"}
     client = docker_client()
-    return {c.id for c in client.containers.list(all=True, filters=label)} | {
+    return {c.id for c in client.containers.list(all=True, filters=label, ignore_removed=True)} | {
         v.name for v in client.volumes.list(filters=label)
     }
 

@@ -146,9 +146,10 @@ def reap(*, run_id: str | None = None, everything: bool = False) -> int:
 
     client = docker_client()
     host, now = socket.gethostname(), time.time()
+    # ignore_removed: one that goes (its ttl, auto-remove, another reap) between docker's list and its inspect is gone
     doomed = [
         c
-        for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+        for c in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}, ignore_removed=True)
         if everything
         or (run_id is not None and c.labels.get("agentrl.run_id") == run_id)
         or _stale(c.labels, host, now)
