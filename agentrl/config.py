@@ -343,6 +343,10 @@ class RolloutConfig(_ReadOnlyOnce, _Checked):
 CPU_TOKEN_BUDGET = 512
 GPU_TOKEN_BUDGET = 4096
 
+LORA_INITS = ("default", "gaussian")
+"""``--lora-init``: PEFT's initialisations that start as the base model and leave its weights as they are."""
+MAX_LORA_RANK = 1024
+
 
 @dataclass
 class TrainConfig(_ReadOnlyOnce, _Checked):
@@ -445,6 +449,31 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
         help="vision-language models: keep the vision encoder's weights fixed (the connector and the language "
         "model train); --no-freeze-vision-tower trains it too",
     )
+    lora_rank: int = option(
+        0,
+        help="LoRA: train a rank-r adapter on the frozen base instead of every weight (PEFT's r, verl's lora_rank; "
+        "0: full fine-tuning); torch backend; the engines get the merged weights, checkpoints add the adapter in "
+        "PEFT's format under adapter/",
+    )
+    lora_alpha: float | None = option(
+        None, help="LoRA: the adapter's scale is alpha / rank (PEFT's lora_alpha; default: the rank, a scale of 1)"
+    )
+    lora_dropout: float = option(
+        0.0,
+        help="LoRA: dropout on the adapter's input (PEFT's lora_dropout); warm starts only: an RL step must see "
+        "ratio 1 on its first pass",
+    )
+    lora_target_modules: list[str] = option(
+        factory=list,
+        help="LoRA: a module name (suffix) to adapt, repeatable, e.g. q_proj (SGLang's and PEFT's name; default: "
+        "all-linear, every linear layer but the LM head)",
+    )
+    lora_init: str = option(
+        "default",
+        help="LoRA: the adapter's initialisation (PEFT's init_lora_weights): default (Kaiming A, zero B) or gaussian; "
+        "either starts as the base model",
+        choices=LORA_INITS,
+    )
     dtype: str = option(
         "auto",
         help="trainer parameter dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16",
@@ -531,6 +560,28 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
                 or (self.advantage_estimator != "ppo" and not self.normalize_advantages and not self.kl_coef),
                 "a warm start (--loss-type sft_loss, agentrl sft) fits demonstrations: --advantage-estimator ppo, "
                 "--normalize-advantages and --kl-coef are RL flags",
+            ),
+            (
+                _is_int(self.lora_rank) and 0 <= self.lora_rank <= MAX_LORA_RANK,
+                f"--lora-rank must be in [0, {MAX_LORA_RANK}]",
+            ),
+            (self.lora_alpha is None or self.lora_alpha > 0, "--lora-alpha must be > 0"),
+            (0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+            (
+                bool(self.lora_rank)
+                or (
+                    self.lora_alpha is None
+                    and self.lora_dropout == 0.0
+                    and not self.lora_target_modules
+                    and self.lora_init == "default"
+                ),
+                "--lora-alpha, --lora-dropout, --lora-target-modules and --lora-init shape a LoRA adapter: they need "
+                "--lora-rank",
+            ),
+            (
+                self.lora_dropout == 0.0 or self.loss_type == "sft_loss",
+                "--lora-dropout is for warm starts (agentrl sft): an RL step's first pass must give ratio 1, which "
+                "dropout in training mode breaks",
             ),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
@@ -1161,6 +1212,11 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 "--tensor/pipeline-model-parallel-size and --context-parallel-size need --train-backend megatron",
             ),
             (self.train_backend == "megatron" or not t.megatron_args, _unknown_flags_message(t.megatron_args)),
+            (
+                not (t.lora_rank and self.train_backend == "megatron"),
+                "--lora-rank trains a PEFT adapter on the torch backend; the megatron backend has no LoRA yet: use "
+                "--train-backend torch",
+            ),
             (
                 not self.colocate or self._colocated_engines_fit(),
                 "--colocate puts each engine on one trainer rank's device: it needs --rollout-num-gpus-per-engine 1 and "

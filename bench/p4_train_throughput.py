@@ -84,7 +84,7 @@ def make_samples(n: int, vocab: int, seed: int = 0) -> list[TrainSample]:
 
 
 class AgentrlSide:
-    def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int, variant: str = ""):
+    def __init__(self, ckpt: Path, samples: list[TrainSample], max_tokens: int, variant: str = "", lora_rank: int = 0):
         self.name = f"agentrl@{max_tokens}" + (f"/{variant}" if variant else "")
         from agentrl.trainer.torch_trainer import TorchTrainer
 
@@ -97,12 +97,15 @@ class AgentrlSide:
             gradient_checkpointing=False,
             clip_grad=1.0,
             weight_decay=0.0,
+            lora_rank=lora_rank if variant == "lora" else 0,
         )
         # in-run baselines: plain = the trainer before chunked log-probs, lean activations and resident
         # optimizer state; nochunk / nolean / unfused = without one of them (unfused: gradients freed every
         # step, moments created at the first step, torch's per-tensor AdamW)
-        if variant not in ("", "plain", "nochunk", "nolean", "unfused"):
-            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean or unfused")
+        if variant not in ("", "plain", "nochunk", "nolean", "unfused", "lora"):
+            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean, unfused or lora")
+        if variant == "lora" and not lora_rank:
+            raise SystemExit("the lora variant needs --lora-rank")
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu", resident_state=variant not in ("plain", "unfused"))
         if variant in ("plain", "nochunk"):
             self.trainer.chunked_logprobs = False
@@ -139,7 +142,7 @@ def _trl_batch(samples: list[TrainSample], pad_id: int) -> dict:
 class TrlSide:
     name = "TRL"
 
-    def __init__(self, ckpt: Path, samples: list[TrainSample], micro_batch: int, out_dir: str):
+    def __init__(self, ckpt: Path, samples: list[TrainSample], micro_batch: int, out_dir: str, lora_rank: int = 0):
         from datasets import Dataset
         from transformers import AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
@@ -188,11 +191,21 @@ class TrlSide:
             return [0.0] * len(completions)
 
         model = load_causal_lm(ckpt, torch.float32, torch.device("cpu"))
+        peft_config = None
+        if lora_rank:  # the same PEFT config agentrl's --lora-rank builds
+            from agentrl.trainer.lora import lora_config
+
+            peft_config = lora_config(TrainConfig(lora_rank=lora_rank))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             placeholder = Dataset.from_dict({"prompt": ["placeholder"] * len(samples)})
             self.trainer = ReplayGRPOTrainer(
-                model=model, reward_funcs=zero_reward, args=args, processing_class=tok, train_dataset=placeholder
+                model=model,
+                reward_funcs=zero_reward,
+                args=args,
+                processing_class=tok,
+                train_dataset=placeholder,
+                peft_config=peft_config,
             )
         self.trainer.batch = _trl_batch(samples, tok.pad_token_id if tok.pad_token_id is not None else 0)
         self.trainer.create_optimizer_and_scheduler(num_training_steps=10**6)
@@ -239,12 +252,21 @@ def main() -> None:
         action="store_true",
         help="after the speed table, run each side alone in a fresh process for 2 steps and report its peak RSS",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (all-linear, alpha = rank) on the TRL side and the agentrl 'lora' "
+        "variant (added to --variants); the other agentrl columns stay full fine-tuning, the in-run baseline",
+    )
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: one side, 2 steps, print peak RSS
     a = p.parse_args()
     if a.reps < 0 or (a.reps == 0 and not a.peak_rss and not a.side):
         p.error("--reps must be >= 1 (0 only with --peak-rss: memory only)")
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.lora_rank and "lora" not in a.variants.split(","):
+        a.variants = ",".join(v for v in (a.variants, "lora") if v)
 
     tmp = tempfile.mkdtemp(prefix="p4_")
     if a.hf_checkpoint:
@@ -275,9 +297,9 @@ def main() -> None:
 
     def build(name: str):
         if name == "TRL":
-            return TrlSide(ckpt, samples, a.micro_batch, tmp)
+            return TrlSide(ckpt, samples, a.micro_batch, tmp, a.lora_rank)
         budget, _, variant = name.removeprefix("agentrl@").partition("/")
-        return AgentrlSide(ckpt, samples, int(budget), variant)
+        return AgentrlSide(ckpt, samples, int(budget), variant, a.lora_rank)
 
     names = [f"agentrl@{b}{v}" for b in budgets for v in [""] + [f"/{v}" for v in a.variants.split(",") if v]] + ["TRL"]
     if a.side:  # a child of --peak-rss: this side alone, warm-up + one step, then its high-water mark
@@ -303,7 +325,7 @@ def main() -> None:
         "rep "
         + " ".join(f"{n + ' tok/s':>22}" for n in names)
         + " "
-        + " ".join(f"{'ratio@' + str(b):>11}" for b in budgets)
+        + " ".join(f"{'ratio' + n.removeprefix('agentrl'):>17}" for n in ratios)
     )
     for r in range(a.reps):
         order = sides if r % 2 == 0 else sides[::-1]  # A,B then B,A: neither side always runs first
@@ -315,7 +337,7 @@ def main() -> None:
             f"{r:>3} "
             + " ".join(f"{rates[n][-1]:>22.1f}" for n in names)
             + " "
-            + " ".join(f"{ratios[n][-1]:>11.2f}" for n in ratios),
+            + " ".join(f"{ratios[n][-1]:>17.2f}" for n in ratios),
             flush=True,
         )
     for n in ratios:
@@ -335,6 +357,7 @@ def _peak_rss(names: list[str], ckpt: Path, a: argparse.Namespace) -> None:
 
     base = [sys.executable, __file__, "--hf-checkpoint", str(ckpt), "--samples", str(a.samples)]
     base += ["--micro-batch", str(a.micro_batch)] + (["--threads", str(a.threads)] if a.threads else [])
+    base += ["--lora-rank", str(a.lora_rank)]
     peaks = {}
     for name in names:
         out = subprocess.run(base + ["--side", name], capture_output=True, text=True, check=True).stdout

@@ -275,6 +275,10 @@ def _check_checkpoints(cfg: RunConfig) -> tuple[Path, Path | None]:
     ckpt = resolve_hf_checkpoint(cfg.hf_checkpoint)
     _refuse_critic_checkpoint("--hf-checkpoint", ckpt, "a policy")
     _check_vision(cfg, ckpt)
+    if cfg.train.lora_rank and not is_vision_checkpoint(ckpt):
+        from agentrl.trainer.lora import check_lora  # torch and peft: not loaded by `import agentrl`
+
+        check_lora(ckpt, cfg.train)  # the targets and rank against the model's layers (a meta-device model)
     critic = None
     if cfg.critic_hf_checkpoint:
         with naming_flag("--critic-hf-checkpoint", cfg.critic_hf_checkpoint):
@@ -332,6 +336,11 @@ def _check_vision(cfg: RunConfig, ckpt: Path) -> None:
     if not is_vision_checkpoint(ckpt):
         return
     vision_for(ckpt)  # an unsupported family (or a checkpoint without its processor) is refused here
+    if cfg.train.lora_rank:
+        raise ValueError(
+            f"--lora-rank: {ckpt} is a vision-language model, and LoRA here adapts text-only causal LMs (the vision "
+            "tower's and connector's layers are not wired in); drop --lora-rank"
+        )
     if cfg.train_backend == "megatron":
         raise ValueError(
             f"--train-backend megatron: {ckpt} is a vision-language model, and agentrl's megatron backend builds "

@@ -135,6 +135,8 @@ class MegatronTrainer(Trainer):
         from transformers import AutoConfig
 
         cfg.validate()
+        if cfg.lora_rank:
+            raise ValueError("--lora-rank: the megatron backend has no LoRA yet; use the torch backend")
         self.custom_loss_fn = load_custom_loss(cfg)
         reason = megatron_available()
         if reason:

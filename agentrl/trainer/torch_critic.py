@@ -48,6 +48,10 @@ class TorchCritic(TorchTrainer, Critic):
             resident_state=resident_state,
         )
 
+    def _takes_lora(self) -> bool:
+        """The critic trains in full under ``--lora-rank`` (its value head is new: nothing frozen to adapt it to)."""
+        return False
+
     def _adapt_model(self) -> None:
         """Swap the LM head for the value head (the packing check above ran on the real logits).
 

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from torch import nn
 
 from agentrl.algo.loss import entropy_from_logits, policy_loss
@@ -63,6 +64,14 @@ from agentrl.trainer.base import (
 from agentrl.trainer.batching import PackedBatch, block_causal_mask, pack_micro_batches, pack_samples
 from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, plain_head
 from agentrl.trainer.lean_activations import make_lean
+from agentrl.trainer.lora import (
+    ADAPTER_DIR,
+    add_lora,
+    is_lora_checkpoint,
+    load_adapter,
+    merged_weights,
+    save_adapter,
+)
 from agentrl.vlm import by_key, load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
@@ -165,6 +174,14 @@ class TorchTrainer(Trainer):
         if self.vision is not None and cfg.freeze_vision_tower:
             for module in self.vision.vision_modules(self.model):
                 module.requires_grad_(False)
+        # LoRA: PEFT's layers replace the targeted linears in place; self.model stays the HF model that runs
+        self.peft: PeftModel | None = None
+        if cfg.lora_rank and self._takes_lora():
+            if self.vision is not None:
+                raise ValueError("--lora-rank adapts text-only causal LMs here, not a vision-language model")
+            with torch.random.fork_rng(devices=[]):  # every rank draws the same adapter (the seed is per rank)
+                torch.manual_seed(cfg.seed)
+                self.peft = add_lora(self.model, cfg, self.checkpoint_path)
         # per-sample attention inside packed rows (no cross-sample T x T work), where transformers allows
         self.packed_attention = packed_attention.enable(self.model)
         self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
@@ -175,7 +192,7 @@ class TorchTrainer(Trainer):
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(self.model)
         self.ref_model = None
-        if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
+        if cfg.needs_ref_model and self.peft is None:  # a KL loss, or KL-shaped rewards (--kl-coef); LoRA: the base
             self.ref_model = self._load(self.dtype).eval()
             self.ref_model.requires_grad_(False)
             if self.packed_attention and not packed_attention.enable(self.ref_model):
@@ -258,6 +275,22 @@ class TorchTrainer(Trainer):
 
     def _adapt_model(self) -> None:
         """A subclass's change to the architecture, before sharding and the optimizer (the critic's value head)."""
+
+    def _takes_lora(self) -> bool:
+        """Whether ``--lora-rank`` adapts this model (the policy does; ppo's critic trains in full)."""
+        return True
+
+    @property
+    def has_reference(self) -> bool:
+        """A reference policy to score against: the frozen model, or (LoRA) the base with the adapter off."""
+        return self.ref_model is not None or (self.peft is not None and self.cfg.needs_ref_model)
+
+    def _reference(self) -> tuple[nn.Module, Any]:
+        """The reference model and a fresh context to run it in (LoRA: the policy's own model, adapter disabled)."""
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        assert self.peft is not None and self.cfg.needs_ref_model
+        return self.model, self.peft.disable_adapter()
 
     def _with_gradient(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         """The samples a step must run forward and backward (:func:`with_gradient`)."""
@@ -366,21 +399,22 @@ class TorchTrainer(Trainer):
 
         ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model loaded).
         """
-        if ref and self.ref_model is None:
+        if ref and not self.has_reference:
             raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")
         self.model.eval()
         old: list[list[float]] = [[] for _ in samples]
         refs: list[list[float]] = [[] for _ in samples]
-        models = [(self.model, old)] + ([(self.ref_model, refs)] if ref else [])
         for batch in self._micro_batches(samples, train=False):
             if self.core_share is not None:
                 self.core_share.apply()
-            for model, out in models:
-                if batch is None:
-                    self._dummy_pass(model, backward=False)
-                    continue
-                b = batch.to(self.device)
-                logp, _ = self._log_probs(model, b, entropy=False)
+            passes = [(self.model, contextlib.nullcontext(), old)] + ([(*self._reference(), refs)] if ref else [])
+            for model, context, out in passes:
+                with context:
+                    if batch is None:
+                        self._dummy_pass(model, backward=False)
+                        continue
+                    b = batch.to(self.device)
+                    logp, _ = self._log_probs(model, b, entropy=False)
                 for i, values in zip(b.indices, b.split(logp)):
                     out[i] = values
         return LogProbs(old=old, ref=refs if ref else None)
@@ -454,8 +488,9 @@ class TorchTrainer(Trainer):
             entropy = entropy.detach()  # a metric only: no gradient through it
         ref_logp = b.ref_log_probs
         if self.cfg.use_kl_loss and ref_logp is None:
-            with torch.no_grad():
-                ref_logp, _ = self._log_probs(self.ref_model, b, entropy=False)
+            ref_model, context = self._reference()
+            with torch.no_grad(), context:
+                ref_logp, _ = self._log_probs(ref_model, b, entropy=False)
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
         return policy_loss(
             logp,
@@ -549,6 +584,9 @@ class TorchTrainer(Trainer):
         Sharded: a collective (each DTensor is all-gathered), so EVERY rank must iterate it in
         lockstep, and every rank receives the full tensors.
         """
+        if self.peft is not None:  # the engines serve the base with the adapter folded in
+            yield from merged_weights(self.model)
+            return
         seen: set[int] = set()
         for name, t in self.model.state_dict(keep_vars=True).items():
             if id(t) not in seen:
@@ -571,6 +609,8 @@ class TorchTrainer(Trainer):
                 path / "trainer_state.pt",
             )
         del weights
+        if self.peft is not None:
+            save_adapter(self.peft, self.model, path, write=self.rank == 0)
         self._barrier()
         torch.save({"optimizer": self.optimizer.state_dict(), "rng": rng_state()}, path / f"optim_rank{self.rank}.pt")
         self._barrier()
@@ -589,13 +629,22 @@ class TorchTrainer(Trainer):
         optim_file = path / f"optim_rank{self.rank}.pt"
         if not optim_file.is_file():  # refused before anything of this trainer is replaced
             raise FileNotFoundError(f"{optim_file} is missing: {path} is not a complete checkpoint of this trainer")
-        # the resident moments go first: never two sets of moments, nor moments beside the weights being read
-        self.optimizer.state.clear()
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            full.update(load_file(str(f)))
-        self._load_full_weights(full)
-        del full
+        if self.peft is None and is_lora_checkpoint(path):
+            raise ValueError(
+                f"{path} was saved by a LoRA run (its adapter is in {path / ADAPTER_DIR}): resume it with the same "
+                "--lora-rank and --lora-* flags"
+            )
+        if self.peft is not None:  # the base stays as loaded; the adapter (and below its optimizer) resumes
+            self.optimizer.state.clear()
+            load_adapter(self.peft, self.model, path, self.world_size)
+        else:
+            # the resident moments go first: never two sets of moments, nor moments beside the weights being read
+            self.optimizer.state.clear()
+            full: dict[str, torch.Tensor] = {}
+            for f in sorted(path.glob("*.safetensors")):
+                full.update(load_file(str(f)))
+            self._load_full_weights(full)
+            del full
         self._check_weights_finite()
         ranked = torch.load(optim_file, weights_only=False)
         self.optimizer.load_state_dict(ranked["optimizer"])

@@ -1,0 +1,229 @@
+"""LoRA on the ``torch`` backend: a PEFT adapter over the frozen base, merged for the engines, saved as PEFT saves it.
+
+``--lora-rank r`` wraps the policy's linear layers in PEFT's LoRA layers (the field's library: agentrl writes no
+LoRA layer of its own), so only the adapters' ``A`` and ``B`` train and only they carry AdamW state. Three things
+around the adapter are agentrl's:
+
+* **the reference** for a KL term is the base with the adapters disabled (``disable_adapter``): no second model;
+* **the engines** receive the merged weights ``W + (alpha / r) B A`` under the base's Hugging Face names
+  (:func:`merged_weights`), so every engine and weight transport serves a LoRA run unchanged;
+* **checkpoints** keep the loadable merged folder every reader of a run folder expects and add the adapter in
+  PEFT's format under ``adapter/`` (``adapter_config.json`` + ``adapter_model.safetensors``), which
+  ``peft.PeftModel.from_pretrained(base, "iter_N/adapter")`` and SGLang's ``--lora-paths NAME=iter_N/adapter``
+  load. A resumed run restores the adapter (and its optimizer) onto the same base.
+
+Targets are linear layers only (PEFT's ``all-linear`` by default, which leaves out the LM head); PiSSA-style
+initialisations that rewrite the base weights are not offered, since the reference and the merge read the base.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from agentrl.config import TrainConfig
+
+ADAPTER_DIR = "adapter"
+"""Where a LoRA run's checkpoint keeps its adapter in PEFT's format (beside the merged model)."""
+ADAPTER_NAME = "default"
+"""PEFT's name for the one adapter a trainer holds."""
+_PEFT_PREFIX = "base_model.model."
+
+
+def lora_config(cfg: TrainConfig) -> LoraConfig:
+    """PEFT's ``LoraConfig`` for the train flags: rank, alpha (default: the rank), dropout, targets, init."""
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules) or "all-linear",
+        init_lora_weights=True if cfg.lora_init == "default" else cfg.lora_init,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_lora(model: nn.Module, cfg: TrainConfig, base_path: str | Path) -> PeftModel:
+    """Wrap ``model`` (its layers in place) in a LoRA adapter; the base's weights stop training.
+
+    Returns the ``PeftModel`` (it switches the adapter off for the reference); the caller keeps running
+    ``model`` itself, whose targeted linears are now LoRA layers. A target the model lacks, or one that is
+    not a linear layer, is refused naming ``--lora-target-modules``.
+    """
+    problems = target_problems(model, cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    peft_model = get_peft_model(model, lora_config(cfg))
+    peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str(base_path)
+    return peft_model
+
+
+def target_problems(model: nn.Module, cfg: TrainConfig) -> list[str]:
+    """What is wrong with ``--lora-target-modules`` / ``--lora-rank`` for ``model`` (may live on the meta device)."""
+    wanted = list(cfg.lora_target_modules)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not wanted or wanted == ["all-linear"]:
+        hit = {n: m for n, m in linears.items() if m is not head}
+    else:
+        if "all-linear" in wanted:
+            return ["--lora-target-modules: all-linear stands alone (it already names every linear layer)"]
+        hit = {}
+        for target in wanted:
+            matched = {n: m for n, m in model.named_modules() if n == target or n.endswith("." + target)}
+            if not matched:
+                return [
+                    f"--lora-target-modules {target}: the model has no such module (its linear layers end in "
+                    f"{', '.join(sorted({n.rsplit('.', 1)[-1] for n in linears}))})"
+                ]
+            wrong = sorted({type(m).__name__ for m in matched.values() if not isinstance(m, nn.Linear)})
+            if wrong:
+                return [f"--lora-target-modules {target}: LoRA here adapts linear layers, not {', '.join(wrong)}"]
+            hit.update(matched)
+    if not hit:
+        return ["--lora-target-modules: no linear layer to adapt"]
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and embeddings is not None and any(m is head for m in hit.values()):
+        if head.weight is embeddings.weight:
+            return [
+                "--lora-target-modules: this model ties its LM head to its input embeddings, so an adapter on the "
+                "head would be merged into both; adapt other modules"
+            ]
+    smallest = min(min(m.in_features, m.out_features) for m in hit.values())
+    if cfg.lora_rank > smallest:
+        return [
+            f"--lora-rank {cfg.lora_rank} is above the smallest adapted layer's rank ({smallest}): an adapter that "
+            "large is a full update at more cost; lower it or adapt other modules"
+        ]
+    return []
+
+
+def check_lora(checkpoint: str | Path, cfg: TrainConfig) -> None:
+    """Refuse LoRA flags the checkpoint's model cannot take, before any weight loads (a meta-device model)."""
+    if not cfg.lora_rank:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    problems = target_problems(model, cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under the base's HF names, each adapted linear's as ``W + scaling * B @ A``.
+
+    ``model`` is the HF model holding PEFT's layers (not the ``PeftModel``). Sharded (FSDP2): a collective,
+    every rank iterates in lockstep and receives full tensors. Tied copies come once (the first name).
+    """
+    layers = _lora_layers(model)
+    state = model.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    for name, t in state.items():
+        if id(t) in seen or ".lora_" in name:
+            continue
+        seen.add(id(t))
+        if ".base_layer." not in name:
+            yield name, _full(t)
+            continue
+        owner, leaf = name.split(".base_layer.", 1)
+        w = _full(t)
+        if leaf == "weight":
+            a = _full(state[f"{owner}.lora_A.{ADAPTER_NAME}.weight"]).float()
+            b = _full(state[f"{owner}.lora_B.{ADAPTER_NAME}.weight"]).float()
+            w = (w.float() + (b @ a) * layers[owner].scaling[ADAPTER_NAME]).to(w.dtype)
+        yield f"{owner}.{leaf}", w
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in PEFT's file names (``base_model.model.<module>.lora_A.weight``), full and on CPU."""
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if ".lora_" in name:
+            out[_PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")] = _full(t).cpu().contiguous()
+    return out
+
+
+def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write: bool) -> None:
+    """Write ``folder/adapter`` in PEFT's format (a collective when sharded; only ``write`` ranks touch disk)."""
+    tensors = adapter_state(model)
+    if not write:
+        return
+    out = folder / ADAPTER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
+
+
+def load_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, world_size: int) -> None:
+    """Restore ``folder/adapter`` onto ``model``'s LoRA layers; its shape and scale must be this run's."""
+    out = folder / ADAPTER_DIR
+    if not (out / "adapter_model.safetensors").is_file():
+        raise ValueError(
+            f"{folder} holds no LoRA adapter ({ADAPTER_DIR}/adapter_model.safetensors): it was saved by a full "
+            "fine-tuning run; resume it without --lora-rank"
+        )
+    saved = json.loads((out / "adapter_config.json").read_text())
+    mine = peft_model.peft_config[ADAPTER_NAME]
+    for key, flag in (("r", "--lora-rank"), ("lora_alpha", "--lora-alpha")):
+        if saved.get(key) != getattr(mine, key):
+            raise ValueError(
+                f"{folder}'s adapter has {key} {saved.get(key)}, this run {flag} gives {getattr(mine, key)}: "
+                "resume with the flags it was trained with"
+            )
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    names = {
+        _PEFT_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): n for n in model.state_dict(keep_vars=True) if ".lora_" in n
+    }
+    if set(tensors) != set(names):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+        raise ValueError(
+            f"{folder}'s adapter adapts other modules than this run's --lora-target-modules "
+            f"(missing {missing[:3]}, extra {extra[:3]})"
+        )
+    state = {names[k]: v for k, v in tensors.items()}
+    if world_size > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        device = next(model.parameters()).device
+        state = {k: v.to(device) for k, v in state.items()}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(state, strict=False)
+
+
+def is_lora_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` (a run's ``iter_*``) was saved by a LoRA run."""
+    return (Path(folder) / ADAPTER_DIR / "adapter_config.json").is_file()
+
+
+__all__ = [
+    "ADAPTER_DIR",
+    "add_lora",
+    "adapter_state",
+    "check_lora",
+    "is_lora_checkpoint",
+    "load_adapter",
+    "lora_config",
+    "merged_weights",
+    "save_adapter",
+    "target_problems",
+]
