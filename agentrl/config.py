@@ -20,6 +20,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,6 +347,7 @@ GPU_TOKEN_BUDGET = 4096
 LORA_INITS = ("default", "gaussian")
 """``--lora-init``: PEFT's initialisations that start as the base model and leave its weights as they are."""
 MAX_LORA_RANK = 1024
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*|all-linear")
 
 
 @dataclass
@@ -466,7 +468,14 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
     lora_target_modules: list[str] = option(
         factory=list,
         help="LoRA: a module name (suffix) to adapt, repeatable, e.g. q_proj (SGLang's and PEFT's name; default: "
-        "all-linear, every linear layer but the LM head)",
+        "all-linear, every linear layer but the LM head: routers and gates too, not fused expert weights)",
+    )
+    lora_adapter_path: str | None = option(
+        None,
+        help="LoRA: start from this PEFT adapter folder (a LoRA warm start's iter_*/adapter) instead of a fresh "
+        "adapter (verl's lora_adapter_path); it must have been trained on --hf-checkpoint with this run's --lora-rank "
+        "and --lora-alpha. Without it, a LoRA warm start's folder as --hf-checkpoint is its merged model, and a new "
+        "adapter trains on that",
     )
     lora_init: str = option(
         "default",
@@ -510,6 +519,13 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
     def reward_kl(self) -> bool:
         """Whether ``--kl-coef`` shapes the rewards (ppo and REINFORCE++ fold the KL into them)."""
         return self.kl_coef > 0 and self.advantage_estimator in REWARD_KL_ESTIMATORS
+
+    @property
+    def starts_off_checkpoint(self) -> bool:
+        """Whether the trained policy starts elsewhere than ``--hf-checkpoint``'s weights (a megatron checkpoint, a
+        LoRA adapter to continue): then the engines, which load ``--hf-checkpoint``, get its weights before the first
+        rollout."""
+        return bool(self.initial_megatron_checkpoint) or bool(self.lora_rank and self.lora_adapter_path)
 
     @property
     def needs_ref_model(self) -> bool:
@@ -565,8 +581,17 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
                 _is_int(self.lora_rank) and 0 <= self.lora_rank <= MAX_LORA_RANK,
                 f"--lora-rank must be in [0, {MAX_LORA_RANK}]",
             ),
-            (self.lora_alpha is None or self.lora_alpha > 0, "--lora-alpha must be > 0"),
-            (0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+            (
+                self.lora_alpha is None or (_is_number(self.lora_alpha) and self.lora_alpha > 0),
+                "--lora-alpha must be > 0",
+            ),
+            (_is_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+            (
+                isinstance(self.lora_target_modules, list | tuple)
+                and all(isinstance(m, str) and _MODULE_NAME.fullmatch(m) for m in self.lora_target_modules),
+                "--lora-target-modules must be a list of module names (e.g. [q_proj, v_proj], or [all-linear])",
+            ),
+            (self.lora_adapter_path != "", "--lora-adapter-path needs a folder"),
             (
                 bool(self.lora_rank)
                 or (
@@ -574,9 +599,10 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
                     and self.lora_dropout == 0.0
                     and not self.lora_target_modules
                     and self.lora_init == "default"
+                    and self.lora_adapter_path is None
                 ),
-                "--lora-alpha, --lora-dropout, --lora-target-modules and --lora-init shape a LoRA adapter: they need "
-                "--lora-rank",
+                "--lora-alpha, --lora-dropout, --lora-target-modules, --lora-init and --lora-adapter-path shape a LoRA "
+                "adapter: they need --lora-rank",
             ),
             (
                 self.lora_dropout == 0.0 or self.loss_type == "sft_loss",

@@ -140,9 +140,8 @@ def _trl_batch(samples: list[TrainSample], pad_id: int) -> dict:
 
 
 class TrlSide:
-    name = "TRL"
-
     def __init__(self, ckpt: Path, samples: list[TrainSample], micro_batch: int, out_dir: str, lora_rank: int = 0):
+        self.name = "TRL/lora" if lora_rank else "TRL"
         from datasets import Dataset
         from transformers import AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
@@ -256,8 +255,9 @@ def main() -> None:
         "--lora-rank",
         type=int,
         default=0,
-        help="train LoRA adapters of this rank (all-linear, alpha = rank) on the TRL side and the agentrl 'lora' "
-        "variant (added to --variants); the other agentrl columns stay full fine-tuning, the in-run baseline",
+        help="also train LoRA adapters of this rank (all-linear, alpha = rank, the same PEFT config on both sides): "
+        "the agentrl 'lora' variant (added to --variants) against a 'TRL/lora' side; the full fine-tuning columns "
+        "stay, against full TRL, as the in-run baseline of memory and speed",
     )
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: one side, 2 steps, print peak RSS
     a = p.parse_args()
@@ -296,12 +296,18 @@ def main() -> None:
     )
 
     def build(name: str):
-        if name == "TRL":
-            return TrlSide(ckpt, samples, a.micro_batch, tmp, a.lora_rank)
+        if name.startswith("TRL"):
+            return TrlSide(ckpt, samples, a.micro_batch, tmp, a.lora_rank if name == "TRL/lora" else 0)
         budget, _, variant = name.removeprefix("agentrl@").partition("/")
         return AgentrlSide(ckpt, samples, int(budget), variant, a.lora_rank)
 
-    names = [f"agentrl@{b}{v}" for b in budgets for v in [""] + [f"/{v}" for v in a.variants.split(",") if v]] + ["TRL"]
+    names = [f"agentrl@{b}{v}" for b in budgets for v in [""] + [f"/{v}" for v in a.variants.split(",") if v]]
+    baselines = ["TRL"] + (["TRL/lora"] if a.lora_rank else [])  # LoRA columns against TRL with the same adapter
+
+    def baseline(name: str) -> str:
+        return "TRL/lora" if name.endswith("/lora") else "TRL"
+
+    names += baselines
     if a.side:  # a child of --peak-rss: this side alone, warm-up + one step, then its high-water mark
         from agentrl.runtime.cluster import peak_rss_mb
 
@@ -320,7 +326,7 @@ def main() -> None:
     for side in sides:  # warm-up (allocator, AdamW state), not counted
         print(f"warm-up {side.name}: {side.step():.2f}s", flush=True)
     rates: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names[:-1]}
+    ratios: dict[str, list[float]] = {n: [] for n in names if n not in baselines}
     print(
         "rep "
         + " ".join(f"{n + ' tok/s':>22}" for n in names)
@@ -332,7 +338,7 @@ def main() -> None:
         for side in order:
             rates[side.name].append(tokens / side.step())
         for n in ratios:
-            ratios[n].append(rates[n][-1] / rates["TRL"][-1])
+            ratios[n].append(rates[n][-1] / rates[baseline(n)][-1])
         print(
             f"{r:>3} "
             + " ".join(f"{rates[n][-1]:>22.1f}" for n in names)
@@ -342,7 +348,7 @@ def main() -> None:
         )
     for n in ratios:
         print(
-            f"P4 train tokens/s ({n} / TRL GRPOTrainer, micro-batch "
+            f"P4 train tokens/s ({n} / {baseline(n)} GRPOTrainer, micro-batch "
             f"{a.micro_batch}), median of {a.reps}: {statistics.median(ratios[n]):.2f}  (goal >= 1.5)"
         )
     if a.peak_rss:

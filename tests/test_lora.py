@@ -14,7 +14,9 @@ On the tiny 2-layer Llama in fp32 on CPU. What each test pins down:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -124,17 +126,46 @@ def test_checkpoint_is_a_merged_hf_folder_plus_a_peft_adapter_and_resumes_exactl
         _max_diff(resumed.compute_log_probs(samples, ref=False).old, trainer.compute_log_probs(samples, ref=False).old)
         < 1e-6
     )
-    # a checkpoint of the other kind, or an adapter of another shape, is refused before anything changes
+    # a checkpoint of the other kind, an adapter of another rank or scale, or one trained on another base, is refused
     full = TorchTrainer(tiny_ckpt, cfg())
     with pytest.raises(ValueError, match="saved by a LoRA run"):
         full.load(tmp_path / "ckpt")
     full.save(tmp_path / "full")
     with pytest.raises(ValueError, match="no LoRA adapter"):
         TorchTrainer(tiny_ckpt, config).load(tmp_path / "full")
-    with pytest.raises(ValueError, match="r 4, this run --lora-rank gives 2"):
-        TorchTrainer(tiny_ckpt, lora_cfg(lora_rank=2, lora_target_modules=["q_proj", "v_proj"])).load(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="other modules"):
-        TorchTrainer(tiny_ckpt, lora_cfg()).load(tmp_path / "ckpt")
+    qv = ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="r 4, this run's --lora-rank gives 2"):
+        TorchTrainer(tiny_ckpt, lora_cfg(lora_rank=2, lora_target_modules=qv)).load(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="lora_alpha 8.0, this run's --lora-alpha gives 16.0"):
+        TorchTrainer(tiny_ckpt, lora_cfg(lora_alpha=16.0, lora_target_modules=qv)).load(tmp_path / "ckpt")
+    elsewhere = tmp_path / "the_same_weights_elsewhere"
+    shutil.copytree(tiny_ckpt, elsewhere)
+    with pytest.raises(ValueError, match="was trained on .*pass that base as --hf-checkpoint"):
+        TorchTrainer(elsewhere, config).load(tmp_path / "ckpt")
+    # an adapter of other modules is refused before anything of the trainer is replaced
+    other = TorchTrainer(tiny_ckpt, lora_cfg())
+    _step(other, make_samples(8, seed=9))
+    state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in other.optimizer.state.items()}
+    weights = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ValueError, match="adapts other modules"):
+        other.load(tmp_path / "ckpt")
+    assert state and {id(p) for p in other.optimizer.state} == set(state)
+    assert all(torch.equal(v, state[id(p)][k]) for p, st in other.optimizer.state.items() for k, v in st.items())
+    assert all(torch.equal(v, weights[k]) for k, v in other.model.state_dict().items())
+    assert other.step == 1
+    # --lora-adapter-path: a new run continues the saved adapter (a LoRA warm start's) on the same base
+    warm = TorchTrainer(tiny_ckpt, lora_cfg(lora_target_modules=qv, lora_adapter_path=str(adapter)))
+    assert _max_diff(warm.compute_log_probs(samples, ref=False).old, lp) < 1e-6 and warm.step == 0
+    with pytest.raises(ValueError, match="was trained on"):
+        TorchTrainer(elsewhere, lora_cfg(lora_target_modules=qv, lora_adapter_path=str(adapter)))
+
+
+def test_all_linear_named_is_the_default(tiny_ckpt):
+    named = TorchTrainer(tiny_ckpt, lora_cfg(lora_target_modules=["all-linear"]))
+    default = TorchTrainer(tiny_ckpt, lora_cfg())
+    trained = {n for n, p in default.model.named_parameters() if p.requires_grad}
+    assert trained == {n for n, p in named.model.named_parameters() if p.requires_grad}
+    assert not any("lm_head" in n for n in trained) and any("down_proj" in n for n in trained)
 
 
 def test_gradient_checkpointing_and_packing_take_the_same_lora_step(tiny_ckpt):
@@ -169,11 +200,19 @@ def test_trainer_group_fsdp2_lora_matches_single_rank(tiny_ckpt, tmp_path):
     init_ray(num_cpus=2)
     samples = make_samples(8, seed=15)
     config = lora_cfg(lr=1e-3, clip_grad=1.0, global_batch_size=4, num_steps_per_rollout=2, max_tokens_per_gpu=24)
+    config = dataclasses.replace(config, use_kl_loss=True, kl_loss_coef=0.5)  # the reference: adapter off, sharded
     group = TrainerGroup(tiny_ckpt, config, world_size=2, num_cpus=1)
     try:
         single = TorchTrainer(tiny_ckpt, config)
+        # the reference log-probs first, as the loop computes them (adapter off, on both shards), then the step
+        lp_group, lp_single = group.compute_log_probs(samples, ref=True), single.compute_log_probs(samples, ref=True)
+        assert lp_group.ref is not None and lp_single.ref is not None
+        assert _max_diff(lp_group.ref, lp_single.ref) < 1e-5 and _max_diff(lp_group.old, lp_single.old) < 1e-5
+        for s, old, ref in zip(samples, lp_single.old, lp_single.ref):
+            s.old_log_probs, s.ref_log_probs = old, ref
         m_group, m_single = group.train_step(samples), single.train_step(samples)
         assert m_group["loss"] == pytest.approx(m_single["loss"], abs=1e-5)
+        assert m_group["kl"] == pytest.approx(m_single["kl"], abs=1e-6) and m_single["kl"] != 0
         assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
         weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
         expected = dict(single.named_weights())
@@ -212,6 +251,12 @@ def test_trainer_group_fsdp2_lora_matches_single_rank(tiny_ckpt, tmp_path):
         ({"lora_target_modules": ["q_proj"]}, "need --lora-rank"),
         ({"lora_rank": 4, "lora_dropout": 0.1}, "--lora-dropout is for warm starts"),
         ({"lora_rank": 4, "lora_init": "pissa"}, "--lora-init must be default or gaussian"),
+        ({"lora_rank": 4, "lora_alpha": float("inf")}, "--lora-alpha must be > 0"),
+        ({"lora_rank": 4, "lora_alpha": True}, "--lora-alpha must be > 0"),
+        ({"lora_rank": 4, "lora_target_modules": "q_proj"}, "--lora-target-modules must be a list of module names"),
+        ({"lora_rank": 4, "lora_target_modules": ["q_proj", 3]}, "--lora-target-modules must be a list"),
+        ({"lora_rank": 4, "lora_target_modules": ["../x"]}, "--lora-target-modules must be a list"),
+        ({"lora_adapter_path": "/tmp/a"}, "need --lora-rank"),
     ],
 )
 def test_bad_lora_values_are_refused_naming_the_flag(kw, message):
@@ -229,7 +274,7 @@ def test_lora_dropout_is_accepted_for_a_warm_start():
         ({"lora_target_modules": ["qq_proj"]}, "--lora-target-modules qq_proj: the model has no such module"),
         ({"lora_target_modules": ["embed_tokens"]}, "adapts linear layers, not Embedding"),
         ({"lora_target_modules": ["all-linear", "q_proj"]}, "all-linear stands alone"),
-        ({"lora_rank": 100}, "--lora-rank 100 is above the smallest adapted layer's rank"),
+        ({"lora_rank": 100}, "--lora-rank 100 is above the rank of every adapted layer"),
     ],
 )
 def test_lora_flags_the_model_cannot_take_are_refused_before_weights_load(tiny_ckpt, kw, message):
@@ -266,7 +311,7 @@ def test_lora_on_the_megatron_backend_is_refused():
 
 
 @pytest.mark.e2e
-def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt, tmp_path, ray_local):
+def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt, tmp_path, ray_local, capsys):
     """A LoRA run on the embedded engine: each step's engine serves the adapted policy (the trainer's log-probs
     of the sampled tokens match the engine's: --true-on-policy-mode), checkpoints carry the adapter, --load resumes."""
     from agentrl.runtime.train import train
@@ -285,6 +330,14 @@ def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt,
     base = load_file(str(tiny_ckpt / "model.safetensors"))
     assert any(not torch.equal(merged[k], base[k]) for k in base)
     assert (last / ADAPTER_DIR / "adapter_model.safetensors").is_file()
+    # resuming it as a full fine-tuning run, or with another rank, is refused before anything starts
+    from agentrl.cli import main
+
+    flags = ["train", "--env", "agentrl.envs.digits:Digits", "--hf-checkpoint", str(tiny_ckpt), "--load", str(save)]
+    assert main(flags) == 2
+    assert "was saved by a LoRA run" in capsys.readouterr().err
+    assert main([*flags, "--lora-rank", "8"]) == 2
+    assert "its adapter has r 4, this run's --lora-rank gives 8" in capsys.readouterr().err
     summary = train(
         _cfg(tiny_ckpt, save, num_rollout=4, save_interval=1, true_on_policy_mode=True, train=lora, load=str(save))
     )
@@ -315,14 +368,30 @@ def test_agentrl_sft_with_lora_writes_an_adapter_rl_starts_from(tiny_ckpt, tmp_p
     assert lines[-1]["sft_loss"] < 0.75 * lines[0]["sft_loss"]  # 5.9 -> 3.7 when written
     saved = json.loads((save / "iter_0000030" / ADAPTER_DIR / "adapter_config.json").read_text())
     assert saved["r"] == 8 and saved["lora_dropout"] == 0.05 and "lm_head" in saved["target_modules"]
-    # RL starts from the warm start's merged folder (and trains a fresh adapter on it)
+    # RL continues the warm start's adapter on the same base (--lora-adapter-path): its first rollout is sampled
+    # from the warm start (the engine got base + adapter), and its checkpoint's adapter moved on from there
     rl = tmp_path / "rl"
+    targets = [f"--lora-target-modules={m}" for m in ("q_proj", "v_proj", "up_proj", "down_proj", "lm_head")]
+    warm_adapter = save / "iter_0000030" / ADAPTER_DIR
     rc = main(
-        ["train", *flags, "--hf-checkpoint", str(save / "iter_0000030"), "--num-rollout", "1"]
-        + ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--lora-rank", "4", "--save", str(rl)]
+        ["train", *flags, "--hf-checkpoint", str(tiny_ckpt), "--num-rollout", "1", "--rollout-batch-size", "2"]
+        + ["--n-samples-per-prompt", "4", "--lora-rank", "8", *targets, "--lora-adapter-path", str(warm_adapter)]
+        # (an entropy bonus: a gradient even when every episode of a group ties)
+        + ["--lr", "1e-2", "--entropy-coef", "0.01", "--true-on-policy-mode", "--save", str(rl)]
     )
     assert rc == 0, capsys.readouterr().err
-    assert (rl / "iter_0000001" / ADAPTER_DIR / "adapter_config.json").is_file()
+    (line,) = [json.loads(x) for x in open(rl / "metrics.jsonl")]
+    assert line["true_on_policy_logprob_diff_max"] < 1e-3  # the engine served base + the warm start's adapter
+    a = load_file(str(warm_adapter / "adapter_model.safetensors"))
+    b = load_file(str(rl / "iter_0000001" / ADAPTER_DIR / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    # the same adapter on another base, or with another rank, is refused before anything starts
+    rc = main(
+        ["train", *flags, "--hf-checkpoint", str(save / "iter_0000030"), "--lora-rank", "8", *targets]
+        + ["--lora-adapter-path", str(warm_adapter), "--save", str(tmp_path / "refused")]
+    )
+    assert rc == 2 and "pass that base as --hf-checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_lora_flags_are_refused_by_the_cli_before_anything_starts(tiny_ckpt, tmp_path, capsys):

@@ -116,6 +116,8 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
     # train
     resume_from = _resume_point(cfg)
     checkpoint, critic = _check_checkpoints(cfg)
+    if cfg.train.lora_rank or resume_from is not None:
+        _check_adapters(cfg, checkpoint, resume_from)
     demos = _load_demos(cfg, factory, rows, checkpoint, resume_from) if cfg.is_sft else None
     cfg = _resolve(cfg, demos=demos, checkpoint=checkpoint, critic=critic)
     return ResolvedRun(
@@ -308,6 +310,18 @@ def _check_checkpoints(cfg: RunConfig) -> tuple[Path, Path | None]:
                     overrides=dict(t.megatron_args),
                 )
     return ckpt, critic
+
+
+def _check_adapters(cfg: RunConfig, checkpoint: Path, resume_from: Path | None) -> None:
+    """A LoRA run's adapters: the one it resumes and the one it starts from were trained on its base, with its
+    rank and scale; a full run does not resume a LoRA run's checkpoint (nor the reverse)."""
+    from agentrl.trainer.lora import check_adapter, check_resume  # torch and peft: not loaded by `import agentrl`
+
+    if resume_from is not None:
+        check_resume(resume_from, cfg.train, checkpoint, what=f"--load {cfg.load}", adapted=bool(cfg.train.lora_rank))
+    if cfg.train.lora_adapter_path:
+        path = cfg.train.lora_adapter_path
+        check_adapter(Path(path), cfg.train, checkpoint, what=f"--lora-adapter-path {path}")
 
 
 def _refuse_critic_checkpoint(flag: str, path: Path, wanted: str) -> None:

@@ -58,7 +58,7 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         loop = runtime.build_loop(run)
         if run.resume_from is not None:
             loop.resume(run.resume_from)
-        elif cfg.train.initial_megatron_checkpoint:  # the engines loaded --hf-checkpoint's weights: replace them
+        elif cfg.train.starts_off_checkpoint:  # the engines loaded --hf-checkpoint's weights: replace them
             runtime.sync_weights(0)
         t0 = time.monotonic()
         lines = asyncio.run(_run(loop, runtime.ctx))

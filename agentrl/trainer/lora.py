@@ -43,7 +43,10 @@ def lora_config(cfg: TrainConfig) -> LoraConfig:
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank,
         lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.lora_target_modules) or "all-linear",
+        # PEFT reads the shorthand only as a string (a list is module names)
+        target_modules=(
+            "all-linear" if cfg.lora_target_modules in ([], ["all-linear"]) else list(cfg.lora_target_modules)
+        ),
         init_lora_weights=True if cfg.lora_init == "default" else cfg.lora_init,
         bias="none",
         task_type="CAUSAL_LM",
@@ -61,7 +64,7 @@ def add_lora(model: nn.Module, cfg: TrainConfig, base_path: str | Path) -> PeftM
     if problems:
         raise ValueError("; ".join(problems))
     peft_model = get_peft_model(model, lora_config(cfg))
-    peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str(base_path)
+    peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str(Path(base_path).resolve())
     return peft_model
 
 
@@ -96,11 +99,13 @@ def target_problems(model: nn.Module, cfg: TrainConfig) -> list[str]:
                 "--lora-target-modules: this model ties its LM head to its input embeddings, so an adapter on the "
                 "head would be merged into both; adapt other modules"
             ]
-    smallest = min(min(m.in_features, m.out_features) for m in hit.values())
-    if cfg.lora_rank > smallest:
+    # above every adapted layer's own rank an adapter is a full update at more cost (a small router or gate
+    # among larger layers is no reason to refuse: its adapter is merely wider than it needs)
+    largest = max(min(m.in_features, m.out_features) for m in hit.values())
+    if cfg.lora_rank > largest:
         return [
-            f"--lora-rank {cfg.lora_rank} is above the smallest adapted layer's rank ({smallest}): an adapter that "
-            "large is a full update at more cost; lower it or adapt other modules"
+            f"--lora-rank {cfg.lora_rank} is above the rank of every adapted layer (at most {largest}): an adapter "
+            "that large is a full update at more cost; lower it"
         ]
     return []
 
@@ -173,33 +178,75 @@ def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write
     peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
 
 
-def load_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, world_size: int) -> None:
-    """Restore ``folder/adapter`` onto ``model``'s LoRA layers; its shape and scale must be this run's."""
-    out = folder / ADAPTER_DIR
-    if not (out / "adapter_model.safetensors").is_file():
+def check_adapter(adapter: Path, cfg: TrainConfig, base: str | Path, *, what: str) -> None:
+    """Refuse a PEFT adapter folder this run cannot continue: not an adapter, another rank or scale, another base.
+
+    Reads ``adapter_config.json`` only (no torch), so the preflight runs it before anything starts; ``what`` says
+    where the folder came from in the message (``--load RUN``, ``--lora-adapter-path DIR``).
+    """
+    files = [adapter / "adapter_config.json", adapter / "adapter_model.safetensors"]
+    if not all(f.is_file() for f in files):
         raise ValueError(
-            f"{folder} holds no LoRA adapter ({ADAPTER_DIR}/adapter_model.safetensors): it was saved by a full "
-            "fine-tuning run; resume it without --lora-rank"
+            f"{what}: {adapter} is no PEFT adapter folder (adapter_config.json + adapter_model.safetensors)"
         )
-    saved = json.loads((out / "adapter_config.json").read_text())
-    mine = peft_model.peft_config[ADAPTER_NAME]
-    for key, flag in (("r", "--lora-rank"), ("lora_alpha", "--lora-alpha")):
-        if saved.get(key) != getattr(mine, key):
+    try:
+        saved = json.loads(files[0].read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what}: {files[0]} is unreadable ({exc})") from None
+    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
+        raise ValueError(f"{what}: {files[0]} describes no LoRA adapter (peft_type {saved.get('peft_type')!r})")
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank
+    for key, flag, mine in (("r", "--lora-rank", cfg.lora_rank), ("lora_alpha", "--lora-alpha", alpha)):
+        if saved.get(key) != mine:
             raise ValueError(
-                f"{folder}'s adapter has {key} {saved.get(key)}, this run {flag} gives {getattr(mine, key)}: "
-                "resume with the flags it was trained with"
+                f"{what}: its adapter has {key} {saved.get(key)}, this run's {flag} gives {mine}: pass the flags it "
+                "was trained with"
             )
-    tensors = load_file(str(out / "adapter_model.safetensors"))
+    trained_on = saved.get("base_model_name_or_path")
+    if not isinstance(trained_on, str) or Path(trained_on).resolve() != Path(base).resolve():
+        raise ValueError(
+            f"{what}: its adapter was trained on {trained_on}, this run's base is {base}: pass that base as "
+            "--hf-checkpoint (an adapter on other weights, or on a merged checkpoint of its own run, is another model)"
+        )
+
+
+def check_resume(folder: Path, cfg: TrainConfig, base: str | Path, *, what: str, adapted: bool) -> None:
+    """A run's ``iter_*`` against this run's LoRA flags: the kinds agree and the adapter is this run's.
+
+    ``adapted``: whether the model resuming holds an adapter (a LoRA run's policy; not ppo's critic beside it).
+    """
+    if not adapted:
+        if is_lora_checkpoint(folder):
+            raise ValueError(
+                f"{what}: {folder} was saved by a LoRA run (its adapter is in {folder / ADAPTER_DIR}): resume it with "
+                "the same --lora-rank and --lora-* flags"
+            )
+        return
+    if not (folder / ADAPTER_DIR).is_dir():
+        raise ValueError(
+            f"{what}: {folder} holds no LoRA adapter ({ADAPTER_DIR}/): it was saved by a full fine-tuning run; resume "
+            "it without --lora-rank"
+        )
+    check_adapter(folder / ADAPTER_DIR, cfg, base, what=what)
+
+
+def read_adapter(model: nn.Module, adapter: Path) -> dict[str, torch.Tensor]:
+    """``adapter``'s tensors under ``model``'s own names; refused when it adapts other modules than ``model``'s."""
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
     names = {
         _PEFT_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): n for n in model.state_dict(keep_vars=True) if ".lora_" in n
     }
     if set(tensors) != set(names):
         missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
         raise ValueError(
-            f"{folder}'s adapter adapts other modules than this run's --lora-target-modules "
+            f"{adapter} adapts other modules than this run's --lora-target-modules "
             f"(missing {missing[:3]}, extra {extra[:3]})"
         )
-    state = {names[k]: v for k, v in tensors.items()}
+    return {names[k]: v for k, v in tensors.items()}
+
+
+def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], world_size: int) -> None:
+    """Copy :func:`read_adapter`'s tensors into ``model``'s LoRA layers (sharded or not)."""
     if world_size > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -219,9 +266,12 @@ __all__ = [
     "ADAPTER_DIR",
     "add_lora",
     "adapter_state",
+    "apply_adapter",
+    "check_adapter",
     "check_lora",
+    "check_resume",
     "is_lora_checkpoint",
-    "load_adapter",
+    "read_adapter",
     "lora_config",
     "merged_weights",
     "save_adapter",

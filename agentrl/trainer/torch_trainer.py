@@ -67,9 +67,11 @@ from agentrl.trainer.lean_activations import make_lean
 from agentrl.trainer.lora import (
     ADAPTER_DIR,
     add_lora,
-    is_lora_checkpoint,
-    load_adapter,
+    apply_adapter,
+    check_adapter,
+    check_resume,
     merged_weights,
+    read_adapter,
     save_adapter,
 )
 from agentrl.vlm import by_key, load_vision_model, vision_for
@@ -179,9 +181,15 @@ class TorchTrainer(Trainer):
         if cfg.lora_rank and self._takes_lora():
             if self.vision is not None:
                 raise ValueError("--lora-rank adapts text-only causal LMs here, not a vision-language model")
-            with torch.random.fork_rng(devices=[]):  # every rank draws the same adapter (the seed is per rank)
+            # every rank draws the same adapter (the seed is per rank); every generator comes back as it was
+            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=cuda):
                 torch.manual_seed(cfg.seed)
                 self.peft = add_lora(self.model, cfg, self.checkpoint_path)
+            if cfg.lora_adapter_path:  # continue an adapter (a LoRA warm start's) instead of a fresh one
+                adapter = Path(cfg.lora_adapter_path)
+                check_adapter(adapter, cfg, self.checkpoint_path, what=f"--lora-adapter-path {adapter}")
+                apply_adapter(self.model, read_adapter(self.model, adapter), world_size)
         # per-sample attention inside packed rows (no cross-sample T x T work), where transformers allows
         self.packed_attention = packed_attention.enable(self.model)
         self.explicit_mask = not self.packed_attention and not _packing_is_isolated(self.model, self.device)
@@ -629,14 +637,14 @@ class TorchTrainer(Trainer):
         optim_file = path / f"optim_rank{self.rank}.pt"
         if not optim_file.is_file():  # refused before anything of this trainer is replaced
             raise FileNotFoundError(f"{optim_file} is missing: {path} is not a complete checkpoint of this trainer")
-        if self.peft is None and is_lora_checkpoint(path):
-            raise ValueError(
-                f"{path} was saved by a LoRA run (its adapter is in {path / ADAPTER_DIR}): resume it with the same "
-                "--lora-rank and --lora-* flags"
-            )
-        if self.peft is not None:  # the base stays as loaded; the adapter (and below its optimizer) resumes
+        # a LoRA run's base stays as loaded, and the adapter (below, its optimizer) resumes: the adapter must be
+        # this run's, on this base (the preflight checked it too); all refused before anything here is replaced
+        check_resume(path, self.cfg, self.checkpoint_path, what=str(path), adapted=self.peft is not None)
+        if self.peft is not None:
+            adapter = read_adapter(self.model, path / ADAPTER_DIR)
             self.optimizer.state.clear()
-            load_adapter(self.peft, self.model, path, self.world_size)
+            apply_adapter(self.model, adapter, self.world_size)
+            del adapter
         else:
             # the resident moments go first: never two sets of moments, nor moments beside the weights being read
             self.optimizer.state.clear()
