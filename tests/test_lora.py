@@ -180,6 +180,26 @@ def test_gradient_checkpointing_and_packing_take_the_same_lora_step(tiny_ckpt):
     assert _max_diff(lp_a.old, lp_b.old) < 1e-5
 
 
+def test_lean_activations_keep_the_adapted_mlps_and_take_the_same_step(tiny_ckpt):
+    """The adapted SwiGLU MLPs keep gate and up once (the lean forward) and still run their LoRA layers."""
+    samples = make_samples(8, seed=10)
+    lean = TorchTrainer(tiny_ckpt, lora_cfg())
+    own = TorchTrainer(tiny_ckpt, lora_cfg())
+    assert lean.lean_modules == 7  # 5 RMSNorms and both layers' MLPs, whose projections are LoRA layers
+    for m in own.model.modules():
+        m.__dict__.pop("forward", None)  # each module's own forward again
+    for _ in range(2):
+        a, b = _step(lean, samples), _step(own, samples)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-5
+        )
+    assert (
+        _max_diff(lean.compute_log_probs(samples, ref=False).old, own.compute_log_probs(samples, ref=False).old) < 1e-5
+    )
+    down = dict(lean.model.named_parameters())["model.layers.0.mlp.down_proj.lora_B.default.weight"]
+    assert down.abs().max() > 0  # the down projection's adapter trained through the lean forward
+
+
 def test_ppo_critic_trains_in_full_beside_a_lora_policy(tiny_ckpt):
     from agentrl.trainer.torch_critic import TorchCritic
 

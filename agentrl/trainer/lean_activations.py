@@ -93,7 +93,13 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if self.down_proj.bias is not None or torch.is_autocast_enabled(x.device.type):  # the plain path for these
+    # the plain path for these; and for a down projection that is no plain linear (a LoRA layer: its adapter
+    # keeps the product for its own gradient, gate and up are still kept once instead of twice)
+    if (
+        not isinstance(self.down_proj, nn.Linear)
+        or self.down_proj.bias is not None
+        or torch.is_autocast_enabled(x.device.type)
+    ):
         return self.down_proj(_SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
     return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
@@ -111,7 +117,9 @@ def _is_rmsnorm(m: nn.Module) -> bool:
 def _is_swiglu(m: nn.Module) -> bool:
     parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(m, "act_fn", None)  # nn.SiLU, or transformers' SiLUActivation (the check below confirms it)
-    return all(isinstance(p, nn.Linear) for p in parts) and isinstance(act, nn.Module) and "SiLU" in type(act).__name__
+    # linear layers, or layers wrapping one (PEFT's LoRA layers keep theirs as base_layer); the check below confirms
+    linear = all(isinstance(p, nn.Linear) or isinstance(getattr(p, "base_layer", None), nn.Linear) for p in parts)
+    return linear and isinstance(act, nn.Module) and "SiLU" in type(act).__name__
 
 
 def make_lean(model: nn.Module) -> int:
