@@ -27,6 +27,8 @@ Checkpoint layout written by :meth:`TorchTrainer.save` (a loadable HF folder plu
     model.safetensors                                      (full weights, tied copies once)
     trainer_state.pt      {"step", "world_size", "extra_state"}                (rank 0)
     optim_rank{r}.pt      {"optimizer": state_dict (local shards), "rng": ...}  (every rank)
+    adapter/              --lora-rank: the adapter in PEFT's format (model.safetensors is then the merged
+                          model; the optimizer state is the adapter's; :mod:`agentrl.trainer.lora`)
 
 Resuming needs the same world size (optimizer shards are per rank).
 """
