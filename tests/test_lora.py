@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.config import RunConfig, TrainConfig
 from agentrl.trainer.lora import ADAPTER_DIR, check_lora
 from agentrl.trainer.torch_trainer import TorchTrainer
-from tests.test_trainer import cfg, make_samples, reference_log_probs
+from tests.test_trainer import assert_group_weights_match, cfg, make_samples, reference_log_probs
 
 
 def lora_cfg(**kw) -> TrainConfig:
@@ -234,11 +234,7 @@ def test_trainer_group_fsdp2_lora_matches_single_rank(tiny_ckpt, tmp_path):
         assert m_group["loss"] == pytest.approx(m_single["loss"], abs=1e-5)
         assert m_group["kl"] == pytest.approx(m_single["kl"], abs=1e-6) and m_single["kl"] != 0
         assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
-        weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
-        expected = dict(single.named_weights())
-        assert weights.keys() == expected.keys()
-        for name, t in expected.items():
-            torch.testing.assert_close(weights[name], t, atol=1e-5, rtol=0)
+        assert_group_weights_match(group, single)
         group.save(tmp_path / "ckpt", {"k": 2})
         single.save(tmp_path / "single")
         a = load_file(str(tmp_path / "ckpt" / ADAPTER_DIR / "adapter_model.safetensors"))

@@ -69,6 +69,19 @@ def capture_grads(trainer: TorchTrainer) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+def assert_group_weights_match(group, single: TorchTrainer) -> None:
+    """A sharded trainer group's full weights (gathered, as the engines get them) equal one rank's."""
+    import ray
+
+    from agentrl.runtime.engine_group import numpy_to_tensors
+
+    weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
+    expected = dict(single.named_weights())
+    assert weights.keys() == expected.keys()
+    for name, t in expected.items():
+        torch.testing.assert_close(weights[name], t, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- packing
 
 
@@ -389,11 +402,7 @@ def test_trainer_group_fsdp2_matches_single_rank(tiny_ckpt, tmp_path):
         assert m_group["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-4)
         from agentrl.runtime.engine_group import numpy_to_tensors
 
-        weights = numpy_to_tensors(ray.get(group.named_weights_ref()))
-        expected = dict(single.named_weights())
-        assert weights.keys() == expected.keys()
-        for name, t in expected.items():
-            torch.testing.assert_close(weights[name], t, atol=1e-5, rtol=0)
+        assert_group_weights_match(group, single)
         group.save(tmp_path / "ckpt", {"k": 1})
         assert (tmp_path / "ckpt" / "optim_rank1.pt").exists()
         group.train_step(samples[:4])

@@ -37,6 +37,11 @@ ADAPTER_NAME = "default"
 _PEFT_PREFIX = "base_model.model."
 
 
+def _all_linear(cfg: TrainConfig) -> bool:
+    """Whether the targets are PEFT's ``all-linear`` (named, or by default)."""
+    return list(cfg.lora_target_modules) in ([], ["all-linear"])
+
+
 def lora_config(cfg: TrainConfig) -> LoraConfig:
     """PEFT's ``LoraConfig`` for the train flags: rank, alpha (default: the rank), dropout, targets, init."""
     return LoraConfig(
@@ -44,9 +49,7 @@ def lora_config(cfg: TrainConfig) -> LoraConfig:
         lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank,
         lora_dropout=cfg.lora_dropout,
         # PEFT reads the shorthand only as a string (a list is module names)
-        target_modules=(
-            "all-linear" if cfg.lora_target_modules in ([], ["all-linear"]) else list(cfg.lora_target_modules)
-        ),
+        target_modules=("all-linear" if _all_linear(cfg) else list(cfg.lora_target_modules)),
         init_lora_weights=True if cfg.lora_init == "default" else cfg.lora_init,
         bias="none",
         task_type="CAUSAL_LM",
@@ -60,9 +63,7 @@ def add_lora(model: nn.Module, cfg: TrainConfig, base_path: str | Path) -> PeftM
     ``model`` itself, whose targeted linears are now LoRA layers. A target the model lacks, or one that is
     not a linear layer, is refused naming ``--lora-target-modules``.
     """
-    problems = target_problems(model, cfg)
-    if problems:
-        raise ValueError("; ".join(problems))
+    _refuse_targets(model, cfg)
     peft_model = get_peft_model(model, lora_config(cfg))
     peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str(Path(base_path).resolve())
     return peft_model
@@ -73,7 +74,7 @@ def target_problems(model: nn.Module, cfg: TrainConfig) -> list[str]:
     wanted = list(cfg.lora_target_modules)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not wanted or wanted == ["all-linear"]:
+    if _all_linear(cfg):
         hit = {n: m for n, m in linears.items() if m is not head}
     else:
         if "all-linear" in wanted:
@@ -119,6 +120,10 @@ def check_lora(checkpoint: str | Path, cfg: TrainConfig) -> None:
     config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    _refuse_targets(model, cfg)
+
+
+def _refuse_targets(model: nn.Module, cfg: TrainConfig) -> None:
     problems = target_problems(model, cfg)
     if problems:
         raise ValueError("; ".join(problems))
@@ -222,7 +227,7 @@ def check_resume(folder: Path, cfg: TrainConfig, base: str | Path, *, what: str,
                 "the same --lora-rank and --lora-* flags"
             )
         return
-    if not (folder / ADAPTER_DIR).is_dir():
+    if not is_lora_checkpoint(folder):
         raise ValueError(
             f"{what}: {folder} holds no LoRA adapter ({ADAPTER_DIR}/): it was saved by a full fine-tuning run; resume "
             "it without --lora-rank"
