@@ -141,6 +141,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest decode batch the compiled step serves (SGLang's flag); bigger ones run eager",
     )
     s.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (SGLang's flag; on by itself with --lora-paths): chosen per request by lora_path "
+        "(/generate, per batch row too) or the OpenAI model 'base:adapter', several in one batch",
+    )
+    s.add_argument(
+        "--lora-paths",
+        nargs="+",
+        default=None,
+        metavar="ADAPTER",
+        help="PEFT adapter folders loaded at start (SGLang's forms): PATH, NAME=PATH or "
+        '\'{"lora_name": ..., "lora_path": ..., "pinned": ...}\'',
+    )
+    s.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="adapters the running rows may use at once, no adapter counting as one (SGLang's flag, default 8)",
+    )
+    s.add_argument(
+        "--max-loaded-loras", type=int, default=None, help="adapters loaded at once (SGLang's flag; default: no limit)"
+    )
+    s.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest rank /load_lora_adapter takes (SGLang's flag; default: the largest of --lora-paths)",
+    )
+    s.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="layers adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+        "(SGLang's flag; default: those of --lora-paths, or all)",
+    )
+    s.add_argument(
         "--tool-call-parser",
         default="hermes",
         help="parse tool calls in /v1/chat/completions replies (SGLang's flag; SGLang has none by default): "
@@ -401,6 +438,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_memory_saver=args.enable_memory_saver,
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs,
+        enable_lora=args.enable_lora,
+        lora_paths=args.lora_paths,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
         tool_parser=tool_parser,
         api_key=api_key,
         max_body_mb=args.max_body_mb,

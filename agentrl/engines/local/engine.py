@@ -38,6 +38,16 @@ import torch
 from agentrl.cpu_share import CoreShare
 from agentrl.engines.local.image_data import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
+from agentrl.engines.local.lora import (
+    DEFAULT_MAX_LORAS_PER_BATCH,
+    Adapter,
+    LoraAdapters,
+    LoraError,
+    check_limits,
+    parse_lora_paths,
+    parse_target_modules,
+    read_adapter_config,
+)
 from agentrl.engines.local.sampling import InvalidRequestError, SamplingConfig, biased, kept_tokens, sample_batch
 from agentrl.engines.local.weights import WeightUpdateError, apply_weights, model_shapes, read_source
 from agentrl.vlm import load_vision_model, vision_for
@@ -90,6 +100,17 @@ class _Request:
         self.top_p_ids: list[list[int]] = []  # per output token: the kept set (custom_params.return_top_p_token_ids)
         self.input_meta: dict[str, list] = {}  # input_token_logprobs / input_top_logprobs, once scored
         self.stream: asyncio.Queue | None = None  # partial responses for a streaming request
+        self.lora: Adapter | None = None  # the LoRA adapter the request runs under (lora_path)
+
+    @property
+    def slot(self) -> int:
+        """The adapter's slot in the stacked LoRA weights (0: none)."""
+        return self.lora.slot if self.lora is not None else 0
+
+    @property
+    def tag(self) -> int:
+        """The prefix-cache tag: the adapter load's uid (0: none), so KV is never shared across adapters."""
+        return self.lora.uid if self.lora is not None else 0
 
     def tokens(self) -> np.ndarray:
         """Prompt + output ids whose KV is in the row (the last sampled token's is not yet)."""
@@ -116,6 +137,9 @@ class LocalEngine:
     compiled before the engine takes requests (1-3 minutes for SmolLM2 on CPU, which needs a C++ compiler;
     not with ``adaptive_threads``, whose thread changes would each compile again); worth it for long runs
     only: up to ~10% of a CPU decode step, ~4% of a decode end to end as measured (bench/README.md, P3).
+    ``enable_lora`` and the ``lora_*`` / ``max_lora*`` arguments are SGLang's LoRA server args (see
+    :mod:`agentrl.engines.local.lora`): adapters loaded from ``lora_paths`` at start or later with
+    :meth:`load_lora_adapter`, chosen per request by ``lora_path``, several in one batch.
     """
 
     def __init__(
@@ -134,6 +158,12 @@ class LocalEngine:
         min_threads: int = 1,
         enable_torch_compile: bool = False,
         torch_compile_max_bs: int = 32,
+        enable_lora: bool = False,
+        lora_paths: list[str] | None = None,
+        max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH,
+        max_loaded_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_target_modules: list[str] | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,6 +186,17 @@ class LocalEngine:
                 )
             if torch.device(device).type == "cpu":
                 _check_cpp_compiler()
+        # SGLang: --lora-paths turns LoRA on by itself; each setting is refused before the model loads
+        sources = parse_lora_paths(lora_paths or [])
+        self.enable_lora = _strict_bool("enable_lora", enable_lora) or bool(sources)
+        targets = parse_target_modules(lora_target_modules)
+        check_limits(max_lora_rank, max_loras_per_batch, max_loaded_loras)
+        if self.enable_lora and self.enable_torch_compile:
+            raise LoraError(
+                "--enable-lora with --enable-torch-compile: the compiled decode step has no adapters; "
+                "drop one of the two"
+            )
+        initial = [(src, read_adapter_config(src.path, what=f"--lora-paths {src.name}")) for src in sources]
         self.model_path = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
@@ -173,6 +214,17 @@ class LocalEngine:
             self.body = self.model.model
         self.model.requires_grad_(False)
         self.vision = EngineVision(family, self.model) if family is not None else None
+        if self.enable_lora and family is not None:
+            raise LoraError(
+                f"--enable-lora: {self.model_path} is a vision-language checkpoint; the embedded engine serves "
+                "adapters on text models only"
+            )
+        self.lora = (
+            self._lora_adapters(initial, targets, max_lora_rank, max_loras_per_batch, max_loaded_loras)
+            if self.enable_lora
+            else None
+        )
+        self._lora_pending: set[str] = set()  # names being loaded (event-loop side)
         cfg = getattr(self.body, "config", None) or self.model.config
         ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
         windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
@@ -216,6 +268,46 @@ class LocalEngine:
         )
         self._thread = threading.Thread(target=self._run, name="agentrl-local-engine", daemon=True)
         self._thread.start()
+
+    def _lora_adapters(
+        self,
+        initial: list[tuple[Any, Any]],
+        targets: frozenset[str] | None,
+        max_rank: int | None,
+        per_batch: int,
+        max_loaded: int | None,
+    ) -> LoraAdapters:
+        """Wrap the target layers and load ``--lora-paths`` (before the worker starts). As SGLang: without
+        ``--lora-target-modules`` the start adapters' modules are the targets (all when none is given), without
+        ``--max-lora-rank`` the largest start rank bounds later loads (any rank up to 1024 when none is given)."""
+        if targets is None and initial:
+            named = set()
+            for src, cfg in initial:
+                mods = cfg.get("target_modules") if isinstance(cfg, dict) else None
+                if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+                    raise LoraError(
+                        f"--lora-paths {src.name}: adapter_config.json lists no target_modules; pass --lora-target-modules"
+                    )
+                named.update(m.rsplit(".", 1)[-1] for m in mods)
+            targets = parse_target_modules(sorted(named))
+        if max_rank is None and initial:
+            ranks = [cfg.get("r") for _, cfg in initial if isinstance(cfg, dict)]
+            max_rank = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=None)
+        lora = LoraAdapters(
+            self.model,
+            list(self.body.layers),
+            targets=targets if targets is not None else parse_target_modules(["all"]) or frozenset(),
+            max_rank=max_rank,
+            max_loras_per_batch=per_batch,
+            max_loaded_loras=max_loaded,
+            model_config=self.model.config,
+        )
+        for src, cfg in initial:
+            adapter, modules = lora.prepare(src.name, cfg, src.path, what=f"--lora-paths {src.name}", pinned=src.pinned)
+            adapter.uid = lora.new_uid()
+            lora.install(adapter, modules)
+            lora.by_name[adapter.name] = adapter
+        return lora
 
     def _compile(self) -> None:
         """Compile the decode step now, before any request (see the class docstring)."""
@@ -282,6 +374,7 @@ class LocalEngine:
             options.get("top_logprobs_num", 0),
             options.get("image_data"),
             prepared,
+            lora_path=options.get("lora_path"),
         ).future.cancel()
 
     async def generate(
@@ -295,6 +388,7 @@ class LocalEngine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         image_data: Any = None,
+        lora_path: str | None = None,
     ) -> dict:
         """Continue ``input_ids``; return SGLang's ``/generate`` response dict.
 
@@ -307,6 +401,7 @@ class LocalEngine:
         entry's log-prob is None, as SGLang's; from a position before the last one they cost one extra
         forward of the prompt; with
         ``max_new_tokens: 0`` that is all the request does (slime's teacher scoring).
+        ``lora_path``: the name of a loaded LoRA adapter to run under (SGLang's field; None: the base model).
         Raises :class:`InvalidRequestError` for requests SGLang would answer with HTTP 400.
         Cancelling the awaiting task aborts the request.
         """
@@ -320,6 +415,7 @@ class LocalEngine:
             top_logprobs_num,
             image_data,
             await self._prepare_images(input_ids, image_data),
+            lora_path=lora_path,
         )
         if req.finish is not None:
             return self._response(req)
@@ -341,6 +437,7 @@ class LocalEngine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         image_data: Any = None,
+        lora_path: str | None = None,
     ) -> AsyncIterator[dict]:
         """:meth:`generate`, yielding SGLang's cumulative response (text and ids so far, ``finish_reason``
         None) every ``stream_interval`` tokens as they are sampled, then the final response.
@@ -357,6 +454,7 @@ class LocalEngine:
             top_logprobs_num,
             image_data,
             await self._prepare_images(input_ids, image_data),
+            lora_path=lora_path,
         )
         if req.finish is not None:
             yield self._response(req)
@@ -393,10 +491,13 @@ class LocalEngine:
         top_logprobs_num: int,
         image_data: Any = None,
         prepared: tuple[np.ndarray, RequestImages | None] | None = None,
+        *,
+        lora_path: Any = None,
     ) -> _Request:
         if self._stop or not self._thread.is_alive():
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
+        adapter = self.lora_adapter(lora_path)
         key, images = prepared if prepared is not None else (None, None)
         if prepared is not None:
             pass  # decoded and checked by _prepare_images (in a worker thread)
@@ -433,6 +534,7 @@ class LocalEngine:
         )
         if key is not None:
             req.prompt, req.images = key, images
+        req.lora = adapter
         if return_logprob:
             req.logprob_start_len = logprob_start_len if logprob_start_len >= 0 else len(ids) - 1
             req.top_logprobs_num = top_logprobs_num
@@ -490,6 +592,91 @@ class LocalEngine:
             self._control.append(("flush", None))
             self._cv.notify()
         return True
+
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        *,
+        tensors: dict[str, torch.Tensor] | None = None,
+        config: dict | None = None,
+        pinned: bool = False,
+    ) -> dict:
+        """SGLang's ``/load_lora_adapter``: a PEFT adapter folder (``lora_path``), or its ``tensors`` (PEFT's names)
+        and ``config`` (its ``adapter_config.json`` as a dict), served as ``lora_name`` from the next batch on.
+
+        The files are read and checked in a worker thread (every tensor against this model's layers before its
+        memory is allocated); the slot is filled between two forwards, so running requests are not held. A name
+        already loaded is refused (unload it first, as SGLang). Returns SGLang's ``{"success", "error_message",
+        "loaded_adapters"}``; a refusal changes nothing."""
+        if self.lora is None:
+            return self._lora_result(False, "this engine was started without --enable-lora (or --lora-paths)")
+        what = f"lora adapter {lora_name!r}"
+        if not isinstance(pinned, bool):
+            return self._lora_result(False, f"pinned must be true or false, got {pinned!r}")
+        if lora_name in self.lora.by_name or lora_name in self._lora_pending:
+            return self._lora_result(False, f"an adapter named {lora_name!r} is already loaded: unload it first")
+        if (lora_path is None) == (tensors is None):
+            return self._lora_result(False, "give exactly one of lora_path and tensors")
+        self._lora_pending.add(lora_name)
+        try:
+            lora = self.lora
+
+            def prepare() -> tuple[Adapter, dict]:
+                cfg = read_adapter_config(lora_path, what=what) if lora_path is not None else config
+                return lora.prepare(
+                    lora_name, cfg, lora_path if lora_path is not None else tensors, what=what, pinned=pinned
+                )  # type: ignore[arg-type]
+
+            try:
+                adapter, modules = await asyncio.to_thread(prepare)
+            except LoraError as exc:
+                return self._lora_result(False, str(exc))
+            adapter.uid = lora.new_uid()
+            fut = asyncio.get_running_loop().create_future()
+            with self._cv:
+                self._control.append(("lora_load", (adapter, modules, fut)))
+                self._cv.notify()
+            out = await fut
+            if out.get("success"):
+                lora.by_name[lora_name] = adapter
+            return self._lora_result(bool(out.get("success")), out.get("message", ""))
+        finally:
+            self._lora_pending.discard(lora_name)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """SGLang's ``/unload_lora_adapter``: new requests naming ``lora_name`` are refused at once; its slot is
+        freed (and its cached prefixes dropped) when the requests already using it have ended."""
+        if self.lora is None:
+            return self._lora_result(False, "this engine was started without --enable-lora (or --lora-paths)")
+        adapter = self.lora.by_name.pop(lora_name, None) if isinstance(lora_name, str) else None
+        if adapter is None:
+            return self._lora_result(False, f"no adapter named {lora_name!r} is loaded")
+        fut = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._control.append(("lora_unload", (adapter, fut)))
+            self._cv.notify()
+        out = await fut
+        return self._lora_result(bool(out.get("success")), out.get("message", ""))
+
+    def _lora_result(self, success: bool, message: str) -> dict:
+        loaded = self.lora.listing() if self.lora is not None else {}
+        return {"success": success, "error_message": "" if success else message, "loaded_adapters": loaded}
+
+    def lora_adapter(self, lora_path: Any, what: str = "lora_path") -> Adapter | None:
+        """The loaded adapter a request names (``lora_path``: SGLang's field holds the adapter's name), or None;
+        raises :class:`InvalidRequestError` naming ``what`` for an adapter this engine does not hold."""
+        if lora_path is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(f"{what}: this engine was started without --enable-lora")
+        if not isinstance(lora_path, str) or lora_path not in self.lora.by_name:
+            loaded = sorted(self.lora.by_name)
+            raise InvalidRequestError(
+                f"{what}: no adapter named {str(lora_path)[:200]!r} is loaded (loaded: {loaded}); load it with "
+                "/load_lora_adapter"
+            )
+        return self.lora.by_name[lora_path]
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, *, abort_all_requests: bool = False
@@ -612,8 +799,8 @@ class LocalEngine:
             req.finish = {"type": "abort", "message": "engine closed"}
             self._resolve(req)
         for kind, arg in self._control:
-            if kind in ("update", "release", "resume"):
-                fut = arg[2] if kind == "update" else arg[1]
+            if kind != "flush":
+                fut = arg[2] if kind == "update" else arg[-1]
                 _call_soon(
                     fut.get_loop(),
                     _set_result,
@@ -688,7 +875,7 @@ class LocalEngine:
                 log.exception("embedded engine: %s failed", kind)
                 self.last_error = exc
                 if kind != "flush":
-                    fut = arg[2] if kind == "update" else arg[1]
+                    fut = arg[2] if kind == "update" else arg[-1]
                     _call_soon(
                         fut.get_loop(),
                         _set_result,
@@ -708,6 +895,25 @@ class LocalEngine:
             path, version, fut, opts = arg
             result = self._load_weights(path, version, **opts)
             _call_soon(fut.get_loop(), _set_result, fut, result)
+        elif kind == "lora_load":
+            adapter, modules, fut = arg
+            assert self.lora is not None
+            try:
+                self.lora.install(adapter, modules)
+                result = {"success": True, "message": ""}
+            except LoraError as exc:
+                result = {"success": False, "message": str(exc)}
+            _call_soon(fut.get_loop(), _set_result, fut, result)
+        elif kind == "lora_unload":
+            adapter, fut = arg
+            assert self.lora is not None
+            with self._cv:  # requests not yet taken from the inbox hold it too
+                held = any(r.lora is adapter for r in itertools.chain(self._inbox, self._waiting, self._rows) if r)
+            if held:
+                return False
+            self.lora.remove(adapter)
+            self.store.drop(adapter.uid)
+            _call_soon(fut.get_loop(), _set_result, fut, {"success": True, "message": ""})
         elif kind in ("release", "resume") and self.num_running == 0:
             tags, fut = arg
             result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
@@ -782,8 +988,17 @@ class LocalEngine:
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self._rows) if r is None]
         new: list[_Request] = []
+        # SGLang's --max-loras-per-batch: the running rows use at most that many adapters (no adapter counts as one);
+        # a request whose adapter would be one more waits, in order, while later ones that fit go ahead
+        slots = {r.slot for r in self._rows if r is not None}
+        limit = self.lora.max_loras_per_batch if self.lora is not None else None
+        held: list[_Request] = []
         while self._waiting and len(new) < len(free):
             req = self._waiting.popleft()
+            if limit is not None and req.slot not in slots and len(slots) >= limit:
+                held.append(req)
+                continue
+            slots.add(req.slot)
             if req.images is not None and req.images.features is None:
                 try:  # the vision tower, now (past the prefix it will reuse): a picture it cannot take fails it only
                     self.vision.compute(req.images, self._best_prefix(req)[1])  # type: ignore[union-attr]
@@ -803,6 +1018,7 @@ class LocalEngine:
             req.row = free[len(new)]
             self._rows[req.row] = req
             new.append(req)
+        self._waiting.extendleft(reversed(held))
         if self.store.max_sequences <= 0:
             self._prefill([(r, 0, None) for r in new])
             return
@@ -811,7 +1027,7 @@ class LocalEngine:
             batch, later = [], []
             for req in new:
                 src, n = self._best_prefix(req)
-                if any(common_prefix_len(req.prompt, b.prompt) > n + 8 for b, _, _ in batch):
+                if any(b.tag == req.tag and common_prefix_len(req.prompt, b.prompt) > n + 8 for b, _, _ in batch):
                     later.append(req)
                 else:
                     batch.append((req, n, src))
@@ -820,9 +1036,9 @@ class LocalEngine:
 
     def _best_prefix(self, req: _Request) -> tuple[CachedSequence | _Request | None, int]:
         """The cached sequence or running request sharing the longest prompt prefix with ``req``."""
-        src, n = self.store.best_match(req.prompt)
+        src, n = self.store.best_match(req.prompt, req.tag)
         for other in self._rows:
-            if other is not None and other is not req and other.kv_len > n:
+            if other is not None and other is not req and other.tag == req.tag and other.kv_len > n:
                 m = common_prefix_len(other.tokens(), req.prompt)
                 if m > n:
                     src, n = other, m
@@ -844,6 +1060,8 @@ class LocalEngine:
         tops: list[Any] = [None]
         if start + 1 < L:
             ids = torch.tensor([r.input_ids], device=dev)
+            if self.lora is not None:
+                self.lora.select([r.slot])
             if r.images is None:
                 hidden = self.body(input_ids=ids, use_cache=False).last_hidden_state[0]
             else:
@@ -906,6 +1124,8 @@ class LocalEngine:
             if found is not None:
                 inject.append((i, torch.from_numpy(found[0]), found[1]))
         dev = self.runner.device
+        if self.lora is not None:
+            self.lora.select([r.slot for r in group])
         logits = self.runner.forward(
             ids.to(dev),
             torch.tensor([r.row for r in group], device=dev),
@@ -930,6 +1150,8 @@ class LocalEngine:
         dev = self.runner.device
         ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=dev)
         start = torch.tensor([r.kv_len for r in batch], device=dev)
+        if self.lora is not None:
+            self.lora.select([r.slot for r in batch])
         logits = self.runner.forward(ids, slice(0, B), start, torch.zeros(B, dtype=torch.long, device=dev))
         for r in batch:
             r.kv_len += 1
@@ -1012,7 +1234,7 @@ class LocalEngine:
         if r.row >= 0:
             if self.store.max_sequences > 0 and r.kv_len > 0:
                 k, v = self.runner.cache.extract(r.row, r.kv_len)
-                self.store.insert(CachedSequence(r.tokens(), k, v))
+                self.store.insert(CachedSequence(r.tokens(), k, v, r.tag))
             self._rows[r.row] = None
             r.row = -1
         self._resolve(r)

@@ -79,6 +79,8 @@ def _unpack(engine: LocalEngine, prompts: TextPrompts, body: dict) -> tuple[bool
             return value
         return [value] * len(ids)
 
+    if not batch and isinstance(body.get("lora_path"), list):
+        raise InvalidRequestError("lora_path: one request takes one adapter name (a list is for a batch of inputs)")
     rids = per_item("rid", None)
     if batch and isinstance(body.get("rid"), str):
         rids = [f"{body['rid']}_{i}" for i in range(len(ids))]
@@ -92,8 +94,9 @@ def _unpack(engine: LocalEngine, prompts: TextPrompts, body: dict) -> tuple[bool
             "logprob_start_len": -1 if start is None else start,
             "top_logprobs_num": top or 0,
             "image_data": imgs,
+            "lora_path": lora,
         }
-        for i, sp, rid, lp, start, top, imgs in zip(
+        for i, sp, rid, lp, start, top, imgs, lora in zip(
             ids,
             per_item("sampling_params", {}),
             rids,
@@ -101,6 +104,7 @@ def _unpack(engine: LocalEngine, prompts: TextPrompts, body: dict) -> tuple[bool
             per_item("logprob_start_len", -1),
             per_item("top_logprobs_num", 0),
             images,
+            per_item("lora_path", None),
         )
     ]
     return batch, jobs

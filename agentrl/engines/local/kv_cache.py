@@ -104,10 +104,12 @@ class CachedSequence:
     tokens: np.ndarray  # [L] int64: the tokens whose KV is stored
     k: torch.Tensor  # [layers, kv_heads, L, head_dim]
     v: torch.Tensor
+    tag: int = 0  # the LoRA adapter load the KV was computed under (0: none); a prefix is reused under its tag only
 
 
 class PrefixStore:
-    """LRU store of finished sequences' KV, looked up by longest common token prefix."""
+    """LRU store of finished sequences' KV, looked up by longest common token prefix under the same ``tag``
+    (keys and values computed with one LoRA adapter are another model's: never shared across adapters)."""
 
     def __init__(self, max_sequences: int):
         self.max_sequences = max_sequences
@@ -127,7 +129,9 @@ class PrefixStore:
         for key in [
             k
             for k, e in self._entries.items()
-            if len(e.tokens) <= len(seq.tokens) and common_prefix_len(e.tokens, seq.tokens) == len(e.tokens)
+            if e.tag == seq.tag
+            and len(e.tokens) <= len(seq.tokens)
+            and common_prefix_len(e.tokens, seq.tokens) == len(e.tokens)
         ]:
             del self._entries[key]
         self._entries[self._next_key] = seq
@@ -135,10 +139,17 @@ class PrefixStore:
         while len(self._entries) > self.max_sequences:
             self._entries.popitem(last=False)
 
-    def best_match(self, tokens: np.ndarray) -> tuple[CachedSequence | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` and that length (marks it recently used)."""
+    def drop(self, tag: int) -> None:
+        """Forget every entry computed under ``tag`` (an adapter that was unloaded)."""
+        for key in [k for k, e in self._entries.items() if e.tag == tag]:
+            del self._entries[key]
+
+    def best_match(self, tokens: np.ndarray, tag: int = 0) -> tuple[CachedSequence | None, int]:
+        """The entry of ``tag`` sharing the longest prefix with ``tokens`` and that length (marks it recently used)."""
         best, best_len, best_key = None, 0, None
         for key, e in self._entries.items():
+            if e.tag != tag:
+                continue
             n = common_prefix_len(e.tokens, tokens)
             if n > best_len:
                 best, best_len, best_key = e, n, key

@@ -98,20 +98,16 @@ def add_openai_routes(
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "agentrl",
-                    "root": name,
-                    "parent": None,
-                    "max_model_len": engine.context_length,
-                }
-            ],
-        }
+        """The served model, then each loaded LoRA adapter as SGLang lists them (``parent``: the served model)."""
+        now = int(time.time())
+        card = {"object": "model", "created": now, "owned_by": "agentrl"}
+        data = [{"id": name, **card, "root": name, "parent": None, "max_model_len": engine.context_length}]
+        if engine.lora is not None:
+            data += [
+                {"id": lora, **card, "root": path, "parent": name, "max_model_len": None}
+                for lora, path in engine.lora.listing().items()
+            ]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -157,7 +153,11 @@ def add_openai_routes(
             ids, images = _render_prompt(*render)
         if prefix:
             ids = ids + tok.encode(prefix, add_special_tokens=False)
-        jobs = [{"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs} for sp in _samples(req)]
+        lora = adapter_name(engine, req)
+        jobs = [
+            {"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs, "lora_path": lora}
+            for sp in _samples(req)
+        ]
         for job in jobs if images else ():
             job["image_data"] = [im.url for im in images]
         head = {
@@ -434,13 +434,27 @@ def _completion_jobs(engine: LocalEngine, prompts: TextPrompts, body: dict) -> t
         elif isinstance(p, str):
             prompts.check_fits(p)
     req = P.CompletionRequest.parse(body)
+    lora = adapter_name(engine, req)
     items = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) else [req.prompt]
     jobs = []
     for ids in items:
         ids = ids if isinstance(ids, list) else prompts.encode(ids)
         for sp in _samples(req, req.sampling(default_max=16)):
-            jobs.append({"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs is not None})
+            jobs.append(
+                {"input_ids": ids, "sampling_params": sp, "return_logprob": req.logprobs is not None, "lora_path": lora}
+            )
     return req, jobs
+
+
+def adapter_name(engine: LocalEngine, req: P.CompletionRequest | P.ChatCompletionRequest) -> str | None:
+    """The LoRA adapter an OpenAI request names, checked: SGLang's ``model: "base:adapter"`` (with LoRA on; without
+    it ``model`` is not read, as before), else its ``lora_path`` field, else None (the base model)."""
+    if engine.lora is not None and req.model is not None and ":" in req.model:
+        name = req.model.split(":", 1)[1]
+        engine.lora_adapter(name, what="model")
+        return name
+    engine.lora_adapter(req.lora_path, what="lora_path")
+    return req.lora_path
 
 
 async def check_jobs(engine: LocalEngine, jobs: list[dict]) -> None:

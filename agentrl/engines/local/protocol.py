@@ -22,6 +22,7 @@ TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0, le=INT32)]], F
 Count = Annotated[int, Field(strict=True, ge=0, le=INT32)]
 StartLen = Annotated[int, Field(strict=True, ge=-1, le=INT32)]
 ImageItem = Annotated[str, Field(strict=True, min_length=1)]
+LoraName = Annotated[str, Field(strict=True, min_length=1, max_length=256)]
 
 
 class _Body(BaseModel):
@@ -63,7 +64,6 @@ class GenerateRequest(_Body):
         "return_routed_experts": (None, False),
         "audio_data": (None,),
         "video_data": (None,),
-        "lora_path": (None,),
         "custom_logit_processor": (None,),
         "modalities": (None,),
         "session_params": (None,),
@@ -90,6 +90,9 @@ class GenerateRequest(_Body):
     base64 (decoded and checked by the engine; a text-only model refuses them)."""
     return_text_in_logprobs: Flag = False
     stream: Flag = False
+    lora_path: LoraName | list[LoraName | None] | None = None
+    """SGLang's field: the name of a loaded LoRA adapter (``/load_lora_adapter``, ``--lora-paths``), or per batch
+    entry a name or None (the base model)."""
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -172,7 +175,10 @@ class _OpenAIBody(_Body):
         "service_tier": (None, "auto", "default"),
     }
 
-    model: Annotated[str, Field(strict=True)] | None = None
+    model: Annotated[str, Field(strict=True, max_length=4096)] | None = None
+    """With LoRA on, ``base:adapter`` (SGLang's syntax) runs the named adapter; otherwise any name is the served model."""
+    lora_path: LoraName | None = None
+    """SGLang's extension: the adapter to run (``model``'s ``:adapter`` wins when both name one)."""
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     temperature: Any = None
@@ -282,6 +288,22 @@ class UpdateWeightsFromDiskRequest(_Body):
     weight_version: Version = None
     abort_all_requests: Flag = False
     flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
+
+
+class LoadLoraAdapterRequest(_Body):
+    """``/load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``): a PEFT adapter folder served as ``lora_name``."""
+
+    NEUTRAL = {"lora_id": (None,)}
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(strict=True, min_length=1, max_length=4096)]
+    pinned: Flag = False
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """``/unload_lora_adapter`` (SGLang's ``UnloadLoRAAdapterReqInput``)."""
+
+    NEUTRAL = {"lora_id": (None,)}
+    lora_name: LoraName
 
 
 class InitWeightsUpdateGroupRequest(_Body):

@@ -2,7 +2,8 @@
 
 Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``), ``/get_weight_version``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, ``/v1/loads`` (``include``
+``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unload_lora_adapter`` (adapters chosen by ``lora_path``,
+see ``lora.py``), ``/flush_cache``, ``/abort_request``, ``/v1/loads`` (``include``
 sections, as slime polls it for an idle server), ``/metrics`` (Prometheus text with SGLang's
 ``sglang:*`` names; always on, SGLang needs ``--enable-metrics``); the trainer's broadcast path
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
@@ -357,6 +358,7 @@ def build_app(
             "version": _version(),
             "restarts": engine.restarts,
             "last_error": repr(engine.last_error) if engine.last_error else None,
+            **(engine.lora.server_args() if engine.lora is not None else {"enable_lora": False}),
         }
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -417,6 +419,19 @@ def build_app(
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     _weight_sync_routes(app, engine, dist_timeout)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """SGLang's: a PEFT adapter folder on this machine served as ``lora_name`` (200, or 400 with the reason)."""
+        req = P.LoadLoraAdapterRequest.parse(await _json_body(request))
+        out = await engine.load_lora_adapter(req.lora_name, req.lora_path, pinned=req.pinned)
+        return JSONResponse(out, status_code=200 if out["success"] else 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        req = P.UnloadLoraAdapterRequest.parse(await _json_body(request))
+        out = await engine.unload_lora_adapter(req.lora_name)
+        return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
