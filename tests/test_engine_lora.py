@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from agentrl.engines.local import LocalEngine, build_app
 from agentrl.engines.local.lora import (
@@ -239,6 +241,12 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_change_nothing(engine,
     other = build_model(tmp_path / "other", hidden_size=48)
     foreign = _make_adapter(other, tmp_path / "foreign", seed=0, r=4, targets=["q_proj"])
     loaded = engine.lora.listing()
+    nan = tmp_path / "nan"
+    shutil.copytree(adapters["a1"], nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
 
     async def refused(name, path):
         out = await engine.load_lora_adapter(name, str(path))
@@ -253,6 +261,7 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_change_nothing(engine,
         assert "trained on" in msg and "hidden_size=48" in msg
         assert "no PEFT adapter folder" in await refused("nothing", tmp_path)
         assert "no PEFT adapter folder" in await refused("fifo", "/dev/stdin")
+        assert "holds NaN or infinite values" in await refused("nan", nan)
 
     asyncio.run(run())
 
@@ -387,3 +396,164 @@ def test_agentrl_serve_takes_sglangs_lora_flags(tiny_ckpt, adapters, tmp_path):
         ).json()
     ref = _peft_logprobs(tiny_ckpt, adapters["a1"], PROMPT, out["output_ids"])
     assert max(abs(a - b) for a, b in zip(ref, _lps(out))) < 1e-5
+
+
+# ---------------------------------------------------------------- loads and unloads meeting requests
+
+
+def test_a_later_adapter_of_a_higher_rank_grows_the_stacks_and_mixes_exactly(tiny_ckpt, adapters):
+    eng = LocalEngine(tiny_ckpt, max_running_requests=4, enable_lora=True)  # no --max-lora-rank: any rank
+
+    async def run():
+        assert (await eng.load_lora_adapter("small", str(adapters["a3"])))["success"]  # r 2
+        assert (await eng.load_lora_adapter("wide", str(adapters["a2"])))["success"]  # r 8: the stacks grow
+        names = ["small", "wide", None]
+        return names, await asyncio.gather(
+            *[eng.generate(PROMPT, GREEDY, return_logprob=True, lora_path=n) for n in names]
+        )
+
+    try:
+        names, outs = asyncio.run(run())
+    finally:
+        asyncio.run(eng.close())
+    assert eng.lora.mixed_forwards > 0
+    for name, out in zip(names, outs):
+        path = {"small": adapters["a3"], "wide": adapters["a2"], None: None}[name]
+        ref = _peft_logprobs(tiny_ckpt, path, PROMPT, out["output_ids"])
+        assert max(abs(a - b) for a, b in zip(ref, _lps(out))) < 1e-5, name
+
+
+def test_max_loaded_loras_holds_against_concurrent_loads(tiny_ckpt, adapters):
+    eng = LocalEngine(tiny_ckpt, max_running_requests=2, enable_lora=True, max_loras_per_batch=1, max_loaded_loras=1)
+
+    async def run():
+        return await asyncio.gather(*[eng.load_lora_adapter(f"x{i}", str(adapters["a1"])) for i in range(3)])
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        asyncio.run(eng.close())
+    assert sum(o["success"] for o in outs) == 1
+    assert all("--max-loaded-loras 1" in o["error_message"] for o in outs if not o["success"])
+    assert len(eng.lora.by_name) == 1 == sum(1 for a in eng.lora.slots if a is not None)
+
+
+def test_an_unload_waits_for_the_requests_using_the_adapter(tiny_ckpt, adapters):
+    eng = LocalEngine(tiny_ckpt, max_running_requests=2, lora_paths=[f"a1={adapters['a1']}"])
+    order: list[str] = []
+
+    async def run():
+        async def long():
+            out = await eng.generate(PROMPT, {**GREEDY, "max_new_tokens": 150}, lora_path="a1")
+            order.append("generated")
+            return out
+
+        task = asyncio.ensure_future(long())
+        while eng.num_running == 0:
+            await asyncio.sleep(0.005)
+        out = await eng.unload_lora_adapter("a1")
+        order.append("unloaded")
+        with pytest.raises(InvalidRequestError, match="no adapter named 'a1'"):
+            await eng.generate(PROMPT, GREEDY, lora_path="a1")
+        return out, await task
+
+    try:
+        unloaded, generated = asyncio.run(run())
+    finally:
+        asyncio.run(eng.close())
+    assert unloaded["success"] and order == ["generated", "unloaded"]
+    assert len(generated["output_ids"]) == 150  # it ran to the end on its adapter
+    assert all(a is None for a in eng.lora.slots)
+
+
+def test_a_cancelled_load_loses_no_slot_and_a_closed_engine_answers(tiny_ckpt, adapters):
+    eng = LocalEngine(tiny_ckpt, max_running_requests=2, enable_lora=True)
+
+    async def run():
+        for delay in (0.0, 0.01, 0.05):
+            task = asyncio.ensure_future(eng.load_lora_adapter(f"c{delay}", str(adapters["a2"])))
+            await asyncio.sleep(delay)
+            task.cancel()
+        await asyncio.sleep(1.0)  # whatever was queued is installed (and registered) meanwhile
+        slotted = {a.name for a in eng.lora.slots if a is not None}
+        assert slotted == set(eng.lora.by_name)
+        await eng.close()
+        return await asyncio.wait_for(eng.load_lora_adapter("late", str(adapters["a1"])), 10)
+
+    late = asyncio.run(run())
+    assert not late["success"] and "engine closed" in late["error_message"]
+
+
+def test_the_prefix_store_tags_entries_with_the_adapter_load(engine, adapters):
+    async def run():
+        engine.flush_cache()
+        await engine.generate(list(range(90, 110)), {"max_new_tokens": 2, "ignore_eos": True}, lora_path="a2")
+        return engine.lora.by_name["a2"].uid
+
+    uid = asyncio.run(run())
+    assert {e.tag for e in engine.store._entries.values()} == {uid}
+
+
+def test_a_base_weight_update_keeps_the_adapters_on_the_new_base(tiny_ckpt, adapters, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    new_base = tmp_path / "base2"
+    shutil.copytree(tiny_ckpt, new_base)
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(new_base)
+    eng = LocalEngine(tiny_ckpt, max_running_requests=2, lora_paths=[f"a1={adapters['a1']}"])
+
+    async def run():
+        assert (await eng.update_weights_from_disk(str(new_base)))["success"]
+        return await eng.generate(PROMPT, GREEDY, return_logprob=True, lora_path="a1")
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        asyncio.run(eng.close())
+    ref = _peft_logprobs(new_base, adapters["a1"], PROMPT, out["output_ids"])
+    assert max(abs(a - b) for a, b in zip(ref, _lps(out))) < 1e-5
+
+
+def test_prompt_logprobs_streams_and_chat_run_under_the_adapter(engine, adapters, tiny_ckpt):
+    async def scored():
+        return await engine.generate(
+            PROMPT, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0, lora_path="a2"
+        )
+
+    out = asyncio.run(scored())
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_ckpt), adapters["a2"])
+    with torch.no_grad():
+        logp = torch.log_softmax(ref_model(torch.tensor([PROMPT])).logits[0].float(), -1)
+    want = [logp[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+    got = [e[0] for e in out["meta_info"]["input_token_logprobs"][1:]]
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+    with _serving(build_app(engine, model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        # a batch with one adapter name for every row; a stream on an adapter; chat with model "base:adapter"
+        body = {"input_ids": [PROMPT, PROMPT[:-2]], "sampling_params": GREEDY, "return_logprob": True}
+        batch = http.post("/generate", json={**body, "lora_path": "a1"}).json()
+        rows = http.post("/generate", json={**body, "lora_path": ["a1", "a1"]}).json()
+        assert [b["output_ids"] for b in batch] == [r["output_ids"] for r in rows]
+        with http.stream(
+            "POST",
+            "/generate",
+            json={"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True, "lora_path": "a1"},
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["output_ids"] == batch[0]["output_ids"]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "logprobs": True}
+        by_model = http.post("/v1/chat/completions", json={**chat, "model": "tiny:a1"}).json()
+        by_field = http.post("/v1/chat/completions", json={**chat, "lora_path": "a1"}).json()
+        base = http.post("/v1/chat/completions", json=chat).json()
+
+        def lps(reply):
+            return [e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]]
+
+        assert lps(by_model) == lps(by_field) and lps(by_model) != lps(base)

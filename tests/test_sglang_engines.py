@@ -193,6 +193,24 @@ def test_agentrl_command_maps_ignores_and_refuses(caplog):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"torch_compile_max_bs": 16.5}), port=1)
     with pytest.raises(ValueError, match="--sglang-enable-torch-compile is a switch"):
         build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args={"enable_torch_compile": "yes"}), port=1)
+    # SGLang's LoRA server args reach agentrl serve with SGLang's spellings (lists as nargs="+")
+    lora = {
+        "enable_lora": True,
+        "lora_paths": ["a=/x", "/y"],
+        "max_loras_per_batch": 2,
+        "lora_target_modules": ["q_proj"],
+    }
+    argv_l = build_launch_command(SGLangLaunch("/m", binary="agentrl", server_args=lora), port=1)
+    assert argv_l[-8:] == [
+        "--enable-lora",
+        "--lora-paths",
+        "a=/x",
+        "/y",
+        "--max-loras-per-batch",
+        "2",
+        "--lora-target-modules",
+        "q_proj",
+    ]
     # SGLang's memory saver is a real switch of agentrl serve: colocated launches (and users) turn it on
     assert "--enable-memory-saver" not in argv
     assert (

@@ -65,10 +65,16 @@ EMBEDDED_FLAGS = {
     "tool_call_parser": "--tool-call-parser",
     "enable_torch_compile": "--enable-torch-compile",
     "torch_compile_max_bs": "--torch-compile-max-bs",
+    "enable_lora": "--enable-lora",
+    "lora_paths": "--lora-paths",
+    "max_loras_per_batch": "--max-loras-per-batch",
+    "max_loaded_loras": "--max-loaded-loras",
+    "max_lora_rank": "--max-lora-rank",
+    "lora_target_modules": "--lora-target-modules",
 }
 """ServerArgs fields ``agentrl serve`` understands, and its flag for each."""
 
-EMBEDDED_SWITCHES = frozenset({"enable_torch_compile"})
+EMBEDDED_SWITCHES = frozenset({"enable_torch_compile", "enable_lora"})
 """Of those, the ones ``agentrl serve`` takes as a bare switch (given when true, left out when false)."""
 
 EMBEDDED_IGNORED = frozenset(
@@ -330,6 +336,8 @@ def _embedded_command(launch: SGLangLaunch, port: int, seed: int | None, extra: 
             isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536
         ):
             raise ValueError(f"--sglang-torch-compile-max-bs must be an integer in [1, 65536], got {value!r}")
+        elif name in EMBEDDED_FLAGS and isinstance(value, (list, tuple)):  # nargs="+": --lora-paths, target modules
+            argv += [EMBEDDED_FLAGS[name], *map(str, value)] if value else []
         elif name in EMBEDDED_FLAGS:
             argv += [EMBEDDED_FLAGS[name], str(value)]
     if memory_saver:  # colocated: the trainer's release must free the KV cache

@@ -40,6 +40,7 @@ from agentrl.engines.local.image_data import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.lora import (
     DEFAULT_MAX_LORAS_PER_BATCH,
+    MAX_LORA_RANK,
     Adapter,
     LoraAdapters,
     LoraError,
@@ -169,6 +170,21 @@ class LocalEngine:
 
         # refused before anything loads: a bad switch, or a compile this machine cannot do
         self.enable_torch_compile = _strict_bool("enable_torch_compile", enable_torch_compile)
+        # SGLang: --lora-paths turns LoRA on by itself; each setting is refused before the model loads
+        sources = parse_lora_paths(lora_paths or [])
+        self.enable_lora = _strict_bool("enable_lora", enable_lora) or bool(sources)
+        targets = parse_target_modules(lora_target_modules)
+        check_limits(max_lora_rank, max_loras_per_batch, max_loaded_loras)
+        if self.enable_lora and self.enable_torch_compile:
+            raise LoraError(
+                "--enable-lora with --enable-torch-compile: the compiled decode step has no adapters; "
+                "drop one of the two"
+            )
+        if max_loaded_loras is not None and len(sources) > max_loaded_loras:
+            raise LoraError(
+                f"--lora-paths names {len(sources)} adapters, more than --max-loaded-loras {max_loaded_loras}"
+            )
+        initial = [(src, read_adapter_config(src.path, what=f"--lora-paths {src.name}")) for src in sources]
         bs = torch_compile_max_bs
         if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= 65536:
             raise ValueError(f"torch_compile_max_bs must be an integer in [1, 65536], got {bs!r}")
@@ -186,67 +202,64 @@ class LocalEngine:
                 )
             if torch.device(device).type == "cpu":
                 _check_cpp_compiler()
-        # SGLang: --lora-paths turns LoRA on by itself; each setting is refused before the model loads
-        sources = parse_lora_paths(lora_paths or [])
-        self.enable_lora = _strict_bool("enable_lora", enable_lora) or bool(sources)
-        targets = parse_target_modules(lora_target_modules)
-        check_limits(max_lora_rank, max_loras_per_batch, max_loaded_loras)
-        if self.enable_lora and self.enable_torch_compile:
-            raise LoraError(
-                "--enable-lora with --enable-torch-compile: the compiled decode step has no adapters; "
-                "drop one of the two"
-            )
-        initial = [(src, read_adapter_config(src.path, what=f"--lora-paths {src.name}")) for src in sources]
-        self.model_path = str(checkpoint)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
-        if family is not None:
-            self.model = load_vision_model(self.model_path, getattr(torch, dtype), device).eval()
-            self.body = self.model.get_decoder()  # the text model the cached forward runs
-        else:
-            self.model = (
-                AutoModelForCausalLM.from_pretrained(
-                    self.model_path, dtype=getattr(torch, dtype), local_files_only=True
+
+        def load() -> None:
+            self.model_path = str(checkpoint)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            family = vision_for(self.model_path)  # a vision-language checkpoint: its processor and features
+            if family is not None:
+                self.model = load_vision_model(self.model_path, getattr(torch, dtype), device).eval()
+                self.body = self.model.get_decoder()  # the text model the cached forward runs
+            else:
+                self.model = (
+                    AutoModelForCausalLM.from_pretrained(
+                        self.model_path, dtype=getattr(torch, dtype), local_files_only=True
+                    )
+                    .to(device)
+                    .eval()
                 )
-                .to(device)
-                .eval()
+                self.body = self.model.model
+            self.model.requires_grad_(False)
+            self.vision = EngineVision(family, self.model) if family is not None else None
+            if self.enable_lora and family is not None:
+                raise LoraError(
+                    f"--enable-lora: {self.model_path} is a vision-language checkpoint; the embedded engine serves "
+                    "adapters on text models only"
+                )
+            self.lora = (
+                self._lora_adapters(initial, targets, max_lora_rank, max_loras_per_batch, max_loaded_loras)
+                if self.enable_lora
+                else None
             )
-            self.body = self.model.model
-        self.model.requires_grad_(False)
-        self.vision = EngineVision(family, self.model) if family is not None else None
-        if self.enable_lora and family is not None:
-            raise LoraError(
-                f"--enable-lora: {self.model_path} is a vision-language checkpoint; the embedded engine serves "
-                "adapters on text models only"
+            self._lora_pending: set[str] = set()  # names being loaded (event-loop side)
+            cfg = getattr(self.body, "config", None) or self.model.config
+            ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
+            windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
+            if windows and min(windows) < ctx:
+                log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
+                ctx = min(windows)
+            self.context_length = int(ctx)
+            self.max_running_requests = max_running_requests
+            self.chunked_prefill_size = chunked_prefill_size
+            self.enable_memory_saver = bool(enable_memory_saver)
+            self.runner = CachedForward(
+                self.model, rows=max_running_requests, max_capacity=self.context_length, body=self.body
             )
-        self.lora = (
-            self._lora_adapters(initial, targets, max_lora_rank, max_loras_per_batch, max_loaded_loras)
-            if self.enable_lora
-            else None
-        )
-        self._lora_pending: set[str] = set()  # names being loaded (event-loop side)
-        cfg = getattr(self.body, "config", None) or self.model.config
-        ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
-        windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
-        if windows and min(windows) < ctx:
-            log.warning("sliding-window attention: context_length clamped to the window %d", min(windows))
-            ctx = min(windows)
-        self.context_length = int(ctx)
-        self.max_running_requests = max_running_requests
-        self.chunked_prefill_size = chunked_prefill_size
-        self.enable_memory_saver = bool(enable_memory_saver)
-        self.runner = CachedForward(
-            self.model, rows=max_running_requests, max_capacity=self.context_length, body=self.body
-        )
-        if self.enable_torch_compile:
-            self._compile()
-        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
-        self.eos_token_ids = self._eos_ids()
-        self.weight_version = "default"
-        self._version_counter = 0
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+            if self.enable_torch_compile:
+                self._compile()
+            self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+            self.store = PrefixStore(max_running_requests if max_cached_sequences is None else max_cached_sequences)
+            self.eos_token_ids = self._eos_ids()
+            self.weight_version = "default"
+            self._version_counter = 0
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+
+        # Loaded in a thread of its own that then ends: a thread that has run a parallel torch op on CPU keeps
+        # OpenMP's worker threads for good, and with those and the engine worker's own ones outnumbering the cores,
+        # libgomp stops spinning and every parallel region of the decode waits on a futex wake-up (~25% of SmolLM2's
+        # decode throughput on 2 cores, bench/README.md P12). The model is the worker thread's alone from here on.
+        _in_own_thread(load)
         # Shared with the worker thread, guarded by _cv.
         self._cv = threading.Condition()
         self._inbox: deque[_Request] = deque()
@@ -258,6 +271,7 @@ class LocalEngine:
         self.restarts = 0  # iterations that failed outside any one request (see _run)
         self.consecutive_faults = 0  # such failures in a row: at MAX_CONSECUTIVE_FAULTS the engine reports unhealthy
         # Owned by the worker thread.
+        self._unloads: list[tuple[Adapter, asyncio.Future]] = []  # unloads waiting for their adapter's requests
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request | None] = [None] * max_running_requests
         # set from the worker thread itself: torch's OpenMP thread count is per thread
@@ -292,7 +306,9 @@ class LocalEngine:
             targets = parse_target_modules(sorted(named))
         if max_rank is None and initial:
             ranks = [cfg.get("r") for _, cfg in initial if isinstance(cfg, dict)]
-            max_rank = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=None)
+            inferred = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=None)
+            # a rank out of bounds is refused by the adapter's own check (naming r), not as a --max-lora-rank
+            max_rank = None if inferred is None or not 1 <= inferred <= MAX_LORA_RANK else inferred
         lora = LoraAdapters(
             self.model,
             list(self.body.layers),
@@ -350,6 +366,7 @@ class LocalEngine:
     def memory_report(self) -> dict[str, float | int]:
         """SGLang's ``/v1/loads`` memory section: weights and KV buffers in GB, token capacity."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights += self.lora.nbytes() if self.lora is not None else 0  # the adapters' stacks are weights too
         cache = self.runner.cache
         kv = sum(b.nbytes for b in cache.k + cache.v)
         return {
@@ -588,8 +605,15 @@ class LocalEngine:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (takes effect before the next admission)."""
+        return self._enqueue("flush", None)
+
+    def _enqueue(self, kind: str, arg: Any) -> bool:
+        """Queue a control item for the worker; False (nothing queued) when the engine is closed, whose worker would
+        never answer it."""
         with self._cv:
-            self._control.append(("flush", None))
+            if self._stop or not self._thread.is_alive():
+                return False
+            self._control.append((kind, arg))
             self._cv.notify()
         return True
 
@@ -607,7 +631,8 @@ class LocalEngine:
 
         The files are read and checked in a worker thread (every tensor against this model's layers before its
         memory is allocated); the slot is filled between two forwards, so running requests are not held. A name
-        already loaded is refused (unload it first, as SGLang). Returns SGLang's ``{"success", "error_message",
+        already loaded is refused (unload it first, as SGLang). ``pinned`` is SGLang's and is reported back; every
+        loaded adapter stays resident here (nothing is evicted), so it changes nothing. Returns SGLang's ``{"success", "error_message",
         "loaded_adapters"}``; a refusal changes nothing."""
         if self.lora is None:
             return self._lora_result(False, "this engine was started without --enable-lora (or --lora-paths)")
@@ -619,6 +644,7 @@ class LocalEngine:
         if (lora_path is None) == (tensors is None):
             return self._lora_result(False, "give exactly one of lora_path and tensors")
         self._lora_pending.add(lora_name)
+        fut: asyncio.Future | None = None
         try:
             lora = self.lora
 
@@ -634,15 +660,21 @@ class LocalEngine:
                 return self._lora_result(False, str(exc))
             adapter.uid = lora.new_uid()
             fut = asyncio.get_running_loop().create_future()
-            with self._cv:
-                self._control.append(("lora_load", (adapter, modules, fut)))
-                self._cv.notify()
-            out = await fut
-            if out.get("success"):
-                lora.by_name[lora_name] = adapter
+
+            def installed(f: asyncio.Future) -> None:  # also when the caller went away meanwhile: no slot is lost
+                self._lora_pending.discard(lora_name)
+                if not f.cancelled() and f.result().get("success"):
+                    lora.by_name[lora_name] = adapter
+
+            fut.add_done_callback(installed)
+            if not self._enqueue("lora_load", (adapter, modules, fut)):
+                fut.cancel()
+                return self._lora_result(False, "engine closed")
+            out = await asyncio.shield(fut)
             return self._lora_result(bool(out.get("success")), out.get("message", ""))
         finally:
-            self._lora_pending.discard(lora_name)
+            if fut is None:
+                self._lora_pending.discard(lora_name)
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         """SGLang's ``/unload_lora_adapter``: new requests naming ``lora_name`` are refused at once; its slot is
@@ -653,10 +685,9 @@ class LocalEngine:
         if adapter is None:
             return self._lora_result(False, f"no adapter named {lora_name!r} is loaded")
         fut = asyncio.get_running_loop().create_future()
-        with self._cv:
-            self._control.append(("lora_unload", (adapter, fut)))
-            self._cv.notify()
-        out = await fut
+        if not self._enqueue("lora_unload", (adapter, fut)):
+            return self._lora_result(False, "engine closed")
+        out = await asyncio.shield(fut)
         return self._lora_result(bool(out.get("success")), out.get("message", ""))
 
     def _lora_result(self, success: bool, message: str) -> dict:
@@ -670,13 +701,17 @@ class LocalEngine:
             return None
         if self.lora is None:
             raise InvalidRequestError(f"{what}: this engine was started without --enable-lora")
-        if not isinstance(lora_path, str) or lora_path not in self.lora.by_name:
-            loaded = sorted(self.lora.by_name)
+        adapter = self.lora.by_name.get(lora_path) if isinstance(lora_path, str) else None
+        if adapter is None:
+            try:  # may run in a worker thread (a large OpenAI body) while the event loop loads or unloads one
+                loaded = sorted(self.lora.by_name)
+            except RuntimeError:
+                loaded = ["..."]
             raise InvalidRequestError(
                 f"{what}: no adapter named {str(lora_path)[:200]!r} is loaded (loaded: {loaded}); load it with "
                 "/load_lora_adapter"
             )
-        return self.lora.by_name[lora_path]
+        return adapter
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, *, abort_all_requests: bool = False
@@ -689,9 +724,8 @@ class LocalEngine:
         fut = asyncio.get_running_loop().create_future()
         if abort_all_requests:
             self.abort(abort_all=True)
-        with self._cv:
-            self._control.append(("update", (model_path, weight_version, fut, {})))
-            self._cv.notify()
+        if not self._enqueue("update", (model_path, weight_version, fut, {})):
+            return {"success": False, "message": "engine closed", "num_paused_requests": 0}
         return await fut
 
     async def update_weights_from_tensors(
@@ -720,19 +754,9 @@ class LocalEngine:
         fut = asyncio.get_running_loop().create_future()
         if abort_all_requests:
             self.abort(abort_all=True)
-        with self._cv:
-            self._control.append(
-                (
-                    "update",
-                    (
-                        dict(named_tensors),
-                        weight_version,
-                        fut,
-                        {"partial": partial, "assign": assign, "finite_checked": finite_checked},
-                    ),
-                )
-            )
-            self._cv.notify()
+        opts = {"partial": partial, "assign": assign, "finite_checked": finite_checked}
+        if not self._enqueue("update", (dict(named_tensors), weight_version, fut, opts)):
+            return {"success": False, "message": "engine closed", "num_paused_requests": 0}
         return await fut
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
@@ -754,9 +778,8 @@ class LocalEngine:
         if tags is not None and (not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS)):
             raise InvalidRequestError(f"tags must be a list drawn from {list(MEMORY_TAGS)}, got {tags!r}")
         fut = asyncio.get_running_loop().create_future()
-        with self._cv:
-            self._control.append((kind, (tags, fut)))
-            self._cv.notify()
+        if not self._enqueue(kind, (tags, fut)):
+            return {"success": False, "message": "engine closed"}
         return await fut
 
     async def close(self, timeout: float | None = None) -> None:
@@ -798,6 +821,8 @@ class LocalEngine:
         for req in itertools.chain(self._waiting, self._inbox, (r for r in self._rows if r)):
             req.finish = {"type": "abort", "message": "engine closed"}
             self._resolve(req)
+        for _, fut in self._unloads:
+            _call_soon(fut.get_loop(), _set_result, fut, {"success": False, "message": "engine closed"})
         for kind, arg in self._control:
             if kind != "flush":
                 fut = arg[2] if kind == "update" else arg[-1]
@@ -848,6 +873,7 @@ class LocalEngine:
             if self._cores is not None:
                 self._cores.apply()
             self._decode_step()
+        self._finish_unloads()
         return True
 
     def _admission_paused(self) -> bool:
@@ -904,16 +930,9 @@ class LocalEngine:
             except LoraError as exc:
                 result = {"success": False, "message": str(exc)}
             _call_soon(fut.get_loop(), _set_result, fut, result)
-        elif kind == "lora_unload":
-            adapter, fut = arg
-            assert self.lora is not None
-            with self._cv:  # requests not yet taken from the inbox hold it too
-                held = any(r.lora is adapter for r in itertools.chain(self._inbox, self._waiting, self._rows) if r)
-            if held:
-                return False
-            self.lora.remove(adapter)
-            self.store.drop(adapter.uid)
-            _call_soon(fut.get_loop(), _set_result, fut, {"success": True, "message": ""})
+        elif kind == "lora_unload":  # done once no request holds it: checked after every iteration
+            self._unloads.append(arg)
+            self._finish_unloads()
         elif kind in ("release", "resume") and self.num_running == 0:
             tags, fut = arg
             result = self._release_memory(tags) if kind == "release" else self._resume_memory(tags)
@@ -921,6 +940,21 @@ class LocalEngine:
         else:
             return False
         return True
+
+    def _finish_unloads(self) -> None:
+        """Free the slots of unloaded adapters that no request holds any more (the worker thread). Kept out of the
+        control list, so a held unload never keeps the worker awake: a request ending is an iteration, which checks."""
+        if not self._unloads:
+            return
+        assert self.lora is not None
+        with self._cv:  # requests not yet taken from the inbox hold it too
+            holders = {id(r.lora) for r in itertools.chain(self._inbox, self._waiting, self._rows) if r and r.lora}
+        for item in [u for u in self._unloads if id(u[0]) not in holders]:
+            adapter, fut = item
+            self._unloads.remove(item)
+            self.lora.remove(adapter)
+            self.store.drop(adapter.uid)
+            _call_soon(fut.get_loop(), _set_result, fut, {"success": True, "message": ""})
 
     def _load_weights(
         self,
@@ -998,7 +1032,6 @@ class LocalEngine:
             if limit is not None and req.slot not in slots and len(slots) >= limit:
                 held.append(req)
                 continue
-            slots.add(req.slot)
             if req.images is not None and req.images.features is None:
                 try:  # the vision tower, now (past the prefix it will reuse): a picture it cannot take fails it only
                     self.vision.compute(req.images, self._best_prefix(req)[1])  # type: ignore[union-attr]
@@ -1017,7 +1050,9 @@ class LocalEngine:
                     continue
             req.row = free[len(new)]
             self._rows[req.row] = req
+            slots.add(req.slot)
             new.append(req)
+        # held back for --max-loras-per-batch (as SGLang: under steady load of other adapters one may wait long)
         self._waiting.extendleft(reversed(held))
         if self.store.max_sequences <= 0:
             self._prefill([(r, 0, None) for r in new])
@@ -1281,6 +1316,23 @@ class LocalEngine:
             meta["top_p_token_ids"] = [t for kept in r.top_p_ids for t in kept]
             meta["top_p_token_offsets"] = [0, *itertools.accumulate(len(k) for k in r.top_p_ids)]
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def _in_own_thread(fn: Any) -> None:
+    """Run ``fn`` in a new thread, wait for it to end, and raise what it raised (see ``LocalEngine.__init__``)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(exc)
+
+    t = threading.Thread(target=run, name="agentrl-local-engine-load", daemon=True)  # Ctrl-C is not held by it
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:

@@ -6,14 +6,16 @@ SGLang's server args and endpoints (``--enable-lora``, ``--lora-paths``, ``--max
 HTTP side is in ``server.py``, the scheduling (which rows share a decode step, the prefix cache per adapter) in
 ``engine.py``. This module holds the adapters' weights and runs them.
 
-How a batch mixes adapters (S-LoRA / punica's BGMV, in plain torch): every targeted ``nn.Linear`` of the decoder is
-wrapped by a :class:`LoraLinear` that holds all loaded adapters stacked, ``A: [slots, R, in]`` and
+How a batch mixes adapters (S-LoRA / punica batching, in plain torch): every targeted ``nn.Linear`` of the decoder
+gets a forward hook (:class:`LoraLinear`) holding all loaded adapters stacked, ``A: [slots, R, in]`` and
 ``B: [slots, out, R]`` (``R`` the largest rank, smaller ranks zero-padded; slot 0 is all zeros: "no adapter").
-Before each forward the engine says which slot each row uses (:meth:`LoraAdapters.select`); the wrapper adds
-``(x @ A[slot]^T) @ B[slot]^T`` to the base output row by row, in one batched matmul over gathered slots. Rows
-without an adapter add exact zeros, so they equal the base model's forward; a batch with one adapter (or none)
-skips the gather. Each adapter's scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into its ``B``
-when it is loaded.
+Before each forward the engine says which slot each row uses (:meth:`LoraAdapters.select`). A batch on one adapter
+adds ``(x @ A[s]^T) @ B[s]^T``; a mixed batch runs every row through the batch's adapters side by side (two dense
+matmuls with ``k * R`` columns, ``k`` adapters in the batch) and zeroes, per row, the columns of the adapters that
+are not its own, so each row gets exactly its own adapter's sum (zero for a row without one: the base model's
+forward). On CPU this costs far less than gathering each row's ``A`` and ``B`` (batched matrix-vector products,
+punica's BGMV): ``bench/p12_lora_serving.py``. Each adapter's scale (``lora_alpha / r``, or ``/ sqrt(r)`` with
+rsLoRA) is folded into its ``B`` when it is loaded.
 
 What the embedded engine does not take (refused with the field named, never served as something else): DoRA,
 ``modules_to_save``, biases, per-module rank or alpha patterns, ``layers_to_transform``, ``fan_in_fan_out``
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentrl.engines.local.weights import WeightUpdateError, read_source
+from agentrl.engines.local.weights import WeightUpdateError, _open_regular, read_source
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers an adapter may target (SGLang's names for a Llama-shaped model)."""
@@ -46,6 +49,11 @@ DEFAULT_MAX_LORAS_PER_BATCH = 8
 
 PEFT_PREFIX = "base_model.model."
 _CONFIG_BYTES = 1 << 20  # an adapter_config.json larger than this is no adapter config
+
+
+def _finite(t: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 class LoraError(ValueError):
@@ -79,7 +87,9 @@ def parse_lora_paths(values: Iterable[str]) -> list[LoraSource]:
                 obj = json.loads(raw)
             except ValueError as exc:
                 raise LoraError(f"--lora-paths: {raw!r} is not valid JSON ({exc})") from None
-            extra = set(obj) - {"lora_name", "lora_path", "pinned"} if isinstance(obj, dict) else {"?"}
+            if not isinstance(obj, dict):
+                raise LoraError(f"--lora-paths: {raw!r} is JSON but not an object")
+            extra = set(obj) - {"lora_name", "lora_path", "pinned"}
             if extra:
                 raise LoraError(
                     f"--lora-paths: {raw!r} has unknown fields {sorted(extra)} (lora_name, lora_path, pinned)"
@@ -87,7 +97,10 @@ def parse_lora_paths(values: Iterable[str]) -> list[LoraSource]:
             pinned = obj.get("pinned", False)
             if not isinstance(pinned, bool):
                 raise LoraError(f"--lora-paths: pinned must be true or false in {raw!r}")
-            src = LoraSource(_check_name(obj.get("lora_name"), "--lora-paths"), str(obj.get("lora_path") or ""), pinned)
+            path = obj.get("lora_path")
+            if not isinstance(path, str):
+                raise LoraError(f"--lora-paths: lora_path must be a string in {raw!r}")
+            src = LoraSource(_check_name(obj.get("lora_name"), "--lora-paths"), path, pinned)
         elif "=" in raw:
             name, path = raw.split("=", 1)
             src = LoraSource(_check_name(name, "--lora-paths"), path)
@@ -135,7 +148,7 @@ def check_adapter_config(cfg: Any, *, what: str, max_rank: int | None) -> Adapte
         raise LoraError(f"{what}: adapter_config must be a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{what}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)  # PEFT's defaults, as PeftModel reads such a config
     limit = max_rank if max_rank is not None else MAX_LORA_RANK
     if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= limit:
         flag = " (--max-lora-rank)" if max_rank is not None else ""
@@ -165,7 +178,9 @@ def check_adapter_config(cfg: Any, *, what: str, max_rank: int | None) -> Adapte
     base = cfg.get("base_model_name_or_path")
     targets = cfg.get("target_modules")
     names = (
-        frozenset(targets) if isinstance(targets, list) and all(isinstance(t, str) for t in targets) else frozenset()
+        frozenset(t.rsplit(".", 1)[-1] for t in targets)  # PEFT matches a name by its suffix: q_proj, self_attn.q_proj
+        if isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+        else frozenset()
     )
     scale = alpha / math.sqrt(r) if rslora else alpha / r
     return AdapterConfig(r, float(alpha), scale, base if isinstance(base, str) else None, names)
@@ -179,16 +194,28 @@ def read_adapter_config(path: str, *, what: str) -> Any:
     # is_file(): regular files only (symlinks followed), so a FIFO or a device is never opened
     if not folder.is_dir() or not cfg_file.is_file() or not (folder / "adapter_model.safetensors").is_file():
         raise LoraError(f"{what}: {path!r} is no PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
+    raw = _read_small(cfg_file, what)
     try:
-        with open(cfg_file, "rb") as f:
-            raw = f.read(_CONFIG_BYTES + 1)
-        if len(raw) > _CONFIG_BYTES:
-            raise LoraError(f"{what}: {str(cfg_file)!r} is larger than {_CONFIG_BYTES} bytes")
         return json.loads(raw)
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, LoraError):
-            raise
+    except ValueError as exc:
         raise LoraError(f"{what}: {str(cfg_file)!r} is unreadable ({exc})") from None
+
+
+def _read_small(path: Path, what: str) -> bytes:
+    """A regular file of at most 1 MiB, opened so that a FIFO or a device swapped in is refused, never blocked on."""
+    try:
+        fd = _open_regular(path)
+    except WeightUpdateError as exc:
+        raise LoraError(f"{what}: {exc}") from None
+    try:
+        raw = os.read(fd, _CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise LoraError(f"{what}: {str(path)!r} is unreadable ({exc})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > _CONFIG_BYTES:
+        raise LoraError(f"{what}: {str(path)!r} is larger than {_CONFIG_BYTES} bytes")
+    return raw
 
 
 def check_limits(max_rank: int | None, max_loras_per_batch: int, max_loaded_loras: int | None) -> None:
@@ -232,8 +259,9 @@ class _Rows:
     """Which slot each row of the coming forward uses; shared by every :class:`LoraLinear` of a model."""
 
     def __init__(self) -> None:
-        self.idx: torch.Tensor | None = None  # [n] slots, or None: every row uses the same one (below)
-        self.single = 0  # the slot of every row when ``idx`` is None (0: no adapter)
+        self.single = 0  # the slot of every row when ``mask`` is None (0: no adapter)
+        self.sel: tuple[int, ...] = ()  # a mixed forward: the adapters' slots in it, in order
+        self.mask: torch.Tensor | None = None  # [n, 1, len(sel) * R]: row i keeps the rank columns of its adapter
 
 
 class LoraLinear:
@@ -247,20 +275,37 @@ class LoraLinear:
         p = base.weight
         self.A = torch.zeros(1, 0, base.in_features, dtype=p.dtype, device=p.device)
         self.B = torch.zeros(1, base.out_features, 0, dtype=p.dtype, device=p.device)
+        self._packed: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.handle = base.register_forward_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
         rows = self.rows
-        if self.A.shape[1] == 0 or (rows.idx is None and rows.single == 0):
+        if self.A.shape[1] == 0 or (rows.mask is None and rows.single == 0):
             return y
         x = args[0]
-        if rows.idx is None:
-            s = rows.single
-            return y + (x @ self.A[s].T) @ self.B[s].T
-        n = rows.idx.shape[0]
-        xs = x.reshape(n, -1, x.shape[-1])  # [n, T, in]: the engine's forwards are [rows, tokens, hidden]
-        d = torch.bmm(torch.bmm(xs, self.A[rows.idx].transpose(1, 2)), self.B[rows.idx].transpose(1, 2))
-        return y + d.view_as(y)
+        if rows.mask is None:
+            a, b = self._pack((rows.single,))
+            return y.add_((x @ a) @ b)  # y: the layer's fresh output, written by nothing else
+        # a mixed batch: every row through the batch's adapters side by side ([in, k*R] then [k*R, out], two dense
+        # matmuls), the rank columns of other adapters zeroed per row in between; far faster on CPU than gathering
+        # each row's own A and B (batched matrix-vector products), and exactly the row's own adapter's sum
+        a, b = self._pack(rows.sel)
+        n = rows.mask.shape[0]
+        h = x.reshape(n, -1, x.shape[-1]) @ a  # [n, T, k*R]: the engine's forwards are [rows, tokens, hidden]
+        return y.add_((h.mul_(rows.mask) @ b).view_as(y))
+
+    def _pack(self, sel: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapters of ``sel`` side by side, contiguous: ``A`` as ``[in, k*R]``, ``B`` as ``[k*R, out]``; kept while
+        batches keep that set of adapters (a decode runs many steps with the same rows)."""
+        got = self._packed.get(sel)
+        if got is None:
+            if len(self._packed) >= 2:  # a decode's set and one more (a prefill's): bounded memory
+                self._packed.clear()
+            idx = torch.tensor(sel, device=self.A.device)
+            a = self.A[idx].reshape(-1, self.A.shape[2]).T.contiguous()
+            b = self.B[idx].transpose(1, 2).reshape(-1, self.B.shape[1]).contiguous()
+            got = self._packed[sel] = (a, b)
+        return got
 
     def resize(self, slots: int, rank: int) -> None:
         """Grow (never shrink) the stacks to ``slots`` slots of rank ``rank``, keeping what they hold."""
@@ -272,9 +317,11 @@ class LoraLinear:
         B = self.B.new_zeros(s, self.B.shape[1], r)
         A[:s0, :r0], B[:s0, :, :r0] = self.A, self.B
         self.A, self.B = A, B
+        self._packed.clear()
 
     def put(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one adapter's ``A [r, in]`` and scaled ``B [out, r]`` into ``slot`` (None: zeros)."""
+        self._packed.clear()
         self.A[slot].zero_()
         self.B[slot].zero_()
         if a is not None and b is not None:
@@ -379,10 +426,7 @@ class LoraAdapters:
             for t, label in ((a, "lora_A"), (b, "lora_B")):
                 if not t.is_floating_point():
                     raise LoraError(f"{what}: {mod}.{label} has dtype {t.dtype}, not a floating-point type")
-                lo, hi = torch.aminmax(t.float()) if t.numel() else (torch.tensor(0.0), torch.tensor(0.0))
-                if not (torch.isfinite(lo) and torch.isfinite(hi)):
-                    raise LoraError(f"{what}: {mod}.{label} holds NaN or infinite values")
-            modules[mod] = (a.float(), b.float() * conf.scale)
+            modules[mod] = (a, b)
         if not modules:
             raise LoraError(f"{what}: the adapter holds no lora_A/lora_B weights for this model's layers")
         nbytes = sum(a.nbytes + b.nbytes for a, b in modules.values())
@@ -400,9 +444,9 @@ class LoraAdapters:
         try:
             if not cfg_file.is_file():
                 return  # a hub name or a folder not on this machine: the layer shapes decide
-            theirs = json.loads(cfg_file.read_text()[:_CONFIG_BYTES])
+            theirs = json.loads(_read_small(cfg_file, what))
         except (OSError, ValueError):
-            return
+            return  # unreadable: the layer shapes decide
         text_cfg = getattr(self.model_config, "text_config", None) or self.model_config
         for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             mine, other = getattr(text_cfg, key, None), theirs.get(key) if isinstance(theirs, dict) else None
@@ -413,16 +457,30 @@ class LoraAdapters:
                 )
 
     def install(self, adapter: Adapter, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a prepared adapter into a free slot (the engine's worker thread, between forwards)."""
-        if self.max_loaded_loras is not None and len(self.by_name) >= self.max_loaded_loras:
-            raise LoraError(
-                f"{len(self.by_name)} adapters are loaded, --max-loaded-loras {self.max_loaded_loras}: unload one first"
-            )
+        """Put a prepared adapter into a free slot (the engine's worker thread, between forwards: the tensor math is
+        done there, as every parallel torch op of the engine, see ``LocalEngine.__init__``); refused, changing
+        nothing, when a value is NaN or infinite or no slot may be added."""
+        dtype = next(iter(self.layers.values())).A.dtype
+        ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for mod, (a, b) in modules.items():
+            for t, label in ((a, "lora_A"), (b, "lora_B")):
+                if t.numel() and not _finite(t):
+                    raise LoraError(f"lora adapter {adapter.name!r}: {mod}.{label} holds NaN or infinite values")
+            scaled = (b.float() * adapter.scale).to(dtype)
+            if scaled.numel() and not _finite(scaled):
+                raise LoraError(
+                    f"lora adapter {adapter.name!r}: {mod}.lora_B times the scale {adapter.scale:g} (lora_alpha / r) "
+                    f"overflows {dtype}"
+                )
+            ready[mod] = (a.to(dtype), scaled)
+        held = sum(1 for a in self.slots if a is not None)  # counted here, on the worker: loads may race
+        if self.max_loaded_loras is not None and held >= self.max_loaded_loras:
+            raise LoraError(f"{held} adapters are loaded, --max-loaded-loras {self.max_loaded_loras}: unload one first")
         slot = next((i for i in range(1, len(self.slots)) if self.slots[i] is None), len(self.slots))
         rank = max(self.max_rank or 0, adapter.rank)
         for name, layer in self.layers.items():
             layer.resize(slot + 1, rank)
-            a, b = modules.get(name, (None, None))
+            a, b = ready.get(name, (None, None))
             layer.put(slot, a, b)
         if slot == len(self.slots):
             self.slots.append(adapter)
@@ -444,12 +502,24 @@ class LoraAdapters:
         """The slot of each row of the next forward (in row order)."""
         distinct = set(slots)
         self.most_in_a_forward = max(self.most_in_a_forward, len(distinct))
+        rows = self._rows
         if len(distinct) <= 1:
-            self._rows.idx, self._rows.single = None, next(iter(distinct), 0)
-        else:
-            self.mixed_forwards += 1
-            dev = next(iter(self.layers.values())).A.device
-            self._rows.idx, self._rows.single = torch.tensor(list(slots), dtype=torch.long, device=dev), 0
+            rows.mask, rows.sel, rows.single = None, (), next(iter(distinct), 0)
+            return
+        self.mixed_forwards += 1
+        first = next(iter(self.layers.values())).A
+        rank = first.shape[1]
+        sel = tuple(sorted(distinct - {0}))
+        at = {s: i for i, s in enumerate(sel)}
+        mask = torch.zeros(len(slots), len(sel), rank, dtype=first.dtype)
+        for i, s in enumerate(slots):
+            if s:
+                mask[i, at[s]] = 1
+        rows.mask, rows.sel, rows.single = mask.view(len(slots), 1, -1).to(first.device), sel, 0
+
+    def nbytes(self) -> int:
+        """The memory the adapters' stacks take (every layer's A and B)."""
+        return sum(layer.A.nbytes + layer.B.nbytes for layer in self.layers.values())
 
     def listing(self) -> dict[str, str]:
         """SGLang's ``loaded_adapters``: name -> path (``__tensor__`` for adapters sent as tensors)."""
@@ -466,7 +536,7 @@ class LoraAdapters:
             "lora_paths": [
                 {"lora_name": a.name, "lora_path": a.path, "pinned": a.pinned} for a in self.by_name.values()
             ],
-            "lora_backend": "agentrl-bgmv",
+            "lora_backend": "agentrl-torch",  # SGLang's own: triton, csgmv
             "lora_mixed_forwards": self.mixed_forwards,  # agentrl's: forwards that mixed adapters in one batch
         }
 
