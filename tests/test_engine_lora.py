@@ -8,12 +8,8 @@ for every log-prob is ``peft.PeftModel`` re-scoring prompt + output in one plain
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,7 +26,7 @@ from agentrl.engines.local.lora import (
     parse_target_modules,
 )
 from agentrl.engines.local.sampling import InvalidRequestError
-from agentrl.ports import free_port
+from tests.serving import serve_app
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = list(range(5, 29))
@@ -316,27 +312,8 @@ def test_an_engine_without_lora_refuses_lora_requests(tiny_ckpt):
 # ---------------------------------------------------------------- over HTTP
 
 
-@contextlib.contextmanager
-def _serving(app) -> Iterator[str]:
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def test_sglangs_lora_endpoints_and_fields_over_http(engine, adapters, tiny_ckpt):
-    with _serving(build_app(engine, model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serve_app(build_app(engine, model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
         info = http.get("/get_server_info").json()
         assert (
             info["enable_lora"] and info["max_lora_rank"] == 8 and "a2" in {p["lora_name"] for p in info["lora_paths"]}
@@ -535,7 +512,7 @@ def test_prompt_logprobs_streams_and_chat_run_under_the_adapter(engine, adapters
     want = [logp[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
     got = [e[0] for e in out["meta_info"]["input_token_logprobs"][1:]]
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
-    with _serving(build_app(engine, model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serve_app(build_app(engine, model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
         # a batch with one adapter name for every row; a stream on an adapter; chat with model "base:adapter"
         body = {"input_ids": [PROMPT, PROMPT[:-2]], "sampling_params": GREEDY, "return_logprob": True}
         batch = http.post("/generate", json={**body, "lora_path": "a1"}).json()
