@@ -17,6 +17,11 @@ What is timed, interleaved A, B, A, B ... (median ratio reported; the machine is
 
     python bench/p5_weight_sync.py                # the default model (SmolLM2-135M, 540 MB fp32)
     python bench/p5_weight_sync.py --model tiny   # a small local model (quick)
+
+With ``--lora-rank R`` (issue 40) the trainer holds a LoRA policy (all-linear, rank R) and the engine serves adapters:
+the full routes push the merged weights, and an **adapter** side pushes what a LoRA run pushes, the adapter alone
+(``TrainerGroup.push_adapter``: object store, the engine replacing its policy adapter); printed as time and bytes
+against the shared-memory push of the merged weights, same run, interleaved.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="default | tiny | PATH to a HF checkpoint")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-disk", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA policy: also time the adapter-only push")
     a = ap.parse_args()
 
     import ray
@@ -56,8 +62,10 @@ def main() -> None:
     # the threads `agentrl train` gives each actor in a synchronous run (every core: one phase at a time),
     # the same as the baseline copy below, which runs with torch's default thread count
     cores = os.cpu_count() or 1
-    trainers = TrainerGroup(ckpt, TrainConfig(), world_size=1, num_cpus=1, num_gpus=0, num_threads=cores)
-    engines = EngineGroup.embedded(ckpt, 1, num_cpus=1, max_running_requests=4, num_threads=cores)
+    train_cfg = TrainConfig(lora_rank=a.lora_rank) if a.lora_rank else TrainConfig()
+    trainers = TrainerGroup(ckpt, train_cfg, world_size=1, num_cpus=1, num_gpus=0, num_threads=cores)
+    lora = {"enable_lora": True, "max_lora_rank": a.lora_rank, "lora_target_modules": ["all"]} if a.lora_rank else {}
+    engines = EngineGroup.embedded(ckpt, 1, num_cpus=1, max_running_requests=4, num_threads=cores, **lora)
     src = numpy_to_tensors(ray.get(trainers.named_weights_ref()))
     src = {k: v.clone() for k, v in src.items()}
     dst = {k: torch.empty_like(v) for k, v in src.items()}
@@ -90,7 +98,28 @@ def main() -> None:
         trainers.push_weights("disk", engines.urls, str(version[0]), folder=str(tmp / "sync"), api_key=engines.api_key)
         return time.perf_counter() - t0
 
+    def adapter() -> float:
+        version[0] += 1
+        t0 = time.perf_counter()
+        trainers.push_adapter(engines.actors, str(version[0]))
+        return time.perf_counter() - t0
+
     baseline(), object_store(), shared(), shared()  # warm-up (both shared slots touched once)
+    if a.lora_rank:
+        adapter()
+        named, _ = ray.get(trainers.actors[0].adapter_weights.remote())
+        abytes = sum(v.nbytes for v in named.values())
+        pairs = [(shared(), adapter()) for _ in range(a.reps)]
+        ratios = [t_ad / t_sh for t_sh, t_ad in pairs]
+        print(
+            f"adapter (r{a.lora_rank}) {abytes / 2**20:.1f} MiB vs merged {nbytes / 2**20:.0f} MiB "
+            f"(bytes {abytes / nbytes:.4f}); push seconds adapter "
+            + " ".join(f"{t:.3f}" for _, t in pairs)
+            + " vs shared memory "
+            + " ".join(f"{t:.3f}" for t, _ in pairs)
+            + f"; time adapter / full: median {statistics.median(ratios):.3f} "
+            f"({min(ratios):.3f}-{max(ratios):.3f})"
+        )
     # Each transport is interleaved with the baseline on its own: a slower transport's memory churn
     # (object-store allocation, disk page cache) would otherwise slow whatever runs right after it.
     results = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -534,3 +535,46 @@ def test_prompt_logprobs_streams_and_chat_run_under_the_adapter(engine, adapters
             return [e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]]
 
         assert lps(by_model) == lps(by_field) and lps(by_model) != lps(base)
+
+
+def test_a_runs_policy_adapter_is_replaced_in_place_and_serves_requests_naming_none(tiny_ckpt, adapters):
+    """The adapter-only weight sync of a LoRA run (``EngineServer.load_policy_adapter``): each version replaces the
+    last under one name; requests naming no adapter run under it and report its version; a request running on the
+    old one finishes on it, its slot freed after."""
+    from safetensors.torch import load_file as read
+
+    eng = LocalEngine(tiny_ckpt, max_running_requests=4, enable_lora=True, max_lora_rank=8)
+    cfg = json.loads((adapters["a1"] / "adapter_config.json").read_text())
+    v1 = read(adapters["a1"] / "adapter_model.safetensors")
+    cfg3 = json.loads((adapters["a3"] / "adapter_config.json").read_text())
+    v2 = read(adapters["a3"] / "adapter_model.safetensors")
+
+    async def push(tensors, config, version):
+        return await eng.load_lora_adapter(
+            "policy", tensors=tensors, config=config, replace=True, weight_version=version, serve_by_default=True
+        )
+
+    async def run():
+        base = await eng.generate(PROMPT, GREEDY, return_logprob=True)
+        assert base["meta_info"]["weight_version"] == "default"
+        assert (await push(v1, cfg, "1"))["success"]
+        long = asyncio.ensure_future(eng.generate(PROMPT, {**GREEDY, "max_new_tokens": 120}, return_logprob=True))
+        while eng.num_running == 0:
+            await asyncio.sleep(0.005)
+        assert (await push(v2, cfg3, "2"))["success"]
+        new = await eng.generate(PROMPT, GREEDY, return_logprob=True)
+        return base, await long, new
+
+    try:
+        base, old, new = asyncio.run(run())
+        time.sleep(0.2)
+    finally:
+        asyncio.run(eng.close())
+    assert old["meta_info"]["weight_version"] == "1" and new["meta_info"]["weight_version"] == "2"
+    ref_old = _peft_logprobs(tiny_ckpt, adapters["a1"], PROMPT, old["output_ids"])
+    ref_new = _peft_logprobs(tiny_ckpt, adapters["a3"], PROMPT, new["output_ids"])
+    assert max(abs(a - b) for a, b in zip(ref_old, _lps(old))) < 1e-5  # all 120 tokens on version 1
+    assert max(abs(a - b) for a, b in zip(ref_new, _lps(new))) < 1e-5
+    assert _lps(base) != _lps(new)[: len(_lps(base))]
+    assert [a.name for a in eng.lora.slots if a is not None] == ["policy"]  # version 1's slot was freed
+    assert eng.lora.by_name["policy"].version == "2"

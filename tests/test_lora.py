@@ -337,6 +337,7 @@ def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt,
     lora = {"lora_rank": 4, "lr": 2e-2, "use_kl_loss": True, "kl_loss_coef": 0.1}
     summary = train(_cfg(tiny_ckpt, save, num_rollout=3, save_interval=1, true_on_policy_mode=True, train=lora))
     assert summary["weight_version"] == 3
+    assert summary["weight_sync"] == ["adapter"]  # the engines got the adapter alone, on their unchanged base
     lines = _lines(save)
     assert [line["step"] for line in lines] == [0, 1, 2]
     assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the engine has the merged weights

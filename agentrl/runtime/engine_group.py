@@ -77,6 +77,10 @@ def _reachable_host(host: str) -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
+POLICY_ADAPTER = "policy"
+"""The name a LoRA run's adapter has on its embedded engines (``/v1/models`` lists it)."""
+
+
 class EngineServer:
     """The embedded engine plus its HTTP server on a loopback port, in one process.
 
@@ -147,6 +151,22 @@ class EngineServer:
         """Load weights handed over by the object store (numpy arrays from :func:`tensors_to_numpy`)."""
         tensors = numpy_to_tensors(named)
         return self._call(self.engine.update_weights_from_tensors(tensors, weight_version))
+
+    def load_policy_adapter(self, named: dict[str, Any], config: dict[str, Any], weight_version: str) -> dict:
+        """A LoRA run's adapter-only weight sync (the trainer's adapter in PEFT's names, numpy arrays from the object
+        store): replaces the policy adapter, which every request naming no adapter then runs under, its samples
+        reporting ``weight_version``. The base weights never change in a LoRA run, so nothing else moves."""
+        tensors = numpy_to_tensors(named)
+        return self._call(
+            self.engine.load_lora_adapter(
+                POLICY_ADAPTER,
+                tensors=tensors,
+                config=config,
+                replace=True,
+                weight_version=weight_version,
+                serve_by_default=True,
+            )
+        )
 
     def update_weights_from_shared(self, path: str, layout: Any, weight_version: str) -> dict:
         """Point the model's parameters at a shared-memory slot the trainer wrote (no copy).

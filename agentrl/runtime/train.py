@@ -136,6 +136,7 @@ class _Runtime:
                 num_threads=e_threads,
                 adaptive_threads=cfg.cpu_threads == "adaptive",
                 min_threads=floor,
+                **_adapter_serving(cfg),
             )
         self.trainers = TrainerGroup(
             self.checkpoint,
@@ -211,12 +212,28 @@ class _Runtime:
                     mode = "disk"
             if mode == "tensor" and self.engines.supports_tensors:
                 mode = "shm" if self._same_node() else "object_store"
+            if cfg.weight_sync == "auto" and _adapter_serving(cfg) and self.engines.supports_tensors:
+                from agentrl.engines.local.lora import SUPPORTED_TARGETS
+
+                adapted = self.trainers.adapted_modules()
+                if adapted and adapted <= set(SUPPORTED_TARGETS):
+                    mode = "adapter"
+                else:  # e.g. an adapted LM head, which the engine does not serve: the merged weights go instead
+                    print(
+                        f"weight sync: the engines serve adapters on {', '.join(SUPPORTED_TARGETS)}; this adapter "
+                        f"also adapts {sorted(adapted - set(SUPPORTED_TARGETS))}: pushing the merged weights ({mode})",
+                        file=sys.stderr,
+                    )
             self._route = mode
         return self._route
 
     def sync_weights(self, version: int) -> None:
         """Push the trainer's current weights to every engine as ``str(version)``: one call, any route."""
         route = self.weight_route()
+        if route == "adapter":  # a LoRA run on embedded engines: the adapter alone, served as the policy
+            self.trainers.push_adapter(self.engines.actors, str(version))
+            self.routes_taken.append(route)
+            return
         targets = self.engines.actors if route in ("shm", "object_store") else self.engines.urls
         folder = push_folder(route, self.engines, self._sync_dir())
         taken = self.trainers.push_weights(route, targets, str(version), folder=folder, api_key=self.engines.api_key)
@@ -531,3 +548,14 @@ def _evaluator(
         return out
 
     return run
+
+
+def _adapter_serving(cfg: Any) -> dict[str, Any]:
+    """The LoRA server args of a LoRA run's embedded engines, or none: with ``--lora-rank`` on the torch backend and
+    ``--weight-sync auto`` the engines serve the trainer's adapter on the unchanged base, and each weight sync sends
+    the adapter alone (``adapter`` route; :meth:`_Runtime.weight_route` falls back to the merged weights for an
+    adapter on modules the engine does not adapt, e.g. the LM head)."""
+    train = cfg.train
+    if not train.lora_rank or cfg.weight_sync != "auto" or cfg.engine_url or cfg.rollout_backend == "sglang":
+        return {}
+    return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": ["all"]}

@@ -155,6 +155,19 @@ class TrainerActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def adapted_modules(self) -> set[str]:
+        peft = getattr(self.trainer, "peft", None)
+        if peft is None:
+            return set()
+        return {n.rsplit(".", 1)[-1] for n, m in self.trainer.model.named_modules() if hasattr(m, "lora_A")}
+
+    def adapter_weights(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """A LoRA policy's adapter as numpy arrays and its PEFT config on rank 0, None elsewhere (every rank gathers)."""
+        from agentrl.runtime.engine_group import tensors_to_numpy
+
+        state, config = self.trainer.adapter_weights()
+        return (tensors_to_numpy(state), config) if self.trainer.rank == 0 else None
+
     def push_weights(
         self, kind: str, targets: list[Any], version: str, folder: str | None = None, api_key: str | None = None
     ) -> str | None:
@@ -375,6 +388,22 @@ class TrainerGroup:
                 [a.push_weights.remote(kind, list(targets), version, folder, api_key) for a in self.actors]
             )
         return next((r for r in routes if r), kind)
+
+    def push_adapter(self, engines: Sequence[Any], version: str) -> None:
+        """A LoRA run's weight push: the adapter alone (bytes: the adapter's, not the model's) through the object
+        store to every embedded engine actor, which serves it as the policy from its next request on."""
+        refs = [a.adapter_weights.remote() for a in self.actors]
+        ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
+        named, config = ray.get(refs[0])
+        named_ref = ray.put(named)
+        answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version) for e in engines])
+        failed = [a.get("error_message") for a in answers if not a.get("success")]
+        if failed:
+            raise RuntimeError(f"an engine refused the policy adapter (version {version}): {failed[0]}")
+
+    def adapted_modules(self) -> set[str]:
+        """The module names (last component: ``q_proj``) the policy's adapter adapts (empty: no adapter)."""
+        return ray.get(self.actors[0].adapted_modules.remote())
 
     def reset_weight_transport(self) -> None:
         """Drop rank 0's push transport, so the next ``push_weights`` builds a new one (new NCCL group)."""

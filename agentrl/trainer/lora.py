@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -183,6 +184,12 @@ def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write
     peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
 
 
+def adapter_config_dict(peft_model: PeftModel) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json`` as a JSON-able dict (sets as sorted lists), as PEFT would write it."""
+    raw = peft_model.peft_config[ADAPTER_NAME].to_dict()
+    return json.loads(json.dumps(raw, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
 def check_adapter(adapter: Path, cfg: TrainConfig, base: str | Path, *, what: str) -> None:
     """Refuse a PEFT adapter folder this run cannot continue: not an adapter, another rank or scale, another base.
 
@@ -270,6 +277,7 @@ def is_lora_checkpoint(folder: str | Path) -> bool:
 __all__ = [
     "ADAPTER_DIR",
     "add_lora",
+    "adapter_config_dict",
     "adapter_state",
     "apply_adapter",
     "check_adapter",

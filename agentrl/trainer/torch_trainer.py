@@ -68,6 +68,8 @@ from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, p
 from agentrl.trainer.lean_activations import make_lean
 from agentrl.trainer.lora import (
     ADAPTER_DIR,
+    adapter_config_dict,
+    adapter_state,
     add_lora,
     apply_adapter,
     check_adapter,
@@ -602,6 +604,12 @@ class TorchTrainer(Trainer):
             if id(t) not in seen:
                 seen.add(id(t))
                 yield name, _full(t)
+
+    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A LoRA policy's adapter (PEFT's names, full, on CPU) and its PEFT config: what a LoRA run's engines load
+        instead of the merged weights (a collective when sharded: every rank must call it)."""
+        assert self.peft is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
+        return adapter_state(self.model), adapter_config_dict(self.peft)
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write the checkpoint layout of the module docstring. Sharded: every rank must call it."""

@@ -232,6 +232,7 @@ class LocalEngine:
                 else None
             )
             self._lora_pending: set[str] = set()  # names being loaded (event-loop side)
+            self.policy_adapter: str | None = None  # a run's policy: the adapter of requests naming none
             cfg = getattr(self.body, "config", None) or self.model.config
             ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
             windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
@@ -515,6 +516,8 @@ class LocalEngine:
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
         adapter = self.lora_adapter(lora_path)
+        if adapter is None and self.policy_adapter is not None and self.lora is not None:
+            adapter = self.lora.by_name.get(self.policy_adapter)
         key, images = prepared if prepared is not None else (None, None)
         if prepared is not None:
             pass  # decoded and checked by _prepare_images (in a worker thread)
@@ -625,6 +628,9 @@ class LocalEngine:
         tensors: dict[str, torch.Tensor] | None = None,
         config: dict | None = None,
         pinned: bool = False,
+        replace: bool = False,
+        weight_version: str | None = None,
+        serve_by_default: bool = False,
     ) -> dict:
         """SGLang's ``/load_lora_adapter``: a PEFT adapter folder (``lora_path``), or its ``tensors`` (PEFT's names)
         and ``config`` (its ``adapter_config.json`` as a dict), served as ``lora_name`` from the next batch on.
@@ -633,13 +639,19 @@ class LocalEngine:
         memory is allocated); the slot is filled between two forwards, so running requests are not held. A name
         already loaded is refused (unload it first, as SGLang). ``pinned`` is SGLang's and is reported back; every
         loaded adapter stays resident here (nothing is evicted), so it changes nothing. Returns SGLang's ``{"success", "error_message",
-        "loaded_adapters"}``; a refusal changes nothing."""
+        "loaded_adapters"}``; a refusal changes nothing.
+
+        For a training run's own engines (not SGLang's API): ``replace`` swaps a loaded adapter of that name for this
+        one (requests already running finish on the old one, whose slot is freed after them; new ones get this one);
+        ``weight_version`` is what responses under it report as ``meta_info.weight_version`` (the policy's version,
+        as a base-weight update reports its own); ``serve_by_default`` makes it the adapter of every request that
+        names none (the run's rollouts sample the policy without naming it)."""
         if self.lora is None:
             return self._lora_result(False, "this engine was started without --enable-lora (or --lora-paths)")
         what = f"lora adapter {lora_name!r}"
         if not isinstance(pinned, bool):
             return self._lora_result(False, f"pinned must be true or false, got {pinned!r}")
-        if lora_name in self.lora.by_name or lora_name in self._lora_pending:
+        if lora_name in self._lora_pending or (lora_name in self.lora.by_name and not replace):
             return self._lora_result(False, f"an adapter named {lora_name!r} is already loaded: unload it first")
         if (lora_path is None) == (tensors is None):
             return self._lora_result(False, "give exactly one of lora_path and tensors")
@@ -659,12 +671,19 @@ class LocalEngine:
             except LoraError as exc:
                 return self._lora_result(False, str(exc))
             adapter.uid = lora.new_uid()
+            adapter.version = None if weight_version is None else str(weight_version)
             fut = asyncio.get_running_loop().create_future()
 
             def installed(f: asyncio.Future) -> None:  # also when the caller went away meanwhile: no slot is lost
                 self._lora_pending.discard(lora_name)
-                if not f.cancelled() and f.result().get("success"):
-                    lora.by_name[lora_name] = adapter
+                if f.cancelled() or not f.result().get("success"):
+                    return
+                old = lora.by_name.get(lora_name)
+                lora.by_name[lora_name] = adapter
+                if serve_by_default:
+                    self.policy_adapter = lora_name
+                if old is not None:  # replaced: freed once its running requests end
+                    self._enqueue("lora_unload", (old, asyncio.get_running_loop().create_future()))
 
             fut.add_done_callback(installed)
             if not self._enqueue("lora_load", (adapter, modules, fut)):
@@ -1301,7 +1320,9 @@ class LocalEngine:
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,
-            "weight_version": self.weight_version,
+            "weight_version": r.lora.version
+            if r.lora is not None and r.lora.version is not None
+            else self.weight_version,
             "e2e_latency": time.perf_counter() - r.created,
         }
         if r.return_logprob:

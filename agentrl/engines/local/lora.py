@@ -253,6 +253,7 @@ class Adapter:
     modules: frozenset[str]
     slot: int = -1
     nbytes: int = 0
+    version: str | None = None  # what responses under it report as weight_version (a run's policy version)
 
 
 class _Rows:
