@@ -280,6 +280,21 @@ def test_bad_lora_values_are_refused_naming_the_flag(kw, message):
         TrainConfig(**kw).validate()
 
 
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({}, "it needs --lora-rank"),
+        ({"train": {"lora_rank": 4, "lora_target_modules": ["q_proj", "lm_head"]}}, r"\['lm_head'\] given otherwise"),
+        ({"train": {"lora_rank": 4}, "engine_url": ["http://127.0.0.1:1"]}, "not --engine-url or SGLang"),
+    ],
+)
+def test_weight_sync_adapter_is_refused_where_no_engine_could_serve_the_adapter(tmp_path, kw, message):
+    from tests.test_train import _cfg
+
+    with pytest.raises(ValueError, match=message):
+        _cfg("/m", tmp_path, weight_sync="adapter", **kw).validate()
+
+
 def test_lora_dropout_is_accepted_for_a_warm_start():
     TrainConfig(lora_rank=4, lora_dropout=0.1, loss_type="sft_loss").validate()
 
@@ -327,20 +342,25 @@ def test_lora_on_the_megatron_backend_is_refused():
 
 
 @pytest.mark.e2e
-def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt, tmp_path, ray_local, capsys):
-    """A LoRA run on the embedded engine: each step's engine serves the adapted policy (the trainer's log-probs
-    of the sampled tokens match the engine's: --true-on-policy-mode), checkpoints carry the adapter, --load resumes."""
+def test_agentrl_train_with_lora_serves_the_adapter_and_resumes(tiny_ckpt, tmp_path, ray_local, capsys):
+    """A LoRA run on the embedded engine with --weight-sync adapter: each step's engine serves the adapted policy,
+    pushed as the adapter alone on the engine's unchanged base (the trainer's log-probs of the sampled tokens match
+    the engine's: --true-on-policy-mode), checkpoints carry the adapter, --load resumes. (The merged-weights push of a
+    LoRA run is the SFT -> RL test's, below.)"""
     from agentrl.runtime.train import train
     from tests.test_train import _cfg, _lines
 
     save = tmp_path / "run"
     lora = {"lora_rank": 4, "lr": 2e-2, "use_kl_loss": True, "kl_loss_coef": 0.1}
-    summary = train(_cfg(tiny_ckpt, save, num_rollout=3, save_interval=1, true_on_policy_mode=True, train=lora))
+    adapter = {"weight_sync": "adapter"}
+    summary = train(
+        _cfg(tiny_ckpt, save, num_rollout=3, save_interval=1, true_on_policy_mode=True, train=lora, **adapter)
+    )
     assert summary["weight_version"] == 3
     assert summary["weight_sync"] == ["adapter"]  # the engines got the adapter alone, on their unchanged base
     lines = _lines(save)
     assert [line["step"] for line in lines] == [0, 1, 2]
-    assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the engine has the merged weights
+    assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the engine serves the adapter
     assert lines[-1]["kl"] != 0.0  # the adapter moved the policy away from the base
     last = save / "iter_0000003"
     merged = load_file(str(last / "model.safetensors"))
@@ -356,7 +376,16 @@ def test_agentrl_train_with_lora_serves_the_merged_policy_and_resumes(tiny_ckpt,
     assert main([*flags, "--lora-rank", "8"]) == 2
     assert "its adapter has r 4, this run's --lora-rank gives 8" in capsys.readouterr().err
     summary = train(
-        _cfg(tiny_ckpt, save, num_rollout=4, save_interval=1, true_on_policy_mode=True, train=lora, load=str(save))
+        _cfg(
+            tiny_ckpt,
+            save,
+            num_rollout=4,
+            save_interval=1,
+            true_on_policy_mode=True,
+            train=lora,
+            load=str(save),
+            **adapter,
+        )
     )
     assert summary["weight_version"] == 4
     lines = _lines(save)

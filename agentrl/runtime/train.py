@@ -165,6 +165,8 @@ class _Runtime:
                 adaptive_threads=cfg.cpu_threads == "adaptive",
                 min_threads=floor,
             )
+        if cfg.weight_sync == "adapter":
+            self.weight_route()  # an adapter the engines cannot serve: refused now, not after the first step
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -192,7 +194,8 @@ class _Runtime:
             self.placement = None
 
     def weight_route(self) -> str:
-        """The route of every weight push (one of :data:`agentrl.runtime.weight_sync.TRANSPORTS`), chosen once.
+        """The route of every weight push (one of :data:`agentrl.runtime.weight_sync.TRANSPORTS`, or ``adapter``: a LoRA
+        policy's adapter alone, :meth:`TrainerGroup.push_adapter`), chosen once.
 
         ``--weight-sync``, or for ``auto`` as slime: embedded engines take the weights through Ray,
         by shared memory when they all share the trainer's node (``shm``), else the object store;
@@ -212,17 +215,15 @@ class _Runtime:
                     mode = "disk"
             if mode == "tensor" and self.engines.supports_tensors:
                 mode = "shm" if self._same_node() else "object_store"
-            if cfg.weight_sync == "auto" and _adapter_serving(cfg) and self.engines.supports_tensors:
+            if mode == "adapter":  # refused before the first rollout: an adapter the engines cannot serve
                 from agentrl.engines.local.lora import SUPPORTED_TARGETS
 
-                adapted = self.trainers.adapted_modules()
-                if adapted and adapted <= set(SUPPORTED_TARGETS):
-                    mode = "adapter"
-                else:  # e.g. an adapted LM head, which the engine does not serve: the merged weights go instead
-                    print(
-                        f"weight sync: the engines serve adapters on {', '.join(SUPPORTED_TARGETS)}; this adapter "
-                        f"also adapts {sorted(adapted - set(SUPPORTED_TARGETS))}: pushing the merged weights ({mode})",
-                        file=sys.stderr,
+                unserved = sorted(self.trainers.adapted_modules() - set(SUPPORTED_TARGETS))
+                if unserved:
+                    raise ValueError(
+                        f"--weight-sync adapter: the policy's adapter adapts {unserved}, which the embedded engines "
+                        f"do not serve adapters on ({', '.join(SUPPORTED_TARGETS)}): use --weight-sync auto (the "
+                        "merged weights) or --lora-target-modules among those"
                     )
             self._route = mode
         return self._route
@@ -551,11 +552,12 @@ def _evaluator(
 
 
 def _adapter_serving(cfg: Any) -> dict[str, Any]:
-    """The LoRA server args of a LoRA run's embedded engines, or none: with ``--lora-rank`` on the torch backend and
-    ``--weight-sync auto`` the engines serve the trainer's adapter on the unchanged base, and each weight sync sends
-    the adapter alone (``adapter`` route; :meth:`_Runtime.weight_route` falls back to the merged weights for an
-    adapter on modules the engine does not adapt, e.g. the LM head)."""
+    """The LoRA server args of the embedded engines of a ``--weight-sync adapter`` run (else none): they serve the
+    trainer's adapter on their unchanged base, and each weight sync sends the adapter alone. Not the default: on CPU
+    the adapter's matmuls cost more decode time (~12% at r16, bench/README.md P12) than a shared-memory push of the
+    merged weights on one node saves (~0.1 s a step for SmolLM2); bytes matter across nodes and on GPUs."""
     train = cfg.train
-    if not train.lora_rank or cfg.weight_sync != "auto" or cfg.engine_url or cfg.rollout_backend == "sglang":
+    if cfg.weight_sync != "adapter":
         return {}
-    return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": ["all"]}
+    targets = [m.rsplit(".", 1)[-1] for m in train.lora_target_modules or [] if m != "all-linear"] or ["all"]
+    return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": targets}

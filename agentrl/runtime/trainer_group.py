@@ -399,7 +399,10 @@ class TrainerGroup:
         answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version) for e in engines])
         failed = [a.get("error_message") for a in answers if not a.get("success")]
         if failed:
-            raise RuntimeError(f"an engine refused the policy adapter (version {version}): {failed[0]}")
+            raise RuntimeError(
+                f"an engine refused the policy adapter (version {version}): {failed[0]}; "
+                "--weight-sync auto pushes the merged weights instead"
+            )
 
     def adapted_modules(self) -> set[str]:
         """The module names (last component: ``q_proj``) the policy's adapter adapts (empty: no adapter)."""

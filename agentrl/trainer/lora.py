@@ -6,7 +6,9 @@ around the adapter are agentrl's:
 
 * **the reference** for a KL term is the base with the adapters disabled (``disable_adapter``): no second model;
 * **the engines** receive the merged weights ``W + (alpha / r) B A`` under the base's Hugging Face names
-  (:func:`merged_weights`), so every engine and weight transport serves a LoRA run unchanged;
+  (:func:`merged_weights`), so every engine and weight transport serves a LoRA run unchanged; or, with
+  ``--weight-sync adapter``, the adapter alone (:func:`adapter_state`, :func:`adapter_config_dict`), which embedded
+  engines serve on their unchanged base;
 * **checkpoints** keep the loadable merged folder every reader of a run folder expects and add the adapter in
   PEFT's format under ``adapter/`` (``adapter_config.json`` + ``adapter_model.safetensors``), which
   ``peft.PeftModel.from_pretrained(base, "iter_N/adapter")`` and SGLang's ``--lora-paths NAME=iter_N/adapter``

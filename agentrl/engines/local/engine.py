@@ -102,6 +102,7 @@ class _Request:
         self.input_meta: dict[str, list] = {}  # input_token_logprobs / input_top_logprobs, once scored
         self.stream: asyncio.Queue | None = None  # partial responses for a streaming request
         self.lora: Adapter | None = None  # the LoRA adapter the request runs under (lora_path)
+        self.takes_policy = False  # named none on an engine serving a run's policy adapter: it is taken at admission
 
     @property
     def slot(self) -> int:
@@ -232,7 +233,6 @@ class LocalEngine:
                 else None
             )
             self._lora_pending: set[str] = set()  # names being loaded (event-loop side)
-            self.policy_adapter: str | None = None  # a run's policy: the adapter of requests naming none
             cfg = getattr(self.body, "config", None) or self.model.config
             ctx = context_length or getattr(cfg, "max_position_embeddings", None) or 4096
             windows = [w for w in (getattr(layer.self_attn, "sliding_window", None) for layer in self.body.layers) if w]
@@ -273,6 +273,7 @@ class LocalEngine:
         self.consecutive_faults = 0  # such failures in a row: at MAX_CONSECUTIVE_FAULTS the engine reports unhealthy
         # Owned by the worker thread.
         self._unloads: list[tuple[Adapter, asyncio.Future]] = []  # unloads waiting for their adapter's requests
+        self._policy: Adapter | None = None  # a run's policy adapter (serve_by_default): taken at admission
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request | None] = [None] * max_running_requests
         # set from the worker thread itself: torch's OpenMP thread count is per thread
@@ -516,8 +517,6 @@ class LocalEngine:
             raise RuntimeError("the embedded engine is closed")
         ids = self._check_input_ids(input_ids)
         adapter = self.lora_adapter(lora_path)
-        if adapter is None and self.policy_adapter is not None and self.lora is not None:
-            adapter = self.lora.by_name.get(self.policy_adapter)
         key, images = prepared if prepared is not None else (None, None)
         if prepared is not None:
             pass  # decoded and checked by _prepare_images (in a worker thread)
@@ -555,6 +554,7 @@ class LocalEngine:
         if key is not None:
             req.prompt, req.images = key, images
         req.lora = adapter
+        req.takes_policy = adapter is None and self.lora is not None
         if return_logprob:
             req.logprob_start_len = logprob_start_len if logprob_start_len >= 0 else len(ids) - 1
             req.top_logprobs_num = top_logprobs_num
@@ -680,13 +680,11 @@ class LocalEngine:
                     return
                 old = lora.by_name.get(lora_name)
                 lora.by_name[lora_name] = adapter
-                if serve_by_default:
-                    self.policy_adapter = lora_name
                 if old is not None:  # replaced: freed once its running requests end
                     self._enqueue("lora_unload", (old, asyncio.get_running_loop().create_future()))
 
             fut.add_done_callback(installed)
-            if not self._enqueue("lora_load", (adapter, modules, fut)):
+            if not self._enqueue("lora_load", (adapter, modules, serve_by_default, fut)):
                 fut.cancel()
                 return self._lora_result(False, "engine closed")
             out = await asyncio.shield(fut)
@@ -941,15 +939,21 @@ class LocalEngine:
             result = self._load_weights(path, version, **opts)
             _call_soon(fut.get_loop(), _set_result, fut, result)
         elif kind == "lora_load":
-            adapter, modules, fut = arg
+            adapter, modules, by_default, fut = arg
             assert self.lora is not None
             try:
                 self.lora.install(adapter, modules)
                 result = {"success": True, "message": ""}
+                if by_default:  # the run's policy from now on: requests admitted from here take it
+                    self._policy = adapter
+                    if adapter.version is not None:
+                        self.weight_version = adapter.version
             except LoraError as exc:
                 result = {"success": False, "message": str(exc)}
             _call_soon(fut.get_loop(), _set_result, fut, result)
         elif kind == "lora_unload":  # done once no request holds it: checked after every iteration
+            if self._policy is arg[0]:  # the policy unloaded by hand: requests naming none run on the base again
+                self._policy = None
             self._unloads.append(arg)
             self._finish_unloads()
         elif kind in ("release", "resume") and self.num_running == 0:
@@ -1048,6 +1052,8 @@ class LocalEngine:
         held: list[_Request] = []
         while self._waiting and len(new) < len(free):
             req = self._waiting.popleft()
+            if req.takes_policy:  # the policy of the moment it starts: queued requests never run on a replaced one
+                req.lora = self._policy
             if limit is not None and req.slot not in slots and len(slots) >= limit:
                 held.append(req)
                 continue
