@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentrl.engines.local.weights import WeightUpdateError, _open_regular, read_source
+from agentrl.engines.local.weights import WeightUpdateError, check_against_model, open_regular, read_source
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers an adapter may target (SGLang's names for a Llama-shaped model)."""
@@ -204,7 +204,7 @@ def read_adapter_config(path: str, *, what: str) -> Any:
 def _read_small(path: Path, what: str) -> bytes:
     """A regular file of at most 1 MiB, opened so that a FIFO or a device swapped in is refused, never blocked on."""
     try:
-        fd = _open_regular(path)
+        fd = open_regular(path)
     except WeightUpdateError as exc:
         raise LoraError(f"{what}: {exc}") from None
     try:
@@ -407,8 +407,6 @@ class LoraAdapters:
         shapes = self.expected_shapes(conf.rank)
         try:
             if isinstance(source, dict):
-                from agentrl.engines.local.weights import check_against_model
-
                 for k, t in source.items():
                     check_against_model(shapes, k, tuple(t.shape), what)
                 tensors = dict(source)

@@ -110,7 +110,7 @@ def read_source(
     deadline = time.monotonic() + deadline_s
     loaded: dict[str, torch.Tensor] = {}
     for f in files:
-        fd = _open_regular(f)
+        fd = open_regular(f)
         try:
             for name, tensor in _read_safetensors(fd, f, deadline, deadline_s, shapes).items():
                 if name in loaded:
@@ -125,7 +125,7 @@ def read_source(
     return loaded, f"checkpoint {source!r}"
 
 
-def _open_regular(path: Path) -> int:
+def open_regular(path: Path) -> int:
     """A read-only descriptor of ``path`` (symlinks resolved) if it is a regular file; else WeightUpdateError.
 
     Checked before opening (so a device is never opened) and again on the open descriptor, which is
