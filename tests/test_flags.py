@@ -85,7 +85,7 @@ def test_choices_live_in_field_metadata_and_validate_uses_them():
         RolloutConfig(sandbox="vm").validate()
     with pytest.raises(ValueError, match="--kl-loss-type must be k1, k2 or k3"):
         TrainConfig(kl_loss_type="k4").validate()
-    with pytest.raises(ValueError, match="--weight-sync must be auto, tensor, disk or nccl"):
+    with pytest.raises(ValueError, match="--weight-sync must be auto, tensor, disk, nccl or adapter"):
         RunConfig(env="agentrl.envs.digits:Digits", weight_sync="rdma").validate()
 
 
