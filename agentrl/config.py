@@ -1343,9 +1343,16 @@ def argparse_namespace(cfg: RunConfig) -> Any:
     return argparse.Namespace(**flat)
 
 
+LORA_SERVED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers the embedded engine serves LoRA adapters on (SGLang's names; ``agentrl.engines.local.lora``)."""
+
+
+def lora_target_suffixes(t: TrainConfig) -> list[str]:
+    """``--lora-target-modules`` by their last component, as PEFT matches them (none for ``all-linear``)."""
+    return [m.rsplit(".", 1)[-1] for m in (t.lora_target_modules or []) if m != "all-linear"]
+
+
 def _unserved_lora_targets(t: TrainConfig) -> list[str]:
     """``--lora-target-modules`` the embedded engine does not serve adapters on (``all-linear``: checked on the model
     when the run starts, by the adapted modules)."""
-    served = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    names = [m.rsplit(".", 1)[-1] for m in (t.lora_target_modules or []) if m != "all-linear"]
-    return sorted(set(names) - served)
+    return sorted(set(lora_target_suffixes(t)) - set(LORA_SERVED_TARGETS))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig
+from agentrl.config import RunConfig, lora_target_suffixes
 from agentrl.cpu_share import usable_cores
 from agentrl.metrics import MetricsLogger
 from agentrl.rollout.eval import evaluate
@@ -559,5 +559,5 @@ def _adapter_serving(cfg: Any) -> dict[str, Any]:
     train = cfg.train
     if cfg.weight_sync != "adapter":
         return {}
-    targets = [m.rsplit(".", 1)[-1] for m in train.lora_target_modules or [] if m != "all-linear"] or ["all"]
+    targets = lora_target_suffixes(train) or ["all"]
     return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": targets}

@@ -40,10 +40,11 @@ from agentrl.engines.local.image_data import EngineVision, RequestImages
 from agentrl.engines.local.kv_cache import CachedForward, CachedSequence, PrefixStore, SlotKVCache, common_prefix_len
 from agentrl.engines.local.lora import (
     DEFAULT_MAX_LORAS_PER_BATCH,
-    MAX_LORA_RANK,
+    SUPPORTED_TARGETS,
     Adapter,
     LoraAdapters,
     LoraError,
+    check_adapter_config,
     check_limits,
     parse_lora_paths,
     parse_target_modules,
@@ -296,25 +297,23 @@ class LocalEngine:
         """Wrap the target layers and load ``--lora-paths`` (before the worker starts). As SGLang: without
         ``--lora-target-modules`` the start adapters' modules are the targets (all when none is given), without
         ``--max-lora-rank`` the largest start rank bounds later loads (any rank up to 1024 when none is given)."""
-        if targets is None and initial:
-            named = set()
-            for src, cfg in initial:
-                mods = cfg.get("target_modules") if isinstance(cfg, dict) else None
-                if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+        # each start adapter's config checked once here (a rank out of bounds is refused naming r, not a flag)
+        confs = [
+            (src, check_adapter_config(cfg, what=f"--lora-paths {src.name}", max_rank=None)) for src, cfg in initial
+        ]
+        if targets is None and confs:
+            for src, conf in confs:
+                if not conf.targets:
                     raise LoraError(
                         f"--lora-paths {src.name}: adapter_config.json lists no target_modules; pass --lora-target-modules"
                     )
-                named.update(m.rsplit(".", 1)[-1] for m in mods)
-            targets = parse_target_modules(sorted(named))
-        if max_rank is None and initial:
-            ranks = [cfg.get("r") for _, cfg in initial if isinstance(cfg, dict)]
-            inferred = max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=None)
-            # a rank out of bounds is refused by the adapter's own check (naming r), not as a --max-lora-rank
-            max_rank = None if inferred is None or not 1 <= inferred <= MAX_LORA_RANK else inferred
+            targets = parse_target_modules(sorted(set().union(*(conf.targets for _, conf in confs))))
+        if max_rank is None and confs:
+            max_rank = max(conf.rank for _, conf in confs)
         lora = LoraAdapters(
             self.model,
             list(self.body.layers),
-            targets=targets if targets is not None else parse_target_modules(["all"]) or frozenset(),
+            targets=targets if targets is not None else frozenset(SUPPORTED_TARGETS),
             max_rank=max_rank,
             max_loras_per_batch=per_batch,
             max_loaded_loras=max_loaded,

@@ -36,10 +36,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentrl.engines.local.weights import WeightUpdateError, check_against_model, open_regular, read_source
+from agentrl.config import LORA_SERVED_TARGETS
+from agentrl.engines.local.weights import (
+    WeightUpdateError,
+    all_finite,
+    check_against_model,
+    open_regular,
+    read_source,
+)
 
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The decoder's linear layers an adapter may target (SGLang's names for a Llama-shaped model)."""
+SUPPORTED_TARGETS = LORA_SERVED_TARGETS
+"""The decoder's linear layers an adapter may target (SGLang's names for a Llama-shaped model; the config's check of
+``--weight-sync adapter`` reads the same tuple)."""
 
 MAX_LORA_RANK = 1024
 """The largest rank the embedded engine takes (as the trainer's ``--lora-rank`` bound)."""
@@ -49,11 +57,6 @@ DEFAULT_MAX_LORAS_PER_BATCH = 8
 
 PEFT_PREFIX = "base_model.model."
 _CONFIG_BYTES = 1 << 20  # an adapter_config.json larger than this is no adapter config
-
-
-def _finite(t: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 class LoraError(ValueError):
@@ -136,7 +139,6 @@ class AdapterConfig:
     """The part of a PEFT ``adapter_config.json`` that serving needs, checked."""
 
     rank: int
-    alpha: float
     scale: float
     base: str | None
     targets: frozenset[str] = field(default_factory=frozenset)
@@ -183,7 +185,7 @@ def check_adapter_config(cfg: Any, *, what: str, max_rank: int | None) -> Adapte
         else frozenset()
     )
     scale = alpha / math.sqrt(r) if rslora else alpha / r
-    return AdapterConfig(r, float(alpha), scale, base if isinstance(base, str) else None, names)
+    return AdapterConfig(r, scale, base if isinstance(base, str) else None, names)
 
 
 def read_adapter_config(path: str, *, what: str) -> Any:
@@ -250,9 +252,7 @@ class Adapter:
     rank: int
     scale: float
     pinned: bool
-    modules: frozenset[str]
     slot: int = -1
-    nbytes: int = 0
     version: str | None = None  # what responses under it report as weight_version (a run's policy version)
 
 
@@ -333,8 +333,8 @@ class LoraLinear:
 class LoraAdapters:
     """The adapters a model serves, and the wrapped layers that run them.
 
-    Built once at engine start (:meth:`install` wraps the target layers); loads and unloads then change only the
-    stacks, on the engine's worker thread between forwards. The registry of names (:attr:`by_name`) is read and
+    Built once at engine start (the constructor hooks the target layers); loads (:meth:`install`) and unloads
+    (:meth:`remove`) then change only the stacks, on the engine's worker thread between forwards. The registry of names (:attr:`by_name`) is read and
     written on the event loop: a request names an adapter there, and holds its :class:`Adapter` until it ends.
     """
 
@@ -350,7 +350,6 @@ class LoraAdapters:
         model_config: Any = None,
     ):
         check_limits(max_rank, max_loras_per_batch, max_loaded_loras)
-        self.model = model
         self.model_config = model_config
         self.targets = targets
         self.max_rank = max_rank
@@ -394,7 +393,8 @@ class LoraAdapters:
         self, name: str, cfg: Any, source: str | dict[str, torch.Tensor], *, what: str, pinned: bool = False
     ) -> tuple[Adapter, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Check ``cfg`` and read (a folder) or take (a dict) the tensors, each checked against this model's layers:
-        the adapter and ``module -> (A, scale * B)``. Touches no served weight (runs in a worker thread)."""
+        the adapter and ``module -> (A, B)`` as given (:meth:`install` checks their values and scales B). Touches no
+        served weight (runs in a worker thread)."""
         _check_name(name, what)
         conf = check_adapter_config(cfg, what=what, max_rank=self.max_rank)
         outside = sorted(t for t in conf.targets if t not in self.targets)
@@ -428,10 +428,8 @@ class LoraAdapters:
             modules[mod] = (a, b)
         if not modules:
             raise LoraError(f"{what}: the adapter holds no lora_A/lora_B weights for this model's layers")
-        nbytes = sum(a.nbytes + b.nbytes for a, b in modules.values())
         path = source if isinstance(source, str) else "__tensor__"
-        suffixes = frozenset(m.rsplit(".", 1)[-1] for m in modules)
-        adapter = Adapter(name, path, 0, conf.rank, conf.scale, pinned, suffixes, nbytes=nbytes)
+        adapter = Adapter(name, path, 0, conf.rank, conf.scale, pinned)
         return adapter, modules
 
     def _check_base(self, conf: AdapterConfig, what: str) -> None:
@@ -463,10 +461,10 @@ class LoraAdapters:
         ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for mod, (a, b) in modules.items():
             for t, label in ((a, "lora_A"), (b, "lora_B")):
-                if t.numel() and not _finite(t):
+                if t.numel() and not all_finite(t):
                     raise LoraError(f"lora adapter {adapter.name!r}: {mod}.{label} holds NaN or infinite values")
             scaled = (b.float() * adapter.scale).to(dtype)
-            if scaled.numel() and not _finite(scaled):
+            if scaled.numel() and not all_finite(scaled):
                 raise LoraError(
                     f"lora adapter {adapter.name!r}: {mod}.lora_B times the scale {adapter.scale:g} (lora_alpha / r) "
                     f"overflows {dtype}"

@@ -278,11 +278,11 @@ def _check_tensor(name: str, t: torch.Tensor, param: torch.Tensor, what: str, *,
         raise WeightUpdateError(f"{what}: {name} is on device {t.device}; the model is on {param.device}")
     if t.is_floating_point() != param.is_floating_point() or t.is_complex():
         raise WeightUpdateError(f"{what}: {name} has dtype {t.dtype}; the model's is {param.dtype}")
-    if finite and t.is_floating_point() and t.numel() and not _finite(t):
+    if finite and t.is_floating_point() and t.numel() and not all_finite(t):
         raise WeightUpdateError(f"{what}: {name} holds NaN or infinite values")
 
 
-def _finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in ``t``: its min and max are finite (NaN propagates through both). One fused
     reduction with no temporary: ~25x faster than ``isfinite(t).all()``, which allocates a mask the
     size of the tensor and made the check 6x the cost of a shared-memory weight update (bench P5)."""
