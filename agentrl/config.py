@@ -454,8 +454,8 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
     lora_rank: int = option(
         0,
         help="LoRA: train a rank-r adapter on the frozen base instead of every weight (PEFT's r, verl's lora_rank; "
-        "0: full fine-tuning); torch backend; the engines get the merged weights, checkpoints add the adapter in "
-        "PEFT's format under adapter/",
+        "0: full fine-tuning); both backends (megatron: the decoder's linears, TP-split); the engines get the merged "
+        "weights, checkpoints add the adapter in PEFT's format under adapter/",
     )
     lora_alpha: float | None = option(
         None, help="LoRA: the adapter's scale is alpha / rank (PEFT's lora_alpha; default: the rank, a scale of 1)"
@@ -1252,9 +1252,8 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 "given otherwise)",
             ),
             (
-                not (t.lora_rank and self.train_backend == "megatron"),
-                "--lora-rank trains a PEFT adapter on the torch backend; the megatron backend has no LoRA yet: use "
-                "--train-backend torch",
+                not (t.lora_rank and self.train_backend == "megatron" and megatron_lora_problems(t)),
+                "; ".join(megatron_lora_problems(t)),
             ),
             (
                 not self.colocate or self._colocated_engines_fit(),
@@ -1350,6 +1349,27 @@ LORA_SERVED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 def lora_target_suffixes(t: TrainConfig) -> list[str]:
     """``--lora-target-modules`` by their last component, as PEFT matches them (none for ``all-linear``)."""
     return [m.rsplit(".", 1)[-1] for m in (t.lora_target_modules or []) if m != "all-linear"]
+
+
+def megatron_lora_problems(t: TrainConfig) -> list[str]:
+    """What the megatron backend's LoRA cannot do of the LoRA flags: it adapts the decoder's linears, no dropout."""
+    problems = []
+    if _unserved_lora_targets(t):
+        problems.append(
+            f"--lora-target-modules {' '.join(_unserved_lora_targets(t))}: the megatron backend adapts the decoder "
+            f"layers' linears ({' '.join(LORA_SERVED_TARGETS)}); use --train-backend torch to adapt others"
+        )
+    if t.lora_dropout:
+        problems.append(
+            f"--lora-dropout {t.lora_dropout}: the megatron backend has no LoRA dropout (a column-parallel adapter's "
+            "input is replicated over TP, and its dropout mask would have to be too); use --train-backend torch"
+        )
+    if t.initial_megatron_checkpoint:
+        problems.append(
+            "--lora-rank with --initial-megatron-checkpoint: a LoRA adapter's base is an HF checkpoint "
+            "(--hf-checkpoint), which its adapter_config.json names; convert the megatron checkpoint to HF first"
+        )
+    return problems
 
 
 def _unserved_lora_targets(t: TrainConfig) -> list[str]:

@@ -24,7 +24,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import RunConfig, TrainConfig
+from agentrl.config import TrainConfig
 from agentrl.trainer.lora import ADAPTER_DIR, check_lora
 from agentrl.trainer.torch_trainer import TorchTrainer
 from tests.test_trainer import assert_group_weights_match, cfg, make_samples, reference_log_probs
@@ -331,11 +331,6 @@ def test_an_adapted_untied_lm_head_merges_into_the_head(tiny_ckpt):
     lp = trainer.compute_log_probs(samples, ref=False)
     for s, mine in zip(samples, lp.old):
         torch.testing.assert_close(torch.tensor(mine), reference_log_probs(plain, s), atol=1e-5, rtol=0)
-
-
-def test_lora_on_the_megatron_backend_is_refused():
-    with pytest.raises(ValueError, match="megatron backend has no LoRA yet"):
-        RunConfig(train=TrainConfig(lora_rank=4), train_backend="megatron").validate()
 
 
 # ---------------------------------------------------------------- end to end

@@ -156,10 +156,7 @@ class TrainerActor:
         return ray.get_runtime_context().get_node_id()
 
     def adapted_modules(self) -> set[str]:
-        peft = getattr(self.trainer, "peft", None)
-        if peft is None:
-            return set()
-        return {n.rsplit(".", 1)[-1] for n, m in self.trainer.model.named_modules() if hasattr(m, "lora_A")}
+        return self.trainer.adapted_modules()
 
     def adapter_weights(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """A LoRA policy's adapter as numpy arrays and its PEFT config on rank 0, None elsewhere (every rank gathers)."""

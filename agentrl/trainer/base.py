@@ -96,6 +96,13 @@ class Trainer(abc.ABC):
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and RNG state from :meth:`save`; return its ``extra_state``."""
 
+    def adapted_modules(self) -> set[str]:
+        """The modules a LoRA adapter adapts, by last name (``q_proj``): what the engines must serve it on.
+
+        Empty for full fine-tuning (the default); the LoRA backends say which, so ``--weight-sync adapter`` is
+        refused at start when an engine cannot serve one of them."""
+        return set()
+
 
 class Critic(abc.ABC):
     """A value model (``--advantage-estimator ppo``): the policy's architecture with a scalar head.

@@ -14,6 +14,9 @@ around the adapter are agentrl's:
   ``peft.PeftModel.from_pretrained(base, "iter_N/adapter")`` and SGLang's ``--lora-paths NAME=iter_N/adapter``
   load. A resumed run restores the adapter (and its optimizer) onto the same base.
 
+The megatron backend trains the same adapter (PEFT's names and files, this module's config, checks and checkpoint
+folder) on megatron's tensor-parallel linears: :mod:`agentrl.trainer.megatron_lora`.
+
 Targets are linear layers only (PEFT's ``all-linear`` by default, which leaves out the LM head); PiSSA-style
 initialisations that rewrite the base weights are not offered, since the reference and the merge read the base.
 """
@@ -178,17 +181,26 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write: bool) -> None:
     """Write ``folder/adapter`` in PEFT's format (a collective when sharded; only ``write`` ranks touch disk)."""
     tensors = adapter_state(model)
-    if not write:
-        return
+    if write:
+        write_adapter(folder, tensors, peft_model.peft_config[ADAPTER_NAME])
+
+
+def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: LoraConfig) -> None:
+    """``folder/adapter/``: ``adapter_model.safetensors`` (PEFT's tensor names) and ``adapter_config.json``."""
     out = folder / ADAPTER_DIR
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(out))
+    config.save_pretrained(str(out))
 
 
-def adapter_config_dict(peft_model: PeftModel) -> dict[str, Any]:
-    """The adapter's ``adapter_config.json`` as a JSON-able dict (sets as sorted lists), as PEFT would write it."""
-    raw = peft_model.peft_config[ADAPTER_NAME].to_dict()
+def adapter_config_dict(config: PeftModel | LoraConfig) -> dict[str, Any]:
+    """An adapter's ``adapter_config.json`` as a JSON-able dict (sets as sorted lists), as PEFT would write it.
+
+    ``config``: a trainer's ``PeftModel`` (its one adapter's config) or a ``LoraConfig`` (the megatron backend's).
+    """
+    if isinstance(config, PeftModel):
+        config = config.peft_config[ADAPTER_NAME]
+    raw = config.to_dict()
     return json.loads(json.dumps(raw, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
 
 
@@ -291,4 +303,5 @@ __all__ = [
     "merged_weights",
     "save_adapter",
     "target_problems",
+    "write_adapter",
 ]

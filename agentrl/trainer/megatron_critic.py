@@ -65,6 +65,9 @@ class MegatronCritic(MegatronTrainer, Critic):
             checkpoint_path, critic_config(cfg), rank=rank, world_size=world_size, device=device, parallel=parallel
         )
 
+    def _takes_lora(self) -> bool:
+        return False  # ppo's critic trains in full, as the torch backend's
+
     def _build(self, params_dtype: torch.dtype) -> nn.Module:
         model = super()._build(params_dtype)
         model.share_embeddings_and_output_weights = False  # every stage: no tied-gradient sum with the head

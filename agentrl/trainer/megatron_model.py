@@ -598,7 +598,12 @@ def _model_groups(model: torch.nn.Module, tp_group: Any, pp_group: Any) -> tuple
 
 
 def iter_hf_weights(
-    model: GPTModel, hf_config: Any, *, tp_group: Any = None, pp_group: Any = None
+    model: GPTModel,
+    hf_config: Any,
+    *,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model, one megatron tensor at a time.
 
@@ -606,7 +611,8 @@ def iter_hf_weights(
     the end, in lockstep. TP shards are all-gathered; with several pipeline stages each stage's tensors
     are broadcast to the others, so every rank yields every tensor (embedding first, lm_head last; a tied
     lm_head is not yielded). Tensors keep the model's dtype and device; at world size 1 they may share
-    memory with the parameters, so clone what must outlive the next optimizer step.
+    memory with the parameters, so clone what must outlive the next optimizer step. ``merge(name, local)``, when
+    given, replaces each local tensor before it is gathered (a LoRA adapter folds its delta into its shard).
     """
     import torch.distributed as dist
 
@@ -619,6 +625,8 @@ def iter_hf_weights(
 
     def merged() -> Iterator[list[tuple[str, torch.Tensor]]]:  # per megatron tensor: its HF tensors
         for name, t in state.items():
+            if merge is not None:
+                t = merge(name, t)
             parts = [t]
             if tp > 1:
                 t = t.contiguous()

@@ -60,12 +60,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig
 from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_loss, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
+from agentrl.trainer.lora import ADAPTER_DIR, adapter_config_dict, check_adapter, check_resume, write_adapter
 from agentrl.trainer.megatron_compat import (
     cpu_schedule,
     destroy_megatron_parallel,
@@ -73,6 +75,7 @@ from agentrl.trainer.megatron_compat import (
     megatron_available,
 )
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
+from agentrl.trainer.megatron_lora import MegatronLora
 from agentrl.trainer.megatron_model import (
     build_gpt_model,
     iter_hf_weights,
@@ -135,8 +138,6 @@ class MegatronTrainer(Trainer):
         from transformers import AutoConfig
 
         cfg.validate()
-        if cfg.lora_rank:
-            raise ValueError("--lora-rank: the megatron backend has no LoRA yet; use the torch backend")
         self.custom_loss_fn = load_custom_loss(cfg)
         reason = megatron_available()
         if reason:
@@ -158,21 +159,52 @@ class MegatronTrainer(Trainer):
         self.hf_config = AutoConfig.from_pretrained(str(self.checkpoint_path), local_files_only=True)
         self._topology()
         self.model = self._build(torch.float32)
+        self.lora: MegatronLora | None = None
+        if cfg.lora_rank and self._takes_lora():
+            self.lora = self._add_lora()
         self.ref_model = None
-        if cfg.needs_ref_model:  # a KL loss, or KL-shaped rewards (--kl-coef)
+        if cfg.needs_ref_model and self.lora is None:  # a KL loss, or KL-shaped rewards (--kl-coef); LoRA: the base
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
         if cfg.initial_megatron_checkpoint:  # the starting policy is the checkpoint's: the reference too
             for model in filter(None, (self.model, self.ref_model)):
                 load_megatron_checkpoint(model, cfg.initial_megatron_checkpoint)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self._trained(),
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
             eps=1e-8,
         )
         self.step = 0
+
+    def _takes_lora(self) -> bool:
+        """Whether ``--lora-rank`` adapts this model (the policy does; ppo's critic trains in full)."""
+        return True
+
+    def _add_lora(self) -> MegatronLora:
+        """The adapter over this stage (fresh, or ``--lora-adapter-path``'s, sharded); the base stops training."""
+        cfg = self.cfg
+        lora = MegatronLora(self.model, self.hf_config, cfg, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if cfg.lora_adapter_path:  # continue an adapter (a LoRA warm start's) instead of a fresh one
+            adapter = Path(cfg.lora_adapter_path)
+            what = f"--lora-adapter-path {adapter}"
+            check_adapter(adapter, cfg, self.checkpoint_path, what=what)
+            lora.load_peft_state(load_file(str(adapter / "adapter_model.safetensors")), source=what)
+        return lora
+
+    def _trained(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the adapter's A and B under LoRA, else every weight of the stage."""
+        if self.lora is not None:
+            return self.lora.trainable()
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _ref_scores(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Reference log-probs: the reference model's, or (LoRA) the base's, the adapter switched off."""
+        if self.lora is not None:
+            with self.lora.disabled():
+                return self._score(self.model, samples)
+        return self._score(self.ref_model, samples)
 
     def _builtin_metrics(self) -> set[str]:
         """Metric names every rank reports (only last stages compute any)."""
@@ -346,10 +378,10 @@ class MegatronTrainer(Trainer):
         ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model built). Every rank of a replica
         gets the same result.
         """
-        if ref and self.ref_model is None:
+        if ref and self.ref_model is None and not (self.lora is not None and self.cfg.needs_ref_model):
             raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")
         old = self._score(self.model, samples)
-        return LogProbs(old=old, ref=self._score(self.ref_model, samples) if ref else None)
+        return LogProbs(old=old, ref=self._ref_scores(samples) if ref else None)
 
     # ------------------------------------------------------------------ training
 
@@ -380,7 +412,7 @@ class MegatronTrainer(Trainer):
         if num_seqs == 0:
             return None
         if self.cfg.use_kl_loss and any(s.ref_log_probs is None for s in samples):
-            refs = self._score(self.ref_model, samples)  # the schedule cannot interleave two pipelined models
+            refs = self._ref_scores(samples)  # the schedule cannot interleave two pipelined models
             samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, refs)]
         batches = self._micro_batches(samples, train=True)
         self.optimizer.zero_grad(set_to_none=True)
@@ -430,7 +462,7 @@ class MegatronTrainer(Trainer):
         """Sum gradients over DP replicas (and the tied embedding's two copies when pipelined)."""
         from megatron.core import parallel_state as ps
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained()
         for p in params:
             if p.grad is None:  # a replica without samples still joins the sum
                 p.grad = torch.zeros_like(p)
@@ -443,6 +475,7 @@ class MegatronTrainer(Trainer):
                     g.copy_(reduced)
         if (
             self.pp_size > 1
+            and self.lora is None
             and getattr(self.model, "share_embeddings_and_output_weights", False)
             and ps.is_rank_in_embedding_group()
         ):
@@ -455,7 +488,7 @@ class MegatronTrainer(Trainer):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained()
         # TP shards are told from TP-replicated tensors by their ``tensor_model_parallel`` attribute (see _build)
         counted = [
             p.grad.float() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
@@ -527,6 +560,30 @@ class MegatronTrainer(Trainer):
         yield from iter_hf_weights(
             self.model,
             self.hf_config,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            merge=self.lora.merge() if self.lora is not None else None,  # the engines serve W + (alpha/r) B A
+        )
+
+    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A LoRA policy's whole adapter (PEFT's names, full, on CPU) and its PEFT config, on every rank: what a
+        LoRA run's engines load instead of the merged weights. A collective over TP and PP."""
+        assert self.lora is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
+        return self._adapter_state(), adapter_config_dict(self.lora.peft_config(self.checkpoint_path))
+
+    def adapted_modules(self) -> set[str]:
+        """The adapted modules' last names (``q_proj``); empty without an adapter."""
+        return self.lora.adapted_modules() if self.lora is not None else set()
+
+    def _adapter_state(
+        self, of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The whole adapter (or what ``of`` picks of each parameter: ``lambda p: p.grad``) in PEFT's names."""
+        from megatron.core import parallel_state as ps
+
+        assert self.lora is not None
+        return self.lora.peft_state(
+            of or (lambda p: p.detach()),
             tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
         )
@@ -603,6 +660,10 @@ class MegatronTrainer(Trainer):
             )
             torch.save(self._trainer_state(extra_state), path / "trainer_state.pt")
         del weights
+        if self.lora is not None:  # beside the merged model: the adapter in PEFT's format (a collective)
+            tensors = self._adapter_state()
+            if self.rank == 0:
+                write_adapter(path, tensors, self.lora.peft_config(self.checkpoint_path))
         self._barrier()
         torch.save(self._rank_state(), path / f"optim_rank{self.rank}.pt")
         self._barrier()
@@ -611,16 +672,24 @@ class MegatronTrainer(Trainer):
         """Restore weights, optimizer, RNG and step from :meth:`save`; return its ``extra_state``."""
         path = Path(path)
         state = self._read_trainer_state(path, "backend")
-        load_hf_checkpoint(
-            self.model,
-            path,
-            self.hf_config,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
-            pp_size=self.pp_size,
-        )
-        return self._restore_rank_state(torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False), state)
+        # a LoRA run's base stays as loaded and its adapter resumes: this run's adapter, on this base; refused
+        # before anything here is replaced
+        check_resume(path, self.cfg, self.checkpoint_path, what=str(path), adapted=self.lora is not None)
+        ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
+        if self.lora is not None:
+            adapter = path / ADAPTER_DIR
+            self.lora.load_peft_state(load_file(str(adapter / "adapter_model.safetensors")), source=str(adapter))
+        else:
+            load_hf_checkpoint(
+                self.model,
+                path,
+                self.hf_config,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                pp_rank=self.pp_rank,
+                pp_size=self.pp_size,
+            )
+        return self._restore_rank_state(ranked, state)
 
     def close(self) -> None:
         """Forget megatron's parallel state (and the process group, if this trainer started it)."""

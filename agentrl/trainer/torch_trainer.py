@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from agentrl.algo.loss import entropy_from_logits, policy_loss
@@ -610,6 +611,12 @@ class TorchTrainer(Trainer):
         instead of the merged weights (a collective when sharded: every rank must call it)."""
         assert self.peft is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
         return adapter_state(self.model), adapter_config_dict(self.peft)
+
+    def adapted_modules(self) -> set[str]:
+        """The adapted modules' last names (``q_proj``); empty without an adapter."""
+        if self.peft is None:
+            return set()
+        return {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, LoraLayer)}
 
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         """Write the checkpoint layout of the module docstring. Sharded: every rank must call it."""
