@@ -746,7 +746,7 @@ class RunConfig(_ReadOnlyOnce, _Checked):
     update_weights_interval: int = option(1, help="push new weights to the engines every N steps (and after the last)")
     weight_sync: str = option(
         "auto",
-        help="how new weights reach engines: tensor (embedded: shared memory/object store; sglang: /update_weights_from_tensor handles, colocated), disk, nccl (broadcast); auto picks; adapter (--lora-rank, embedded engines): the adapter alone, served by the engines on their unchanged base (bytes: the adapter's; decode ~12%% slower on CPU at r16, bench/README.md P12)",
+        help="how new weights reach engines: tensor (embedded: shared memory/object store; sglang: /update_weights_from_tensor handles, colocated), disk, nccl (broadcast); auto picks; adapter (--lora-rank; embedded engines through Ray, launched SGLang servers as a PEFT folder by /load_lora_adapter): the adapter alone, served by the engines on their unchanged base (bytes: the adapter's; decode ~12%% slower on CPU at r16, bench/README.md P12)",
         choices=("auto", "tensor", "disk", "nccl", "adapter"),
     )
     engine_url: list[str] = option(
@@ -897,6 +897,15 @@ class RunConfig(_ReadOnlyOnce, _Checked):
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def policy_lora_path(self) -> str | None:
+        """What every rollout request names as its ``lora_path``: the policy's adapter (:data:`POLICY_ADAPTER`) on
+        launched servers of a ``--weight-sync adapter`` run, which serve it by name as SGLang does; None elsewhere
+        (embedded engine actors serve a pushed policy adapter to requests that name none)."""
+        if self.weight_sync == "adapter" and self.rollout_backend == "sglang":
+            return POLICY_ADAPTER
+        return None
 
     @property
     def trainer_world_size(self) -> int:
@@ -1240,16 +1249,18 @@ class RunConfig(_ReadOnlyOnce, _Checked):
             (self.train_backend == "megatron" or not t.megatron_args, _unknown_flags_message(t.megatron_args)),
             (
                 self.weight_sync != "adapter"
-                or (
-                    bool(t.lora_rank)
-                    and not self.engine_url
-                    and self.rollout_backend != "sglang"
-                    and not _unserved_lora_targets(t)
-                ),
-                "--weight-sync adapter pushes a LoRA policy's adapter to the engines this run starts (embedded, not "
-                f"--engine-url or SGLang): it needs --lora-rank and targets the engines serve "
+                or (bool(t.lora_rank) and not self.engine_url and not _unserved_lora_targets(t)),
+                "--weight-sync adapter pushes a LoRA policy's adapter to the engines this run starts (embedded, or "
+                "launched with --rollout-backend sglang; not --engine-url): it needs --lora-rank and targets the "
+                "engines serve "
                 f"(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; {_unserved_lora_targets(t) or 'none'} "
                 "given otherwise)",
+            ),
+            (
+                not (self.weight_sync == "adapter" and self.rollout_backend == "sglang" and self.colocate),
+                "--weight-sync adapter with --rollout-backend sglang --colocate: not supported yet (the adapter is "
+                "loaded from a folder by each server, around which colocation's memory release is untested); drop "
+                "--colocate or use --weight-sync auto",
             ),
             (
                 not (t.lora_rank and self.train_backend == "megatron" and megatron_lora_problems(t)),
@@ -1342,6 +1353,9 @@ def argparse_namespace(cfg: RunConfig) -> Any:
     return argparse.Namespace(**flat)
 
 
+POLICY_ADAPTER = "policy"
+"""The name a LoRA run's adapter has on its engines with ``--weight-sync adapter`` (``/v1/models`` lists it)."""
+
 LORA_SERVED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers the embedded engine serves LoRA adapters on (SGLang's names; ``agentrl.engines.local.lora``)."""
 
@@ -1363,6 +1377,12 @@ def megatron_lora_problems(t: TrainConfig) -> list[str]:
         problems.append(
             f"--lora-dropout {t.lora_dropout}: the megatron backend has no LoRA dropout (a column-parallel adapter's "
             "input is replicated over TP, and its dropout mask would have to be too); use --train-backend torch"
+        )
+    if t.pipeline_model_parallel_size > 1 and any(".layers." in f".{m}" for m in t.lora_target_modules):
+        problems.append(
+            f"--lora-target-modules {' '.join(m for m in t.lora_target_modules if '.layers.' in f'.{m}')} with "
+            f"--pipeline-model-parallel-size {t.pipeline_model_parallel_size}: a target in one layer leaves the "
+            "other pipeline stages nothing to train; name modules of every layer (q_proj) or drop pipeline parallelism"
         )
     if t.initial_megatron_checkpoint:
         problems.append(

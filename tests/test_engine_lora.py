@@ -355,6 +355,20 @@ def test_sglangs_lora_endpoints_and_fields_over_http(engine, adapters, tiny_ckpt
         assert r.status_code == 200 and "h3" not in r.json()["loaded_adapters"]
         r = http.post("/unload_lora_adapter", json={"lora_name": "h3"})
         assert r.status_code == 400 and "no adapter named 'h3'" in r.json()["error_message"]
+        # SGLang's /update_weight_version: what responses report from now on (the adapter load set none)
+        r = http.post("/update_weight_version", json={"new_version": "7", "abort_all_requests": False})
+        assert r.status_code == 200 and r.json()["success"]
+        assert http.get("/get_weight_version").json()["weight_version"] == "7"
+        out = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY, "lora_path": "a1"}).json()
+        assert out["meta_info"]["weight_version"] == "7"
+        for bad, field in (
+            ({"new_version": 7}, "new_version"),
+            ({"new_version": "8", "x": 1}, "x"),
+            ({}, "new_version"),
+        ):
+            r = http.post("/update_weight_version", json=bad)
+            assert r.status_code == 400 and field in r.text, bad
+        assert http.get("/get_weight_version").json()["weight_version"] == "7"
 
 
 @pytest.mark.e2e

@@ -285,7 +285,11 @@ def test_bad_lora_values_are_refused_naming_the_flag(kw, message):
     [
         ({}, "it needs --lora-rank"),
         ({"train": {"lora_rank": 4, "lora_target_modules": ["q_proj", "lm_head"]}}, r"\['lm_head'\] given otherwise"),
-        ({"train": {"lora_rank": 4}, "engine_url": ["http://127.0.0.1:1"]}, "not --engine-url or SGLang"),
+        ({"train": {"lora_rank": 4}, "engine_url": ["http://127.0.0.1:1"]}, "not --engine-url"),
+        (
+            {"train": {"lora_rank": 4}, "rollout_backend": "sglang", "colocate": True},
+            "--weight-sync adapter with --rollout-backend sglang --colocate: not supported yet",
+        ),
     ],
 )
 def test_weight_sync_adapter_is_refused_where_no_engine_could_serve_the_adapter(tmp_path, kw, message):
@@ -389,6 +393,62 @@ def test_agentrl_train_with_lora_serves_the_adapter_and_resumes(tiny_ckpt, tmp_p
 
 
 @pytest.mark.e2e
+def test_weight_sync_adapter_on_launched_servers_loads_it_by_name(tiny_ckpt, tmp_path, ray_local):
+    """--rollout-backend sglang (launched `agentrl serve`, SGLang's API): the servers start with SGLang's LoRA flags,
+    each push writes the adapter as a PEFT folder that every server loads by name through SGLang's own endpoints
+    (/unload_lora_adapter, /load_lora_adapter, /update_weight_version), every request names it (lora_path), and the
+    engine's log-probs of the sampled tokens equal the trainer's (--true-on-policy-mode); a server killed between steps
+    comes back serving the adapter."""
+    import os
+    import signal
+
+    import httpx
+
+    from agentrl.runtime.train import _Runtime, train
+    from tests.test_train import _cfg, _dump, _lines
+
+    save = tmp_path / "run"
+    lora = {"lora_rank": 4, "lr": 2e-2, "use_kl_loss": True, "kl_loss_coef": 0.1}
+    kw = dict(
+        rollout_backend="sglang",
+        sglang_launcher="agentrl",
+        weight_sync="adapter",
+        true_on_policy_mode=True,
+        train=lora,
+    )
+    killed, served = [], []
+    sync = _Runtime.sync_weights
+
+    def kill_then_sync(self, version):  # the server dies between steps: the monitor restarts it, it reloads
+        if version == 2 and not killed:
+            pid = self.engines.pids()[0]
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+            assert self.engines.check_and_restart() == [0]
+            url, headers = self.engines.urls[0], self.engines.launch.headers
+            models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
+            version_now = httpx.get(url + "/get_weight_version", headers=headers).json()["weight_version"]
+            served.append((version_now, "policy" in {m["id"] for m in models}))
+        return sync(self, version)
+
+    _Runtime.sync_weights = kill_then_sync
+    try:
+        summary = train(_cfg(tiny_ckpt, save, num_rollout=3, **kw))
+    finally:
+        _Runtime.sync_weights = sync
+    assert killed and summary["weight_sync"] == ["adapter"] and summary["weight_version"] == 3
+    lines = _lines(save)
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the servers serve the adapter
+    assert lines[-1]["kl"] != 0.0  # and it moved away from the base
+    for step in range(3):  # version 0 (the fresh adapter, loaded before the first request), then each push
+        assert {v for s in _dump(save, step) for v in s["weight_versions"]} == {str(step)}
+    folders = sorted(p.name for p in (save / "weight_sync").iterdir())
+    assert folders == ["adapter-3"]  # the latest stays for a restarted server; older ones are removed
+    assert served == [("1", True)]  # the restarted server reloaded the recorded adapter and its version
+
+
+@pytest.mark.e2e
 def test_agentrl_sft_with_lora_writes_an_adapter_rl_starts_from(tiny_ckpt, tmp_path, ray_local, capsys):
     from agentrl.cli import main
     from agentrl.envs.calculator import Calculator
@@ -444,3 +504,25 @@ def test_lora_flags_are_refused_by_the_cli_before_anything_starts(tiny_ckpt, tmp
     assert main([*base, "--lora-alpha", "16", "--save", str(tmp_path / "b")]) == 2
     assert "need --lora-rank" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("launcher", ["sglang", "agentrl"])
+def test_weight_sync_adapter_on_launched_servers_passes_sglangs_lora_flags(tmp_path, launcher):
+    """The launched servers of a --weight-sync adapter run start with SGLang's LoRA flags, and every request of the
+    run names the policy's adapter (SGLang has no adapter served to requests that name none)."""
+    from agentrl.engines.sglang import build_launch_command
+    from agentrl.runtime.backends import sglang_launch
+    from tests.test_train import _cfg
+
+    train = {"lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"]}
+    cfg = _cfg("/m", tmp_path, weight_sync="adapter", rollout_backend="sglang", sglang_launcher=launcher, train=train)
+    cfg.validate()
+    assert cfg.policy_lora_path == "policy"
+    argv = build_launch_command(sglang_launch(cfg, "/m"), port=30000)
+    flags = " ".join(argv)
+    assert "--enable-lora" in argv and "--max-lora-rank 8" in flags and "--lora-target-modules q_proj v_proj" in flags
+    assert _cfg("/m", tmp_path, weight_sync="adapter", train=train).policy_lora_path is None  # embedded: by default
+    plain = _cfg("/m", tmp_path, rollout_backend="sglang", sglang_launcher=launcher)
+    assert plain.policy_lora_path is None and "--enable-lora" not in build_launch_command(
+        sglang_launch(plain, "/m"), port=1
+    )

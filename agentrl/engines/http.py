@@ -64,8 +64,12 @@ class SGLangEngine(Engine):
         backoff: float = 0.5,
         api_key: str | None = None,
         return_routed_experts: bool = False,
+        lora_path: str | None = None,
     ):
         self.url = url.rstrip("/")
+        # every /generate names this loaded adapter (SGLang's lora_path): a LoRA run's policy on servers that serve
+        # it by name (--weight-sync adapter on launched SGLang servers)
+        self.lora_path = lora_path
         # MoE routing of every forwarded token (SGLang started with --enable-return-routed-experts)
         self.return_routed_experts = return_routed_experts
         self.api_key = api_key  # sent as SGLang's --api-key expects: Authorization: Bearer <key>
@@ -167,6 +171,8 @@ class SGLangEngine(Engine):
             payload["image_data"] = list(image_data)
         if self.return_routed_experts:
             payload["return_routed_experts"] = True
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         status, out = await self._post("/generate", payload, parse=self._parse_generate)
         if status >= 400:
             raise EngineRequestError(f"{self.url}/generate refused the request (HTTP {status}): {str(out)[:300]}")
@@ -313,6 +319,26 @@ class SGLangEngine(Engine):
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._post_checked("/update_weights_from_tensor", payload, once=True)
+
+    # ---- LoRA adapters (SGLang's io_struct.py: LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> None:
+        """``POST /load_lora_adapter``: the PEFT adapter folder ``lora_path`` (on the server's filesystem) as
+        ``lora_name``, which requests then name as their ``lora_path``."""
+        await self._post_checked(
+            "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}, once=True
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """``POST /unload_lora_adapter``."""
+        await self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, once=True)
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """``POST /update_weight_version``: what the server reports as ``meta_info.weight_version`` from now on (an
+        adapter load does not change it)."""
+        await self._post_checked(
+            "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        )
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """``POST /destroy_weights_update_group``."""

@@ -409,6 +409,7 @@ class SGLangServer:
             return self.url()
         self._kill(grace=0.0)  # reap a dead server, its stray children and its log handle
         self.starts += 1
+        self._adapters: set[str] = set()  # what this process loaded by name (a new process has none)
         key_file = self._key_file()
         if key_file is not None:
             write_key_config(key_file, str(self.launch.api_key))
@@ -500,6 +501,26 @@ class SGLangServer:
         )
         if r.status_code >= 400 or not r.json().get("success", False):
             raise RuntimeError(f"engine {self.index}: loading {model_path} failed: {r.text[:300]}")
+
+    def load_adapter(self, lora_name: str, lora_path: str, weight_version: str) -> None:
+        """A LoRA run's adapter, the PEFT folder ``lora_path``, served as ``lora_name`` by SGLang's own endpoints:
+        the one of that name this server process loaded before is unloaded first (``/load_lora_adapter`` refuses a
+        name in use), then ``/update_weight_version`` makes responses report ``weight_version``."""
+        if lora_name in self._adapters:
+            self._post_ok("/unload_lora_adapter", {"lora_name": lora_name})
+            self._adapters.discard(lora_name)
+        self._post_ok("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": False})
+        self._adapters.add(lora_name)
+        self._post_ok("/update_weight_version", {"new_version": str(weight_version), "abort_all_requests": False})
+
+    def _post_ok(self, path: str, body: dict[str, Any]) -> None:
+        r = httpx.post(self.url() + path, timeout=600.0, headers=self.launch.headers, json=body)
+        try:
+            ok = r.status_code < 400 and r.json().get("success", True) is not False
+        except ValueError:
+            ok = False
+        if not ok:
+            raise RuntimeError(f"engine {self.index}: {path} failed (HTTP {r.status_code}): {r.text[:300]}")
 
     def log_tail(self, lines: int = 40) -> str:
         try:

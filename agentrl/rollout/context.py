@@ -74,16 +74,20 @@ def episode_context(
     chat_api: bool = False,
     model: str | None = None,
     executor: Executor | None = None,
+    lora_path: str | None = None,
 ) -> EpisodeContext:
     """The context for episodes on the engines at ``urls``: a token-exact router of SGLang clients (each
     asking for routed experts when ``routed_experts``), or, with ``chat_api``, of OpenAI chat-completions
     clients for ``model`` (text in, text out: evaluation of API models); the roles' own engines
-    (``--role-engine-url``). ``api_key`` is the engines' key (the chat API's key with ``chat_api``)."""
+    (``--role-engine-url``). ``api_key`` is the engines' key (the chat API's key with ``chat_api``); ``lora_path`` the
+    loaded adapter every request of the run's engines names (:attr:`~agentrl.config.RunConfig.policy_lora_path`)."""
     engines: list[Engine]
     if chat_api:
         engines = [ChatCompletionsEngine(u, template, model=model, api_key=api_key) for u in urls]
     else:
-        engines = [SGLangEngine(u, api_key=api_key, return_routed_experts=routed_experts) for u in urls]
+        engines = [
+            SGLangEngine(u, api_key=api_key, return_routed_experts=routed_experts, lora_path=lora_path) for u in urls
+        ]
     return EpisodeContext(
         engine=Router(engines), template=template, config=config, executor=executor, role_engines=role_engines(config)
     )
@@ -111,7 +115,13 @@ def run_context(cfg: RunConfig, checkpoint: str | Path, urls: Sequence[str], api
     # one pool of threads for blocking env steps for the whole run: hung ones are bounded per run, not per step
     pool = SyncPool.for_rollout(cfg.rollout.rollout_concurrency)
     ctx = episode_context(
-        cfg.rollout, urls, template, api_key=api_key, routed_experts=cfg.rollout_return_routed_experts, executor=pool
+        cfg.rollout,
+        urls,
+        template,
+        api_key=api_key,
+        routed_experts=cfg.rollout_return_routed_experts,
+        executor=pool,
+        lora_path=cfg.policy_lora_path,
     )
     return ctx, tokenizer, template
 
@@ -123,7 +133,9 @@ def follow_urls(router: Any, urls: list[str], api_key: str | None) -> None:
     for i, url in enumerate(urls):
         old = router.engines[i] if i < len(router.engines) else None
         if old is not None and getattr(old, "url", url) != url:
-            router.engines[i] = SGLangEngine(url, api_key=api_key, return_routed_experts=old.return_routed_experts)
+            router.engines[i] = SGLangEngine(
+                url, api_key=api_key, return_routed_experts=old.return_routed_experts, lora_path=old.lora_path
+            )
             asyncio.get_running_loop().create_task(old.close())
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentrl.config import RunConfig, agentrl_flag_names, did_you_mean
+from agentrl.config import RunConfig, agentrl_flag_names, did_you_mean, lora_target_suffixes
 
 ROUTER_ONLY_SGLANG_ARGS = ("router_ip", "router_port", "server_concurrency", "config")
 """slime's ``--sglang-*`` flags that configure its router, not the servers (SGLang would refuse them)."""
@@ -161,6 +161,22 @@ def backend_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def adapter_server_args(cfg: RunConfig) -> dict[str, Any]:
+    """SGLang's LoRA server args for the engines of a ``--weight-sync adapter`` run (else none): they serve the
+    trainer's adapter on their unchanged base, and each weight sync sends the adapter alone.
+
+    Not the default: on CPU the adapter's matmuls cost more decode time (~12% at r16, bench/README.md P12) than a
+    shared-memory push of the merged weights on one node saves (~0.1 s a step for SmolLM2); bytes matter across
+    nodes and on GPUs. The same args reach embedded engine actors (as keyword arguments) and launched servers (as
+    ``--enable-lora --max-lora-rank R --lora-target-modules ...``).
+    """
+    train = cfg.train
+    if cfg.weight_sync != "adapter":
+        return {}
+    targets = lora_target_suffixes(train) or ["all"]
+    return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": targets}
+
+
 def sglang_launch(cfg: RunConfig, checkpoint: str, *, engine_gpus: float = 0, log_dir: str | None = None) -> Any:
     """How ``--rollout-backend sglang`` starts each server (an :class:`~agentrl.engines.sglang.SGLangLaunch`).
 
@@ -177,6 +193,7 @@ def sglang_launch(cfg: RunConfig, checkpoint: str, *, engine_gpus: float = 0, lo
     args = {k: v for k, v in cfg.sglang_args.items() if k not in ROUTER_ONLY_SGLANG_ARGS}
     if binary == "agentrl":
         args.setdefault("max_running_requests", cfg.engine_max_running_requests)
+    args.update(adapter_server_args(cfg))  # SGLang's LoRA flags: the servers load the policy's adapter by name
     return SGLangLaunch(
         checkpoint,
         binary=binary,

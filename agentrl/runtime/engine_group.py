@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from agentrl.config import POLICY_ADAPTER
 from agentrl.engines.http import API_KEY_ENV
 from agentrl.engines.sglang import SGLangLaunch, SGLangServer, build_launch_command
 from agentrl.ports import free_port
@@ -75,10 +76,6 @@ def _reachable_host(host: str) -> str:
     import ray
 
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
-POLICY_ADAPTER = "policy"
-"""The name a LoRA run's adapter has on its embedded engines (``/v1/models`` lists it)."""
 
 
 class EngineServer:
@@ -306,6 +303,7 @@ class SGLangEngineGroup:
         self.restarts = [0] * len(actors)
         self._options, self._ports = options, ports
         self._weights: tuple[str, str] | None = None
+        self._adapter: tuple[str, str, str] | None = None
         self._stale: set[int] = set()  # restarted engines whose reload of the recorded weights failed
         self._lock = threading.Lock()  # one check_and_restart at a time; held while suspended
         self._suspended = 0
@@ -365,6 +363,14 @@ class SGLangEngineGroup:
         """Remember the run's latest checkpoint folder: an engine restarted later loads it before serving."""
         self._weights = (str(model_path), str(weight_version))
 
+    def load_adapter(self, lora_name: str, lora_path: str, weight_version: str) -> None:
+        """Every server serves the PEFT adapter folder ``lora_path`` as ``lora_name`` (SGLang's ``/load_lora_adapter``,
+        replacing the previous one) and reports ``weight_version``; an engine restarted later loads it too."""
+        import ray
+
+        self._adapter = (str(lora_name), str(lora_path), str(weight_version))
+        ray.get([a.load_adapter.remote(*self._adapter) for a in self.actors])
+
     def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
         """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.
 
@@ -395,14 +401,14 @@ class SGLangEngineGroup:
                 self._stale.add(i)
                 restarted.append(i)
             for i in sorted(self._stale):
-                if self._weights is None:
-                    self._stale.discard(i)
-                    continue
                 try:
-                    ray.get(self.actors[i].load_weights.remote(*self._weights))
+                    if self._weights is not None:
+                        ray.get(self.actors[i].load_weights.remote(*self._weights))
+                    if self._adapter is not None:  # a LoRA run's policy, served by name (a new process has none)
+                        ray.get(self.actors[i].load_adapter.remote(*self._adapter))
                     self._stale.discard(i)
                 except Exception as exc:  # noqa: BLE001 - it serves older weights (their version says so) until then
-                    log.error("engine %d could not load %s: %s; retried on the next check", i, self._weights[0], exc)
+                    log.error("engine %d could not load the run's weights: %s; retried on the next check", i, exc)
             return restarted
 
     def _states(self) -> list[str]:

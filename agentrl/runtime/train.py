@@ -14,17 +14,18 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RunConfig, lora_target_suffixes
+from agentrl.config import POLICY_ADAPTER, RunConfig
 from agentrl.cpu_share import usable_cores
 from agentrl.metrics import MetricsLogger
 from agentrl.rollout.eval import evaluate
 from agentrl.rollout.generate import BatchGenerate, bind_engine_args
-from agentrl.runtime.backends import sglang_launch
+from agentrl.runtime.backends import adapter_server_args, sglang_launch
 from agentrl.runtime.cluster import init_ray, peak_rss_mb, plan_placement
 from agentrl.runtime.collect import DemoCollector, EpisodeCollector
 from agentrl.runtime.preflight import ResolvedRun, preflight
@@ -58,7 +59,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         loop = runtime.build_loop(run)
         if run.resume_from is not None:
             loop.resume(run.resume_from)
-        elif cfg.train.starts_off_checkpoint:  # the engines loaded --hf-checkpoint's weights: replace them
+        elif cfg.train.starts_off_checkpoint or cfg.policy_lora_path:
+            # the engines loaded --hf-checkpoint's weights: replace them; or servers that serve the policy's adapter
+            # by name, which every request names, load it before the first
             runtime.sync_weights(0)
         t0 = time.monotonic()
         lines = asyncio.run(_run(loop, runtime.ctx))
@@ -136,7 +139,7 @@ class _Runtime:
                 num_threads=e_threads,
                 adaptive_threads=cfg.cpu_threads == "adaptive",
                 min_threads=floor,
-                **_adapter_serving(cfg),
+                **adapter_server_args(cfg),
             )
         self.trainers = TrainerGroup(
             self.checkpoint,
@@ -231,8 +234,17 @@ class _Runtime:
     def sync_weights(self, version: int) -> None:
         """Push the trainer's current weights to every engine as ``str(version)``: one call, any route."""
         route = self.weight_route()
-        if route == "adapter":  # a LoRA run on embedded engines: the adapter alone, served as the policy
+        if route == "adapter" and self.engines.supports_tensors:  # embedded engines: the adapter through Ray
             self.trainers.push_adapter(self.engines.actors, str(version))
+            self.routes_taken.append(route)
+            return
+        if route == "adapter":  # launched servers: a PEFT folder each loads by name (SGLang's /load_lora_adapter)
+            previous = getattr(self, "_adapter_folder", None)
+            folder = self.trainers.save_adapter_folder(Path(self._sync_dir()) / f"adapter-{version}")
+            self.engines.load_adapter(POLICY_ADAPTER, str(folder), str(version))
+            self._adapter_folder = folder  # the latest stays: a restarted server loads it
+            if previous is not None and previous != folder:
+                shutil.rmtree(previous, ignore_errors=True)
             self.routes_taken.append(route)
             return
         targets = self.engines.actors if route in ("shm", "object_store") else self.engines.urls
@@ -549,15 +561,3 @@ def _evaluator(
         return out
 
     return run
-
-
-def _adapter_serving(cfg: Any) -> dict[str, Any]:
-    """The LoRA server args of the embedded engines of a ``--weight-sync adapter`` run (else none): they serve the
-    trainer's adapter on their unchanged base, and each weight sync sends the adapter alone. Not the default: on CPU
-    the adapter's matmuls cost more decode time (~12% at r16, bench/README.md P12) than a shared-memory push of the
-    merged weights on one node saves (~0.1 s a step for SmolLM2); bytes matter across nodes and on GPUs."""
-    train = cfg.train
-    if cfg.weight_sync != "adapter":
-        return {}
-    targets = lora_target_suffixes(train) or ["all"]
-    return {"enable_lora": True, "max_lora_rank": int(train.lora_rank), "lora_target_modules": targets}

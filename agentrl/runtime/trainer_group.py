@@ -29,6 +29,7 @@ Ray is not initialised here: the caller (train loop, tests) owns ``ray.init``.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Sequence
@@ -389,9 +390,7 @@ class TrainerGroup:
     def push_adapter(self, engines: Sequence[Any], version: str) -> None:
         """A LoRA run's weight push: the adapter alone (bytes: the adapter's, not the model's) through the object
         store to every embedded engine actor, which serves it as the policy from its next request on."""
-        refs = [a.adapter_weights.remote() for a in self.actors]
-        ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
-        named, config = ray.get(refs[0])
+        named, config = self._adapter()
         named_ref = ray.put(named)
         answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version) for e in engines])
         failed = [a.get("error_message") for a in answers if not a.get("success")]
@@ -400,6 +399,26 @@ class TrainerGroup:
                 f"an engine refused the policy adapter (version {version}): {failed[0]}; "
                 "--weight-sync auto pushes the merged weights instead"
             )
+
+    def _adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The policy's whole adapter (numpy arrays, PEFT's names) and its PEFT config, gathered by every rank."""
+        refs = [a.adapter_weights.remote() for a in self.actors]
+        ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
+        return ray.get(refs[0])
+
+    def save_adapter_folder(self, folder: str | Path) -> Path:
+        """A LoRA policy's adapter, gathered from every rank, written as a PEFT folder (``adapter_config.json`` +
+        ``adapter_model.safetensors``) where the engines read it: what launched SGLang servers load by name."""
+        from safetensors.torch import save_file
+
+        from agentrl.runtime.engine_group import numpy_to_tensors
+
+        named, config = self._adapter()
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(numpy_to_tensors(named), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        return folder
 
     def adapted_modules(self) -> set[str]:
         """The module names (last component: ``q_proj``) the policy's adapter adapts (empty: no adapter)."""

@@ -73,7 +73,7 @@ class _Part:
 
 
 class _Adapted:
-    """The adapters of one megatron linear: its hook, its delta, its merged weight."""
+    """The adapters of one megatron linear: its delta (which :class:`MegatronLora`'s hook adds) and merged weight."""
 
     def __init__(self, kind: str, parts: list[_Part | None], rows: list[int], layout: Callable, in_local: int) -> None:
         self.kind, self.parts, self.rows, self.layout, self.in_local = kind, parts, rows, layout, in_local
@@ -131,9 +131,10 @@ class MegatronLora(nn.Module):
     """This rank's LoRA adapter over a megatron-core GPTModel stage: parameters, hooks, merge and PEFT state.
 
     Built on the stage's model after its base weights are loaded; the model's parameters stop training and only
-    this module's go to the optimizer. ``seed`` draws ``A`` (PEFT's Kaiming-uniform, or ``gaussian``) whole and
-    identically on every rank, then each rank keeps its shard; ``B`` starts at zero, so the policy starts as the
-    base.
+    this module's go to the optimizer. ``cfg.seed`` draws ``A`` (PEFT's Kaiming-uniform bound, or ``gaussian``) whole
+    and identically on every rank, from a generator per module name, then each rank keeps its shard; ``B`` starts at
+    zero, so the policy starts as the base. (PEFT draws from the global RNG, so the two backends' fresh adapters
+    differ for one seed; the same adapter file gives the same numbers on both.)
     """
 
     def __init__(self, model: nn.Module, hf_config: Any, cfg: TrainConfig, *, tp_rank: int, tp_size: int) -> None:
@@ -141,6 +142,10 @@ class MegatronLora(nn.Module):
 
         super().__init__()
         problems = megatron_lora_problems(cfg)
+        adaptable = {hf.rsplit(".", 1)[-1] for _, parts in _LINEARS.values() for hf in parts}
+        unknown = sorted({t.rsplit(".", 1)[-1] for t in cfg.lora_target_modules} - {"all-linear", *adaptable})
+        if unknown:  # what the config's list (the engines' served targets) lets through but no megatron linear holds
+            problems.append(f"--lora-target-modules {' '.join(unknown)}: no megatron linear of this model holds it")
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg, self.tp_rank, self.tp_size = cfg, tp_rank, tp_size
@@ -189,8 +194,11 @@ class MegatronLora(nn.Module):
                 if any(p is not None for p in parts):
                     self.adapted[module] = _Adapted(kind, parts, rows, layout, in_local)
                     self._by_weight[f"decoder.layers.{local}.{mname}.weight"] = self.adapted[module]
-        if not self.adapted and len(layers):
-            raise ValueError("--lora-target-modules: no linear layer of this model stage to adapt")
+        if not self.adapted and len(layers):  # the config refuses one-layer targets with pipeline stages; a backstop
+            raise ValueError(
+                f"--lora-target-modules {' '.join(cfg.lora_target_modules)}: no linear layer of the pipeline stage "
+                f"holding layers {offset}-{offset + len(layers) - 1} is targeted, and every stage must train one"
+            )
         model.requires_grad_(False)
         for module in self.adapted:
             self._hooks.append(module.register_forward_hook(self._hook, with_kwargs=True))
@@ -223,6 +231,7 @@ class MegatronLora(nn.Module):
             self.enabled = True
 
     def trainable(self) -> list[nn.Parameter]:
+        """This rank's A and B tensors: all the optimizer steps."""
         return list(self.params.values())
 
     def merge(self) -> Callable[[str, torch.Tensor], torch.Tensor]:
@@ -250,7 +259,11 @@ class MegatronLora(nn.Module):
                 yield f"{PEFT_PREFIX}{part.hf}.lora_B.weight", "B", part.b, split_b
 
     def peft_state(
-        self, of: Callable[[nn.Parameter], torch.Tensor] = lambda p: p.detach(), *, tp_group: Any, pp_group: Any
+        self,
+        of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.detach(),
+        *,
+        tp_group: Any,
+        pp_group: Any,
     ) -> dict[str, torch.Tensor]:
         """The whole adapter (every stage's layers) in PEFT's names, full tensors on CPU, on every rank.
 

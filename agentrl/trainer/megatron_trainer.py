@@ -31,17 +31,18 @@ main copies; autocast over fp32 parameters keeps fp32 master weights with a plai
 and one precision policy for both backends. Under bf16 the two backends are close, not equal: megatron's
 bias-dropout-add casts the residual stream to the layer's (bf16) output dtype, where HF keeps it fp32
 (so pipeline stages exchange bf16, ``pipeline_dtype``). The frozen reference model is stored in the
-compute dtype. Megatron's DDP and distributed optimizer are not used (a coalesced all-reduce does DP);
+compute dtype (with ``--lora-rank`` there is none: the reference is the base, the adapter off). Megatron's DDP and distributed optimizer are not used (a coalesced all-reduce does DP);
 activation recompute is refused (megatron recomputes outside autocast).
 
 Checkpoint layout written by :meth:`MegatronTrainer.save` (a loadable HF folder plus state)::
 
     config.json, generation_config.json, tokenizer files   (copied from the source checkpoint)
-    model.safetensors                                      (full HF weights, written by rank 0)
+    model.safetensors                                      (full HF weights, written by rank 0; LoRA: merged)
+    adapter/              --lora-rank: the adapter in PEFT's format (:mod:`~agentrl.trainer.megatron_lora`)
     trainer_state.pt      {"step", "world_size", "layout", "extra_state"}        (rank 0)
     optim_rank{r}.pt      {"optimizer": this rank's shard state, "rng", "megatron_rng"}  (every rank)
 
-Resuming needs the same world size and the same (tp, pp, cp) layout.
+Resuming needs the same world size and the same (tp, pp, cp) layout; a LoRA run resumes its adapter on the base.
 """
 
 from __future__ import annotations
@@ -64,10 +65,17 @@ from safetensors.torch import load_file
 from torch import nn
 
 from agentrl.algo.loss import policy_loss
-from agentrl.config import TrainConfig
+from agentrl.config import TrainConfig, megatron_lora_problems
 from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_loss, run_optimizer_steps
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
-from agentrl.trainer.lora import ADAPTER_DIR, adapter_config_dict, check_adapter, check_resume, write_adapter
+from agentrl.trainer.lora import (
+    ADAPTER_DIR,
+    adapter_config_dict,
+    check_adapter,
+    check_lora,
+    check_resume,
+    write_adapter,
+)
 from agentrl.trainer.megatron_compat import (
     cpu_schedule,
     destroy_megatron_parallel,
@@ -138,6 +146,11 @@ class MegatronTrainer(Trainer):
         from transformers import AutoConfig
 
         cfg.validate()
+        if cfg.lora_rank and self._takes_lora():  # refused before any process group, model or weight
+            problems = megatron_lora_problems(cfg)
+            if problems:
+                raise ValueError("; ".join(problems))
+            check_lora(checkpoint_path, cfg)  # the targets and rank against the model's layers (meta device)
         self.custom_loss_fn = load_custom_loss(cfg)
         reason = megatron_available()
         if reason:
@@ -375,8 +388,8 @@ class MegatronTrainer(Trainer):
     def compute_log_probs(self, samples: list[TrainSample], *, ref: bool) -> LogProbs:
         """Per-response-token log-probs under the current weights (and the reference model when ``ref``).
 
-        ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model built). Every rank of a replica
-        gets the same result.
+        ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model built; with LoRA the reference
+        is the base, the adapter off). Every rank of a replica gets the same result.
         """
         if ref and self.ref_model is None and not (self.lora is not None and self.cfg.needs_ref_model):
             raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")

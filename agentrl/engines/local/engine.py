@@ -744,6 +744,17 @@ class LocalEngine:
             return {"success": False, "message": "engine closed", "num_paused_requests": 0}
         return await fut
 
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
+        """SGLang's ``/update_weight_version``: responses report ``new_version`` from now on, the weights unchanged.
+
+        What a trainer calls after loading its policy's adapter by name (``/load_lora_adapter``), which changes no
+        version itself; responses of an adapter pushed with a version of its own report that one instead.
+        """
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        self.weight_version = str(new_version)
+        return {"success": True, "message": "Weight version updated", "version": self.weight_version}
+
     async def update_weights_from_tensors(
         self,
         named_tensors: dict[str, Any],

@@ -290,6 +290,13 @@ class UpdateWeightsFromDiskRequest(_Body):
     flush_cache: Flag = True  # either way: the embedded engine drops its prefix cache on every weight change
 
 
+class UpdateWeightVersionRequest(_Body):
+    """``/update_weight_version`` (SGLang's ``UpdateWeightVersionReqInput``): the version responses report."""
+
+    new_version: Annotated[str, Field(strict=True, min_length=1, max_length=256)]
+    abort_all_requests: Flag = False
+
+
 class LoadLoraAdapterRequest(_Body):
     """``/load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``): a PEFT adapter folder served as ``lora_name``."""
 

@@ -2,8 +2,8 @@
 
 Native endpoints (same paths and JSON shapes as SGLang): ``/generate``, ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``), ``/get_weight_version``,
-``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unload_lora_adapter`` (adapters chosen by ``lora_path``,
-see ``lora.py``), ``/flush_cache``, ``/abort_request``, ``/v1/loads`` (``include``
+``/update_weights_from_disk``, ``/update_weight_version``, ``/load_lora_adapter``, ``/unload_lora_adapter``
+(adapters chosen by ``lora_path``, see ``lora.py``), ``/flush_cache``, ``/abort_request``, ``/v1/loads`` (``include``
 sections, as slime polls it for an idle server), ``/metrics`` (Prometheus text with SGLang's
 ``sglang:*`` names; always on, SGLang needs ``--enable-metrics``); the trainer's broadcast path
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
@@ -426,6 +426,12 @@ def build_app(
         req = P.LoadLoraAdapterRequest.parse(await _json_body(request))
         out = await engine.load_lora_adapter(req.lora_name, req.lora_path, pinned=req.pinned)
         return JSONResponse(out, status_code=200 if out["success"] else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        """SGLang's: the version responses report from now on (after an adapter loaded by name, say)."""
+        req = P.UpdateWeightVersionRequest.parse(await _json_body(request))
+        return JSONResponse(engine.update_weight_version(req.new_version, abort_all_requests=req.abort_all_requests))
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
