@@ -1257,6 +1257,21 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 "given otherwise)",
             ),
             (
+                not (self.weight_sync == "adapter" and self.rollout_backend == "sglang" and _launch_lora_args(self)),
+                f"--sglang-{(_launch_lora_args(self) or ['x'])[0].replace('_', '-')}: --weight-sync adapter sets the "
+                "launched servers' LoRA flags from --lora-rank and --lora-target-modules; drop it",
+            ),
+            (
+                not (
+                    self.weight_sync == "adapter"
+                    and self.rollout_backend == "sglang"
+                    and _is_int(self.sglang_args.get("dp_size"))
+                    and self.sglang_args["dp_size"] > 1
+                ),
+                "--weight-sync adapter with --sglang-dp-size > 1: SGLang loads adapters by name with one data-parallel "
+                "rank only (dynamic LoRA loading asserts dp_size == 1); run more engines (--num-engines) instead",
+            ),
+            (
                 not (self.weight_sync == "adapter" and self.rollout_backend == "sglang" and self.colocate),
                 "--weight-sync adapter with --rollout-backend sglang --colocate: not supported yet (the adapter is "
                 "loaded from a folder by each server, around which colocation's memory release is untested); drop "
@@ -1365,6 +1380,12 @@ def lora_target_suffixes(t: TrainConfig) -> list[str]:
     return [m.rsplit(".", 1)[-1] for m in (t.lora_target_modules or []) if m != "all-linear"]
 
 
+def _launch_lora_args(cfg: RunConfig) -> list[str]:
+    """``--sglang-*`` LoRA flags a ``--weight-sync adapter`` run sets itself (given by hand: refused, not overwritten)."""
+    owned = ("enable_lora", "lora_paths", "max_lora_rank", "lora_target_modules")
+    return [k for k in owned if k in cfg.sglang_args]
+
+
 def megatron_lora_problems(t: TrainConfig) -> list[str]:
     """What the megatron backend's LoRA cannot do of the LoRA flags: it adapts the decoder's linears, no dropout."""
     problems = []
@@ -1378,9 +1399,10 @@ def megatron_lora_problems(t: TrainConfig) -> list[str]:
             f"--lora-dropout {t.lora_dropout}: the megatron backend has no LoRA dropout (a column-parallel adapter's "
             "input is replicated over TP, and its dropout mask would have to be too); use --train-backend torch"
         )
-    if t.pipeline_model_parallel_size > 1 and any(".layers." in f".{m}" for m in t.lora_target_modules):
+    one_layer = [m for m in t.lora_target_modules if ".layers." in f".{m}"]
+    if t.pipeline_model_parallel_size > 1 and one_layer and len(one_layer) == len(t.lora_target_modules):
         problems.append(
-            f"--lora-target-modules {' '.join(m for m in t.lora_target_modules if '.layers.' in f'.{m}')} with "
+            f"--lora-target-modules {' '.join(one_layer)} with "
             f"--pipeline-model-parallel-size {t.pipeline_model_parallel_size}: a target in one layer leaves the "
             "other pipeline stages nothing to train; name modules of every layer (q_proj) or drop pipeline parallelism"
         )

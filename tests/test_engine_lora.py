@@ -363,7 +363,7 @@ def test_sglangs_lora_endpoints_and_fields_over_http(engine, adapters, tiny_ckpt
         assert out["meta_info"]["weight_version"] == "7"
         for bad, field in (
             ({"new_version": 7}, "new_version"),
-            ({"new_version": "8", "x": 1}, "x"),
+            ({"new_version": "8", "x": 1}, "unknown field 'x'"),
             ({}, "new_version"),
         ):
             r = http.post("/update_weight_version", json=bad)

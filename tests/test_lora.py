@@ -290,6 +290,14 @@ def test_bad_lora_values_are_refused_naming_the_flag(kw, message):
             {"train": {"lora_rank": 4}, "rollout_backend": "sglang", "colocate": True},
             "--weight-sync adapter with --rollout-backend sglang --colocate: not supported yet",
         ),
+        (
+            {"train": {"lora_rank": 4}, "rollout_backend": "sglang", "sglang_args": {"max_lora_rank": 64}},
+            "--sglang-max-lora-rank: --weight-sync adapter sets the launched servers' LoRA flags",
+        ),
+        (
+            {"train": {"lora_rank": 4}, "rollout_backend": "sglang", "sglang_args": {"dp_size": 2}},
+            "--sglang-dp-size > 1: SGLang loads adapters by name with one data-parallel rank only",
+        ),
     ],
 )
 def test_weight_sync_adapter_is_refused_where_no_engine_could_serve_the_adapter(tmp_path, kw, message):
@@ -393,12 +401,13 @@ def test_agentrl_train_with_lora_serves_the_adapter_and_resumes(tiny_ckpt, tmp_p
 
 
 @pytest.mark.e2e
-def test_weight_sync_adapter_on_launched_servers_loads_it_by_name(tiny_ckpt, tmp_path, ray_local):
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_weight_sync_adapter_on_launched_servers_loads_it_by_name(tiny_ckpt, tmp_path, ray_local, async_mode):
     """--rollout-backend sglang (launched `agentrl serve`, SGLang's API): the servers start with SGLang's LoRA flags,
     each push writes the adapter as a PEFT folder that every server loads by name through SGLang's own endpoints
     (/unload_lora_adapter, /load_lora_adapter, /update_weight_version), every request names it (lora_path), and the
     engine's log-probs of the sampled tokens equal the trainer's (--true-on-policy-mode); a server killed between steps
-    comes back serving the adapter."""
+    comes back serving the adapter. Async: episodes in flight during a push lose nothing (the swap is paused around)."""
     import os
     import signal
 
@@ -413,8 +422,8 @@ def test_weight_sync_adapter_on_launched_servers_loads_it_by_name(tiny_ckpt, tmp
         rollout_backend="sglang",
         sglang_launcher="agentrl",
         weight_sync="adapter",
-        true_on_policy_mode=True,
         train=lora,
+        **({"async_mode": True} if async_mode else {"true_on_policy_mode": True}),
     )
     killed, served = [], []
     sync = _Runtime.sync_weights
@@ -439,10 +448,12 @@ def test_weight_sync_adapter_on_launched_servers_loads_it_by_name(tiny_ckpt, tmp
     assert killed and summary["weight_sync"] == ["adapter"] and summary["weight_version"] == 3
     lines = _lines(save)
     assert [line["step"] for line in lines] == [0, 1, 2]
-    assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the servers serve the adapter
-    assert lines[-1]["kl"] != 0.0  # and it moved away from the base
-    for step in range(3):  # version 0 (the fresh adapter, loaded before the first request), then each push
-        assert {v for s in _dump(save, step) for v in s["weight_versions"]} == {str(step)}
+    assert all(line["count_failed"] == 0 for line in lines)  # no request met a server without the adapter
+    assert lines[-1]["kl"] != 0.0  # the adapter moved away from the base
+    if not async_mode:
+        assert all(line["true_on_policy_logprob_diff_max"] < 1e-3 for line in lines)  # the servers serve the adapter
+        for step in range(3):  # version 0 (the fresh adapter, loaded before the first request), then each push
+            assert {v for s in _dump(save, step) for v in s["weight_versions"]} == {str(step)}
     folders = sorted(p.name for p in (save / "weight_sync").iterdir())
     assert folders == ["adapter-3"]  # the latest stays for a restarted server; older ones are removed
     assert served == [("1", True)]  # the restarted server reloaded the recorded adapter and its version

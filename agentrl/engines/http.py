@@ -320,26 +320,6 @@ class SGLangEngine(Engine):
             payload["weight_version"] = str(weight_version)
         await self._post_checked("/update_weights_from_tensor", payload, once=True)
 
-    # ---- LoRA adapters (SGLang's io_struct.py: LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> None:
-        """``POST /load_lora_adapter``: the PEFT adapter folder ``lora_path`` (on the server's filesystem) as
-        ``lora_name``, which requests then name as their ``lora_path``."""
-        await self._post_checked(
-            "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}, once=True
-        )
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """``POST /unload_lora_adapter``."""
-        await self._post_checked("/unload_lora_adapter", {"lora_name": lora_name}, once=True)
-
-    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
-        """``POST /update_weight_version``: what the server reports as ``meta_info.weight_version`` from now on (an
-        adapter load does not change it)."""
-        await self._post_checked(
-            "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
-        )
-
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """``POST /destroy_weights_update_group``."""
         await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})

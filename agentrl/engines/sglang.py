@@ -390,6 +390,10 @@ class SGLangServer:
         # Popen runs on this one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked the child exits, so a short-lived Ray executor thread would kill the server early.
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="agentrl-sglang-spawn")
+        # adapters the run serves by name ({name: (folder, version)}, :meth:`load_adapter`): a restart starts with
+        # them (--lora-paths), so the server never answers a request naming one before it has it
+        self._serving: dict[str, tuple[str, str]] = {}
+        self._adapters: dict[str, str] = {}  # what the running process holds: {name: folder}
 
     def url(self) -> str:
         host = self.launch.host
@@ -409,7 +413,6 @@ class SGLangServer:
             return self.url()
         self._kill(grace=0.0)  # reap a dead server, its stray children and its log handle
         self.starts += 1
-        self._adapters: set[str] = set()  # what this process loaded by name (a new process has none)
         key_file = self._key_file()
         if key_file is not None:
             write_key_config(key_file, str(self.launch.api_key))
@@ -417,6 +420,9 @@ class SGLangServer:
             self._proc = self._spawner.submit(self._spawn).result()
             try:
                 self._wait_ready(self._proc)
+                self._adapters = {name: folder for name, (folder, _) in self._serving.items()}
+                for _, version in self._serving.values():  # the adapter's version, not the launch checkpoint's
+                    self._post_ok("/update_weight_version", {"new_version": version, "abort_all_requests": False})
             except BaseException:
                 self._kill(grace=2.0)
                 raise
@@ -432,7 +438,12 @@ class SGLangServer:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # SGLang logs its key
         os.fchmod(fd, 0o600)
         self._log = os.fdopen(fd, "ab")
-        command = shlex.join(self.command)
+        argv = self.command + (
+            ["--lora-paths", *(f"{name}={folder}" for name, (folder, _) in self._serving.items())]
+            if self._serving
+            else []
+        )
+        command = shlex.join(argv)
         if self.launch.api_key:
             command = command.replace(self.launch.api_key, "***")
         header = f"\n=== agentrl: start {self.starts} of engine {self.index}: {command}\n"
@@ -440,7 +451,7 @@ class SGLangServer:
         self._log.flush()
         stdin = subprocess.PIPE if self.launch.binary == "agentrl" else subprocess.DEVNULL  # --exit-with-stdin
         return subprocess.Popen(
-            self.command,
+            argv,
             stdin=stdin,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -504,21 +515,25 @@ class SGLangServer:
 
     def load_adapter(self, lora_name: str, lora_path: str, weight_version: str) -> None:
         """A LoRA run's adapter, the PEFT folder ``lora_path``, served as ``lora_name`` by SGLang's own endpoints:
-        the one of that name this server process loaded before is unloaded first (``/load_lora_adapter`` refuses a
-        name in use), then ``/update_weight_version`` makes responses report ``weight_version``."""
-        if lora_name in self._adapters:
-            self._post_ok("/unload_lora_adapter", {"lora_name": lora_name})
-            self._adapters.discard(lora_name)
-        self._post_ok("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": False})
-        self._adapters.add(lora_name)
+        another folder of that name this server process holds is unloaded first (``/load_lora_adapter`` refuses a
+        name in use), then ``/update_weight_version`` makes responses report ``weight_version``. Remembered: a
+        restart starts with it."""
+        self._serving[lora_name] = (str(lora_path), str(weight_version))
+        if self._adapters.get(lora_name) != lora_path:
+            if lora_name in self._adapters:
+                self._post_ok("/unload_lora_adapter", {"lora_name": lora_name})
+                del self._adapters[lora_name]
+            self._post_ok("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": False})
+            self._adapters[lora_name] = lora_path
         self._post_ok("/update_weight_version", {"new_version": str(weight_version), "abort_all_requests": False})
 
     def _post_ok(self, path: str, body: dict[str, Any]) -> None:
         r = httpx.post(self.url() + path, timeout=600.0, headers=self.launch.headers, json=body)
         try:
-            ok = r.status_code < 400 and r.json().get("success", True) is not False
+            reply = r.json()
         except ValueError:
-            ok = False
+            reply = None
+        ok = r.status_code < 400 and not (isinstance(reply, dict) and reply.get("success") is False)
         if not ok:
             raise RuntimeError(f"engine {self.index}: {path} failed (HTTP {r.status_code}): {r.text[:300]}")
 

@@ -45,8 +45,10 @@ def bind_engine_args(args: Any, engine: Any, tokenizer: Any, template: Any, urls
     """Give slime-style user functions what they reach for on ``args``.
 
     ``args.engine``, ``args.tokenizer``, ``args.chat_template_obj``, ``args.engine_urls``, slime's
-    ``args.sglang_router_ip``/``sglang_router_port`` (the first engine's address), and
-    ``args.engine_headers`` to send with any request of one's own to those URLs (the engines' API key).
+    ``args.sglang_router_ip``/``sglang_router_port`` (the first engine's address),
+    ``args.engine_headers`` to send with any request of one's own to those URLs (the engines' API key), and
+    ``args.lora_path``: the adapter such a request must name as its ``lora_path`` to sample the policy (a
+    ``--weight-sync adapter`` run on launched servers; None otherwise: the engines serve the policy by default).
     """
     from agentrl.engines.http import auth_headers
 
@@ -55,6 +57,7 @@ def bind_engine_args(args: Any, engine: Any, tokenizer: Any, template: Any, urls
     args.engine_headers = auth_headers(getattr(first, "api_key", None))
     host, _, port = urls[0].split("://", 1)[-1].rstrip("/").rpartition(":")
     args.sglang_router_ip, args.sglang_router_port = host, int(port) if port.isdigit() else port
+    args.lora_path = getattr(first, "lora_path", None)
 
 
 @dataclass

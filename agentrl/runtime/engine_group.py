@@ -368,8 +368,10 @@ class SGLangEngineGroup:
         replacing the previous one) and reports ``weight_version``; an engine restarted later loads it too."""
         import ray
 
-        self._adapter = (str(lora_name), str(lora_path), str(weight_version))
-        ray.get([a.load_adapter.remote(*self._adapter) for a in self.actors])
+        with self._lock:  # not beside a monitor's restart, which reloads the recorded adapter
+            self._adapter = (str(lora_name), str(lora_path), str(weight_version))
+            ray.get([a.load_adapter.remote(*self._adapter) for a in self.actors])
+            self._stale.clear()  # every engine serves the latest now (it raised otherwise)
 
     def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
         """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.

@@ -63,6 +63,7 @@ BOUND_ARGS = (
     "engine_headers",
     "sglang_router_ip",
     "sglang_router_port",
+    "lora_path",
 )
 """What :func:`~agentrl.rollout.generate.bind_engine_args` sets on ``args``: each worker binds its own."""
 

@@ -224,8 +224,8 @@ class _Runtime:
                 unserved = sorted(self.trainers.adapted_modules() - set(SUPPORTED_TARGETS))
                 if unserved:
                     raise ValueError(
-                        f"--weight-sync adapter: the policy's adapter adapts {unserved}, which the embedded engines "
-                        f"do not serve adapters on ({', '.join(SUPPORTED_TARGETS)}): use --weight-sync auto (the "
+                        f"--weight-sync adapter: the policy's adapter adapts {unserved}, which the engines "
+                        f"are not given adapters on ({', '.join(SUPPORTED_TARGETS)}): use --weight-sync auto (the "
                         "merged weights) or --lora-target-modules among those"
                     )
             self._route = mode
@@ -240,7 +240,8 @@ class _Runtime:
             return
         if route == "adapter":  # launched servers: a PEFT folder each loads by name (SGLang's /load_lora_adapter)
             previous = getattr(self, "_adapter_folder", None)
-            folder = self.trainers.save_adapter_folder(Path(self._sync_dir()) / f"adapter-{version}")
+            # absolute: the servers are other processes, maybe with another working directory
+            folder = self.trainers.save_adapter_folder((Path(self._sync_dir()) / f"adapter-{version}").resolve())
             self.engines.load_adapter(POLICY_ADAPTER, str(folder), str(version))
             self._adapter_folder = folder  # the latest stays: a restarted server loads it
             if previous is not None and previous != folder:
@@ -386,7 +387,10 @@ class _Runtime:
         if not isinstance(group, SGLangEngineGroup):
             return None
         # --partial-rollout: abort mode for every launched server, so a turn split by a push records both versions
-        swaps_in_place = group.launch.binary != "sglang" and not self.cfg.rollout.partial_rollout
+        # a policy adapter served by name is unloaded and loaded again: requests between the two would be refused
+        swaps_in_place = (
+            group.launch.binary != "sglang" and not self.cfg.rollout.partial_rollout and not self.cfg.policy_lora_path
+        )
         mode = None if self.cfg.async_mode and swaps_in_place else "abort"
         seen = {"restarts": list(group.restarts)}
 

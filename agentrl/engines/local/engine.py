@@ -753,7 +753,11 @@ class LocalEngine:
         if abort_all_requests:
             self.abort(abort_all=True)
         self.weight_version = str(new_version)
-        return {"success": True, "message": "Weight version updated", "version": self.weight_version}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {self.weight_version}",
+            "new_version": self.weight_version,
+        }
 
     async def update_weights_from_tensors(
         self,
