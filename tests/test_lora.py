@@ -537,3 +537,19 @@ def test_weight_sync_adapter_on_launched_servers_passes_sglangs_lora_flags(tmp_p
     assert plain.policy_lora_path is None and "--enable-lora" not in build_launch_command(
         sglang_launch(plain, "/m"), port=1
     )
+
+
+def test_custom_generate_functions_are_given_the_adapter_requests_must_name():
+    """slime-style functions that post /generate themselves read args.lora_path (None: the engines' default)."""
+    import argparse
+
+    from agentrl.engines.http import SGLangEngine
+    from agentrl.engines.router import Router
+    from agentrl.rollout.generate import bind_engine_args
+
+    url = "http://127.0.0.1:1"  # no request is sent
+    args = argparse.Namespace()
+    bind_engine_args(args, Router([SGLangEngine(url, lora_path="policy")]), None, None, [url])
+    assert args.lora_path == "policy"
+    bind_engine_args(args, Router([SGLangEngine(url)]), None, None, [url])
+    assert args.lora_path is None
