@@ -40,7 +40,8 @@ ADAPTER_DIR = "adapter"
 """Where a LoRA run's checkpoint keeps its adapter in PEFT's format (beside the merged model)."""
 ADAPTER_NAME = "default"
 """PEFT's name for the one adapter a trainer holds."""
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
+"""PEFT's prefix of an adapter tensor's name in ``adapter_model.safetensors``."""
 
 
 def _all_linear(cfg: TrainConfig) -> bool:
@@ -174,7 +175,7 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if ".lora_" in name:
-            out[_PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")] = _full(t).cpu().contiguous()
+            out[PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")] = _full(t).cpu().contiguous()
     return out
 
 
@@ -260,7 +261,7 @@ def read_adapter(model: nn.Module, adapter: Path) -> dict[str, torch.Tensor]:
     """``adapter``'s tensors under ``model``'s own names; refused when it adapts other modules than ``model``'s."""
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     names = {
-        _PEFT_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): n for n in model.state_dict(keep_vars=True) if ".lora_" in n
+        PEFT_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): n for n in model.state_dict(keep_vars=True) if ".lora_" in n
     }
     if set(tensors) != set(names):
         missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
@@ -290,6 +291,7 @@ def is_lora_checkpoint(folder: str | Path) -> bool:
 
 __all__ = [
     "ADAPTER_DIR",
+    "PEFT_PREFIX",
     "add_lora",
     "adapter_config_dict",
     "adapter_state",

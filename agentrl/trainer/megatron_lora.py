@@ -41,10 +41,7 @@ from peft import LoraConfig
 from torch import nn
 
 from agentrl.config import TrainConfig, megatron_lora_problems
-from agentrl.trainer.lora import lora_config
-
-PEFT_PREFIX = "base_model.model."
-"""PEFT's prefix of an adapter tensor's name in ``adapter_model.safetensors``."""
+from agentrl.trainer.lora import PEFT_PREFIX, lora_config
 
 # megatron linear (inside decoder.layers.N) -> (parallel kind, the HF modules it fuses, in megatron's order)
 _LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -342,4 +339,4 @@ def _key(hf: str, which: str) -> str:
     return hf.replace(".", "__") + "__" + which
 
 
-__all__ = ["MegatronLora", "PEFT_PREFIX", "targeted"]
+__all__ = ["MegatronLora", "targeted"]
