@@ -115,6 +115,21 @@ def _role_url(spec: Any) -> tuple[str, str] | None:
     return name.strip(), url
 
 
+POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+"""A ``--policy`` name: it names the policy's adapter on the engines (SGLang's ``lora_name``), its checkpoint folder
+and its metrics, so letters, digits, ``_`` and ``-`` only, a letter first (PEFT's ``__base__`` stays out)."""
+
+
+def _name_value(spec: Any) -> tuple[str, str] | None:
+    """``KEY=NAME`` of ``--role-policy`` / ``--policy-lr`` (both sides non-empty), or None when malformed."""
+    if not isinstance(spec, str):
+        return None
+    key, eq, value = spec.partition("=")
+    if not eq or not key.strip() or not value.strip():
+        return None
+    return key.strip(), value.strip()
+
+
 def refuse(problems: list[str]) -> None:
     """Raise one ``ValueError`` naming every problem (each names its flag); nothing when there are none."""
     if problems:
@@ -185,6 +200,12 @@ class RolloutConfig(_ReadOnlyOnce, _Checked):
         "the same tokenizer); its samples are recorded but never trained (repeatable; default: every role is the "
         "policy, self-play)",
     )
+    role_policy: list[str] = option(
+        factory=list,
+        help="ROLE=NAME: role ROLE of an env with roles is played by the trained policy NAME (a --policy: its own LoRA "
+        "adapter on the shared base, its own samples, advantages, optimizer and checkpoint); repeatable, every role "
+        "of the env a policy or a --role-engine-url plays",
+    )
     history_mode: str = option(
         "exact",
         help="when the chat template would render the conversation differently from the tokens the episode holds "
@@ -253,6 +274,10 @@ class RolloutConfig(_ReadOnlyOnce, _Checked):
         help="sandboxes alive at once (default: --rollout-concurrency); with fewer, episodes wait for a free one and the wait counts against --env-step-timeout",
     )
 
+    def role_policies(self) -> dict[str, str]:
+        """``--role-policy``: ``{role: policy}`` (malformed entries are refused by :meth:`problems`)."""
+        return dict(r for r in map(_name_value, self.role_policy) if r is not None)
+
     def role_engine_urls(self) -> dict[str, str]:
         """``--role-engine-url`` as ``{role: url}`` (validated)."""
         return dict(r for r in map(_role_url, self.role_engine_url) if r is not None)
@@ -286,6 +311,20 @@ class RolloutConfig(_ReadOnlyOnce, _Checked):
                 f"--role-engine-url takes NAME=URL (http:// or https://), got {self.role_engine_url}",
             ),
             (not dups, f"--role-engine-url names role(s) {dups} more than once"),
+            (
+                all(_name_value(x) is not None for x in self.role_policy),
+                f"--role-policy takes ROLE=NAME (a --policy name), got {self.role_policy}",
+            ),
+            (
+                not (seated := [r[0] for r in map(_name_value, self.role_policy) if r is not None])
+                or len(set(seated)) == len(seated),
+                f"--role-policy seats role(s) {sorted({r for r in seated if seated.count(r) > 1})} more than once",
+            ),
+            (
+                not set(self.role_policies()) & set(self.role_engine_urls()),
+                f"--role-policy and --role-engine-url both seat {sorted(set(self.role_policies()) & set(self.role_engine_urls()))}: "
+                "a role is played by a trained policy or by a fixed engine",
+            ),
             (self.sandbox_memory_mb > 0, "--sandbox-memory-mb must be > 0"),
             (self.sandbox_timeout > 0, "--sandbox-timeout must be > 0"),
             (
@@ -483,6 +522,17 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
         "either starts as the base model",
         choices=LORA_INITS,
     )
+    policy: list[str] = option(
+        factory=list,
+        help="several policies: NAME of a trained policy, a LoRA adapter of its own on the shared base (repeatable; "
+        "needs --lora-rank and --weight-sync adapter; --role-policy seats it). Every policy trains from the same "
+        "mixed micro-batches (each adapter's gradient from its own rows), with its own AdamW state, loss "
+        "normalization, gradient clipping, checkpoint (iter_N/adapters/NAME) and metrics (reward_mean/NAME)",
+    )
+    policy_lr: list[str] = option(
+        factory=list,
+        help="NAME=LR: policy NAME's learning rate (repeatable; default: --lr)",
+    )
     dtype: str = option(
         "auto",
         help="trainer parameter dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16",
@@ -531,6 +581,63 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
     def needs_ref_model(self) -> bool:
         """Whether the trainer must hold the frozen reference model (a KL loss or KL-shaped rewards)."""
         return self.use_kl_loss or self.reward_kl
+
+    def policy_lrs(self) -> dict[str, float]:
+        """Every ``--policy`` with its learning rate (``--policy-lr``, else ``--lr``), in the order given; empty for a
+        run of one policy (the default, unnamed)."""
+        given = dict(r for r in map(_name_value, self.policy_lr) if r is not None)
+        out = {}
+        for name in self.policy:
+            try:
+                out[name] = float(given[name]) if name in given else float(self.lr)
+            except ValueError:
+                out[name] = float("nan")  # refused by problems()
+        return out
+
+    def _policy_checks(self) -> list[tuple[bool, str]]:
+        """``--policy`` / ``--policy-lr``: names, duplicates, learning rates, and the LoRA they need."""
+        if not self.policy and not self.policy_lr:
+            return []
+        names = [n for n in self.policy if isinstance(n, str)]
+        lrs = self.policy_lrs()
+        given = [r for r in map(_name_value, self.policy_lr) if r is not None]
+        return [
+            (
+                len(names) == len(self.policy) and all(POLICY_NAME.fullmatch(n) for n in names),
+                f"--policy names {self.policy} must be letters, digits, _ and - (a letter first, at most 64): each "
+                "names an adapter on the engines, a checkpoint folder and metrics",
+            ),
+            (len(set(names)) == len(names), f"--policy names {sorted({n for n in names if names.count(n) > 1})} twice"),
+            (len(names) != 1, f"--policy {names[0] if names else ''}: one policy is the run's own; name two or more"),
+            (bool(self.policy), "--policy-lr needs the policies it names (--policy NAME)"),
+            (
+                len(given) == len(self.policy_lr) and all(k in names for k, _ in given),
+                f"--policy-lr takes NAME=LR for a --policy NAME ({names}), got {self.policy_lr}",
+            ),
+            (
+                all(0 < v < float("inf") for v in lrs.values()),
+                f"--policy-lr must be numbers > 0, got {self.policy_lr}",
+            ),
+            (
+                not names or bool(self.lora_rank),
+                "--policy: each policy is a LoRA adapter on the shared base: pass --lora-rank (full models per policy "
+                "are not offered)",
+            ),
+            (
+                not names or self.lora_adapter_path is None,
+                "--lora-adapter-path with --policy: several policies start from fresh adapters (--load resumes a run's "
+                "iter_N/adapters/NAME)",
+            ),
+            (
+                not names or self.advantage_estimator != "ppo",
+                "--policy with --advantage-estimator ppo: the critic is one model for one policy; use a GRPO-family "
+                "estimator",
+            ),
+            (
+                not names or self.loss_type == "policy_loss",
+                f"--policy with --loss-type {self.loss_type}: several policies train with the policy loss",
+            ),
+        ]
 
     def token_budget(self, device_type: str) -> int:
         """``--max-tokens-per-gpu``, or its default for a trainer on ``device_type`` ("cpu", "cuda", ...)."""
@@ -609,6 +716,7 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
                 "--lora-dropout is for warm starts (agentrl sft): an RL step's first pass must give ratio 1, which "
                 "dropout in training mode breaks",
             ),
+            *self._policy_checks(),
             (self.lr > 0, "--lr must be > 0"),
             (self.eps_clip > 0 and self.clip_high > 0, "--eps-clip and --eps-clip-high must be > 0"),
             (self.kl_loss_coef >= 0 and self.kl_coef >= 0, "--kl-loss-coef and --kl-coef must be >= 0"),
@@ -906,6 +1014,62 @@ class RunConfig(_ReadOnlyOnce, _Checked):
         if self.weight_sync == "adapter" and self.rollout_backend == "sglang":
             return POLICY_ADAPTER
         return None
+
+    @property
+    def adapters_by_name(self) -> bool:
+        """Whether every rollout request names an adapter the engines must have loaded before the first one: the
+        policy's on launched servers (:attr:`policy_lora_path`), or each ``--policy``'s."""
+        return self.policy_lora_path is not None or bool(self.train.policy)
+
+    def _several_policies_checks(self) -> list[tuple[bool, str]]:
+        """``--policy`` / ``--role-policy`` against the run: seats name policies, every policy plays a seat, and the
+        parts several policies need (adapters served by name, the torch backend, RL)."""
+        t, r = self.train, self.rollout
+        seats = r.role_policies()
+        if not t.policy and not seats:
+            return []
+        unknown = sorted({p for p in seats.values() if p not in t.policy})
+        clash = sorted(p for p in t.policy if p in seats and seats[p] != p)
+        idle = [p for p in t.policy if p not in seats.values()]
+        return [
+            (
+                not unknown,
+                f"--role-policy seats role(s) on unknown policy {unknown}: declare it with --policy "
+                f"(declared: {t.policy or 'none'})",
+            ),
+            (
+                not clash,
+                f"--policy {' '.join(clash)}: also the name of a role another policy plays; reward_mean/NAME would mean "
+                "both: name the policy apart",
+            ),
+            (
+                not idle,
+                f"--policy {' '.join(idle)} plays no seat: seat it with --role-policy ROLE={idle[0] if idle else ''}",
+            ),
+            (
+                not t.policy or self.weight_sync == "adapter",
+                f"--policy: each policy reaches the engines as its own adapter, served by name: pass --weight-sync "
+                f"adapter (not {self.weight_sync})",
+            ),
+            (
+                not t.policy or self.train_backend == "torch",
+                "--policy: several policies train on the torch backend (the megatron backend trains one adapter)",
+            ),
+            (
+                not (t.policy and self.is_sft),
+                "--policy trains policies with RL, not --loss-type sft_loss (agentrl sft)",
+            ),
+            (
+                not t.policy or self.trainer_world_size == 1,
+                f"--policy with {self.trainer_world_size} trainer ranks: several policies train on one rank for now "
+                "(the per-token adapter routing is not tested under FSDP2)",
+            ),
+            (
+                not (t.policy and (self.custom_generate_function_path or self.rollout_function_path)),
+                "--policy with --custom-generate-function-path / --rollout-function-path: a custom rollout does not "
+                "know which policy plays which seat; use the env's roles",
+            ),
+        ]
 
     @property
     def trainer_world_size(self) -> int:
@@ -1277,6 +1441,7 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 "loaded from a folder by each server, around which colocation's memory release is untested); drop "
                 "--colocate or use --weight-sync auto",
             ),
+            *self._several_policies_checks(),
             (
                 not (t.lora_rank and self.train_backend == "megatron" and megatron_lora_problems(t)),
                 "; ".join(megatron_lora_problems(t)),

@@ -78,7 +78,8 @@ def step_metrics(
     """The standard metrics line of one step, from its rollout samples and the trainer's metrics.
 
     Per-episode statistics (an episode in several segments counts once, each role of a multi-role
-    episode once, roles on a fixed engine not at all; ``reward_mean/<role>`` per role; ``reward_*``,
+    episode once, roles on a fixed engine not at all; ``reward_mean/<role>`` per role and ``reward_mean/<policy>`` per
+    trained ``--policy``; ``reward_*``,
     ``response_length_mean`` (per sample), ``turns_mean``,
     ``tool_calls_mean``, ``tool_call_rate``: the fraction with at least one parsed tool call) are
     taken over **trainable** samples only (completed or truncated): a
@@ -140,6 +141,11 @@ def step_metrics(
     for role in roles:  # an env with roles: each trained role's own mean (self-play averages to the game's value)
         mine = [scalar_reward(e[-1]) for e in trainable if e[-1].role == role]
         out[f"reward_mean/{role}"] = _mean([r for r in mine if r is not None])
+    # several trained policies (--policy): each policy's mean over the seats it played
+    policies = sorted({e[-1].policy for e in trainable if e[-1].policy is not None})
+    for policy in policies:
+        mine = [scalar_reward(e[-1]) for e in trainable if e[-1].policy == policy]
+        out[f"reward_mean/{policy}"] = _mean([r for r in mine if r is not None])
     for status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED, Status.ABORTED):
         out[f"count_{status.value}"] = sum(s.status == status for s in samples)
     out.update(train_metrics or {})

@@ -344,8 +344,10 @@ class Sample:
     @property
     def policy(self) -> str | None:
         """The policy that played this sample's seat, when it is not the engine the episode ran on: for a role played
-        on ``--role-engine-url``, that engine's address; None otherwise (the run's trained policy, an evaluated or
-        demonstrating engine). Written only when set, so a single agent's JSON is unchanged."""
+        on ``--role-engine-url``, that engine's address; for a role seated on a trained ``--policy``
+        (``--role-policy``), the policy's name (its adapter, its advantages, its ``reward_mean/<policy>``); None
+        otherwise (the run's one trained policy, an evaluated or demonstrating engine). Written only when set, so a
+        single agent's JSON is unchanged."""
         value = self.metadata.get("policy")
         return None if value is None else str(value)
 

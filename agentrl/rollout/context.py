@@ -88,8 +88,20 @@ def episode_context(
         engines = [
             SGLangEngine(u, api_key=api_key, return_routed_experts=routed_experts, lora_path=lora_path) for u in urls
         ]
+    policies = sorted(set(config.role_policies().values()))
+    if policies and chat_api:
+        raise ValueError("--role-policy names adapters of token-exact engines (lora_path), not a chat API's model")
+    policy_engines: dict[str, Engine] = {
+        p: Router([SGLangEngine(u, api_key=api_key, return_routed_experts=routed_experts, lora_path=p) for u in urls])
+        for p in policies
+    }
     return EpisodeContext(
-        engine=Router(engines), template=template, config=config, executor=executor, role_engines=role_engines(config)
+        engine=Router(engines),
+        template=template,
+        config=config,
+        executor=executor,
+        role_engines=role_engines(config),
+        policy_engines=policy_engines,
     )
 
 
@@ -102,7 +114,7 @@ def role_engines(config: RolloutConfig) -> dict[str, Engine]:
 async def close_context(ctx: EpisodeContext) -> None:
     """Close the context's engine clients (the router's and the roles')."""
     await ctx.engine.close()
-    for engine in ctx.role_engines.values():
+    for engine in [*ctx.role_engines.values(), *ctx.policy_engines.values()]:
         await engine.close()
 
 

@@ -89,6 +89,9 @@ class EpisodeContext:
     """Threads for synchronous env methods (``generate_rollout`` sizes one to the concurrency)."""
     role_engines: dict[str, Engine] = field(default_factory=dict)
     """Roles of multi-role envs played by a fixed policy on their own engine (``--role-engine-url``)."""
+    policy_engines: dict[str, Engine] = field(default_factory=dict)
+    """The engine of each trained ``--policy`` a role is seated on (``--role-policy``): the run's engines, every
+    request naming the policy's adapter (SGLang's ``lora_path``)."""
     history_rewrite: Callable[..., Any] | None = None
     """The ``--history-rewrite-path`` function, loaded once per rollout (:func:`history_hook`); when None and
     the config names one, each episode loads it."""
@@ -472,13 +475,16 @@ def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: 
     ``--role-engine-url`` is recorded, not trained), routing key and sample."""
     if role is None:
         return Seat(None, ctx.engine, key, first)
-    engine = ctx.role_engines.get(role, ctx.engine)
+    policy = ctx.config.role_policies().get(role)
+    engine = ctx.role_engines.get(role) or (ctx.policy_engines[policy] if policy is not None else ctx.engine)
     sample = _task_sample(task, first.group_index, first.index)
     sample.role, sample.episode_id = role, key
     sample.non_generation_time = first.non_generation_time  # constructing and resetting the env: every role waited
     if role in ctx.role_engines:  # played by another policy: that engine's
         sample.trained = False
         sample.policy = getattr(engine, "url", None) or repr(engine)  # an SGLang client's address
+    elif policy is not None:  # a trained --policy: its adapter, its samples
+        sample.policy = policy
     return Seat(role, engine, f"{key}-{role}", sample)
 
 

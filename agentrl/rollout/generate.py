@@ -200,8 +200,25 @@ def check_rollout_features(
 
 
 async def check_roles_config(ctx: EpisodeContext, env_factory: Callable[[], Env]) -> None:
-    """Refuse, before any episode, a ``--role-engine-url`` the env cannot use (:func:`check_role_engines`)."""
+    """Refuse, before any episode, a ``--role-engine-url`` or ``--role-policy`` the env cannot use
+    (:func:`check_role_engines`, :func:`check_role_policies`)."""
     await check_role_engines(ctx.role_engines, env_factory)
+    await check_role_policies(ctx.config, env_factory)
+
+
+async def env_roles(env_factory: Callable[[], Env]) -> tuple[str, ...]:
+    """The env's roles: its class's ``roles``, else one constructed env's (closed again); () when the factory fails
+    (the episodes report that)."""
+    roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
+    if roles is None:
+        try:
+            probe = env_factory()
+        except Exception:  # noqa: BLE001 - the episodes report a factory that fails
+            return ()
+        roles = getattr(probe, "roles", ())
+        with contextlib.suppress(Exception):
+            await call_env(probe.close)
+    return tuple(roles or ())
 
 
 async def check_role_engines(role_engines: dict[str, Engine], env_factory: Callable[[], Env]) -> None:
@@ -210,16 +227,7 @@ async def check_role_engines(role_engines: dict[str, Engine], env_factory: Calla
     when the run names role engines)."""
     if not role_engines:
         return
-    roles = getattr(env_factory, "roles", None) if isinstance(env_factory, type) else None
-    if roles is None:
-        try:
-            probe = env_factory()
-        except Exception:  # noqa: BLE001 - the episodes report a factory that fails
-            return
-        roles = getattr(probe, "roles", ())
-        with contextlib.suppress(Exception):
-            await call_env(probe.close)
-    roles = tuple(roles or ())
+    roles = await env_roles(env_factory)
     for role, engine in role_engines.items():  # a wrong URL is one clear error, not every episode aborted
         if not await engine.health():
             raise ValueError(
@@ -229,6 +237,29 @@ async def check_role_engines(role_engines: dict[str, Engine], env_factory: Calla
     if unknown:
         raise ValueError(
             f"--role-engine-url names role(s) {unknown} the env does not have; its roles are {list(roles)}"
+        )
+
+
+async def check_role_policies(
+    config: RolloutConfig, env_factory: Callable[[], Env], *, every_role: bool = False
+) -> None:
+    """Refuse a ``--role-policy`` the env cannot use: a role it does not have, or (``every_role``: a run training
+    several policies) one of its roles seated on no policy and no fixed engine, which would otherwise play on the
+    base model untrained. Elsewhere (``eval``, ``rollout``) an unseated role plays on the engine's own model."""
+    seats = config.role_policies()
+    if not seats:
+        return
+    roles = await env_roles(env_factory)
+    if not roles:
+        raise ValueError("--role-policy seats roles, but the env has none (an env with roles declares `roles`)")
+    unknown = sorted(set(seats) - set(roles))
+    if unknown:
+        raise ValueError(f"--role-policy names role(s) {unknown} the env does not have; its roles are {list(roles)}")
+    unseated = [r for r in roles if r not in seats and r not in config.role_engine_urls()]
+    if unseated and every_role:
+        raise ValueError(
+            f"--role-policy: role(s) {unseated} of the env are played by no policy: seat each with --role-policy "
+            "ROLE=NAME or on a fixed engine with --role-engine-url ROLE=URL"
         )
 
 

@@ -149,19 +149,22 @@ class EngineServer:
         tensors = numpy_to_tensors(named)
         return self._call(self.engine.update_weights_from_tensors(tensors, weight_version))
 
-    def load_policy_adapter(self, named: dict[str, Any], config: dict[str, Any], weight_version: str) -> dict:
+    def load_policy_adapter(
+        self, named: dict[str, Any], config: dict[str, Any], weight_version: str, policy: str | None = None
+    ) -> dict:
         """A LoRA run's adapter-only weight sync (the trainer's adapter in PEFT's names, numpy arrays from the object
         store): replaces the policy adapter, which every request naming no adapter then runs under, its samples
-        reporting ``weight_version``. The base weights never change in a LoRA run, so nothing else moves."""
+        reporting ``weight_version``; or, with ``policy`` (a ``--policy``), that policy's adapter, which requests
+        name (``lora_path``). The base weights never change in a LoRA run, so nothing else moves."""
         tensors = numpy_to_tensors(named)
         return self._call(
             self.engine.load_lora_adapter(
-                POLICY_ADAPTER,
+                POLICY_ADAPTER if policy is None else policy,
                 tensors=tensors,
                 config=config,
                 replace=True,
                 weight_version=weight_version,
-                serve_by_default=True,
+                serve_by_default=policy is None,
             )
         )
 
@@ -303,7 +306,7 @@ class SGLangEngineGroup:
         self.restarts = [0] * len(actors)
         self._options, self._ports = options, ports
         self._weights: tuple[str, str] | None = None
-        self._adapter: tuple[str, str, str] | None = None
+        self._adapters: dict[str, tuple[str, str, str]] = {}  # served by name: the policy's (each --policy's)
         self._stale: set[int] = set()  # restarted engines whose reload of the recorded weights failed
         self._lock = threading.Lock()  # one check_and_restart at a time; held while suspended
         self._suspended = 0
@@ -368,10 +371,11 @@ class SGLangEngineGroup:
         replacing the previous one) and reports ``weight_version``; an engine restarted later loads it too."""
         import ray
 
-        with self._lock:  # not beside a monitor's restart, which reloads the recorded adapter
-            self._adapter = (str(lora_name), str(lora_path), str(weight_version))
-            ray.get([a.load_adapter.remote(*self._adapter) for a in self.actors])
-            self._stale.clear()  # every engine serves the latest now (it raised otherwise)
+        with self._lock:  # not beside a monitor's restart, which reloads the recorded adapters
+            self._adapters[str(lora_name)] = (str(lora_name), str(lora_path), str(weight_version))
+            ray.get([a.load_adapter.remote(*self._adapters[str(lora_name)]) for a in self.actors])
+            if len(self._adapters) == 1:
+                self._stale.clear()  # every engine serves the latest now (it raised otherwise)
 
     def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
         """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.
@@ -406,8 +410,8 @@ class SGLangEngineGroup:
                 try:
                     if self._weights is not None:
                         ray.get(self.actors[i].load_weights.remote(*self._weights))
-                    if self._adapter is not None:  # a LoRA run's policy, served by name (a new process has none)
-                        ray.get(self.actors[i].load_adapter.remote(*self._adapter))
+                    for adapter in self._adapters.values():  # a LoRA run's policies, served by name (a new
+                        ray.get(self.actors[i].load_adapter.remote(*adapter))  # process has none)
                     self._stale.discard(i)
                 except Exception as exc:  # noqa: BLE001 - it serves older weights (their version says so) until then
                     log.error("engine %d could not load the run's weights: %s; retried on the next check", i, exc)

@@ -47,6 +47,7 @@ from agentrl.rollout.generate import (
     BatchGenerate,
     check_apply_chat_template,
     check_role_engines,
+    check_role_policies,
     check_rollout_features,
 )
 from agentrl.runtime import run_folder
@@ -103,8 +104,8 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
     eval_sets = _load_eval_sets(cfg)
     if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour
         check_rollout_features(cfg.rollout, [*rows, *(r for rows_ in eval_sets.values() for r in rows_)], custom=custom)
-    if factory is not None and cfg.rollout.role_engine_urls():  # the fixed opponents answer; their roles exist
-        _check_role_engines(cfg, factory)
+    if factory is not None and (cfg.rollout.role_engine_urls() or cfg.rollout.role_policies()):
+        _check_role_engines(cfg, factory)  # the fixed opponents answer; every role is seated and exists
     fns = _load_functions(cfg)
     _derive_length(cfg, rows)
     args = args if args is not None else argparse_namespace(cfg)
@@ -194,6 +195,7 @@ def _check_role_engines(cfg: RunConfig, factory: Any) -> None:
         engines = role_engines(cfg.rollout)
         try:
             await check_role_engines(dict(engines), factory)
+            await check_role_policies(cfg.rollout, factory, every_role=bool(cfg.train.policy))
         finally:
             for engine in engines.values():
                 await engine.close()

@@ -190,8 +190,8 @@ class PolicyGradient(Recipe):
         t = self.cfg.train
         per_turn = t.per_turn_credit
         # segments of one episode (a history rewrite) share its id; a sample without one is its own episode;
-        # the roles of a multi-role episode are separate sequences, grouped and normalised per role
-        group_keys = [(int(s.group_index or 0), s.role or "") for s in samples]
+        # the roles of a multi-role episode are separate sequences, grouped and normalised per (policy, role)
+        group_keys = [(int(s.group_index or 0), s.policy or "", s.role or "") for s in samples]
         numbered = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
         advs = compute_advantages(
             t.advantage_estimator,
@@ -212,7 +212,13 @@ class PolicyGradient(Recipe):
 
     def _set_advantages(self, batch: list[TrainSample], advs: list[torch.Tensor]) -> None:
         if self.cfg.train.normalize_advantages:  # slime's --normalize-advantages: whiten over the trained tokens
-            advs = masked_whiten(advs, [torch.tensor(b.loss_mask, dtype=torch.float32) for b in batch])
+            # ... of each --policy apart (one policy's scale is not another's)
+            advs = list(advs)
+            for policy in dict.fromkeys(b.policy for b in batch):
+                idx = [i for i, b in enumerate(batch) if b.policy == policy]
+                masks = [torch.tensor(batch[i].loss_mask, dtype=torch.float32) for i in idx]
+                for i, a in zip(idx, masked_whiten([advs[i] for i in idx], masks)):
+                    advs[i] = a
         for b, a in zip(batch, advs):
             b.advantages = [float(x) for x in a]
 
@@ -227,6 +233,7 @@ class PolicyGradient(Recipe):
                 train_metadata=s.train_metadata,
                 multimodal_inputs=s.multimodal_inputs,
                 multimodal_train_inputs=s.multimodal_train_inputs,
+                policy=s.policy if self.cfg.train.policy else None,
             )
             for s in samples
         ]

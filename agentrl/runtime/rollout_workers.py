@@ -175,7 +175,8 @@ class RolloutWorker:
 
     async def follow_urls(self, urls: list[str]) -> None:
         """Point this worker's router at engines that came back on other addresses (as the driver's)."""
-        follow_urls(self.ctx.engine, urls, self.api_key)
+        for router in [self.ctx.engine, *self.ctx.policy_engines.values()]:  # each --policy's router too
+            follow_urls(router, urls, self.api_key)
 
     async def run_group(self, row: dict[str, Any], group: int, seed: int, group_base: int = 0) -> list[Sample]:
         """The ``n_samples_per_prompt`` episodes of ``row``, as group ``group`` of a rollout seeded ``seed``

@@ -59,9 +59,9 @@ def train(cfg: RunConfig, args: Any = None) -> dict[str, Any]:
         loop = runtime.build_loop(run)
         if run.resume_from is not None:
             loop.resume(run.resume_from)
-        elif cfg.train.starts_off_checkpoint or cfg.policy_lora_path:
-            # the engines loaded --hf-checkpoint's weights: replace them; or servers that serve the policy's adapter
-            # by name, which every request names, load it before the first
+        elif cfg.train.starts_off_checkpoint or cfg.adapters_by_name:
+            # the engines loaded --hf-checkpoint's weights: replace them; or engines that serve the policy's adapter
+            # (each --policy's) by name, which every request names, load it before the first
             runtime.sync_weights(0)
         t0 = time.monotonic()
         lines = asyncio.run(_run(loop, runtime.ctx))
@@ -241,10 +241,16 @@ class _Runtime:
         if route == "adapter":  # launched servers: a PEFT folder each loads by name (SGLang's /load_lora_adapter)
             previous = getattr(self, "_adapter_folder", None)
             # absolute: the servers are other processes, maybe with another working directory
-            folder = self.trainers.save_adapter_folder((Path(self._sync_dir()) / f"adapter-{version}").resolve())
-            self.engines.load_adapter(POLICY_ADAPTER, str(folder), str(version))
-            self._adapter_folder = folder  # the latest stays: a restarted server loads it
-            if previous is not None and previous != folder:
+            adapters = (Path(self._sync_dir()) / f"adapter-{version}").resolve()
+            if self.cfg.train.policy:  # several policies: a folder each, loaded under the policy's name
+                for policy in self.cfg.train.policy:
+                    self.trainers.save_adapter_folder(adapters / policy, policy)
+                    self.engines.load_adapter(policy, str(adapters / policy), str(version))
+            else:
+                self.trainers.save_adapter_folder(adapters)
+                self.engines.load_adapter(POLICY_ADAPTER, str(adapters), str(version))
+            self._adapter_folder = adapters  # the latest stays: a restarted server loads it
+            if previous is not None and previous != adapters:
                 shutil.rmtree(previous, ignore_errors=True)
             self.routes_taken.append(route)
             return
@@ -389,7 +395,7 @@ class _Runtime:
         # --partial-rollout: abort mode for every launched server, so a turn split by a push records both versions
         # a policy adapter served by name is unloaded and loaded again: requests between the two would be refused
         swaps_in_place = (
-            group.launch.binary != "sglang" and not self.cfg.rollout.partial_rollout and not self.cfg.policy_lora_path
+            group.launch.binary != "sglang" and not self.cfg.rollout.partial_rollout and not self.cfg.adapters_by_name
         )
         mode = None if self.cfg.async_mode and swaps_in_place else "abort"
         seen = {"restarts": list(group.restarts)}
@@ -399,7 +405,8 @@ class _Runtime:
             async with paused_for_update(router, mode=mode, group=group):
                 if group.restarts != seen["restarts"]:
                     seen["restarts"] = list(group.restarts)
-                    follow_urls(router, group.urls, group.api_key)
+                    for r in [router, *(self.ctx.policy_engines.values() if self.ctx is not None else ())]:
+                        follow_urls(r, group.urls, group.api_key)  # each --policy's router too
                     if self.rollout_workers is not None:  # their routers too
                         await asyncio.to_thread(self.rollout_workers.follow_urls, group.urls)
                     await asyncio.to_thread(self.trainers.reset_weight_transport)

@@ -159,11 +159,12 @@ class TrainerActor:
     def adapted_modules(self) -> set[str]:
         return self.trainer.adapted_modules()
 
-    def adapter_weights(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """A LoRA policy's adapter as numpy arrays and its PEFT config on rank 0, None elsewhere (every rank gathers)."""
+    def adapter_weights(self, policy: str | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """A LoRA policy's adapter (``policy``: that ``--policy``'s) as numpy arrays and its PEFT config on rank 0, None
+        elsewhere (every rank gathers)."""
         from agentrl.runtime.engine_group import tensors_to_numpy
 
-        state, config = self.trainer.adapter_weights()
+        state, config = self.trainer.adapter_weights(policy)
         return (tensors_to_numpy(state), config) if self.trainer.rank == 0 else None
 
     def push_weights(
@@ -389,31 +390,35 @@ class TrainerGroup:
 
     def push_adapter(self, engines: Sequence[Any], version: str) -> None:
         """A LoRA run's weight push: the adapter alone (bytes: the adapter's, not the model's) through the object
-        store to every embedded engine actor, which serves it as the policy from its next request on."""
-        named, config = self._adapter()
-        named_ref = ray.put(named)
-        answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version) for e in engines])
-        failed = [a.get("error_message") for a in answers if not a.get("success")]
-        if failed:
-            raise RuntimeError(
-                f"an engine refused the policy adapter (version {version}): {failed[0]}; "
-                "--weight-sync auto pushes the merged weights instead"
-            )
+        store to every embedded engine actor, which serves it as the policy from its next request on; with several
+        policies, each policy's adapter under its name."""
+        for policy in self.cfg.policy or [None]:
+            named, config = self._adapter(policy)
+            named_ref = ray.put(named)
+            answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version, policy) for e in engines])
+            failed = [a.get("error_message") for a in answers if not a.get("success")]
+            if failed:
+                raise RuntimeError(
+                    f"an engine refused the {'policy' if policy is None else policy!r} adapter (version {version}): "
+                    f"{failed[0]}"
+                    + ("; --weight-sync auto pushes the merged weights instead" if policy is None else "")
+                )
 
-    def _adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The policy's whole adapter (numpy arrays, PEFT's names) and its PEFT config, gathered by every rank."""
-        refs = [a.adapter_weights.remote() for a in self.actors]
+    def _adapter(self, policy: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A policy's whole adapter (numpy arrays, PEFT's names) and its PEFT config, gathered by every rank."""
+        refs = [a.adapter_weights.remote(policy) for a in self.actors]
         ray.get(refs[1:])  # the other ranks return None; this surfaces their errors
         return ray.get(refs[0])
 
-    def save_adapter_folder(self, folder: str | Path) -> Path:
-        """A LoRA policy's adapter, gathered from every rank, written as a PEFT folder (``adapter_config.json`` +
-        ``adapter_model.safetensors``) where the engines read it: what launched SGLang servers load by name."""
+    def save_adapter_folder(self, folder: str | Path, policy: str | None = None) -> Path:
+        """A LoRA policy's adapter (``policy``: that ``--policy``'s), gathered from every rank, written as a PEFT
+        folder (``adapter_config.json`` + ``adapter_model.safetensors``) where the engines read it: what launched
+        SGLang servers load by name."""
         from safetensors.torch import save_file
 
         from agentrl.runtime.engine_group import numpy_to_tensors
 
-        named, config = self._adapter()
+        named, config = self._adapter(policy)
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_file(numpy_to_tensors(named), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -53,6 +53,8 @@ class TrainSample:
     """The sample's images (``Sample.multimodal_inputs``: ``{"images": [data URLs]}``, placeholder order)."""
     multimodal_train_inputs: dict | None = None
     """Their processed arrays (``Sample.multimodal_train_inputs``); None = the trainer processes the images."""
+    policy: str | None = None
+    """The ``--policy`` whose adapter trains on this sample (several policies); None: the run's one policy."""
 
     @property
     def prompt_length(self) -> int:

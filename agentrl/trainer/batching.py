@@ -89,6 +89,8 @@ class PackedBatch:
     returns: torch.Tensor | None = None  # [N] ppo: the critic's targets
     images: list[dict] = field(default_factory=list)  # per image, in row order: its processed arrays
     image_positions: torch.Tensor | None = None  # [M] long: row positions of the images' placeholders
+    policies: list[str | None] = field(default_factory=list)  # per packed sample: its --policy (several policies)
+    lengths: list[int] = field(default_factory=list)  # per packed sample: its tokens in the row
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +182,8 @@ def pack_samples(
         returns=_flat(chosen, "returns", required=False),
         images=images,
         image_positions=torch.tensor(image_pos, dtype=torch.long) if images else None,
+        policies=[s.policy for s in chosen],
+        lengths=[len(s.tokens) for s in chosen],
     )
 
 

@@ -42,6 +42,8 @@ ADAPTER_NAME = "default"
 """PEFT's name for the one adapter a trainer holds."""
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix of an adapter tensor's name in ``adapter_model.safetensors``."""
+POLICIES_DIR = "adapters"
+"""Where a checkpoint of several policies (``--policy``) keeps each policy's adapter: ``iter_N/adapters/NAME``."""
 
 
 def _all_linear(cfg: TrainConfig) -> bool:
@@ -145,11 +147,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: nn.Module, adapter: str | None = ADAPTER_NAME) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under the base's HF names, each adapted linear's as ``W + scaling * B @ A``.
 
-    ``model`` is the HF model holding PEFT's layers (not the ``PeftModel``). Sharded (FSDP2): a collective,
-    every rank iterates in lockstep and receives full tensors. Tied copies come once (the first name).
+    ``model`` is the HF model holding PEFT's layers (not the ``PeftModel``); ``adapter`` the adapter folded in (None:
+    the base alone, as a run of several policies serves it). Sharded (FSDP2): a collective, every rank iterates in
+    lockstep and receives full tensors. Tied copies come once (the first name).
     """
     layers = _lora_layers(model)
     state = model.state_dict(keep_vars=True)
@@ -163,20 +166,27 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         owner, leaf = name.split(".base_layer.", 1)
         w = _full(t)
-        if leaf == "weight":
-            a = _full(state[f"{owner}.lora_A.{ADAPTER_NAME}.weight"]).float()
-            b = _full(state[f"{owner}.lora_B.{ADAPTER_NAME}.weight"]).float()
-            w = (w.float() + (b @ a) * layers[owner].scaling[ADAPTER_NAME]).to(w.dtype)
+        if leaf == "weight" and adapter is not None:
+            a = _full(state[f"{owner}.lora_A.{adapter}.weight"]).float()
+            b = _full(state[f"{owner}.lora_B.{adapter}.weight"]).float()
+            w = (w.float() + (b @ a) * layers[owner].scaling[adapter]).to(w.dtype)
         yield f"{owner}.{leaf}", w
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _peft_names(model: nn.Module, adapter: str) -> dict[str, str]:
+    """``{PEFT file name: model state name}`` of adapter ``adapter``'s tensors (``...q_proj.lora_A.weight``)."""
+    keys = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
+    return {
+        PEFT_PREFIX + n.replace(f".{adapter}.", ".", 1): n
+        for n in model.state_dict(keep_vars=True)
+        if any(k in n for k in keys)
+    }
+
+
+def adapter_state(model: nn.Module, adapter: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
     """The adapter's tensors in PEFT's file names (``base_model.model.<module>.lora_A.weight``), full and on CPU."""
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if ".lora_" in name:
-            out[PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")] = _full(t).cpu().contiguous()
-    return out
+    state = model.state_dict(keep_vars=True)
+    return {peft: _full(state[n]).cpu().contiguous() for peft, n in _peft_names(model, adapter).items()}
 
 
 def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write: bool) -> None:
@@ -188,19 +198,24 @@ def save_adapter(peft_model: PeftModel, model: nn.Module, folder: Path, *, write
 
 def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: LoraConfig) -> None:
     """``folder/adapter/``: ``adapter_model.safetensors`` (PEFT's tensor names) and ``adapter_config.json``."""
-    out = folder / ADAPTER_DIR
+    write_peft_folder(folder / ADAPTER_DIR, tensors, config)
+
+
+def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], config: LoraConfig) -> None:
+    """``out/``: one adapter as PEFT saves it, ``adapter_model.safetensors`` and ``adapter_config.json``."""
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
 
 
-def adapter_config_dict(config: PeftModel | LoraConfig) -> dict[str, Any]:
+def adapter_config_dict(config: PeftModel | LoraConfig, adapter: str = ADAPTER_NAME) -> dict[str, Any]:
     """An adapter's ``adapter_config.json`` as a JSON-able dict (sets as sorted lists), as PEFT would write it.
 
-    ``config``: a trainer's ``PeftModel`` (its one adapter's config) or a ``LoraConfig`` (the megatron backend's).
+    ``config``: a trainer's ``PeftModel`` (its adapter ``adapter``'s config) or a ``LoraConfig`` (the megatron
+    backend's).
     """
     if isinstance(config, PeftModel):
-        config = config.peft_config[ADAPTER_NAME]
+        config = config.peft_config[adapter]
     raw = config.to_dict()
     return json.loads(json.dumps(raw, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
 
@@ -241,7 +256,22 @@ def check_resume(folder: Path, cfg: TrainConfig, base: str | Path, *, what: str,
     """A run's ``iter_*`` against this run's LoRA flags: the kinds agree and the adapter is this run's.
 
     ``adapted``: whether the model resuming holds an adapter (a LoRA run's policy; not ppo's critic beside it).
+    A run of several policies (``--policy``) resumes each policy's ``adapters/NAME``.
     """
+    several = (Path(folder) / POLICIES_DIR).is_dir()
+    if adapted and (cfg.policy or several):
+        if not several or not cfg.policy:
+            raise ValueError(
+                f"{what}: {folder} was saved by a run of "
+                + (
+                    "several policies (its adapters are in adapters/NAME): resume it with the same --policy flags"
+                    if several
+                    else "one policy: resume it without --policy"
+                )
+            )
+        for name in cfg.policy:
+            check_adapter(Path(folder) / POLICIES_DIR / name, cfg, base, what=f"{what} (--policy {name})")
+        return
     if not adapted:
         if is_lora_checkpoint(folder):
             raise ValueError(
@@ -257,12 +287,11 @@ def check_resume(folder: Path, cfg: TrainConfig, base: str | Path, *, what: str,
     check_adapter(folder / ADAPTER_DIR, cfg, base, what=what)
 
 
-def read_adapter(model: nn.Module, adapter: Path) -> dict[str, torch.Tensor]:
-    """``adapter``'s tensors under ``model``'s own names; refused when it adapts other modules than ``model``'s."""
+def read_adapter(model: nn.Module, adapter: Path, name: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
+    """``adapter``'s tensors under ``model``'s own names (for its adapter ``name``); refused when it adapts other
+    modules than ``model``'s."""
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    names = {
-        PEFT_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): n for n in model.state_dict(keep_vars=True) if ".lora_" in n
-    }
+    names = _peft_names(model, name)
     if set(tensors) != set(names):
         missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
         raise ValueError(
@@ -285,13 +314,15 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], world_size: 
 
 
 def is_lora_checkpoint(folder: str | Path) -> bool:
-    """Whether ``folder`` (a run's ``iter_*``) was saved by a LoRA run."""
-    return (Path(folder) / ADAPTER_DIR / "adapter_config.json").is_file()
+    """Whether ``folder`` (a run's ``iter_*``) was saved by a LoRA run (one policy's, or several's)."""
+    return (Path(folder) / ADAPTER_DIR / "adapter_config.json").is_file() or (Path(folder) / POLICIES_DIR).is_dir()
 
 
 __all__ = [
     "ADAPTER_DIR",
+    "ADAPTER_NAME",
     "PEFT_PREFIX",
+    "POLICIES_DIR",
     "add_lora",
     "adapter_config_dict",
     "adapter_state",
@@ -306,4 +337,5 @@ __all__ = [
     "save_adapter",
     "target_problems",
     "write_adapter",
+    "write_peft_folder",
 ]

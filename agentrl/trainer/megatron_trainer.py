@@ -578,10 +578,13 @@ class MegatronTrainer(Trainer):
             merge=self.lora.merge() if self.lora is not None else None,  # the engines serve W + (alpha/r) B A
         )
 
-    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def adapter_weights(self, policy: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A LoRA policy's whole adapter (PEFT's names, full, on CPU) and its PEFT config, on every rank: what a
-        LoRA run's engines load instead of the merged weights. A collective over TP and PP."""
+        LoRA run's engines load instead of the merged weights. A collective over TP and PP. One adapter only
+        (``policy`` None): several policies train on the torch backend."""
         assert self.lora is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
+        if policy is not None:
+            raise ValueError(f"policy {policy!r}: the megatron backend trains one adapter, not several policies")
         return self._adapter_state(), adapter_config_dict(self.lora.peft_config(self.checkpoint_path))
 
     def adapted_modules(self) -> set[str]:

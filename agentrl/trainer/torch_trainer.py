@@ -36,6 +36,7 @@ Resuming needs the same world size (optimizer shards are per rank).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import shutil
 from collections import defaultdict
@@ -69,6 +70,8 @@ from agentrl.trainer.chunked_logprobs import chunked_log_probs, head_is_plain, p
 from agentrl.trainer.lean_activations import make_lean
 from agentrl.trainer.lora import (
     ADAPTER_DIR,
+    ADAPTER_NAME,
+    POLICIES_DIR,
     adapter_config_dict,
     adapter_state,
     add_lora,
@@ -78,7 +81,9 @@ from agentrl.trainer.lora import (
     merged_weights,
     read_adapter,
     save_adapter,
+    write_peft_folder,
 )
+from agentrl.trainer.lora_policies import add_policies, policy_parameters, routed, token_policies
 from agentrl.vlm import by_key, load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
@@ -183,6 +188,10 @@ class TorchTrainer(Trainer):
                 module.requires_grad_(False)
         # LoRA: PEFT's layers replace the targeted linears in place; self.model stays the HF model that runs
         self.peft: PeftModel | None = None
+        # several policies (--policy): one adapter each, a token's adapter chosen by its sample's policy
+        self.policies: list[str] = list(cfg.policy) if cfg.lora_rank and self._takes_lora() else []
+        self._routing = False
+        self._policy_grad_norms: dict[str, float] = {}
         if cfg.lora_rank and self._takes_lora():
             if self.vision is not None:
                 raise ValueError("--lora-rank adapts text-only causal LMs here, not a vision-language model")
@@ -190,7 +199,10 @@ class TorchTrainer(Trainer):
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             with torch.random.fork_rng(devices=cuda):
                 torch.manual_seed(cfg.seed)
-                self.peft = add_lora(self.model, cfg, self.checkpoint_path)
+                if cfg.policy:  # several policies: an adapter each, trained from one mixed stream
+                    self.peft = add_policies(self.model, cfg, self.checkpoint_path)
+                else:
+                    self.peft = add_lora(self.model, cfg, self.checkpoint_path)
             if cfg.lora_adapter_path:  # continue an adapter (a LoRA warm start's) instead of a fresh one
                 adapter = Path(cfg.lora_adapter_path)
                 check_adapter(adapter, cfg, self.checkpoint_path, what=f"--lora-adapter-path {adapter}")
@@ -225,8 +237,12 @@ class TorchTrainer(Trainer):
         # samples, 512-token rows: 3,705 MiB peak against 3,848-3,861, and faster; bench/README.md).
         # GPUs keep torch's defaults (the caching allocator reuses blocks; not measured there).
         self.fused_adamw = self.keep_grads = measured if resident_state is None else bool(resident_state)
+        params: Any = [p for p in self.model.parameters() if p.requires_grad]
+        if self.policies:  # a parameter group per policy: its own learning rate (AdamW's state is per tensor anyway)
+            lrs = cfg.policy_lrs()
+            params = [{"params": policy_parameters(self.model, n), "lr": lrs[n], "policy": n} for n in self.policies]
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            params,
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
@@ -332,9 +348,19 @@ class TorchTrainer(Trainer):
         """bf16/fp16 compute over fp32 master weights: a 1e-6 AdamW update vanishes in bf16 weights."""
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def _segments(self, batch: PackedBatch):
-        """Announce the row's samples to the per-sample attention (re-entering it is harmless)."""
-        return packed_attention.segments(batch.position_ids) if self.packed_attention else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _segments(self, batch: PackedBatch) -> Iterator[None]:
+        """Announce the row's samples to the per-sample attention (re-entering it is harmless) and, with several
+        policies, route each token through its sample's adapter (:func:`routed`; entered once, however nested)."""
+        with contextlib.ExitStack() as stack:
+            if self.packed_attention:
+                stack.enter_context(packed_attention.segments(batch.position_ids))
+            if self.policies and not self._routing:
+                names = token_policies(batch.policies, batch.lengths, self.policies)
+                stack.enter_context(routed(self.model, names))
+                self._routing = True
+                stack.callback(setattr, self, "_routing", False)
+            yield
 
     def _logits(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
         """Logits [N, V] at the positions that predict the batch's response tokens."""
@@ -461,6 +487,7 @@ class TorchTrainer(Trainer):
         )
         if num_seqs == 0:
             return None
+        counts = self._policy_counts(samples)
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self._got_grad.clear()
         sums: dict[str, float] = defaultdict(float)
@@ -475,7 +502,7 @@ class TorchTrainer(Trainer):
                 continue
             batch = batch.to(self.device)
             with self._segments(batch):  # activation checkpointing recomputes the forward in backward
-                loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs)
+                loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs, counts)
                 (loss * self.world_size).backward()
             sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
@@ -491,10 +518,33 @@ class TorchTrainer(Trainer):
         keys = self._metric_names(sums)
         totals = self._sum_over_ranks([sums[k] for k in keys])  # each rank's share is globally normalized
         metrics = mean_over_trained(dict(zip(keys, totals)), self.cfg, (num_tokens, num_seqs), (live_tokens, live_seqs))
-        return dict(metrics, grad_norm=grad_norm, skipped_samples=num_seqs - live_seqs)
+        return dict(metrics, grad_norm=grad_norm, skipped_samples=num_seqs - live_seqs, **self._policy_grad_norms)
 
-    def _micro_batch_loss(self, b: PackedBatch, num_tokens: float, num_seqs: float):
-        """Forward one packed micro-batch and return :func:`policy_loss`'s ``(loss, metrics)``."""
+    def _policy_counts(self, samples: Sequence[TrainSample]) -> dict[str, tuple[float, float]] | None:
+        """Several policies: each policy's ``(trained tokens, samples)`` of the step over every rank, its loss's
+        normalizers (None for one policy)."""
+        if not self.policies:
+            return None
+        local: list[float] = []
+        for name in self.policies:
+            mine = [s for s in samples if s.policy == name]
+            local += [sum(sum(s.loss_mask) for s in mine), len(mine)]
+        total = self._sum_over_ranks(local)
+        return {name: (total[2 * i], total[2 * i + 1]) for i, name in enumerate(self.policies)}
+
+    def _micro_batch_loss(
+        self,
+        b: PackedBatch,
+        num_tokens: float,
+        num_seqs: float,
+        counts: dict[str, tuple[float, float]] | None = None,
+    ):
+        """Forward one packed micro-batch and return :func:`policy_loss`'s ``(loss, metrics)``.
+
+        Several policies (``counts``): one forward, then each policy's loss over its own tokens, normalized by its
+        own counts (as if it trained alone); their sum is backpropagated, so each adapter's gradient is its own
+        loss's. The metrics are the policies' weighted by their share of the step (the whole-batch means), plus
+        ``pg_loss/<policy>``."""
         logp, entropy = self._log_probs(self.model, b, entropy=True)  # [N] each
         assert entropy is not None
         if self.cfg.entropy_coef <= 0:
@@ -505,6 +555,8 @@ class TorchTrainer(Trainer):
             with torch.no_grad(), context:
                 ref_logp, _ = self._log_probs(ref_model, b, entropy=False)
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
+        if counts is not None:
+            return self._policies_loss(b, counts, (num_tokens, num_seqs), logp, old_logp, ref_logp, entropy)
         return policy_loss(
             logp,
             old_logp,
@@ -520,6 +572,48 @@ class TorchTrainer(Trainer):
             custom_fn=self.custom_loss_fn,
             batch=b,
         )
+
+    def _policies_loss(
+        self,
+        b: PackedBatch,
+        counts: dict[str, tuple[float, float]],
+        whole: tuple[float, float],
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        entropy: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`_micro_batch_loss` of several policies: the sum of each policy's :func:`policy_loss` over its tokens."""
+        owner = torch.tensor(
+            [self.policies.index(p) if p in self.policies else -1 for p in b.policies], device=b.mask.device
+        ).repeat_interleave(torch.tensor(b.response_lengths, device=b.mask.device))  # [N] the policy of each token
+        per_token = self.cfg.calculate_per_token_loss
+        loss = logp.sum() * 0.0
+        metrics: dict[str, float] = defaultdict(float)
+        for i, name in enumerate(self.policies):
+            mine = owner == i
+            if not bool(mine.any()):
+                continue
+            tokens, seqs = counts[name]
+            part, m = policy_loss(
+                logp,
+                old_logp,
+                b.advantages,
+                b.mask * mine,
+                b.seq_ids,
+                self.cfg,
+                num_tokens=tokens,
+                num_seqs=seqs,
+                ref_logp=ref_logp,
+                rollout_logp=b.rollout_log_probs,
+                entropy=entropy,
+            )
+            loss = loss + part
+            share = (tokens / whole[0] if whole[0] else 0.0) if per_token else (seqs / whole[1] if whole[1] else 0.0)
+            for k, v in m.items():
+                metrics[k] += v * share
+            metrics[f"pg_loss/{name}"] += m["pg_loss"]
+        return loss, dict(metrics)
 
     def _allocate_step_state(self) -> None:
         """Gradients and AdamW's moments, allocated now and for the whole run (``keep_grads``).
@@ -553,9 +647,20 @@ class TorchTrainer(Trainer):
                 p.grad = None
 
     def _clip_grad(self) -> float:
-        """Clip to ``clip_grad`` (0 = off) and return the pre-clip global norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        """Clip to ``clip_grad`` (0 = off) and return the pre-clip global norm. Several policies: each policy's
+        adapter is clipped alone (one policy's large step does not shrink another's), its norm kept as
+        ``grad_norm/<policy>``; the returned norm is over all of them."""
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+        if self.policies:
+            norms = {}
+            for group in self.optimizer.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                norms[group["policy"]] = (
+                    float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm))) if params else 0.0
+                )
+            self._policy_grad_norms = {f"grad_norm/{k}": v for k, v in norms.items()}
+            return math.sqrt(sum(v * v for v in norms.values()))
+        params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(_full(norm))
 
@@ -597,8 +702,8 @@ class TorchTrainer(Trainer):
         Sharded: a collective (each DTensor is all-gathered), so EVERY rank must iterate it in
         lockstep, and every rank receives the full tensors.
         """
-        if self.peft is not None:  # the engines serve the base with the adapter folded in
-            yield from merged_weights(self.model)
+        if self.peft is not None:  # the engines serve the base with the adapter folded in (several: the base alone)
+            yield from merged_weights(self.model, None if self.policies else ADAPTER_NAME)
             return
         seen: set[int] = set()
         for name, t in self.model.state_dict(keep_vars=True).items():
@@ -606,11 +711,20 @@ class TorchTrainer(Trainer):
                 seen.add(id(t))
                 yield name, _full(t)
 
-    def adapter_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def adapter_weights(self, policy: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A LoRA policy's adapter (PEFT's names, full, on CPU) and its PEFT config: what a LoRA run's engines load
-        instead of the merged weights (a collective when sharded: every rank must call it)."""
+        instead of the merged weights (a collective when sharded: every rank must call it). ``policy``: which
+        ``--policy`` (None: the run's one adapter)."""
         assert self.peft is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
-        return adapter_state(self.model), adapter_config_dict(self.peft)
+        name = self._adapter_name(policy)
+        return adapter_state(self.model, name), adapter_config_dict(self.peft, name)
+
+    def _adapter_name(self, policy: str | None) -> str:
+        if policy is None and not self.policies:
+            return ADAPTER_NAME
+        if policy not in self.policies:
+            raise ValueError(f"no adapter of policy {policy!r}: this trainer trains the policies {self.policies}")
+        return policy
 
     def adapted_modules(self) -> set[str]:
         """The adapted modules' last names (``q_proj``); empty without an adapter."""
@@ -634,7 +748,12 @@ class TorchTrainer(Trainer):
                 path / "trainer_state.pt",
             )
         del weights
-        if self.peft is not None:
+        if self.policies:  # each policy's adapter in PEFT's format: iter_N/adapters/NAME
+            for name in self.policies:
+                tensors = adapter_state(self.model, name)
+                if self.rank == 0:
+                    write_peft_folder(path / POLICIES_DIR / name, tensors, self.peft.peft_config[name])
+        elif self.peft is not None:
             save_adapter(self.peft, self.model, path, write=self.rank == 0)
         self._barrier()
         torch.save({"optimizer": self.optimizer.state_dict(), "rng": rng_state()}, path / f"optim_rank{self.rank}.pt")
@@ -657,7 +776,14 @@ class TorchTrainer(Trainer):
         # a LoRA run's base stays as loaded, and the adapter (below, its optimizer) resumes: the adapter must be
         # this run's, on this base (the preflight checked it too); all refused before anything here is replaced
         check_resume(path, self.cfg, self.checkpoint_path, what=str(path), adapted=self.peft is not None)
-        if self.peft is not None:
+        if self.policies:
+            adapters = {}
+            for name in self.policies:
+                adapters.update(read_adapter(self.model, path / POLICIES_DIR / name, name))
+            self.optimizer.state.clear()
+            apply_adapter(self.model, adapters, self.world_size)
+            del adapters
+        elif self.peft is not None:
             adapter = read_adapter(self.model, path / ADAPTER_DIR)
             self.optimizer.state.clear()
             apply_adapter(self.model, adapter, self.world_size)
