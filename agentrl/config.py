@@ -611,6 +611,10 @@ class TrainConfig(_ReadOnlyOnce, _Checked):
             (len(names) != 1, f"--policy {names[0] if names else ''}: one policy is the run's own; name two or more"),
             (bool(self.policy), "--policy-lr needs the policies it names (--policy NAME)"),
             (
+                len({k for k, _ in given}) == len(given),
+                f"--policy-lr gives a policy's learning rate twice: {self.policy_lr}",
+            ),
+            (
                 len(given) == len(self.policy_lr) and all(k in names for k, _ in given),
                 f"--policy-lr takes NAME=LR for a --policy NAME ({names}), got {self.policy_lr}",
             ),

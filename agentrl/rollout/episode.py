@@ -476,6 +476,11 @@ def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: 
     if role is None:
         return Seat(None, ctx.engine, key, first)
     policy = ctx.config.role_policies().get(role)
+    if policy is not None and role not in ctx.role_engines and policy not in ctx.policy_engines:
+        raise ValueError(
+            f"--role-policy {role}={policy}: the episode context has no engine for policy {policy!r} (build it with "
+            "agentrl.rollout.context.episode_context, which gives each policy's adapter its engine)"
+        )
     engine = ctx.role_engines.get(role) or (ctx.policy_engines[policy] if policy is not None else ctx.engine)
     sample = _task_sample(task, first.group_index, first.index)
     sample.role, sample.episode_id = role, key

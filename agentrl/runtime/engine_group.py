@@ -366,16 +366,17 @@ class SGLangEngineGroup:
         """Remember the run's latest checkpoint folder: an engine restarted later loads it before serving."""
         self._weights = (str(model_path), str(weight_version))
 
-    def load_adapter(self, lora_name: str, lora_path: str, weight_version: str) -> None:
+    def load_adapter(self, lora_name: str, lora_path: str, weight_version: str, *, last: bool = True) -> None:
         """Every server serves the PEFT adapter folder ``lora_path`` as ``lora_name`` (SGLang's ``/load_lora_adapter``,
-        replacing the previous one) and reports ``weight_version``; an engine restarted later loads it too."""
+        replacing the previous one) and reports ``weight_version``; an engine restarted later loads it too. ``last``:
+        the last adapter of a push (several policies push one each)."""
         import ray
 
         with self._lock:  # not beside a monitor's restart, which reloads the recorded adapters
             self._adapters[str(lora_name)] = (str(lora_name), str(lora_path), str(weight_version))
             ray.get([a.load_adapter.remote(*self._adapters[str(lora_name)]) for a in self.actors])
-            if len(self._adapters) == 1:
-                self._stale.clear()  # every engine serves the latest now (it raised otherwise)
+            if last:  # this push's last adapter: every engine serves the latest of each now (it raised otherwise)
+                self._stale.clear()
 
     def check_and_restart(self, *, from_monitor: bool = False) -> list[int]:
         """Restart every engine that is not alive (same port; a lost actor is replaced); return their indices.

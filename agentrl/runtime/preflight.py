@@ -104,6 +104,10 @@ def preflight(cfg: RunConfig, args: Any = None) -> ResolvedRun:
     eval_sets = _load_eval_sets(cfg)
     if not cfg.is_sft or cfg.demo_engine_url or eval_sets:  # what sampled episodes cannot honour
         check_rollout_features(cfg.rollout, [*rows, *(r for rows_ in eval_sets.values() for r in rows_)], custom=custom)
+    if factory is None and cfg.train.policy:
+        raise ValueError(
+            "--policy: several policies play the roles of an env (--env with roles), not prompt rows alone"
+        )
     if factory is not None and (cfg.rollout.role_engine_urls() or cfg.rollout.role_policies()):
         _check_role_engines(cfg, factory)  # the fixed opponents answer; every role is seated and exists
     fns = _load_functions(cfg)

@@ -186,14 +186,24 @@ class PolicyGradient(Recipe):
         return None
 
     def advantages(self, samples: list[Sample], batch: list[TrainSample]) -> None:
-        """Fill ``advantages`` on ``batch`` (aligned with ``samples``)."""
+        """Fill ``advantages`` on ``batch`` (aligned with ``samples``); each ``--policy``'s samples apart
+        (REINFORCE++ whitens over its whole batch: one policy's rewards must not shift another's)."""
+        advs: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+        for policy in dict.fromkeys(s.policy for s in samples):
+            idx = [i for i, s in enumerate(samples) if s.policy == policy]
+            for i, a in zip(idx, self._advantages([samples[i] for i in idx], [batch[i] for i in idx])):
+                advs[i] = a
+        self._set_advantages(batch, advs)
+
+    def _advantages(self, samples: list[Sample], batch: list[TrainSample]) -> list[torch.Tensor]:
+        """One policy's advantages. Segments of one episode (a history rewrite) share its id; a sample without one
+        is its own episode; the roles of a multi-role episode are separate sequences, grouped and normalised per
+        (task group, policy, role)."""
         t = self.cfg.train
         per_turn = t.per_turn_credit
-        # segments of one episode (a history rewrite) share its id; a sample without one is its own episode;
-        # the roles of a multi-role episode are separate sequences, grouped and normalised per (policy, role)
         group_keys = [(int(s.group_index or 0), s.policy or "", s.role or "") for s in samples]
         numbered = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
-        advs = compute_advantages(
+        return compute_advantages(
             t.advantage_estimator,
             rewards=torch.tensor([train_reward(s) for s in samples]),
             group_ids=[numbered[key] for key in group_keys],
@@ -208,7 +218,6 @@ class PolicyGradient(Recipe):
             per_turn=per_turn,
             episode_ids=[s.episode_key for s in samples],
         )
-        self._set_advantages(batch, advs)
 
     def _set_advantages(self, batch: list[TrainSample], advs: list[torch.Tensor]) -> None:
         if self.cfg.train.normalize_advantages:  # slime's --normalize-advantages: whiten over the trained tokens

@@ -245,7 +245,8 @@ class _Runtime:
             if self.cfg.train.policy:  # several policies: a folder each, loaded under the policy's name
                 for policy in self.cfg.train.policy:
                     self.trainers.save_adapter_folder(adapters / policy, policy)
-                    self.engines.load_adapter(policy, str(adapters / policy), str(version))
+                    last = policy == self.cfg.train.policy[-1]
+                    self.engines.load_adapter(policy, str(adapters / policy), str(version), last=last)
             else:
                 self.trainers.save_adapter_folder(adapters)
                 self.engines.load_adapter(POLICY_ADAPTER, str(adapters), str(version))

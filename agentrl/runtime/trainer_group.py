@@ -398,9 +398,9 @@ class TrainerGroup:
             answers = ray.get([e.load_policy_adapter.remote(named_ref, config, version, policy) for e in engines])
             failed = [a.get("error_message") for a in answers if not a.get("success")]
             if failed:
+                what = "the policy adapter" if policy is None else f"policy {policy}'s adapter"
                 raise RuntimeError(
-                    f"an engine refused the {'policy' if policy is None else policy!r} adapter (version {version}): "
-                    f"{failed[0]}"
+                    f"an engine refused {what} (version {version}): {failed[0]}"
                     + ("; --weight-sync auto pushes the merged weights instead" if policy is None else "")
                 )
 

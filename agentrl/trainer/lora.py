@@ -175,12 +175,12 @@ def merged_weights(model: nn.Module, adapter: str | None = ADAPTER_NAME) -> Iter
 
 def _peft_names(model: nn.Module, adapter: str) -> dict[str, str]:
     """``{PEFT file name: model state name}`` of adapter ``adapter``'s tensors (``...q_proj.lora_A.weight``)."""
-    keys = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
-    return {
-        PEFT_PREFIX + n.replace(f".{adapter}.", ".", 1): n
-        for n in model.state_dict(keep_vars=True)
-        if any(k in n for k in keys)
-    }
+    out = {}
+    for n in model.state_dict(keep_vars=True):
+        for kind in ("lora_A", "lora_B"):
+            if f".{kind}.{adapter}." in n:  # (the adapter's name may also be a module's: replace it here only)
+                out[PEFT_PREFIX + n.replace(f".{kind}.{adapter}.", f".{kind}.", 1)] = n
+    return out
 
 
 def adapter_state(model: nn.Module, adapter: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
@@ -269,6 +269,12 @@ def check_resume(folder: Path, cfg: TrainConfig, base: str | Path, *, what: str,
                     else "one policy: resume it without --policy"
                 )
             )
+        saved = read_policy_order(Path(folder))
+        if saved != list(cfg.policy):
+            raise ValueError(
+                f"{what}: {folder} was saved by a run of the policies {saved} (in that order; each keeps its AdamW "
+                f"state in that place): resume it with the same --policy flags, not {list(cfg.policy)}"
+            )
         for name in cfg.policy:
             check_adapter(Path(folder) / POLICIES_DIR / name, cfg, base, what=f"{what} (--policy {name})")
         return
@@ -313,6 +319,22 @@ def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], world_size: 
         model.load_state_dict(state, strict=False)
 
 
+def write_policy_order(folder: Path, policies: list[str]) -> None:
+    """``folder/adapters/policies.json``: a run's ``--policy`` names in order (its optimizer's groups follow it)."""
+    out = folder / POLICIES_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "policies.json").write_text(json.dumps(list(policies)))
+
+
+def read_policy_order(folder: Path) -> list[str] | None:
+    """The ``--policy`` names a checkpoint of several policies was saved with (None: unreadable or absent)."""
+    try:
+        names = json.loads((folder / POLICIES_DIR / "policies.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+
 def is_lora_checkpoint(folder: str | Path) -> bool:
     """Whether ``folder`` (a run's ``iter_*``) was saved by a LoRA run (one policy's, or several's)."""
     return (Path(folder) / ADAPTER_DIR / "adapter_config.json").is_file() or (Path(folder) / POLICIES_DIR).is_dir()
@@ -338,4 +360,6 @@ __all__ = [
     "target_problems",
     "write_adapter",
     "write_peft_folder",
+    "write_policy_order",
+    "read_policy_order",
 ]

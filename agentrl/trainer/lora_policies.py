@@ -43,6 +43,14 @@ def add_policies(model: nn.Module, cfg: TrainConfig, base_path: str | Path) -> P
     refused naming ``--lora-target-modules`` (as for one adapter).
     """
     problems = target_problems(model, cfg)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and any(
+        n.endswith(t) and m is head for n, m in model.named_modules() for t in cfg.lora_target_modules
+    ):
+        problems.append(
+            "--lora-target-modules: with --policy the LM head is not adapted (it sees only the scored positions, not "
+            "the packed row each token's policy is routed on); adapt the decoder's linears"
+        )
     if problems:
         raise ValueError("; ".join(problems))
     names = list(cfg.policy)
@@ -88,16 +96,24 @@ def routed(model: nn.Module, names: list[str]) -> Iterator[None]:
     """Run every adapted linear of ``model`` with token ``t`` of the packed row on adapter ``names[t]``.
 
     Held around a forward *and* its backward (activation checkpointing runs the forward again in backward). An
-    input that is not the packed row (a one-token pass keeping ranks in step) goes through unchanged, on the
-    active adapter.
+    adapted linear that sees anything but the packed row ``[1, T, H]`` is refused (its tokens could not be told
+    apart); passes outside a packed row (a one-token pass keeping ranks in step) run outside this context.
     """
     handles = []
     n = len(names)
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        x = args[0]
-        if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != n:
+        if kwargs.get("adapter_names") is names:  # (entered twice: the outer hook has routed it)
             return None
+        if not args:
+            raise RuntimeError(f"{type(module).__name__}: routed per policy, it takes its input positionally")
+        x = args[0]
+        if not (x.dim() == 3 and x.shape[:2] == (1, n)):  # the packed row [1, T, H]: T rows of one token each
+            raise RuntimeError(
+                f"an adapted linear got input {tuple(x.shape)} while the packed row has {n} tokens: several policies "
+                "route adapters per token of the row, which this layer does not see (a router or gate of a "
+                "mixture of experts, say): leave it out of --lora-target-modules"
+            )
         return (x.reshape(n, 1, x.shape[-1]), *args[1:]), {**kwargs, "adapter_names": names}
 
     def after(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:

@@ -146,6 +146,8 @@ class MegatronTrainer(Trainer):
         from transformers import AutoConfig
 
         cfg.validate()
+        if cfg.policy:
+            raise ValueError("--policy: several policies train on the torch backend (the megatron backend trains one)")
         if cfg.lora_rank and self._takes_lora():  # refused before any process group, model or weight
             problems = megatron_lora_problems(cfg)
             if problems:

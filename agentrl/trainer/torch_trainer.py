@@ -82,6 +82,7 @@ from agentrl.trainer.lora import (
     read_adapter,
     save_adapter,
     write_peft_folder,
+    write_policy_order,
 )
 from agentrl.trainer.lora_policies import add_policies, policy_parameters, routed, token_policies
 from agentrl.vlm import by_key, load_vision_model, vision_for
@@ -190,6 +191,8 @@ class TorchTrainer(Trainer):
         self.peft: PeftModel | None = None
         # several policies (--policy): one adapter each, a token's adapter chosen by its sample's policy
         self.policies: list[str] = list(cfg.policy) if cfg.lora_rank and self._takes_lora() else []
+        if self.policies and world_size > 1:
+            raise ValueError(f"--policy: several policies train on one rank for now, not {world_size}")
         self._routing = False
         self._policy_grad_norms: dict[str, float] = {}
         if cfg.lora_rank and self._takes_lora():
@@ -319,7 +322,22 @@ class TorchTrainer(Trainer):
         if self.ref_model is not None:
             return self.ref_model, contextlib.nullcontext()
         assert self.peft is not None and self.cfg.needs_ref_model
+        if self.policies:
+            return self.model, self._every_adapter_off()
         return self.model, self.peft.disable_adapter()
+
+    @contextlib.contextmanager
+    def _every_adapter_off(self) -> Iterator[None]:
+        """Several policies' reference: every adapter off (PEFT's ``disable_adapter``), and afterwards every
+        policy's adapter trainable again (PEFT's exit re-enables only the active adapter's gradients)."""
+        assert self.peft is not None
+        try:
+            with self.peft.disable_adapter():
+                yield
+        finally:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.requires_grad_(True)
 
     def _with_gradient(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         """The samples a step must run forward and backward (:func:`with_gradient`)."""
@@ -502,11 +520,20 @@ class TorchTrainer(Trainer):
                 continue
             batch = batch.to(self.device)
             with self._segments(batch):  # activation checkpointing recomputes the forward in backward
-                loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs, counts)
+                if counts is None:  # (a critic's override takes no policies)
+                    loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs)
+                else:
+                    loss, metrics = self._micro_batch_loss(batch, num_tokens, num_seqs, counts)
                 (loss * self.world_size).backward()
             sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] += v
+        if self.policies:  # each adapter steps as if trained alone: a zero gradient where none of its rows had one
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    self._got_grad.add(id(p))
         if self.keep_grads:
             self._drop_unused_grads()
         grad_norm = self._clip_grad()
@@ -748,11 +775,13 @@ class TorchTrainer(Trainer):
                 path / "trainer_state.pt",
             )
         del weights
-        if self.policies:  # each policy's adapter in PEFT's format: iter_N/adapters/NAME
+        if self.policies:  # each policy's adapter in PEFT's format: iter_N/adapters/NAME, and their order
             for name in self.policies:
                 tensors = adapter_state(self.model, name)
                 if self.rank == 0:
                     write_peft_folder(path / POLICIES_DIR / name, tensors, self.peft.peft_config[name])
+            if self.rank == 0:
+                write_policy_order(path, self.policies)
         elif self.peft is not None:
             save_adapter(self.peft, self.model, path, write=self.rank == 0)
         self._barrier()
