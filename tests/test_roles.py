@@ -534,3 +534,39 @@ async def test_check_env_decodes_every_roles_pictures():
     report = await agentrl.check_env(BadPictureDebate, [{"prompt": "tea"}])
     assert not report.ok and "step() for role 'b'" in report.format(), report.format()
     assert (await agentrl.check_env(Debate, [{"prompt": "tea"}])).ok
+
+
+async def test_scripted_demonstrations_of_an_env_with_roles_give_each_seat_its_own_turns(tiny_tokenizer):
+    """``agentrl sft --demo-policy`` on an env with roles: one demonstration per seat, made of that seat's own
+    conversation and texts (X's demonstration once held O's moves as X's turns) and kept by that seat's reward."""
+    from agentrl.envs.tictactoe import parse_move, solver_policy
+    from agentrl.rollout.demos import scripted_samples
+    from agentrl.rollout.scripted import play
+
+    (game,) = await play(TicTacToe, solver_policy, TicTacToe.tasks(1))
+    assert [len(game.role_plays[r].texts) for r in "xo"] == [5, 4] and game.texts[0::2] == game.role_plays["x"].texts
+    assert game.role_plays["o"].texts == game.texts[1::2] and game.role_plays["x"].reward == 0.5
+    template = ChatTemplate(tiny_tokenizer)
+    samples, stats = await scripted_samples(TicTacToe, solver_policy, TicTacToe.tasks(3), template, max_turns=9)
+    assert stats.rows == 6 and stats.kept == 6 and [s.role for s in samples] == ["x", "o"] * 3
+    for s in samples:
+        text = template.decode(s.tokens)
+        marks = "X" if s.role == "x" else "O"
+        assert f"You are {marks}." in text and s.reward == 0.5 and len(s.turn_spans) == (5 if s.role == "x" else 4)
+        replies = [template.decode(s.tokens[s.prompt_length + a : s.prompt_length + b]) for a, b in s.turn_spans]
+        shown = text.split("played ")[1:]  # the other player's moves, as this seat was shown them
+        # each own reply is a cell no one had taken: never the other seat's move
+        assert all(parse_move(r) is not None for r in replies)
+        assert not {parse_move(r) for r in replies} & {int(m[0]) - 1 for m in shown}
+
+    def lowest_or_highest(messages, task):  # X takes the lowest free cell, O the highest: X wins with 1 2 3
+        from agentrl.envs.tictactoe import _board_from
+
+        board = _board_from(messages)
+        free = [i for i, c in enumerate(board) if c == " "]
+        return str((min(free) if board.count("X") == board.count("O") else max(free)) + 1)
+
+    won, stats = await scripted_samples(
+        TicTacToe, lowest_or_highest, TicTacToe.tasks(2), template, min_reward=1.0, max_turns=9
+    )
+    assert [s.role for s in won] == ["x", "x"] and stats.below_min_reward == 2 and all(s.reward == 1.0 for s in won)

@@ -307,16 +307,23 @@ def conversation_samples(
 # -- scripted policies ---------------------------------------------------------------------------------
 
 
-def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
+def played_sample(template: ChatTemplate, result: Any, where: str, role: str | None = None) -> Sample:
     """A :class:`~agentrl.rollout.scripted.PlayResult` as a Sample: the policy's texts verbatim, the env's
-    observations as deltas (the last observation, after the final turn, is not part of an episode)."""
-    msgs = result.messages
+    observations as deltas (the last observation, after the final turn, is not part of an episode).
+
+    ``role`` (an env with roles): that seat's demonstration, from its own conversation, texts and rewards
+    (``result.role_plays``); the sample's ``role`` names it."""
+    play = result.role_plays[role] if role is not None else result
+    msgs, texts = play.messages, play.texts
+    turn_rewards = play.turn_rewards if role is not None else result.rewards
     first_assistant = next(i for i, m in enumerate(msgs) if m.get("role") == "assistant")
     try:
         b = DemoBuilder(template, msgs[:first_assistant], result.tools)
         conversation = list(msgs[:first_assistant])
         asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
-        for k, (i, text) in enumerate(zip(asst, result.texts)):
+        if len(asst) != len(texts):  # the conversation's turns must be the texts played (never another seat's)
+            raise DemoError(f"{where}: {len(asst)} assistant turns in the conversation, {len(texts)} texts played")
+        for k, (i, text) in enumerate(zip(asst, texts)):
             b.assistant(text)
             conversation.append({"role": "assistant", "content": text})
             if k + 1 < len(asst):
@@ -328,13 +335,16 @@ def played_sample(template: ChatTemplate, result: Any, where: str) -> Sample:
         raise DemoError(f"{where}: {exc}") from None
     if problem is not None:
         raise DemoError(f"{where}: {problem}")
-    return b.sample(
+    s = b.sample(
         prompt=b.first,
         label=result.task.get("label"),
-        reward=result.reward,
-        turn_rewards=result.rewards,
+        reward=float(sum(turn_rewards)),
+        turn_rewards=list(turn_rewards),
         source=where,
     )
+    if role is not None:
+        s.role = role
+    return s
 
 
 async def scripted_samples(
@@ -348,22 +358,30 @@ async def scripted_samples(
     seed: int = 0,
     concurrency: int = 8,
 ) -> tuple[list[Sample], DemoStats]:
-    """Play ``policy`` once per task; keep episodes without errors whose reward reaches ``min_reward``."""
+    """Play ``policy`` once per task; keep episodes without errors whose reward reaches ``min_reward``.
+
+    An env with roles gives one demonstration per seat that played a turn (the policy plays every seat), each
+    from that seat's own conversation and kept by that seat's reward: ``min_reward`` keeps the winner's side
+    of a game and drops the loser's."""
     results = await play(make_env, policy, tasks, seed=seed, max_turns=max_turns, concurrency=concurrency)
-    stats = DemoStats(rows=len(results))
-    samples = []
+    stats = DemoStats()
+    samples: list[Sample] = []
     for i, r in enumerate(results):
+        seats: list[str | None] = [role for role, p in r.role_plays.items() if p.texts] if r.role_plays else [None]
+        stats.rows += len(seats)
         if r.error is not None or not r.texts:
             stats.failed_episodes += 1
             stats.problems.append(f"task {i}: {r.error or 'no turn played'}")
             continue
-        if min_reward is not None and r.reward < min_reward:
-            stats.below_min_reward += 1
-            continue
-        s = played_sample(template, r, f"task {i}")
-        s.group_index, s.index = i, i
-        stats.add(s)
-        samples.append(s)
+        for role in seats:
+            reward = r.role_plays[role].reward if role is not None else r.reward
+            if min_reward is not None and reward < min_reward:
+                stats.below_min_reward += 1
+                continue
+            s = played_sample(template, r, f"task {i}" + (f", role {role}" if role is not None else ""), role)
+            s.group_index, s.index = i, len(samples)
+            stats.add(s)
+            samples.append(s)
     return samples, stats
 
 

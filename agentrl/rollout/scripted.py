@@ -30,10 +30,27 @@ from agentrl.rollout.episode import release_episode
 from agentrl.sandbox import close_default_pool
 from agentrl.types import Action, Message
 
-__all__ = ["PlayResult", "Policy", "play", "play_sync"]
+__all__ = ["PlayResult", "Policy", "RolePlay", "play", "play_sync"]
 
 Policy = Callable[[list[Message], dict[str, Any]], "str | Awaitable[str]"]
 """``policy(messages so far, task row) -> the assistant's text`` (tool calls in the env's wire format)."""
+
+
+@dataclass
+class RolePlay:
+    """One role's part of a scripted episode with roles: what a demonstration of that seat is made of."""
+
+    messages: list[Message] = field(default_factory=list)
+    """The seat's conversation as played (its own turns and what the env showed it)."""
+    texts: list[str] = field(default_factory=list)
+    """The seat's own texts, turn by turn (another role's turns are not in them)."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """The seat's reward per own turn, credited as the rollout credits it: a reward given at another role's step
+    goes to the seat's last turn before it (or its first turn, when it has not acted yet)."""
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.turn_rewards))
 
 
 @dataclass
@@ -49,6 +66,8 @@ class PlayResult:
     """The env's tool schemas (what the chat template renders), for turning the episode into a demonstration."""
     role_rewards: dict[str, float] = field(default_factory=dict)
     """An env with roles (the policy plays them all): each role's total reward."""
+    role_plays: dict[str, RolePlay] = field(default_factory=dict)
+    """An env with roles: each role's own conversation, texts and per-turn rewards (a demonstration per seat)."""
     rewrites: int = 0
     """How often the env changed the history (:meth:`agentrl.Env.rewrite_history`), counted as a rollout's
     ``history_rewrites``: a rewrite that returns the same messages is none; ``messages`` keeps
@@ -78,6 +97,16 @@ class _Seat:
     owed: bool = False
     """Shown something since its last turn (the single agent: after every step), so the env may rewrite
     its history before its next turn, as in a rollout."""
+    texts: list[str] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    early_reward: float = 0.0
+    """Rewards given to the seat before its first turn: they go to that turn, as in a rollout."""
+
+    def credit(self, value: float) -> None:
+        if self.turn_rewards:
+            self.turn_rewards[-1] += value
+        else:
+            self.early_reward += value
 
 
 async def _episode(
@@ -86,7 +115,8 @@ async def _episode(
     """One episode over seats, as the rollout's episode loop plays it (one seat, or one per role).
 
     ``result.rewards`` holds the acting seat's reward of each step; with roles ``result.role_rewards``
-    holds each role's total and ``result.messages`` is the first role's conversation."""
+    holds each role's total, ``result.role_plays`` each role's own part and ``result.messages`` is the
+    first role's conversation."""
     result = PlayResult(task=task)
     env: Env | None = None
     try:
@@ -118,6 +148,9 @@ async def _episode(
             _, calls, errors = parser.parse(text)
             action = Action(text=text, tool_calls=calls, errors=errors)
             result.texts.append(text)
+            seat.texts.append(text)
+            seat.turn_rewards.append(seat.early_reward)
+            seat.early_reward = 0.0
             seat.view.append(action.as_message())
             seat.played.append(action.as_message())
             raw = await call_env(env.step, action)
@@ -134,6 +167,7 @@ async def _episode(
             for r, value in rewards.items():
                 if r is not None:
                     result.role_rewards[r] += value
+                    seats[r].credit(value)
             for r, msgs in shown.items():
                 seats[r].view.extend(msgs)
                 seats[r].played.extend(msgs)
@@ -144,6 +178,8 @@ async def _episode(
                 break
         else:
             result.truncated = True
+        for r in roles:
+            result.role_plays[r] = RolePlay(seats[r].played, seats[r].texts, seats[r].turn_rewards)
     except asyncio.CancelledError:
         raise
     except BaseException as e:  # reported per episode (SystemExit included), like a failed sample in a rollout
