@@ -306,6 +306,7 @@ def test_agentrl_train_with_two_policies_seats_each_role_on_its_adapter_and_resu
             assert f"reward_mean/{name}" in line and f"grad_norm/{name}" in line and f"pg_loss/{name}" in line
         assert line["reward_mean/x_player"] == line["reward_mean/a"]  # one seat each
         assert line["grad_norm/x_player"] > 0 and line["grad_norm/o_player"] > 0  # both policies trained
+        assert line["lr/x_player"] == 2e-2 and line["lr/o_player"] == 1e-2  # each policy's own (--policy-lr)
     for s in _dump(save, 1):
         assert s["metadata"]["policy"] == {"a": "x_player", "b": "o_player"}[s["metadata"]["role"]]
     last = save / "iter_0000002"

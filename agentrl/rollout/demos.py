@@ -368,7 +368,7 @@ async def scripted_samples(
     samples: list[Sample] = []
     for i, r in enumerate(results):
         seats: list[str | None] = [role for role, p in r.role_plays.items() if p.texts] if r.role_plays else [None]
-        stats.rows += len(seats)
+        stats.rows += len(r.role_rewards) or 1  # a seat per role of the env (set at reset), played or not
         if r.error is not None or not r.texts:
             stats.failed_episodes += 1
             stats.problems.append(f"task {i}: {r.error or 'no turn played'}")
@@ -379,7 +379,7 @@ async def scripted_samples(
                 stats.below_min_reward += 1
                 continue
             s = played_sample(template, r, f"task {i}" + (f", role {role}" if role is not None else ""), role)
-            s.group_index, s.index = i, len(samples)
+            s.group_index, s.index = i, i  # the task's number (the seats of one episode share it, as in a rollout)
             stats.add(s)
             samples.append(s)
     return samples, stats

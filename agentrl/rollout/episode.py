@@ -92,9 +92,14 @@ class EpisodeContext:
     policy_engines: dict[str, Engine] = field(default_factory=dict)
     """The engine of each trained ``--policy`` a role is seated on (``--role-policy``): the run's engines, every
     request naming the policy's adapter (SGLang's ``lora_path``)."""
+    role_policies: dict[str, str] = field(init=False)
+    """``--role-policy`` parsed once (role -> policy), from ``config``: each seat of each episode reads it."""
     history_rewrite: Callable[..., Any] | None = None
     """The ``--history-rewrite-path`` function, loaded once per rollout (:func:`history_hook`); when None and
     the config names one, each episode loads it."""
+
+    def __post_init__(self) -> None:
+        self.role_policies = self.config.role_policies()
 
 
 def history_hook(path: str | None) -> Callable[..., Any] | None:
@@ -475,7 +480,7 @@ def _seat(ctx: EpisodeContext, role: str | None, key: str, first: Sample, task: 
     ``--role-engine-url`` is recorded, not trained), routing key and sample."""
     if role is None:
         return Seat(None, ctx.engine, key, first)
-    policy = ctx.config.role_policies().get(role)
+    policy = ctx.role_policies.get(role)
     if policy is not None and role not in ctx.role_engines and policy not in ctx.policy_engines:
         raise ValueError(
             f"--role-policy {role}={policy}: the episode context has no engine for policy {policy!r} (build it with "

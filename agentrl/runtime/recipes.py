@@ -189,11 +189,12 @@ class PolicyGradient(Recipe):
         """Fill ``advantages`` on ``batch`` (aligned with ``samples``); each ``--policy``'s samples apart
         (REINFORCE++ whitens over its whole batch: one policy's rewards must not shift another's)."""
         advs: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
-        for policy in dict.fromkeys(s.policy for s in samples):
-            idx = [i for i, s in enumerate(samples) if s.policy == policy]
-            for i, a in zip(idx, self._advantages([samples[i] for i in idx], [batch[i] for i in idx])):
+        for idx in _by_policy([s.policy for s in samples]):
+            for i, a in zip(
+                idx, self._whiten(batch, idx, self._advantages([samples[i] for i in idx], [batch[i] for i in idx]))
+            ):
                 advs[i] = a
-        self._set_advantages(batch, advs)
+        _write_advantages(batch, advs)
 
     def _advantages(self, samples: list[Sample], batch: list[TrainSample]) -> list[torch.Tensor]:
         """One policy's advantages. Segments of one episode (a history rewrite) share its id; a sample without one
@@ -219,17 +220,12 @@ class PolicyGradient(Recipe):
             episode_ids=[s.episode_key for s in samples],
         )
 
-    def _set_advantages(self, batch: list[TrainSample], advs: list[torch.Tensor]) -> None:
-        if self.cfg.train.normalize_advantages:  # slime's --normalize-advantages: whiten over the trained tokens
-            # ... of each --policy apart (one policy's scale is not another's)
-            advs = list(advs)
-            for policy in dict.fromkeys(b.policy for b in batch):
-                idx = [i for i, b in enumerate(batch) if b.policy == policy]
-                masks = [torch.tensor(batch[i].loss_mask, dtype=torch.float32) for i in idx]
-                for i, a in zip(idx, masked_whiten([advs[i] for i in idx], masks)):
-                    advs[i] = a
-        for b, a in zip(batch, advs):
-            b.advantages = [float(x) for x in a]
+    def _whiten(self, batch: list[TrainSample], idx: list[int], advs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """slime's ``--normalize-advantages``: whiten one policy's advantages (``advs``, for ``batch[i]`` of ``idx``)
+        over its trained tokens (one policy's scale is not another's); unchanged without the flag."""
+        if not self.cfg.train.normalize_advantages:
+            return advs
+        return masked_whiten(advs, [torch.tensor(batch[i].loss_mask, dtype=torch.float32) for i in idx])
 
     def records(self, samples: list[Sample]) -> list[TrainSample]:
         """The trainer's records of ``samples`` (a masked sample keeps its tokens and trains none)."""
@@ -347,7 +343,11 @@ class PPO(PolicyGradient):
         )
         for b, r in zip(batch, returns):
             b.returns = [float(x) for x in r]
-        self._set_advantages(batch, advs)
+        advs = list(advs)
+        for idx in _by_policy([b.policy for b in batch]):
+            for i, a in zip(idx, self._whiten(batch, idx, [advs[i] for i in idx])):
+                advs[i] = a
+        _write_advantages(batch, advs)
 
     async def _train_step(self, batch: list[TrainSample], step: int) -> dict[str, float]:
         # actor and critic step together on their own actors; a failure of either fails the step
@@ -444,3 +444,16 @@ def recipe_for(cfg: RunConfig, trainers: Any, *, critic: Any = None, n_demos: in
     if critic is not None:
         return PPO(cfg, trainers, critic)
     return PolicyGradient(cfg, trainers)
+
+
+def _by_policy(policies: list[str | None]) -> list[list[int]]:
+    """The positions of each policy's items (in first-seen order): what is computed per ``--policy`` apart."""
+    groups: dict[str | None, list[int]] = {}
+    for i, p in enumerate(policies):
+        groups.setdefault(p, []).append(i)
+    return list(groups.values())
+
+
+def _write_advantages(batch: list[TrainSample], advs: list[torch.Tensor]) -> None:
+    for b, a in zip(batch, advs):
+        b.advantages = [float(x) for x in a]

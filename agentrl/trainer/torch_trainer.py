@@ -487,7 +487,7 @@ class TorchTrainer(Trainer):
         """
         self.model.train()
         try:
-            return run_optimizer_steps(
+            metrics = run_optimizer_steps(
                 samples,
                 self.cfg.num_steps_per_rollout,
                 self._optimizer_step,
@@ -496,6 +496,9 @@ class TorchTrainer(Trainer):
             )
         finally:
             self.model.eval()
+        for group in self.optimizer.param_groups if self.policies else ():  # each --policy's own (--policy-lr)
+            metrics[f"lr/{group['policy']}"] = float(group["lr"])
+        return metrics
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
