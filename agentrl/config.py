@@ -1064,11 +1064,6 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 "--policy trains policies with RL, not --loss-type sft_loss (agentrl sft)",
             ),
             (
-                not t.policy or self.trainer_world_size == 1,
-                f"--policy with {self.trainer_world_size} trainer ranks: several policies train on one rank for now "
-                "(the per-token adapter routing is not tested under FSDP2)",
-            ),
-            (
                 not (t.policy and (self.custom_generate_function_path or self.rollout_function_path)),
                 "--policy with --custom-generate-function-path / --rollout-function-path: a custom rollout does not "
                 "know which policy plays which seat; use the env's roles",

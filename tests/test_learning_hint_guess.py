@@ -22,22 +22,17 @@ Hence ``xfail``, not strict: the test passes the day the gain holds.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.policy_eval import agentrl_cli, latest, seat_scores
 
 pytestmark = pytest.mark.slow
 
 ENV = "agentrl/HintGuess-v0"
 TURNS = ["--max-turns", "2", "--rollout-max-turn-len", "8"]
 POLICIES = ("hinter", "guesser")
-
-
-def _agentrl(*args: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "agentrl", *args], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def _rows(path: Path, n: int, seed: int) -> Path:
@@ -47,20 +42,16 @@ def _rows(path: Path, n: int, seed: int) -> Path:
     return path
 
 
-def _latest(run: Path) -> Path:
-    return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
-
-
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory) -> Path:
     from agentrl.tiny import build_model
 
     out = tmp_path_factory.mktemp("hint_guess")
     model = build_model(out / "model", hidden_size=128, mean_turn_tokens=2.0)
-    _agentrl("sft", "--env", ENV, "--hf-checkpoint", str(model), "--prompt-data", str(_rows(out / "demos.jsonl", 400, 3)),
+    agentrl_cli("sft", "--env", ENV, "--hf-checkpoint", str(model), "--prompt-data", str(_rows(out / "demos.jsonl", 400, 3)),
              "--demo-policy", "agentrl.envs.hint_guess:demo_policy", "--num-epoch", "10", "--lr", "3e-3",
              "--global-batch-size", "32", "--rollout-seed", "3", "--save", str(out / "sft"), *TURNS)  # fmt: skip
-    return _latest(out / "sft")
+    return latest(out / "sft")
 
 
 @pytest.mark.xfail(reason="measured: seed 8's guesser 0.185 -> 0.171 (see the module docstring)", strict=False)
@@ -68,8 +59,6 @@ def warm_start(tmp_path_factory) -> Path:
 def test_a_hinter_and_a_guesser_trained_together_each_score_more_with_a_fixed_partner(warm_start, tmp_path, seed):
     """LoRA r16, lr 3e-3, 32 steps of 8 games x 16 (both seats on their own adapters); figures in the module docstring."""
     from agentrl.config import TrainConfig
-    from agentrl.engines.local.process import local_server
-    from agentrl.trainer.lora import POLICIES_DIR
     from agentrl.trainer.torch_trainer import TorchTrainer
 
     held = _rows(tmp_path / "held.jsonl", 1000, 90001)
@@ -77,32 +66,15 @@ def test_a_hinter_and_a_guesser_trained_together_each_score_more_with_a_fixed_pa
     policies = [arg for p in POLICIES for arg in ("--policy", p, "--role-policy", f"{p}={p}")]
     fresh = tmp_path / "fresh"  # the adapters a run starts from (B = 0: the warm start itself)
     TorchTrainer(warm_start, TrainConfig(lora_rank=16, lora_alpha=16, policy=list(POLICIES))).save(fresh)
-    _agentrl("train", "--env", ENV, "--hf-checkpoint", str(warm_start), "--prompt-data",
+    agentrl_cli("train", "--env", ENV, "--hf-checkpoint", str(warm_start), "--prompt-data",
              str(_rows(tmp_path / "train.jsonl", 128, seed)), "--num-rollout", "32", "--rollout-batch-size", "8",
              "--n-samples-per-prompt", "16", "--lr", "3e-3", "--global-batch-size", "128", "--seed", str(seed),
              "--rollout-seed", str(seed), "--save", str(tmp_path / "rl"), *policies, *lora, *TURNS)  # fmt: skip
-    after = _latest(tmp_path / "rl")
+    after = latest(tmp_path / "rl")
 
     def scores(adapters: Path, tag: str) -> dict[str, float]:
         """Each policy's seat on the served adapters, the other seat on the warm start (the fixed partner)."""
-        paths = [f"{p}={adapters / POLICIES_DIR / p}" for p in POLICIES]
-        out: dict[str, float] = {}
-        with (
-            local_server(warm_start, log_path=tmp_path / f"{tag}-fixed.log", extra_args=["--seed", "0"]) as fixed,
-            local_server(
-                warm_start,
-                log_path=tmp_path / f"{tag}-policies.log",
-                extra_args=["--seed", "0", "--lora-paths", *paths],
-            ) as served,
-        ):
-            for seat, other in (POLICIES, POLICIES[::-1]):
-                result = tmp_path / f"{tag}-{seat}.json"
-                _agentrl("eval", "--env", ENV, "--hf-checkpoint", str(warm_start), "--engine-url", served,
-                         "--role-policy", f"{seat}={seat}", "--role-engine-url", f"{other}={fixed}",
-                         "--eval-prompt-data", "held", str(held), "--rollout-seed", "90001", "--output", str(result),
-                         *TURNS)  # fmt: skip
-                out[seat] = json.loads(result.read_text())["held"]["pass@1"]
-        return out
+        return seat_scores(ENV, warm_start, adapters, {p: p for p in POLICIES}, held, tmp_path, tag, TURNS)
 
     before, later = scores(fresh, "before"), scores(after, "after")
     lines = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl")]

@@ -23,21 +23,16 @@ either: X trained against a fixed O won 0.94 of games against it and 0.06 agains
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.policy_eval import agentrl_cli, latest, seat_scores
 
 pytestmark = pytest.mark.slow
 
 ENV = "agentrl/TicTacToeVsBot-v0"
 TURN = ["--max-turns", "5", "--rollout-max-turn-len", "24"]
-
-
-def _agentrl(*args: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "agentrl", *args], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def _rows(path: Path, n: int) -> Path:
@@ -47,13 +42,9 @@ def _rows(path: Path, n: int) -> Path:
     return path
 
 
-def _latest(run: Path) -> Path:
-    return run / f"iter_{int((run / 'latest_checkpointed_iteration.txt').read_text()):07d}"
-
-
 def _win_rate(ckpt: Path, held: Path, out: Path) -> float:
     """The same eval command before and after: the share of held-out games won (reward 1; a draw is 0.5)."""
-    _agentrl("eval", "--env", ENV, "--hf-checkpoint", str(ckpt), "--eval-prompt-data", "held", str(held),
+    agentrl_cli("eval", "--env", ENV, "--hf-checkpoint", str(ckpt), "--eval-prompt-data", "held", str(held),
              "--rollout-seed", "90001", "--output", str(out), *TURN)  # fmt: skip
     return json.loads(out.read_text())["held"]["pass@1"]
 
@@ -64,17 +55,17 @@ def warm_start(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tictactoe")
     model = build_model(out / "model", hidden_size=128, mean_turn_tokens=4.0)
-    _agentrl("sft", "--env", ENV, "--hf-checkpoint", str(model), "--prompt-data", str(_rows(out / "demos.jsonl", 192)),
+    agentrl_cli("sft", "--env", ENV, "--hf-checkpoint", str(model), "--prompt-data", str(_rows(out / "demos.jsonl", 192)),
              "--demo-policy", "agentrl.envs.tictactoe:last_free_policy", "--num-epoch", "8", "--lr", "3e-3",
              "--global-batch-size", "32", "--rollout-seed", "3", "--save", str(out / "sft"), *TURN)  # fmt: skip
-    return _latest(out / "sft")
+    return latest(out / "sft")
 
 
 def _grpo(env: str, ckpt: Path, rows: Path, save: Path, *extra: str) -> Path:
-    _agentrl("train", "--env", env, "--hf-checkpoint", str(ckpt), "--prompt-data", str(rows), "--num-rollout", "24",
+    agentrl_cli("train", "--env", env, "--hf-checkpoint", str(ckpt), "--prompt-data", str(rows), "--num-rollout", "24",
              "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--lr", "5e-4", "--global-batch-size", "64",
              "--seed", "7", "--rollout-seed", "7", "--save", str(save), *extra)  # fmt: skip
-    return _latest(save)
+    return latest(save)
 
 
 def test_grpo_raises_the_win_rate_a_warm_start_reached(warm_start, tmp_path):
@@ -104,7 +95,7 @@ def test_the_trained_role_beats_a_fixed_opponent_on_another_engine(warm_start, t
         vs_x = ["--role-engine-url", f"x={url}", *turns]
 
         def o_wins(ckpt: Path, out: Path) -> float:  # the fixed X's samples are left out: pass@1 is O's win rate
-            _agentrl("eval", "--env", "agentrl/TicTacToe-v0", "--hf-checkpoint", str(ckpt), "--eval-prompt-data",
+            agentrl_cli("eval", "--env", "agentrl/TicTacToe-v0", "--hf-checkpoint", str(ckpt), "--eval-prompt-data",
                      "held", str(games), "--rollout-seed", "90001", "--output", str(out), *vs_x)  # fmt: skip
             return json.loads(out.read_text())["held"]["pass@1"]
 
@@ -131,8 +122,6 @@ def test_two_policies_trained_together_against_each_other(warm_start, tmp_path):
     warm start's O (in training, reward_mean/x_player fell 0.89 -> 0.23 as O's rose 0.11 -> 0.47). So only O's
     gain is asserted."""
     from agentrl.config import TrainConfig
-    from agentrl.engines.local.process import local_server
-    from agentrl.trainer.lora import POLICIES_DIR
     from agentrl.trainer.torch_trainer import TorchTrainer
 
     lora = ["--lora-rank", "32", "--lora-alpha", "32"]
@@ -148,24 +137,8 @@ def test_two_policies_trained_together_against_each_other(warm_start, tmp_path):
     after = _grpo("agentrl/TicTacToe-v0", warm_start, train_rows, tmp_path / "rl", *policies, *turns)
 
     def win_rates(adapters: Path, tag: str) -> dict[str, float]:
-        paths = [f"{p}={adapters / POLICIES_DIR / p}" for p in ("x_player", "o_player")]
-        out: dict[str, float] = {}
-        with (
-            local_server(warm_start, log_path=tmp_path / f"{tag}-fixed.log", extra_args=["--seed", "0"]) as fixed,
-            local_server(
-                warm_start,
-                log_path=tmp_path / f"{tag}-policies.log",
-                extra_args=["--seed", "0", "--lora-paths", *paths],
-            ) as served,  # fmt: skip
-        ):
-            for seat, other in (("x", "o"), ("o", "x")):
-                result = tmp_path / f"{tag}-{seat}.json"
-                _agentrl("eval", "--env", "agentrl/TicTacToe-v0", "--hf-checkpoint", str(warm_start), "--engine-url",
-                         served, "--role-policy", f"{seat}={seat}_player", "--role-engine-url", f"{other}={fixed}",
-                         "--eval-prompt-data", "held", str(games), "--rollout-seed", "90001", "--output", str(result),
-                         *turns)  # fmt: skip
-                out[seat] = json.loads(result.read_text())["held"]["pass@1"]
-        return out
+        seats = {"x": "x_player", "o": "o_player"}
+        return seat_scores("agentrl/TicTacToe-v0", warm_start, adapters, seats, games, tmp_path, tag, turns)
 
     before, later = win_rates(fresh, "before"), win_rates(after, "after")
     lines = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl")]

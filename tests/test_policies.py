@@ -20,13 +20,17 @@ import dataclasses
 import pytest
 import torch
 from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import agentrl
 from agentrl.config import RunConfig, TrainConfig
+from agentrl.trainer.batching import pack_samples
 from agentrl.trainer.lora import POLICIES_DIR
+from agentrl.trainer.lora_policies import policy_spans, routed
 from agentrl.trainer.torch_trainer import TorchTrainer
+from tests.test_lora import _max_diff
 from tests.test_trainer import capture_grads, cfg, make_samples, reference_log_probs
 
 POLICIES = ["solver", "judge"]
@@ -100,6 +104,52 @@ def test_a_mixed_micro_batch_gives_each_row_its_own_adapter(tiny_ckpt):
     trainer.peft.base_model.set_adapter("judge")
     s = next(s for s in samples if s.policy == "solver")
     assert (reference_log_probs(trainer.model, s) - torch.tensor(mixed.old[0])).abs().max() > 1e-3
+
+
+def test_policy_spans_merge_neighbours_and_refuse_a_sample_of_no_policy():
+    assert policy_spans(["a", "a", "b", "a"], [3, 2, 4, 1], ["a", "b"]) == [("a", 5), ("b", 4), ("a", 1)]
+    assert policy_spans(["b"], [3], ["a", "b", "c"]) == [("b", 3), ("a", 0), ("c", 0)]  # every adapter in the graph
+    assert policy_spans([], [], ["a"]) == [("a", 0)]
+    with pytest.raises(ValueError, match="policy None"):
+        policy_spans(["a", None], [2, 2], ["a", "b"])
+
+
+def test_rows_interleaved_across_policies_each_take_their_own_adapter(tiny_ckpt):
+    """A row packed a, b, a, b (four spans: the trainer sorts its rows, a caller of routed() need not)."""
+    trainer = TorchTrainer(tiny_ckpt, policies_cfg())
+    _randomize_adapters(trainer, seed=3)
+    samples = _mixed(4, seed=4)
+    batch = pack_samples(samples)
+    assert [n > 0 for _, n in policy_spans(batch.policies, batch.lengths, POLICIES)] == [True] * 4
+    with torch.no_grad():
+        logp = trainer._logits(trainer.model, batch).float().log_softmax(-1)
+    got = logp.gather(1, batch.targets[:, None])[:, 0].split(batch.response_lengths)
+    adapted = [m for m in trainer.model.modules() if isinstance(m, LoraLinear)]
+    assert adapted and not any("forward" in m.__dict__ for m in adapted), "routing outlived its forward"
+    for name in POLICIES:
+        trainer.peft.base_model.set_adapter(name)
+        for s, g in zip(samples, got):
+            if s.policy == name:
+                torch.testing.assert_close(g, reference_log_probs(trainer.model, s), atol=1e-5, rtol=0)
+
+
+def test_routing_survives_activation_checkpointing_and_is_not_reentered(tiny_ckpt):
+    """Checkpointing runs each layer's forward again in backward: still routed, the same gradients."""
+    samples = _mixed(8, seed=6)
+    grads = []
+    for checkpointing in (False, True):
+        trainer = TorchTrainer(tiny_ckpt, policies_cfg(gradient_checkpointing=checkpointing))
+        _randomize_adapters(trainer, seed=7)
+        _prime(trainer, [dataclasses.replace(s) for s in samples])
+        seen = capture_grads(trainer)
+        trainer.train_step([dataclasses.replace(s, old_log_probs=None) for s in samples])
+        grads.append(seen[0])
+    assert grads[0].keys() == grads[1].keys() and any(g.any() for g in grads[0].values())
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-4)
+    with routed(trainer.model, [("solver", 3)]), pytest.raises(RuntimeError, match="already routing"):
+        with routed(trainer.model, [("judge", 3)]):
+            pass
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -256,7 +306,6 @@ def _run(tmp_path, **kw) -> RunConfig:
     [
         ({"weight_sync": "auto"}, "pass --weight-sync adapter"),
         ({"train_backend": "megatron"}, "torch backend"),
-        ({"trainer_num_procs": 2}, "train on one rank"),
         ({"custom_generate_function_path": "m:f"}, "does not\nknow|does not know"),
         ({"rollout": {"role_policy": ["x=x_player", "o=nobody"]}}, "unknown policy"),
         ({"rollout": {"role_policy": ["x=x_player"]}}, "plays no seat"),
@@ -316,6 +365,32 @@ def test_agentrl_train_with_two_policies_seats_each_role_on_its_adapter_and_resu
     assert summary["weight_version"] == 3
     lines = _lines(save)
     assert [line["step"] for line in lines] == [0, 1, 2] and lines[-1]["true_on_policy_logprob_diff_max"] < 1e-3
+
+
+@pytest.mark.e2e
+def test_agentrl_train_with_two_policies_on_two_fsdp2_ranks(tiny_ckpt, tmp_path, ray_local):
+    """The duet with two trainer ranks (FSDP2, --trainer-num-procs 2): every push gathers both adapters from the
+    shards and the embedded engine serves them by name, so each seat samples on its own policy's adapter (the
+    engine's log-probs equal the trainer's, --true-on-policy-mode), and both policies train."""
+    from agentrl.runtime.train import train
+    from tests.test_train import _cfg, _lines
+
+    save = tmp_path / "run"
+    kw = dict(
+        env="tests.test_policies:Duet",
+        true_on_policy_mode=True,
+        weight_sync="adapter",
+        trainer_num_procs=2,
+        train={"lora_rank": 4, "lr": 2e-2, "policy": ["x_player", "o_player"]},
+        rollout={"role_policy": ["a=x_player", "b=o_player"], "max_turns": 4, "rollout_max_turn_len": 40},
+    )
+    summary = train(_cfg(tiny_ckpt, save, num_rollout=2, **kw))
+    assert summary["weight_version"] == 2
+    lines = _lines(save)
+    assert [line["step"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["true_on_policy_logprob_diff_max"] < 1e-3  # the second step: two adapters that differ
+        assert line["grad_norm/x_player"] > 0 and line["grad_norm/o_player"] > 0
 
 
 @pytest.mark.e2e
@@ -395,3 +470,62 @@ async def test_every_role_must_be_seated_when_policies_train():
     await check_role_policies(fixed, Trio, every_role=True)  # c on a fixed engine: seated
     with pytest.raises(ValueError, match="the env has none"):
         await check_role_policies(config, agentrl.Env, every_role=True)
+
+
+@pytest.mark.e2e
+def test_two_policies_on_two_fsdp2_ranks_match_one_rank(tiny_ckpt, tmp_path):
+    """Two Ray actors sharding the base and both adapters with FSDP2 over gloo. Rank 0's shard holds only the
+    solver's rows and rank 1's only the judge's (in micro-batches of different counts, so one rank runs an empty
+    pass): every adapter still reduces a gradient on every rank, and the log-probs, per-policy metrics, adapters
+    after two steps and the saved PEFT folders equal one rank's."""
+    ray = pytest.importorskip("ray")
+    from agentrl.runtime.cluster import init_ray
+    from agentrl.runtime.engine_group import numpy_to_tensors
+    from agentrl.runtime.trainer_group import TrainerGroup
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    samples = make_samples(8, seed=21)
+    for i, s in enumerate(samples):  # the group splits a global batch in contiguous halves: solver's, then judge's
+        s.policy = POLICIES[i // 4]
+    samples[0].tokens = [5] * 12 + samples[0].tokens  # a longer prompt: rank 0 packs more micro-batches
+    kw = {"clip_grad": 0.05, "max_tokens_per_gpu": 24, "global_batch_size": 8, "num_steps_per_rollout": 1}
+    config = policies_cfg(use_kl_loss=True, kl_loss_coef=0.5, **kw)
+    group = TrainerGroup(tiny_ckpt, config, world_size=2, num_cpus=1)
+    try:
+        single = TorchTrainer(tiny_ckpt, config)
+        counts = [len(single._micro_batches(samples[h : h + 4], train=True)) for h in (0, 4)]
+        assert counts[0] != counts[1], counts  # one rank pads with an empty pass
+        for _ in range(2):  # the second step trains A too (B is no longer zero)
+            lp_group, lp_single = (
+                group.compute_log_probs(samples, ref=True),
+                single.compute_log_probs(samples, ref=True),
+            )
+            assert _max_diff(lp_group.ref, lp_single.ref) < 1e-5 and _max_diff(lp_group.old, lp_single.old) < 1e-5
+            for s, old, ref in zip(samples, lp_single.old, lp_single.ref):
+                s.old_log_probs, s.ref_log_probs = old, ref
+            m_group, m_single = group.train_step(samples), single.train_step(samples)
+            for key in ("loss", "kl", *(f"pg_loss/{p}" for p in POLICIES)):
+                assert m_group[key] == pytest.approx(m_single[key], abs=1e-5), key
+            for p in POLICIES:
+                assert m_single[f"grad_norm/{p}"] > 0
+                assert m_group[f"grad_norm/{p}"] == pytest.approx(m_single[f"grad_norm/{p}"], rel=1e-4), p
+        fresh = TorchTrainer(tiny_ckpt, config)
+        for p in POLICIES:
+            got, _ = group._adapter(p)
+            want, _ = single.adapter_weights(p)
+            start, _ = fresh.adapter_weights(p)
+            assert got.keys() == want.keys()
+            for name, t in numpy_to_tensors(got).items():
+                torch.testing.assert_close(t, want[name], atol=1e-5, rtol=0)
+            assert all((want[n] - start[n]).abs().max() > 0 for n in want), f"{p}: an adapter tensor did not train"
+        group.save(tmp_path / "group")
+        single.save(tmp_path / "single")
+        for p in POLICIES:
+            a = load_file(str(tmp_path / "group" / POLICIES_DIR / p / "adapter_model.safetensors"))
+            b = load_file(str(tmp_path / "single" / POLICIES_DIR / p / "adapter_model.safetensors"))
+            assert a.keys() == b.keys() and all((a[n] - b[n]).abs().max() <= 1e-5 for n in a)
+    finally:
+        group.shutdown()
+        if started:
+            ray.shutdown()

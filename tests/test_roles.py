@@ -560,9 +560,9 @@ async def test_scripted_demonstrations_of_an_env_with_roles_give_each_seat_its_o
         assert not {parse_move(r) for r in replies} & {int(m[0]) - 1 for m in shown}
 
     def lowest_or_highest(messages, task):  # X takes the lowest free cell, O the highest: X wins with 1 2 3
-        from agentrl.envs.tictactoe import _board_from
+        from agentrl.envs.tictactoe import board_from
 
-        board = _board_from(messages)
+        board = board_from(messages)
         free = [i for i, c in enumerate(board) if c == " "]
         return str((min(free) if board.count("X") == board.count("O") else max(free)) + 1)
 

@@ -7,12 +7,13 @@ several policies; one forward and one backward run them all, each token through 
     y_t = W x_t + s * B_p(t) A_p(t) x_t          p(t): the policy of the sample token t belongs to
 
 so adapter ``p``'s gradient comes from ``p``'s rows alone (packed attention keeps rows apart, and the base is frozen).
-The routing is PEFT's own mixed-batch path (``adapter_names``, one name per batch row, as S-LoRA serving batches
-rows of different adapters), entered per *token*: each adapted linear sees the packed row ``[1, T, H]`` as ``T`` rows
-of one token (:func:`routed`). PEFT refuses ``adapter_names`` in training mode at the model level only because its
-generic path cannot know about dropout across adapters; the layer-level path trains like any other forward
-(dropout per adapter, gradients through ``index_put``), and the parity test checks every adapter's gradient
-against a forward of that policy's rows alone.
+The trainer sorts each packed row's samples by policy, so the row is one span a policy, and :func:`routed` runs each
+adapted linear as the base over the whole row plus, for each span, that policy's PEFT adapter term on a slice of it
+(``lora_B(lora_A(dropout(x))) * scaling``, PEFT's modules and formula). PEFT's own mixed-batch path
+(``adapter_names``, one name per batch row) was the first router here: entered per token, it built index lists over
+all T tokens and gathered and scattered each adapter's tokens in every layer, ~11% slower than training the policies
+one after another (bench P13); slices cost one small matmul pair per span. The parity tests check every row's
+log-probs and every adapter's gradient against a forward of that policy's rows alone.
 
 What each policy keeps of its own (:class:`~agentrl.trainer.torch_trainer.TorchTrainer` does the bookkeeping): an
 AdamW parameter group (its ``--policy-lr``), its loss normalized over its own tokens or sequences, its gradient
@@ -78,58 +79,89 @@ def policy_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if any(k in n for k in keys)]
 
 
-def token_policies(policies: Sequence[str | None], lengths: Sequence[int], known: Sequence[str]) -> list[str]:
-    """One adapter name per token of a packed row: sample ``i``'s ``lengths[i]`` tokens carry ``policies[i]``.
+def policy_spans(policies: Sequence[str | None], lengths: Sequence[int], known: Sequence[str]) -> list[tuple[str, int]]:
+    """The packed row as spans of one policy each: ``(policy, tokens)`` for each run of consecutive samples, then
+    ``(policy, 0)`` for each known policy with no sample in the row.
 
-    A sample of no known policy is refused: training it on no adapter (the frozen base) would silently train nothing.
+    Sample ``i`` contributes ``lengths[i]`` tokens of ``policies[i]``; neighbours of one policy share a span, so a
+    row sorted by policy (as the trainer packs one) has one span a policy. The empty spans put every adapter in
+    every backward (a zero gradient), so data-parallel ranks whose rows hold different policies still reduce the
+    same gradients (FSDP2 reduces only the tensors that got one). A sample of no known policy is refused: training
+    it on no adapter (the frozen base) would silently train nothing.
     """
-    out: list[str] = []
+    spans: list[tuple[str, int]] = []
     for policy, n in zip(policies, lengths, strict=True):
         if policy not in known:
             raise ValueError(f"a TrainSample of policy {policy!r}: this trainer trains the policies {list(known)}")
-        out.extend([policy] * n)
-    return out
+        if spans and spans[-1][0] == policy:
+            spans[-1] = (policy, spans[-1][1] + n)
+        else:
+            spans.append((policy, n))
+    present = {p for p, _ in spans}
+    return spans + [(p, 0) for p in known if p not in present]
+
+
+def _routed_forward(module: LoraLinear, spans: list[tuple[str, int]]):
+    """``module``'s forward over the packed row ``[1, T, H]`` with each span on its own adapter (PEFT's vanilla LoRA
+    term ``lora_B(lora_A(dropout(x))) * scaling`` of that adapter, on a slice of the row, added in place)."""
+    live = [(name, n) for name, n in spans if n]
+    empty = [name for name, n in spans if not n]
+    total = sum(n for _, n in live)
+
+    def term(name: str, part: torch.Tensor) -> torch.Tensor:
+        a, b = module.lora_A[name], module.lora_B[name]
+        return b(a(module.lora_dropout[name](part.to(a.weight.dtype)))) * module.scaling[name]
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if module.disable_adapters:  # the KL reference: the base with every adapter off, as PEFT's own forward
+            return module.base_layer(x, *args, **kwargs)
+        if not (x.dim() == 3 and x.shape[:2] == (1, total)):
+            raise RuntimeError(
+                f"an adapted linear got input {tuple(x.shape)} while the packed row has {total} tokens: several "
+                "policies route adapters by spans of the row, which this layer does not see (a router or gate of a "
+                "mixture of experts, say): leave it out of --lora-target-modules"
+            )
+        result = module.base_layer(x, *args, **kwargs)
+        # slices of the row by split (its backward is one concatenation; a gather per adapter would scatter into a
+        # zeroed copy of the whole row per adapter and layer), each term added in place (no output-sized copies)
+        parts = x.split([n for _, n in live], dim=1) if len(live) > 1 else (x,)
+        start = 0
+        for (name, n), part in zip(live, parts, strict=True):
+            result[:, start : start + n] += term(name, part).to(result.dtype)
+            start += n
+        for name in empty:  # on no token: the adapter stays in the backward with a zero gradient (see policy_spans)
+            result[:, total:] += term(name, x.new_empty((1, 0, x.shape[-1]))).to(result.dtype)
+        return result
+
+    return forward
 
 
 @contextlib.contextmanager
-def routed(model: nn.Module, names: list[str]) -> Iterator[None]:
-    """Run every adapted linear of ``model`` with token ``t`` of the packed row on adapter ``names[t]``.
+def routed(model: nn.Module, spans: list[tuple[str, int]]) -> Iterator[None]:
+    """Run every adapted linear of ``model`` with each span of the packed row on its own adapter.
 
-    Held around a forward *and* its backward (activation checkpointing runs the forward again in backward). An
-    adapted linear that sees anything but the packed row ``[1, T, H]`` is refused (its tokens could not be told
-    apart); passes outside a packed row (a one-token pass keeping ranks in step) run outside this context.
+    ``spans`` is :func:`policy_spans` of the row. Held around a forward *and* its backward (activation checkpointing
+    runs the forward again in backward); not re-entered. An adapted linear that sees anything but the packed row
+    ``[1, T, H]`` is refused (its tokens could not be told apart); passes outside a packed row (a one-token pass
+    keeping ranks in step) run outside this context. The cost is per span (one pair of small matmuls on a slice),
+    not per token: the trainer sorts each row's samples by policy.
     """
-    handles = []
-    n = len(names)
-
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if kwargs.get("adapter_names") is names:  # (entered twice: the outer hook has routed it)
-            return None
-        if not args:
-            raise RuntimeError(f"{type(module).__name__}: routed per policy, it takes its input positionally")
-        x = args[0]
-        if not (x.dim() == 3 and x.shape[:2] == (1, n)):  # the packed row [1, T, H]: T rows of one token each
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for m in layers:
+        if "forward" in m.__dict__:
+            raise RuntimeError("routed(): already routing this model (enter it once around a forward and backward)")
+        if m.merged or any(name in m.lora_variant for name, _ in spans):
             raise RuntimeError(
-                f"an adapted linear got input {tuple(x.shape)} while the packed row has {n} tokens: several policies "
-                "route adapters per token of the row, which this layer does not see (a router or gate of a "
-                "mixture of experts, say): leave it out of --lora-target-modules"
+                "several policies route plain LoRA adapters that are not merged into the base (no DoRA or other "
+                "variant)"
             )
-        return (x.reshape(n, 1, x.shape[-1]), *args[1:]), {**kwargs, "adapter_names": names}
-
-    def after(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
-        if kwargs.get("adapter_names") is not names:
-            return None
-        return out.reshape(1, n, out.shape[-1])
-
-    for module in model.modules():
-        if isinstance(module, LoraLinear):
-            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(module.register_forward_hook(after, with_kwargs=True))
     try:
+        for m in layers:
+            m.forward = _routed_forward(m, spans)  # type: ignore[method-assign]
         yield
     finally:
-        for h in handles:
-            h.remove()
+        for m in layers:
+            m.__dict__.pop("forward", None)
 
 
-__all__ = ["POLICIES_DIR", "add_policies", "policy_parameters", "routed", "token_policies"]
+__all__ = ["POLICIES_DIR", "add_policies", "policy_parameters", "policy_spans", "routed"]

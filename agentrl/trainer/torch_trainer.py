@@ -84,7 +84,7 @@ from agentrl.trainer.lora import (
     write_peft_folder,
     write_policy_order,
 )
-from agentrl.trainer.lora_policies import add_policies, policy_parameters, routed, token_policies
+from agentrl.trainer.lora_policies import add_policies, policy_parameters, policy_spans, routed
 from agentrl.vlm import by_key, load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
@@ -191,8 +191,6 @@ class TorchTrainer(Trainer):
         self.peft: PeftModel | None = None
         # several policies (--policy): one adapter each, a token's adapter chosen by its sample's policy
         self.policies: list[str] = list(cfg.policy) if cfg.lora_rank and self._takes_lora() else []
-        if self.policies and world_size > 1:
-            raise ValueError(f"--policy: several policies train on one rank for now, not {world_size}")
         self._routing = False
         self._policy_grad_norms: dict[str, float] = {}
         if cfg.lora_rank and self._takes_lora():
@@ -374,8 +372,8 @@ class TorchTrainer(Trainer):
             if self.packed_attention:
                 stack.enter_context(packed_attention.segments(batch.position_ids))
             if self.policies and not self._routing:
-                names = token_policies(batch.policies, batch.lengths, self.policies)
-                stack.enter_context(routed(self.model, names))
+                spans = policy_spans(batch.policies, batch.lengths, self.policies)
+                stack.enter_context(routed(self.model, spans))
                 self._routing = True
                 stack.callback(setattr, self, "_routing", False)
             yield
@@ -425,12 +423,18 @@ class TorchTrainer(Trainer):
             )
 
     def _dummy_pass(self, model: nn.Module, *, backward: bool) -> None:
-        """A one-token pass that contributes nothing, so FSDP collectives stay paired across ranks."""
+        """A one-token pass that contributes nothing, so FSDP collectives stay paired across ranks (several
+        policies: the token on the first policy's adapter, every other adapter on no token, so each gets its zero
+        gradient as on the ranks with rows)."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with self._autocast():
-            out = model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
-        if backward:
-            (out.logits.sum() * 0.0).backward()
+        routing = contextlib.nullcontext()
+        if self.policies and model is self.model and not self._routing:
+            routing = routed(self.model, policy_spans([self.policies[0]], [1], self.policies))
+        with routing:  # around the backward too: activation checkpointing runs the forward again there
+            with self._autocast():
+                out = model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+            if backward:
+                (out.logits.sum() * 0.0).backward()
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, train: bool) -> list[PackedBatch | None]:
         """Packed micro-batches of this rank, padded with ``None`` (empty passes) to the busiest rank's count."""
@@ -445,6 +449,9 @@ class TorchTrainer(Trainer):
         image_token = self.vision.image_token_id if self.vision is not None else None
         if self.vision is not None:
             self._process_images(samples)
+        if self.policies:  # each policy's samples side by side in a row: one adapter span a policy (:func:`routed`)
+            rank = {p: i for i, p in enumerate(self.policies)}
+            groups = [sorted(g, key=lambda i: (rank.get(samples[i].policy or "", -1), i)) for g in groups]
         batches: list[PackedBatch | None] = [
             pack_samples(samples, g, need_advantages=train, image_token_id=image_token) for g in groups
         ]
