@@ -318,6 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", default=None, help="HTML file to write (default: SAMPLES with .html)")
     _add_model_args(v)
     v.add_argument("--limit", type=int, default=None, help="show only the first N samples")
+    m = sub.add_parser(
+        "merge-lora",
+        help="fold a LoRA adapter into its base and write a plain Hugging Face checkpoint",
+        description="Fold a PEFT LoRA adapter (a policy's iter_N/adapters/NAME, a run's iter_N/adapter, a one-policy "
+        "run's iter_N) into its base model and write an HF checkpoint (fp32 safetensors, config, tokenizer) that "
+        "--hf-checkpoint, engines without LoRA and from_pretrained load.",
+    )
+    m.add_argument("adapter", help="the PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
+    m.add_argument("--out", required=True, help="the folder to write (new or empty: nothing is overwritten)")
+    m.add_argument(
+        "--base", default=None, help="the base model folder (default: the adapter's base_model_name_or_path)"
+    )
     _add_sandbox_parser(sub)
     add_proxy_parser(sub)
     return parser
@@ -351,10 +363,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_proxy(args)
         if args.command == "sandbox":
             return cmd_sandbox(args)
+        if args.command == "merge-lora":
+            return cmd_merge_lora(args)
     except (ValueError, FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         print(f"agentrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def cmd_merge_lora(args: argparse.Namespace) -> int:
+    """``agentrl merge-lora``: :func:`agentrl.trainer.lora_merge.merge_adapter`, its refusals as exit code 2."""
+    from agentrl.trainer.lora_merge import merge_adapter
+
+    try:
+        out = merge_adapter(args.adapter, args.out, args.base)
+    except FileExistsError as exc:
+        print(f"agentrl merge-lora: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged {args.adapter} into its base: {out}")
+    return 0
 
 
 # -- sandbox ----------------------------------------------------------------------------------------
