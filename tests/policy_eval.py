@@ -36,7 +36,7 @@ def seat_scores(
     turns: list[str],
 ) -> dict[str, float]:
     """``pass@1`` on ``held`` of each seat (a role of ``env``) played by its policy (``seats``: role -> policy, the
-    adapter ``adapters/policies/POLICY``) while every other seat plays the warm start on an engine of its own."""
+    adapter ``ADAPTERS/adapters/POLICY``, as a run's ``iter_N`` holds it) while every other seat plays the warm start on an engine of its own."""
     from agentrl.engines.local.process import local_server
     from agentrl.trainer.lora import POLICIES_DIR
 

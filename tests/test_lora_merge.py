@@ -104,3 +104,45 @@ def test_bad_input_is_refused_naming_it_and_nothing_is_written(tiny_ckpt, tmp_pa
     refused([str(prefix), "--out", str(tmp_path / "o8")], "adapter_model.safetensors is missing")
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))
     assert (tmp_path / "iter_1" / ADAPTER_DIR).exists() is False  # (a checkpoint of policies has no adapter/)
+
+
+def test_adapters_this_fold_would_get_wrong_are_refused(tied_ckpt, tmp_path, capsys):
+    """PEFT can save adapters that ``W + scaling B A`` alone does not reproduce: a ``lora_B`` bias, and a LoRA on a
+    head tied to the embeddings (folding it in would change the embeddings too). Each refused, nothing written."""
+    from peft import LoraConfig, get_peft_model
+
+    cases = {
+        "bias": (LoraConfig(r=4, target_modules="all-linear", lora_bias=True), {}, "a bias on lora_B"),
+        "tied": (
+            LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+            {"save_embedding_layers": False},
+            "tied to the input embeddings",
+        ),
+    }
+    for name, (config, save_kw, message) in cases.items():
+        peft_model = get_peft_model(_load(tied_ckpt), config)
+        peft_model.save_pretrained(str(tmp_path / name), **save_kw)
+        assert (
+            main(["merge-lora", str(tmp_path / name), "--out", str(tmp_path / f"{name}-out"), "--base", str(tied_ckpt)])
+            == 2
+        )
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / f"{name}-out").exists()
+
+
+def test_a_failed_write_leaves_no_half_written_folder(tiny_ckpt, tmp_path, monkeypatch):
+    import agentrl.trainer.lora_merge as lora_merge
+
+    trainer = TorchTrainer(tiny_ckpt, cfg(lora_rank=4, lora_alpha=8.0))
+    trainer.save(tmp_path / "iter_1")
+
+    def full_disk(*args, **kwargs):  # fault injection: the metadata write fails after the weights were written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lora_merge, "save_hf_metadata", full_disk)
+    (tmp_path / "out").mkdir()  # an empty folder the user made for it
+    assert main(["merge-lora", str(tmp_path / "iter_1"), "--out", str(tmp_path / "out")]) == 2
+    assert list((tmp_path / "out").iterdir()) == [] and not list(tmp_path.glob(".out.*"))
+    monkeypatch.undo()
+    assert main(["merge-lora", str(tmp_path / "iter_1"), "--out", str(tmp_path / "out")]) == 0  # the retry is taken
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out").stat().st_mode & 0o755 == 0o755

@@ -11,10 +11,15 @@ refuses what would produce a wrong model or overwrite one.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
 
 from agentrl.trainer.lora import ADAPTER_DIR, ADAPTER_NAME, POLICIES_DIR, merged_weights, read_adapter
 from agentrl.trainer.torch_trainer import save_hf_metadata
@@ -46,7 +51,9 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | Path | None 
     ``base``: by default the folder the adapter names as ``base_model_name_or_path`` (agentrl writes the absolute
     path of its ``--hf-checkpoint``); only a local folder is read, nothing is fetched from a model hub. Refused,
     naming the value, before anything is written: no LoRA adapter, no local base, an adapter of other modules or
-    shapes than the base has, and an ``out`` that exists and is not empty (nothing is overwritten).
+    shapes than the base has, what this fold would get wrong (a ``lora_B`` bias, Conv1D layers, DoRA, a head tied to
+    the embeddings, ``modules_to_save``), and an ``out`` that exists and is not empty (nothing is overwritten). The
+    folder is written beside ``out`` and renamed onto it, so a failure leaves no half-written ``out``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -82,11 +89,37 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | Path | None 
     if out_path.resolve() == base_path.resolve():
         raise ValueError(f"--out {out_path} is the base itself: name a new folder")
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    for key, what in (("lora_bias", "a bias on lora_B"), ("fan_in_fan_out", "Conv1D layers (fan_in_fan_out)")):
+        if saved.get(key):
+            raise ValueError(
+                f"adapter {folder}: {what} is not folded in by merge-lora; PEFT's merge_and_unload does it"
+            )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--base {base_path}: its model does not load ({exc})") from None
     config = LoraConfig.from_pretrained(str(folder))
     config.inference_mode = True
     get_peft_model(model, config)  # PEFT's layers in place, under the name read_adapter maps to
-    state = read_adapter(model, folder)  # refused when it adapts other modules than this base has
+    tied = (
+        {id(p) for p in (model.get_input_embeddings().weight,)} if model.get_input_embeddings() is not None else set()
+    )
+    for name, m in model.named_modules():
+        base_layer = getattr(m, "base_layer", None)
+        if isinstance(m, LoraLayer) and not isinstance(base_layer, nn.Linear):
+            raise ValueError(f"adapter {folder} adapts {name}, a {type(base_layer).__name__}: merge-lora folds linears")
+        if isinstance(m, LoraLayer) and id(base_layer.weight) in tied:
+            raise ValueError(
+                f"adapter {folder} adapts {name}, whose weight is tied to the input embeddings: folding it in would "
+                "change both; merge-lora refuses it"
+            )
+    try:
+        state = read_adapter(model, folder)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}: merge-lora folds plain LoRA adapters of the base's linear layers (not DoRA magnitudes, "
+            "modules_to_save or embedding layers), on the base they were trained on"
+        ) from None
     try:
         model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
@@ -97,9 +130,19 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | Path | None 
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().cpu().contiguous() for name, t in merged_weights(model, ADAPTER_NAME)}
-    out_path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_path / "model.safetensors"), metadata={"format": "pt"})
-    save_hf_metadata(model, base_path, out_path, torch.float32)
+    # written beside --out, then renamed onto it: a failure leaves no half-written --out behind
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        save_hf_metadata(model, base_path, staging, torch.float32)
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # (mkdtemp's folder is private)
+        os.replace(staging, out_path)  # (onto an empty folder too)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out_path
 
 
