@@ -377,7 +377,7 @@ def cmd_merge_lora(args: argparse.Namespace) -> int:
 
     try:
         out = merge_adapter(args.adapter, args.out, args.base)
-    except (FileExistsError, OSError, RuntimeError) as exc:  # (ValueError: main's handler)
+    except (OSError, RuntimeError) as exc:  # (FileExistsError is an OSError; ValueError: main's handler)
         print(f"agentrl merge-lora: error: {exc}", file=sys.stderr)
         return 2
     print(f"merged {args.adapter} into its base: {out}")

@@ -101,14 +101,14 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | Path | None 
     config = LoraConfig.from_pretrained(str(folder))
     config.inference_mode = True
     get_peft_model(model, config)  # PEFT's layers in place, under the name read_adapter maps to
-    tied = (
-        {id(p) for p in (model.get_input_embeddings().weight,)} if model.get_input_embeddings() is not None else set()
-    )
+    embeddings = id(model.get_input_embeddings().weight)
     for name, m in model.named_modules():
-        base_layer = getattr(m, "base_layer", None)
-        if isinstance(m, LoraLayer) and not isinstance(base_layer, nn.Linear):
+        if not isinstance(m, LoraLayer):
+            continue
+        base_layer = m.get_base_layer()
+        if not isinstance(base_layer, nn.Linear):
             raise ValueError(f"adapter {folder} adapts {name}, a {type(base_layer).__name__}: merge-lora folds linears")
-        if isinstance(m, LoraLayer) and id(base_layer.weight) in tied:
+        if id(base_layer.weight) == embeddings:
             raise ValueError(
                 f"adapter {folder} adapts {name}, whose weight is tied to the input embeddings: folding it in would "
                 "change both; merge-lora refuses it"

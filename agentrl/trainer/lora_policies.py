@@ -11,8 +11,8 @@ The trainer sorts each packed row's samples by policy, so the row is one span a 
 adapted linear as the base over the whole row plus, for each span, that policy's PEFT adapter term on a slice of it
 (``lora_B(lora_A(dropout(x))) * scaling``, PEFT's modules and formula). PEFT's own mixed-batch path
 (``adapter_names``, one name per batch row) was the first router here: entered per token, it built index lists over
-all T tokens and gathered and scattered each adapter's tokens in every layer, ~11% slower than training the policies
-one after another (bench P13); slices cost one small matmul pair per span. The parity tests check every row's
+all T tokens and gathered and scattered each adapter's tokens in every layer; slices cost one small matmul pair per
+span (forward and backward of a mixed row: 0.87x the per-token router's time, bench/README.md P13). The parity tests check every row's
 log-probs and every adapter's gradient against a forward of that policy's rows alone.
 
 What each policy keeps of its own (:class:`~agentrl.trainer.torch_trainer.TorchTrainer` does the bookkeeping): an
