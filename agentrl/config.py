@@ -1027,7 +1027,7 @@ class RunConfig(_ReadOnlyOnce, _Checked):
 
     def _several_policies_checks(self) -> list[tuple[bool, str]]:
         """``--policy`` / ``--role-policy`` against the run: seats name policies, every policy plays a seat, and the
-        parts several policies need (adapters served by name, the torch backend, RL)."""
+        parts several policies need (adapters served by name, RL)."""
         t, r = self.train, self.rollout
         seats = r.role_policies()
         if not t.policy and not seats:
@@ -1054,10 +1054,6 @@ class RunConfig(_ReadOnlyOnce, _Checked):
                 not t.policy or self.weight_sync == "adapter",
                 f"--policy: each policy reaches the engines as its own adapter, served by name: pass --weight-sync "
                 f"adapter (not {self.weight_sync})",
-            ),
-            (
-                not t.policy or self.train_backend == "torch",
-                "--policy: several policies train on the torch backend (the megatron backend trains one adapter)",
             ),
             (
                 not (t.policy and self.is_sft),

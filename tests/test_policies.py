@@ -305,7 +305,6 @@ def _run(tmp_path, **kw) -> RunConfig:
     "change, message",
     [
         ({"weight_sync": "auto"}, "pass --weight-sync adapter"),
-        ({"train_backend": "megatron"}, "torch backend"),
         ({"custom_generate_function_path": "m:f"}, "does not\nknow|does not know"),
         ({"rollout": {"role_policy": ["x=x_player", "o=nobody"]}}, "unknown policy"),
         ({"rollout": {"role_policy": ["x=x_player"]}}, "plays no seat"),

@@ -15,7 +15,9 @@ all T tokens and gathered and scattered each adapter's tokens in every layer; sl
 span (forward and backward of a mixed row: 0.87x the per-token router's time, bench/README.md P13). The parity tests check every row's
 log-probs and every adapter's gradient against a forward of that policy's rows alone.
 
-What each policy keeps of its own (:class:`~agentrl.trainer.torch_trainer.TorchTrainer` does the bookkeeping): an
+What each policy keeps of its own (the trainer does the bookkeeping; :func:`policies_loss` and :func:`policy_counts`
+are shared with the megatron backend, whose adapters :class:`~agentrl.trainer.megatron_lora.MegatronPolicies` routes
+by the same spans on megatron-core's tensor-parallel linears): an
 AdamW parameter group (its ``--policy-lr``), its loss normalized over its own tokens or sequences, its gradient
 clipped alone, its checkpoint folder ``iter_N/adapters/NAME`` in PEFT's format, its push to the engines under its
 name. The reference of a KL term is the base with every adapter off (``disable_adapter``), as for one policy.
@@ -24,7 +26,8 @@ name. The reference of a KL term is the base with every adapter off (``disable_a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -33,7 +36,9 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig
+from agentrl.trainer.batching import PackedBatch
 from agentrl.trainer.lora import POLICIES_DIR, lora_config, target_problems
 
 
@@ -164,4 +169,82 @@ def routed(model: nn.Module, spans: list[tuple[str, int]]) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
-__all__ = ["POLICIES_DIR", "add_policies", "policy_parameters", "policy_spans", "routed"]
+def sorted_by_policy(groups: list[list[int]], policies: Sequence[str | None], known: Sequence[str]) -> list[list[int]]:
+    """Each packed group's sample indices sorted by policy (``known``'s order), so each row is one span a policy."""
+    rank = {p: i for i, p in enumerate(known)}
+    return [sorted(g, key=lambda i: (rank.get(policies[i] or "", -1), i)) for g in groups]
+
+
+def policy_counts(
+    policies: Sequence[str | None],
+    loss_masks: Sequence[Sequence[int]],
+    known: Sequence[str],
+    sum_over_ranks: Callable[[list[float]], list[float]],
+) -> dict[str, tuple[float, float]]:
+    """Each policy's ``(trained tokens, samples)`` of one optimizer step over every rank: its loss's normalizers
+    (``sum_over_ranks`` sums this rank's numbers with the other data-parallel ranks')."""
+    local: list[float] = []
+    for name in known:
+        mine = [m for p, m in zip(policies, loss_masks, strict=True) if p == name]
+        local += [float(sum(sum(m) for m in mine)), float(len(mine))]
+    total = sum_over_ranks(local)
+    return {name: (total[2 * i], total[2 * i + 1]) for i, name in enumerate(known)}
+
+
+def policies_loss(
+    known: Sequence[str],
+    b: PackedBatch,
+    cfg: TrainConfig,
+    counts: dict[str, tuple[float, float]],
+    whole: tuple[float, float],
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One packed micro-batch's loss when several policies train: the sum of each policy's :func:`policy_loss` over
+    its own tokens, normalized by its own ``counts`` (as if it trained alone), so each adapter's gradient is its own
+    loss's. The metrics are the policies' weighted by their share of the step (``whole``: the step's tokens and
+    samples; the whole-batch means), plus ``pg_loss/<policy>``. Both backends call it."""
+    owner = torch.tensor(
+        [known.index(p) if p in known else -1 for p in b.policies], device=b.mask.device
+    ).repeat_interleave(torch.tensor(b.response_lengths, device=b.mask.device))  # [N] the policy of each token
+    per_token = cfg.calculate_per_token_loss
+    loss = logp.sum() * 0.0
+    metrics: dict[str, float] = defaultdict(float)
+    for i, name in enumerate(known):
+        mine = owner == i
+        if not bool(mine.any()):
+            continue
+        tokens, seqs = counts[name]
+        part, m = policy_loss(
+            logp,
+            old_logp,
+            b.advantages,
+            b.mask * mine,
+            b.seq_ids,
+            cfg,
+            num_tokens=tokens,
+            num_seqs=seqs,
+            ref_logp=ref_logp,
+            rollout_logp=b.rollout_log_probs,
+            entropy=entropy,
+        )
+        loss = loss + part
+        share = (tokens / whole[0] if whole[0] else 0.0) if per_token else (seqs / whole[1] if whole[1] else 0.0)
+        for k, v in m.items():
+            metrics[k] += v * share
+        metrics[f"pg_loss/{name}"] += m["pg_loss"]
+    return loss, dict(metrics)
+
+
+__all__ = [
+    "POLICIES_DIR",
+    "add_policies",
+    "policies_loss",
+    "policy_counts",
+    "policy_parameters",
+    "policy_spans",
+    "routed",
+    "sorted_by_policy",
+]

@@ -134,7 +134,19 @@ class MegatronLora(nn.Module):
     differ for one seed; the same adapter file gives the same numbers on both.)
     """
 
-    def __init__(self, model: nn.Module, hf_config: Any, cfg: TrainConfig, *, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: Any,
+        cfg: TrainConfig,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        policy: str | None = None,
+        hooks: bool = True,
+    ) -> None:
+        """``policy``: the ``--policy`` this adapter is (its ``A`` is drawn apart from the other policies'); ``hooks``
+        False: the delta is added by a router over several adapters (:class:`MegatronPolicies`), not by this one."""
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
         super().__init__()
@@ -145,7 +157,7 @@ class MegatronLora(nn.Module):
             problems.append(f"--lora-target-modules {' '.join(unknown)}: no megatron linear of this model holds it")
         if problems:
             raise ValueError("; ".join(problems))
-        self.cfg, self.tp_rank, self.tp_size = cfg, tp_rank, tp_size
+        self.cfg, self.tp_rank, self.tp_size, self.policy = cfg, tp_rank, tp_size, policy
         self.rank_r = cfg.lora_rank
         self.scale = (cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank) / cfg.lora_rank
         self.enabled = True
@@ -197,12 +209,13 @@ class MegatronLora(nn.Module):
                 f"holding layers {offset}-{offset + len(layers) - 1} is targeted, and every stage must train one"
             )
         model.requires_grad_(False)
-        for module in self.adapted:
+        for module in self.adapted if hooks else ():
             self._hooks.append(module.register_forward_hook(self._hook, with_kwargs=True))
 
     def _draw_a(self, hf: str, in_features: int, device: torch.device) -> torch.Tensor:
         """``A`` of one module, whole: the same on every rank for one seed (a generator per module name)."""
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(hf.encode()))
+        key = hf if self.policy is None else f"{self.policy}/{hf}"  # each policy its own draw; one adapter as before
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(key.encode()))
         a = torch.empty(self.rank_r, in_features)
         if self.cfg.lora_init == "gaussian":
             a.normal_(0.0, 1.0 / self.rank_r, generator=g)
@@ -283,12 +296,18 @@ class MegatronLora(nn.Module):
         dist.all_gather_object(stages, mine, group=pp_group)
         return {k: v for stage in stages for k, v in stage.items()}
 
-    @torch.no_grad()
     def load_peft_state(self, tensors: Mapping[str, torch.Tensor], *, source: str) -> None:
         """Take this stage's shards of a whole PEFT adapter (``source`` names it in errors); checked before any copy.
 
         The file must adapt exactly this run's modules of every layer (each stage checks the whole file).
         """
+        self.copy_shards(self.checked_shards(tensors, source=source))
+
+    def checked_shards(
+        self, tensors: Mapping[str, torch.Tensor], *, source: str
+    ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """This stage's ``(parameter, shard)`` pairs of a whole PEFT adapter, every name and shape checked (nothing
+        copied: several policies check every adapter before any is replaced)."""
         expected = self._all_names()
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or extra:
@@ -305,7 +324,13 @@ class MegatronLora(nn.Module):
             if list(t.shape) != whole:
                 raise ValueError(f"{source}: {name} has shape {list(t.shape)}, this run's adapter {whole}")
             shards[name] = (param, t.chunk(self.tp_size, split)[self.tp_rank] if split is not None else t)
-        for param, t in shards.values():
+        return list(shards.values())
+
+    @staticmethod
+    @torch.no_grad()
+    def copy_shards(shards: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Copy :meth:`checked_shards`' tensors into their parameters."""
+        for param, t in shards:
             param.copy_(t.to(param.device, param.dtype))
 
     def peft_config(self, base: str | Path) -> LoraConfig:
@@ -335,8 +360,85 @@ class MegatronLora(nn.Module):
         return {hf.rsplit(".", 1)[-1] for hf in self._adapted_hf_modules()}
 
 
+class MegatronPolicies(nn.Module):
+    """Several policies (``--policy``) over one megatron-core stage: a :class:`MegatronLora` adapter each on the shared
+    frozen base, trained from one mixed stream, as :mod:`agentrl.trainer.lora_policies` does with PEFT.
+
+    One forward hook per adapted linear adds, for each span of the packed row (:meth:`routing`, set per micro-batch:
+    ``(policy, tokens)`` runs of the row's samples sorted by policy), that policy's delta on its slice of the row
+    (megatron's activations are ``[s, b, h]``: the slice is along ``s``). So each adapter's gradient comes from its own
+    rows alone; the tensor-parallel collectives inside a delta pair up because every TP rank of a replica routes the
+    same row. A forward with no spans set is refused (it would silently run the base). Pipeline stages route the same
+    way: a micro-batch's spans are set where its forward runs, and its backward needs none (nothing is recomputed).
+    """
+
+    def __init__(self, model: nn.Module, hf_config: Any, cfg: TrainConfig, *, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.names = list(cfg.policy)
+        self.adapters = nn.ModuleDict(
+            {
+                n: MegatronLora(model, hf_config, cfg, tp_rank=tp_rank, tp_size=tp_size, policy=n, hooks=False)
+                for n in self.names
+            }
+        )
+        self.enabled = True
+        self.spans: list[tuple[str, int]] | None = None
+        first = self.of(self.names[0])
+        self._hooks = [m.register_forward_hook(self._hook, with_kwargs=True) for m in first.adapted]
+
+    def of(self, name: str) -> MegatronLora:
+        """Policy ``name``'s adapter (refused naming the policies this stage trains)."""
+        if name not in self.adapters:
+            raise ValueError(f"no adapter of policy {name!r}: this trainer trains the policies {self.names}")
+        lora = self.adapters[name]
+        assert isinstance(lora, MegatronLora)
+        return lora
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+        if not self.enabled:
+            return output
+        if self.spans is None:
+            raise RuntimeError("several policies: a forward of the policy model outside routing() (no spans set)")
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        live = [(p, n) for p, n in self.spans if n]
+        if sum(n for _, n in live) != x.shape[0]:
+            raise RuntimeError(
+                f"an adapted linear got {x.shape[0]} tokens while the packed row's spans hold "
+                f"{sum(n for _, n in live)}: several policies route adapters by spans of the row"
+            )
+        parts = x.split([n for _, n in live], dim=0)
+        deltas = [self.of(p).adapted[module].delta(part, self.of(p).scale) for (p, _), part in zip(live, parts)]
+        return out + torch.cat(deltas, dim=0).to(out.dtype), bias
+
+    @contextmanager
+    def routing(self, spans: list[tuple[str, int]]) -> Iterator[None]:
+        """Route the row of one forward: ``spans`` is :func:`~agentrl.trainer.lora_policies.policy_spans` of it."""
+        self.spans = spans
+        try:
+            yield
+        finally:
+            self.spans = None
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model with every adapter off: the KL reference."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def trainable(self, name: str | None = None) -> list[nn.Parameter]:
+        """Policy ``name``'s A and B tensors on this rank (None: every policy's)."""
+        return [p for n in ([name] if name else self.names) for p in self.of(n).trainable()]
+
+    def adapted_modules(self) -> set[str]:
+        return self.of(self.names[0]).adapted_modules()
+
+
 def _key(hf: str, which: str) -> str:
     return hf.replace(".", "__") + "__" + which
 
 
-__all__ = ["MegatronLora", "targeted"]
+__all__ = ["MegatronLora", "MegatronPolicies", "targeted"]

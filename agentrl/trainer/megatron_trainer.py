@@ -39,6 +39,7 @@ Checkpoint layout written by :meth:`MegatronTrainer.save` (a loadable HF folder 
     config.json, generation_config.json, tokenizer files   (copied from the source checkpoint)
     model.safetensors                                      (full HF weights, written by rank 0; LoRA: merged)
     adapter/              --lora-rank: the adapter in PEFT's format (:mod:`~agentrl.trainer.megatron_lora`)
+    adapters/NAME/        --policy NAME (several policies): each policy's adapter in PEFT's format, and their order
     trainer_state.pt      {"step", "world_size", "layout", "extra_state"}        (rank 0)
     optim_rank{r}.pt      {"optimizer": this rank's shard state, "rng", "megatron_rng"}  (every rank)
 
@@ -47,6 +48,7 @@ Resuming needs the same world size and the same (tp, pp, cp) layout; a LoRA run 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import zlib
@@ -70,12 +72,16 @@ from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_los
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
 from agentrl.trainer.lora import (
     ADAPTER_DIR,
+    POLICIES_DIR,
     adapter_config_dict,
     check_adapter,
     check_lora,
     check_resume,
     write_adapter,
+    write_peft_folder,
+    write_policy_order,
 )
+from agentrl.trainer.lora_policies import policies_loss, policy_counts, policy_spans, sorted_by_policy
 from agentrl.trainer.megatron_compat import (
     cpu_schedule,
     destroy_megatron_parallel,
@@ -83,7 +89,7 @@ from agentrl.trainer.megatron_compat import (
     megatron_available,
 )
 from agentrl.trainer.megatron_logits import head_logits, logits_at, padded_vocab_mask, token_stats
-from agentrl.trainer.megatron_lora import MegatronLora
+from agentrl.trainer.megatron_lora import MegatronLora, MegatronPolicies
 from agentrl.trainer.megatron_model import (
     build_gpt_model,
     iter_hf_weights,
@@ -146,8 +152,6 @@ class MegatronTrainer(Trainer):
         from transformers import AutoConfig
 
         cfg.validate()
-        if cfg.policy:
-            raise ValueError("--policy: several policies train on the torch backend (the megatron backend trains one)")
         if cfg.lora_rank and self._takes_lora():  # refused before any process group, model or weight
             problems = megatron_lora_problems(cfg)
             if problems:
@@ -175,17 +179,27 @@ class MegatronTrainer(Trainer):
         self._topology()
         self.model = self._build(torch.float32)
         self.lora: MegatronLora | None = None
-        if cfg.lora_rank and self._takes_lora():
+        # several policies (--policy): an adapter each on the shared base, a row's spans routed to their own
+        self.policies: list[str] = list(cfg.policy) if cfg.lora_rank and self._takes_lora() else []
+        self.routes: MegatronPolicies | None = None
+        self._policy_grad_norms: dict[str, float] = {}
+        if self.policies:
+            self.routes = MegatronPolicies(self.model, self.hf_config, cfg, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        elif cfg.lora_rank and self._takes_lora():
             self.lora = self._add_lora()
         self.ref_model = None
-        if cfg.needs_ref_model and self.lora is None:  # a KL loss, or KL-shaped rewards (--kl-coef); LoRA: the base
+        if cfg.needs_ref_model and not self._adapted():  # a KL loss, or KL-shaped rewards (--kl-coef); LoRA: the base
             self.ref_model = self._build(self.dtype).eval()
             self.ref_model.requires_grad_(False)
         if cfg.initial_megatron_checkpoint:  # the starting policy is the checkpoint's: the reference too
             for model in filter(None, (self.model, self.ref_model)):
                 load_megatron_checkpoint(model, cfg.initial_megatron_checkpoint)
+        params: Any = self._trained()
+        if self.routes is not None:  # a parameter group per policy: its own learning rate (--policy-lr)
+            lrs = cfg.policy_lrs()
+            params = [{"params": self.routes.trainable(n), "lr": lrs[n], "policy": n} for n in self.policies]
         self.optimizer = torch.optim.AdamW(
-            self._trained(),
+            params,
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
@@ -208,16 +222,23 @@ class MegatronTrainer(Trainer):
             lora.load_peft_state(load_file(str(adapter / "adapter_model.safetensors")), source=what)
         return lora
 
+    def _adapted(self) -> bool:
+        """Whether the policy model trains adapters (one, or one per ``--policy``) on a frozen base."""
+        return self.lora is not None or self.routes is not None
+
     def _trained(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the adapter's A and B under LoRA, else every weight of the stage."""
+        """What the optimizer steps: the adapters' A and B under LoRA, else every weight of the stage."""
+        if self.routes is not None:
+            return self.routes.trainable()
         if self.lora is not None:
             return self.lora.trainable()
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _ref_scores(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        """Reference log-probs: the reference model's, or (LoRA) the base's, the adapter switched off."""
-        if self.lora is not None:
-            with self.lora.disabled():
+        """Reference log-probs: the reference model's, or (LoRA) the base's, every adapter switched off."""
+        adapters = self.routes if self.routes is not None else self.lora
+        if adapters is not None:
+            with adapters.disabled():
                 return self._score(self.model, samples)
         return self._score(self.ref_model, samples)
 
@@ -320,7 +341,10 @@ class MegatronTrainer(Trainer):
 
         # the row's sample boundaries: PackedCoreAttention attends per sample, no [s, s] mask is built
         params = packed_seq_params(b.position_ids)
-        with self._autocast(), logits_at(model, b.logit_positions):
+        routing = contextlib.nullcontext()
+        if self.routes is not None and model is self.model:  # several policies: each span on its own adapter
+            routing = self.routes.routing(policy_spans(b.policies, b.lengths, self.policies))
+        with self._autocast(), logits_at(model, b.logit_positions), routing:
             return model(
                 input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=None, packed_seq_params=params
             )
@@ -357,6 +381,11 @@ class MegatronTrainer(Trainer):
         groups = pack_micro_batches(
             [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.parallel.micro_batch_size
         )
+        if self.policies:  # each policy's samples side by side in a row: one adapter span a policy
+            policy_spans(
+                [s.policy for s in samples], [len(s.tokens) for s in samples], self.policies
+            )  # before any pass
+            groups = sorted_by_policy(groups, [s.policy for s in samples], self.policies)
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 
     def _score(
@@ -393,7 +422,7 @@ class MegatronTrainer(Trainer):
         ``ref`` needs ``--use-kl-loss`` or ``--kl-coef`` (only then is a reference model built; with LoRA the reference
         is the base, the adapter off). Every rank of a replica gets the same result.
         """
-        if ref and self.ref_model is None and not (self.lora is not None and self.cfg.needs_ref_model):
+        if ref and self.ref_model is None and not (self._adapted() and self.cfg.needs_ref_model):
             raise ValueError("reference log-probs need a reference model: set --use-kl-loss or --kl-coef")
         old = self._score(self.model, samples)
         return LogProbs(old=old, ref=self._ref_scores(samples) if ref else None)
@@ -411,7 +440,7 @@ class MegatronTrainer(Trainer):
             # alone while the others wait for it forever
             raise ValueError("--use-tis needs the engine's rollout log-probs on every sample")
         try:
-            return run_optimizer_steps(
+            metrics = run_optimizer_steps(
                 samples,
                 self.cfg.num_steps_per_rollout,
                 self._optimizer_step,
@@ -420,6 +449,9 @@ class MegatronTrainer(Trainer):
             )
         finally:
             self.model.eval()
+        for group in self.optimizer.param_groups if self.policies else ():  # each --policy's own (--policy-lr)
+            metrics[f"lr/{group['policy']}"] = float(group["lr"])
+        return metrics
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: the schedule accumulates micro-batch gradients; DP sum, clip, step."""
@@ -429,12 +461,19 @@ class MegatronTrainer(Trainer):
         if self.cfg.use_kl_loss and any(s.ref_log_probs is None for s in samples):
             refs = self._ref_scores(samples)  # the schedule cannot interleave two pipelined models
             samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, refs)]
+        counts = None
+        if self.policies:  # each policy's loss is normalized over its own tokens (or samples) of the step
+            counts = policy_counts(
+                [s.policy for s in samples], [s.loss_mask for s in samples], self.policies, self._sum_replicas
+            )
         batches = self._micro_batches(samples, train=True)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         if batches:
             self.model.train()
             loss_func = partial(self._train_loss, float(num_tokens), float(num_seqs))
+            if counts is not None:  # (a critic's override takes no policies)
+                loss_func = partial(loss_func, counts=counts)
             for metrics in self._schedule(self.model, batches, loss_func, forward_only=False):
                 for k, v in metrics.items():
                     sums[k] += v
@@ -445,15 +484,29 @@ class MegatronTrainer(Trainer):
         self.step += 1
         keys = self._metric_names(sums)
         totals = self._sum_replicas([sums[k] for k in keys])  # each replica's share is globally normalized
-        return dict(zip(keys, totals), grad_norm=grad_norm)
+        return dict(zip(keys, totals), grad_norm=grad_norm, **self._policy_grad_norms)
 
-    def _train_loss(self, num_tokens: float, num_seqs: float, b: PackedBatch, output: torch.Tensor):
+    def _train_loss(
+        self,
+        num_tokens: float,
+        num_seqs: float,
+        b: PackedBatch,
+        output: torch.Tensor,
+        *,
+        counts: dict[str, tuple[float, float]] | None = None,
+    ):
         """Last stage: :func:`policy_loss` of one micro-batch, as megatron's ``(loss, num_tokens, metrics)``."""
         logits = head_logits(output, self.cfg.logit_temperature, self._pad_vocab)  # [N, V/tp]
         logp, entropy = token_stats(
             logits, b.targets, tp_size=self.tp_size, entropy=True, entropy_grad=self.cfg.entropy_coef > 0
         )
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
+        if counts is not None:  # several policies: each policy's loss over its own tokens
+            loss, metrics = policies_loss(
+                self.policies, b, self.cfg, counts, (num_tokens, num_seqs), logp, old_logp, b.ref_log_probs, entropy
+            )
+            metrics["loss"] = float(loss.detach())
+            return loss, torch.tensor(int(b.mask.sum()), dtype=torch.int, device=loss.device), metrics
         loss, metrics = policy_loss(
             logp,
             old_logp,
@@ -490,7 +543,7 @@ class MegatronTrainer(Trainer):
                     g.copy_(reduced)
         if (
             self.pp_size > 1
-            and self.lora is None
+            and not self._adapted()
             and getattr(self.model, "share_embeddings_and_output_weights", False)
             and ps.is_rank_in_embedding_group()
         ):
@@ -498,24 +551,35 @@ class MegatronTrainer(Trainer):
             dist.all_reduce(self.model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
 
     def _clip_grad(self) -> float:
-        """Global L2 norm over the whole model (each TP-replicated or tied tensor counted once); clip like torch."""
+        """Global L2 norm over the whole model (each TP-replicated or tied tensor counted once); clip like torch.
+
+        Several policies: each policy's adapter is clipped alone (one policy's large step does not shrink another's),
+        its norm kept as ``grad_norm/<policy>``; the returned norm is over all of them."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        params = self._trained()
-        # TP shards are told from TP-replicated tensors by their ``tensor_model_parallel`` attribute (see _build)
-        counted = [
-            p.grad.float() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-        ]
-        sq = torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
+        groups = [g["params"] for g in self.optimizer.param_groups] if self.policies else [self._trained()]
+        squares = []
+        for params in groups:
+            # TP shards are told from TP-replicated tensors by their ``tensor_model_parallel`` attribute (see _build)
+            counted = [
+                p.grad.float() for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+            ]
+            squares.append(
+                torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
+            )
+        sq = torch.stack(squares)
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        norm = float(sq.sqrt())
+        norms = sq.sqrt().tolist()
         if self.cfg.clip_grad > 0:
-            coef = min(1.0, self.cfg.clip_grad / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
-            torch._foreach_mul_([p.grad for p in params], coef)
-        return norm
+            for params, norm in zip(groups, norms):
+                coef = min(1.0, self.cfg.clip_grad / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+                torch._foreach_mul_([p.grad for p in params], coef)
+        if self.policies:
+            self._policy_grad_norms = {f"grad_norm/{n}": v for n, v in zip(self.policies, norms)}
+        return float(sum(v * v for v in norms) ** 0.5) if self.policies else norms[0]
 
     # ------------------------------------------------------------------ cross-rank helpers
 
@@ -577,30 +641,42 @@ class MegatronTrainer(Trainer):
             self.hf_config,
             tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
-            merge=self.lora.merge() if self.lora is not None else None,  # the engines serve W + (alpha/r) B A
+            # the engines serve W + (alpha/r) B A; several policies: the base, each adapter pushed by its name
+            merge=self.lora.merge() if self.lora is not None else None,
         )
 
     def adapter_weights(self, policy: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A LoRA policy's whole adapter (PEFT's names, full, on CPU) and its PEFT config, on every rank: what a
-        LoRA run's engines load instead of the merged weights. A collective over TP and PP. One adapter only
-        (``policy`` None): several policies train on the torch backend."""
-        assert self.lora is not None, "adapter_weights: this trainer has no adapter (--lora-rank 0)"
-        if policy is not None:
-            raise ValueError(f"policy {policy!r}: the megatron backend trains one adapter, not several policies")
-        return self._adapter_state(), adapter_config_dict(self.lora.peft_config(self.checkpoint_path))
+        LoRA run's engines load instead of the merged weights. A collective over TP and PP. ``policy``: which
+        ``--policy`` (None: the run's one adapter)."""
+        assert self._adapted(), "adapter_weights: this trainer has no adapter (--lora-rank 0)"
+        lora = self._lora_of(policy)
+        return self._adapter_state(policy=policy), adapter_config_dict(lora.peft_config(self.checkpoint_path))
+
+    def _lora_of(self, policy: str | None) -> MegatronLora:
+        """The run's one adapter (``policy`` None) or a ``--policy``'s; refused naming what this trainer trains."""
+        if self.routes is None and policy is None and self.lora is not None:
+            return self.lora
+        if self.routes is None or policy is None:
+            raise ValueError(
+                f"no adapter of policy {policy!r}: this trainer trains "
+                + (f"the policies {self.policies}" if self.policies else "one adapter (no --policy)")
+            )
+        return self.routes.of(policy)
 
     def adapted_modules(self) -> set[str]:
         """The adapted modules' last names (``q_proj``); empty without an adapter."""
+        if self.routes is not None:
+            return self.routes.adapted_modules()
         return self.lora.adapted_modules() if self.lora is not None else set()
 
     def _adapter_state(
-        self, of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+        self, of: Callable[[nn.Parameter], torch.Tensor | None] | None = None, *, policy: str | None = None
     ) -> dict[str, torch.Tensor]:
         """The whole adapter (or what ``of`` picks of each parameter: ``lambda p: p.grad``) in PEFT's names."""
         from megatron.core import parallel_state as ps
 
-        assert self.lora is not None
-        return self.lora.peft_state(
+        return self._lora_of(policy).peft_state(
             of or (lambda p: p.detach()),
             tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
@@ -682,6 +758,14 @@ class MegatronTrainer(Trainer):
             tensors = self._adapter_state()
             if self.rank == 0:
                 write_adapter(path, tensors, self.lora.peft_config(self.checkpoint_path))
+        for name in self.policies:  # each policy's adapter in PEFT's format: iter_N/adapters/NAME, and their order
+            tensors = self._adapter_state(policy=name)
+            if self.rank == 0:
+                write_peft_folder(
+                    path / POLICIES_DIR / name, tensors, self._lora_of(name).peft_config(self.checkpoint_path)
+                )
+        if self.policies and self.rank == 0:
+            write_policy_order(path, self.policies)
         self._barrier()
         torch.save(self._rank_state(), path / f"optim_rank{self.rank}.pt")
         self._barrier()
@@ -692,9 +776,19 @@ class MegatronTrainer(Trainer):
         state = self._read_trainer_state(path, "backend")
         # a LoRA run's base stays as loaded and its adapter resumes: this run's adapter, on this base; refused
         # before anything here is replaced
-        check_resume(path, self.cfg, self.checkpoint_path, what=str(path), adapted=self.lora is not None)
+        check_resume(path, self.cfg, self.checkpoint_path, what=str(path), adapted=self._adapted())
         ranked = torch.load(path / f"optim_rank{self.rank}.pt", weights_only=False)
-        if self.lora is not None:
+        if self.routes is not None:  # every policy's adapter checked against this run before any is replaced
+            checked = [
+                self.routes.of(name).checked_shards(
+                    load_file(str(path / POLICIES_DIR / name / "adapter_model.safetensors")),
+                    source=str(path / POLICIES_DIR / name),
+                )
+                for name in self.policies
+            ]
+            for shards in checked:
+                MegatronLora.copy_shards(shards)
+        elif self.lora is not None:
             adapter = path / ADAPTER_DIR
             self.lora.load_peft_state(load_file(str(adapter / "adapter_model.safetensors")), source=str(adapter))
         else:

@@ -84,7 +84,15 @@ from agentrl.trainer.lora import (
     write_peft_folder,
     write_policy_order,
 )
-from agentrl.trainer.lora_policies import add_policies, policy_parameters, policy_spans, routed
+from agentrl.trainer.lora_policies import (
+    add_policies,
+    policies_loss,
+    policy_counts,
+    policy_parameters,
+    policy_spans,
+    routed,
+    sorted_by_policy,
+)
 from agentrl.vlm import by_key, load_vision_model, vision_for
 
 CHUNK_LOGITS_ABOVE = 64 * 2**20  # elements (256 MiB of fp32 logits)
@@ -450,8 +458,7 @@ class TorchTrainer(Trainer):
         if self.vision is not None:
             self._process_images(samples)
         if self.policies:  # each policy's samples side by side in a row: one adapter span a policy (:func:`routed`)
-            rank = {p: i for i, p in enumerate(self.policies)}
-            groups = [sorted(g, key=lambda i: (rank.get(samples[i].policy or "", -1), i)) for g in groups]
+            groups = sorted_by_policy(groups, [s.policy for s in samples], self.policies)
         batches: list[PackedBatch | None] = [
             pack_samples(samples, g, need_advantages=train, image_token_id=image_token) for g in groups
         ]
@@ -562,12 +569,9 @@ class TorchTrainer(Trainer):
         normalizers (None for one policy)."""
         if not self.policies:
             return None
-        local: list[float] = []
-        for name in self.policies:
-            mine = [s for s in samples if s.policy == name]
-            local += [sum(sum(s.loss_mask) for s in mine), len(mine)]
-        total = self._sum_over_ranks(local)
-        return {name: (total[2 * i], total[2 * i + 1]) for i, name in enumerate(self.policies)}
+        return policy_counts(
+            [s.policy for s in samples], [s.loss_mask for s in samples], self.policies, self._sum_over_ranks
+        )
 
     def _micro_batch_loss(
         self,
@@ -593,7 +597,9 @@ class TorchTrainer(Trainer):
                 ref_logp, _ = self._log_probs(ref_model, b, entropy=False)
         old_logp = b.old_log_probs if b.old_log_probs is not None else logp.detach()
         if counts is not None:
-            return self._policies_loss(b, counts, (num_tokens, num_seqs), logp, old_logp, ref_logp, entropy)
+            return policies_loss(
+                self.policies, b, self.cfg, counts, (num_tokens, num_seqs), logp, old_logp, ref_logp, entropy
+            )
         return policy_loss(
             logp,
             old_logp,
@@ -609,48 +615,6 @@ class TorchTrainer(Trainer):
             custom_fn=self.custom_loss_fn,
             batch=b,
         )
-
-    def _policies_loss(
-        self,
-        b: PackedBatch,
-        counts: dict[str, tuple[float, float]],
-        whole: tuple[float, float],
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        entropy: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """:meth:`_micro_batch_loss` of several policies: the sum of each policy's :func:`policy_loss` over its tokens."""
-        owner = torch.tensor(
-            [self.policies.index(p) if p in self.policies else -1 for p in b.policies], device=b.mask.device
-        ).repeat_interleave(torch.tensor(b.response_lengths, device=b.mask.device))  # [N] the policy of each token
-        per_token = self.cfg.calculate_per_token_loss
-        loss = logp.sum() * 0.0
-        metrics: dict[str, float] = defaultdict(float)
-        for i, name in enumerate(self.policies):
-            mine = owner == i
-            if not bool(mine.any()):
-                continue
-            tokens, seqs = counts[name]
-            part, m = policy_loss(
-                logp,
-                old_logp,
-                b.advantages,
-                b.mask * mine,
-                b.seq_ids,
-                self.cfg,
-                num_tokens=tokens,
-                num_seqs=seqs,
-                ref_logp=ref_logp,
-                rollout_logp=b.rollout_log_probs,
-                entropy=entropy,
-            )
-            loss = loss + part
-            share = (tokens / whole[0] if whole[0] else 0.0) if per_token else (seqs / whole[1] if whole[1] else 0.0)
-            for k, v in m.items():
-                metrics[k] += v * share
-            metrics[f"pg_loss/{name}"] += m["pg_loss"]
-        return loss, dict(metrics)
 
     def _allocate_step_state(self) -> None:
         """Gradients and AdamW's moments, allocated now and for the whole run (``keep_grads``).
