@@ -5,7 +5,8 @@ On the tiny 2-layer Llama in fp32 on CPU. Both backends start from the same two 
 the wrong adapter shows); rows pack samples of both policies. They must agree on every row's log-probs, the reference
 (every adapter off), each policy's gradient, loss terms, norms and learning rates; the checkpoint holds each policy's
 PEFT adapter, which PEFT loads to the megatron log-probs, and resumes exactly. One process checks TP=1; two gloo
-processes check TP=2 (the router's slices pass megatron's TP collectives) and PP=2 (each stage routes its micro-batch).
+processes check TP=2 (the router's slices pass megatron's TP collectives), PP=2 (each stage routes its micro-batch)
+and DP=2 (a replica without one policy's rows adds a zero gradient to the other's). Then `agentrl train` end to end.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from agentrl.trainer.lora import POLICIES_DIR  # noqa: E402
 from agentrl.trainer.megatron_trainer import MegatronParallel, MegatronTrainer  # noqa: E402
 from agentrl.trainer.torch_trainer import TorchTrainer  # noqa: E402
 
-from .test_megatron_lora import assert_close_dicts, lora_cfg, recorded_grads  # noqa: E402
+from .test_megatron_lora import assert_close_dicts, lora_cfg, recorded_grads, start_adapter  # noqa: E402
 from .test_megatron_trainer import flat, off_policy  # noqa: E402
 from .test_trainer import make_samples, reference_log_probs  # noqa: E402
 
@@ -47,26 +48,19 @@ COMPARED = ["loss", "pg_loss", "kl", "entropy", "grad_norm", "grad_norm/solver",
 COMPARED += ["pg_loss/solver", "pg_loss/judge", "lr/solver", "lr/judge"]
 
 
+CLIP = 0.33  # between the two policies' gradient norms: one is clipped, the other not (asserted below)
+
+
 def policies_cfg(**kw) -> TrainConfig:
-    return lora_cfg(policy=POLICIES, policy_lr=["judge=2e-3"], num_steps_per_rollout=2, **kw)
+    return lora_cfg(
+        **{"policy": POLICIES, "policy_lr": ["judge=2e-3"], "num_steps_per_rollout": 2, "clip_grad": CLIP, **kw}
+    )
 
 
 def mixed(n: int, seed: int):
     """Samples of both policies in an uneven order (rows hold several of each, not sorted)."""
     samples = make_samples(n, seed=seed)
     return [dataclasses.replace(s, policy=POLICIES[(i * i + i // 3) % 2]) for i, s in enumerate(samples)]
-
-
-def start_adapters(ckpt, folder, config: TrainConfig) -> TorchTrainer:
-    """A torch trainer of the policies whose adapters are random and differ (seeded), saved: ``folder/adapters/NAME``."""
-    trainer = TorchTrainer(ckpt, config)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    trainer.save(folder)
-    return trainer
 
 
 def torch_grads(trainer: TorchTrainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -116,7 +110,9 @@ def assert_matches(got_metrics: dict, got_grads: list, want: dict, what: str = "
 
 def test_megatron_policies_match_the_torch_policies_and_save_and_resume(tiny_ckpt, tmp_path):
     config, samples = policies_cfg(), mixed(10, seed=4)
-    want = reference_run(start_adapters(tiny_ckpt, tmp_path / "start", config), samples)
+    want = reference_run(start_adapter(tiny_ckpt, tmp_path / "start", config), samples)
+    # each policy clipped alone: one above the clip, one below (a global clip would scale both: the grads differ)
+    assert want["metrics"]["grad_norm/solver"] > CLIP > want["metrics"]["grad_norm/judge"], want["metrics"]
     mt = MegatronTrainer(tiny_ckpt, config)
     load_start(mt, tmp_path / "start")
     assert mt.ref_model is None and mt.lora is None  # the reference is the base, every adapter off
@@ -140,7 +136,9 @@ def test_megatron_policies_match_the_torch_policies_and_save_and_resume(tiny_ckp
     assert all(torch.equal(a, b) for a, b in zip(base, mt.model.parameters()))  # the base never moves
     for name in POLICIES:
         assert_close_dicts(mt.adapter_weights(name)[0], want["adapters"][name], atol=STEPPED, what=name)
-    assert {k: v.clone() for k, v in mt.named_weights()}.keys()  # the engines get the base (adapters by name)
+    base_weights = load_file(str(tiny_ckpt / "model.safetensors"))  # the engines get the base (adapters by name)
+    pushed = dict(mt.named_weights())
+    assert set(pushed) == set(base_weights) and all(torch.equal(pushed[k], base_weights[k]) for k in pushed)
     for bad in (None, "nobody"):
         with pytest.raises(ValueError, match="this trainer trains the policies"):
             mt.adapter_weights(bad)
@@ -165,6 +163,10 @@ def test_megatron_policies_match_the_torch_policies_and_save_and_resume(tiny_ckp
     mt.train_step(more)
     resumed.train_step(more)
     assert all(torch.equal(a, b) for a, b in zip(mt.routes.trainable(), resumed.routes.trainable()))
+    # a resumed run trains at the rates it is given, not the saved run's
+    faster = MegatronTrainer(tiny_ckpt, policies_cfg(lr=1e-2, policy_lr=["judge=3e-3"]))
+    faster.load(tmp_path / "ckpt")
+    assert {g["policy"]: g["lr"] for g in faster.optimizer.param_groups} == {"solver": 1e-2, "judge": 3e-3}
     # the policies in another order (each keeps its AdamW state in its place) are refused before anything changes
     other = MegatronTrainer(tiny_ckpt, dataclasses.replace(config, policy=POLICIES[::-1], policy_lr=[]))
     before = [p.detach().clone() for p in other.routes.trainable()]
@@ -182,7 +184,7 @@ def test_fresh_policies_start_as_the_base_apart_and_a_forward_must_be_routed(tin
     assert not torch.equal(solver[a], judge[a]) and all(not v.any() for k, v in solver.items() if "lora_B" in k)
     samples = mixed(6, seed=2)
     lp = mt.compute_log_probs(samples, ref=True)
-    assert flat(lp.old).sub(flat(lp.ref)).abs().max() == 0
+    assert flat(lp.old).sub(flat(lp.ref)).abs().max() == 0  # B = 0: every policy starts as the base
     with pytest.raises(ValueError, match="policy None"):
         mt.compute_log_probs(make_samples(2, seed=1), ref=False)
     with pytest.raises(RuntimeError, match="outside routing"):
@@ -206,7 +208,27 @@ def test_megatron_with_policies_is_a_valid_run(tmp_path):
 LAYOUTS = {
     "tp2": MegatronParallel(tensor_model_parallel_size=2),
     "pp2": MegatronParallel(pipeline_model_parallel_size=2),
+    "dp2": MegatronParallel(),
 }
+# DP: two steps of 4 samples; each replica takes its half of each step (as the runtime shards). Rank 0's halves hold
+# no judge sample: its judge adapter gets a zero gradient that the data-parallel sum adds to rank 1's
+DP_POLICIES = ["solver", "solver", "judge", "solver", "solver", "solver", "judge", "judge"]
+
+
+def dp_samples():
+    return [dataclasses.replace(s, policy=p) for s, p in zip(make_samples(8, seed=5), DP_POLICIES)]
+
+
+def shard(samples: list, name: str, rank: int) -> list:
+    return [s for k in (0, 4) for s in samples[k + 2 * rank : k + 2 * rank + 2]] if name == "dp2" else samples
+
+
+def unshard(both: list, name: str, rank: int) -> list:
+    """Both ranks' per-sample results in the whole batch's order (DP), or this rank's (TP/PP peers agree)."""
+    if name == "dp2":
+        return [v for k in (0, 2) for r in (0, 1) for v in both[r][k : k + 2]]
+    assert both[0] == both[1], name
+    return both[rank]
 
 
 def _worker(rank: int, port: int, ckpt: str, start: str, out: str) -> None:
@@ -219,15 +241,20 @@ def _worker(rank: int, port: int, ckpt: str, start: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
-    samples = mixed(10, seed=4)
     for name, layout in LAYOUTS.items():
+        whole = dp_samples() if name == "dp2" else mixed(10, seed=4)
         mt = MegatronTrainer(ckpt, policies_cfg(), rank=rank, world_size=2, parallel=layout)
         load_start(mt, Path(start))
-        lp = mt.compute_log_probs(samples, ref=True)
+        lp = mt.compute_log_probs(shard(whole, name, rank), ref=True)
+        both: list = [None, None]
+        dist.all_gather_object(both, (lp.old, lp.ref))
+        old = unshard([b[0] for b in both], name, rank)
+        ref = unshard([b[1] for b in both], name, rank)
         grads = recorded_grads(mt, lambda mt=mt: megatron_grads(mt))
-        metrics = mt.train_step(off_policy(samples, lp.old))
+        # the old log-probs' noise drawn over the whole batch, as the reference draws it, then sharded
+        metrics = mt.train_step(shard(off_policy(whole, old), name, rank))
         mt.save(f"{out}.{name}.ckpt")
-        results[name] = {"old": lp.old, "ref": lp.ref, "metrics": metrics}
+        results[name] = {"old": old, "ref": ref, "metrics": metrics}
         if rank == 0:
             torch.save({"grads": grads}, f"{out}.{name}.pt")
         destroy_megatron_parallel()
@@ -237,10 +264,14 @@ def _worker(rank: int, port: int, ckpt: str, start: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_processes_tp2_and_pp2_match_the_torch_policies(tiny_ckpt, tmp_path, monkeypatch):
+def test_two_processes_tp2_pp2_and_dp2_match_the_torch_policies(tiny_ckpt, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
-    want = reference_run(start_adapters(tiny_ckpt, tmp_path / "start", policies_cfg()), mixed(10, seed=4))
+    want_mixed = reference_run(start_adapter(tiny_ckpt, tmp_path / "start", policies_cfg()), mixed(10, seed=4))
+    # DP's reference: the same start (loaded), the whole batch on one rank
+    dp_reference = TorchTrainer(tiny_ckpt, policies_cfg())
+    dp_reference.load(tmp_path / "start")
+    want_dp = reference_run(dp_reference, dp_samples())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -249,7 +280,7 @@ def test_two_processes_tp2_and_pp2_match_the_torch_policies(tiny_ckpt, tmp_path,
     mp.spawn(_worker, args=(port, str(tiny_ckpt), str(tmp_path / "start"), out), nprocs=2, join=True)
     results = json.loads(open(out).read())
     for name in LAYOUTS:
-        r = results[name]
+        r, want = results[name], (want_dp if name == "dp2" else want_mixed)
         torch.testing.assert_close(flat(r["old"]), flat(want["old"]), rtol=0, atol=TOL, msg=name)
         torch.testing.assert_close(flat(r["ref"]), flat(want["ref"]), rtol=0, atol=TOL, msg=name)
         assert_matches(r["metrics"], torch.load(f"{out}.{name}.pt")["grads"], want, name)

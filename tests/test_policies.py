@@ -245,6 +245,10 @@ def test_checkpoint_holds_each_policys_peft_adapter_and_resumes_exactly(tiny_ckp
             )
     with pytest.raises(ValueError, match="several policies"):
         TorchTrainer(tiny_ckpt, cfg(lora_rank=4, lora_alpha=8.0)).load(tmp_path / "iter_2")
+    # a resumed run trains at the rates it is given, not the saved run's
+    faster = TorchTrainer(tiny_ckpt, policies_cfg(lr=1e-2, policy_lr=["judge=3e-3"]))
+    faster.load(tmp_path / "iter_2")
+    assert {g["policy"]: g["lr"] for g in faster.optimizer.param_groups} == {"solver": 1e-2, "judge": 3e-3}
     # another order would hand each policy the other's AdamW state: refused naming --policy
     with pytest.raises(ValueError, match=r"resume it with the same --policy flags, not \['judge', 'solver'\]"):
         TorchTrainer(tiny_ckpt, policies_cfg(policy=["judge", "solver"])).load(tmp_path / "iter_2")

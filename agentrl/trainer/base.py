@@ -170,6 +170,15 @@ def mean_over_trained(
     return {k: v * scale if k in ("entropy", "clipfrac", "ratio_mean") else v for k, v in metrics.items()}
 
 
+def restore_learning_rates(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
+    """After an optimizer's state is loaded: each parameter group's learning rate as this run's flags give it
+    (``--lr``, or a ``--policy``'s ``--policy-lr``), not the saving run's, so a resumed run trains (and reports
+    ``lr``) at the rate it was given. (There is no learning-rate schedule whose position a checkpoint would hold.)"""
+    lrs = cfg.policy_lrs()
+    for group in optimizer.param_groups:
+        group["lr"] = lrs.get(group.get("policy", ""), cfg.lr)
+
+
 def run_optimizer_steps(
     samples: Sequence[TrainSample],
     n_steps: int | None,

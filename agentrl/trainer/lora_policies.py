@@ -169,6 +169,21 @@ def routed(model: nn.Module, spans: list[tuple[str, int]]) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
+def unknown_policies(policies: Sequence[str | None], known: Sequence[str]) -> list[str]:
+    """The policies of samples no adapter of ``known`` trains (``repr``, sorted): a trainer refuses such a step on every
+    rank at once (a rank raising alone would leave the others waiting in a collective)."""
+    return sorted({repr(p) for p in policies if p not in known})
+
+
+def refuse_unknown(unknown: list[str], anywhere: int, known: Sequence[str]) -> None:
+    """Raise when any rank (``anywhere``: the ranks' largest count) holds a sample of no known policy."""
+    if anywhere:
+        raise ValueError(
+            f"TrainSamples of policy {', '.join(unknown) or '(on another rank)'}: this trainer trains the policies "
+            f"{list(known)}; every rank refuses the step"
+        )
+
+
 def sorted_by_policy(groups: list[list[int]], policies: Sequence[str | None], known: Sequence[str]) -> list[list[int]]:
     """Each packed group's sample indices sorted by policy (``known``'s order), so each row is one span a policy."""
     rank = {p: i for i, p in enumerate(known)}
@@ -245,6 +260,8 @@ __all__ = [
     "policy_counts",
     "policy_parameters",
     "policy_spans",
+    "refuse_unknown",
     "routed",
     "sorted_by_policy",
+    "unknown_policies",
 ]

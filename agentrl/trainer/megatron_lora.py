@@ -26,6 +26,7 @@ The KL reference is the same model with the hooks switched off (:meth:`MegatronL
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -231,14 +232,9 @@ class MegatronLora(nn.Module):
         out, bias = output
         return out + self.adapted[module].delta(x, self.scale).to(out.dtype), bias
 
-    @contextmanager
-    def disabled(self) -> Iterator[None]:
+    def disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model: the KL reference, with no second model in memory."""
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
+        return _switched_off(self)
 
     def trainable(self) -> list[nn.Parameter]:
         """This rank's A and B tensors: all the optimizer steps."""
@@ -420,14 +416,9 @@ class MegatronPolicies(nn.Module):
         finally:
             self.spans = None
 
-    @contextmanager
-    def disabled(self) -> Iterator[None]:
+    def disabled(self) -> contextlib.AbstractContextManager[None]:
         """The base model with every adapter off: the KL reference."""
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
+        return _switched_off(self)
 
     def trainable(self, name: str | None = None) -> list[nn.Parameter]:
         """Policy ``name``'s A and B tensors on this rank (None: every policy's)."""
@@ -435,6 +426,16 @@ class MegatronPolicies(nn.Module):
 
     def adapted_modules(self) -> set[str]:
         return self.of(self.names[0]).adapted_modules()
+
+
+@contextmanager
+def _switched_off(adapters: MegatronLora | MegatronPolicies) -> Iterator[None]:
+    """``adapters``' hooks pass the base's output through (``enabled`` False) for the context."""
+    adapters.enabled = False
+    try:
+        yield
+    finally:
+        adapters.enabled = True
 
 
 def _key(hf: str, which: str) -> str:

@@ -68,7 +68,14 @@ from torch import nn
 
 from agentrl.algo.loss import policy_loss
 from agentrl.config import TrainConfig, megatron_lora_problems
-from agentrl.trainer.base import LogProbs, Trainer, TrainSample, load_custom_loss, run_optimizer_steps
+from agentrl.trainer.base import (
+    LogProbs,
+    Trainer,
+    TrainSample,
+    load_custom_loss,
+    restore_learning_rates,
+    run_optimizer_steps,
+)
 from agentrl.trainer.batching import PackedBatch, pack_micro_batches, pack_samples
 from agentrl.trainer.lora import (
     ADAPTER_DIR,
@@ -81,7 +88,14 @@ from agentrl.trainer.lora import (
     write_peft_folder,
     write_policy_order,
 )
-from agentrl.trainer.lora_policies import policies_loss, policy_counts, policy_spans, sorted_by_policy
+from agentrl.trainer.lora_policies import (
+    policies_loss,
+    policy_counts,
+    policy_spans,
+    refuse_unknown,
+    sorted_by_policy,
+    unknown_policies,
+)
 from agentrl.trainer.megatron_compat import (
     cpu_schedule,
     destroy_megatron_parallel,
@@ -382,9 +396,11 @@ class MegatronTrainer(Trainer):
             [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.parallel.micro_batch_size
         )
         if self.policies:  # each policy's samples side by side in a row: one adapter span a policy
-            policy_spans(
-                [s.policy for s in samples], [len(s.tokens) for s in samples], self.policies
-            )  # before any pass
+            unknown = unknown_policies([s.policy for s in samples], self.policies)
+            bad = torch.tensor([len(unknown)], dtype=torch.long, device=self.device)
+            if self.world_size > 1:  # every rank refuses together, before any pass
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            refuse_unknown(unknown, int(bad.item()), self.policies)
             groups = sorted_by_policy(groups, [s.policy for s in samples], self.policies)
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 
@@ -621,6 +637,7 @@ class MegatronTrainer(Trainer):
         h = 0
         for s in samples:
             h = zlib.crc32(np.asarray(s.tokens + s.loss_mask + [s.response_length], dtype=np.int64).tobytes(), h)
+            h = zlib.crc32(repr(s.policy).encode(), h)  # several policies: peers must route the same spans
         t = torch.tensor([h, -h, len(samples), -len(samples)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
         if t[0] != -t[1] or t[2] != -t[3]:
@@ -726,6 +743,7 @@ class MegatronTrainer(Trainer):
         from megatron.core import tensor_parallel
 
         self.optimizer.load_state_dict(ranked["optimizer"])
+        restore_learning_rates(self.optimizer, self.cfg)
         set_rng_state(ranked["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(ranked["megatron_rng"])
         self.step = state["step"]

@@ -62,6 +62,7 @@ from agentrl.trainer.base import (
     TrainSample,
     load_custom_loss,
     mean_over_trained,
+    restore_learning_rates,
     run_optimizer_steps,
     with_gradient,
 )
@@ -90,8 +91,10 @@ from agentrl.trainer.lora_policies import (
     policy_counts,
     policy_parameters,
     policy_spans,
+    refuse_unknown,
     routed,
     sorted_by_policy,
+    unknown_policies,
 )
 from agentrl.vlm import by_key, load_vision_model, vision_for
 
@@ -450,10 +453,13 @@ class TorchTrainer(Trainer):
             [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.cfg.micro_batch_size
         )
         n = len(groups)
-        if self.world_size > 1:
-            t = torch.tensor([n], dtype=torch.long, device=self.device)
+        unknown = unknown_policies([s.policy for s in samples], self.policies) if self.policies else []
+        bad = len(unknown)
+        if self.world_size > 1:  # the busiest rank's count, and whether any rank holds a sample of no policy
+            t = torch.tensor([n, bad], dtype=torch.long, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            n = int(t.item())
+            n, bad = int(t[0]), int(t[1])
+        refuse_unknown(unknown, bad, self.policies)
         image_token = self.vision.image_token_id if self.vision is not None else None
         if self.vision is not None:
             self._process_images(samples)
@@ -804,6 +810,7 @@ class TorchTrainer(Trainer):
         self.optimizer.load_state_dict(ranked["optimizer"])
         for group in self.optimizer.param_groups:  # the saved groups carry the saving process's kernel choice
             group["fused"] = self.fused_adamw or None
+        restore_learning_rates(self.optimizer, self.cfg)
         set_rng_state(ranked["rng"])
         self.step = state["step"]
         return state["extra_state"]
