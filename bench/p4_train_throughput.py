@@ -94,18 +94,18 @@ class AgentrlSide:
             num_steps_per_rollout=1,
             max_tokens_per_gpu=max_tokens,
             dtype="float32",
-            gradient_checkpointing=False,
+            gradient_checkpointing=variant == "lora_gc",
             clip_grad=1.0,
             weight_decay=0.0,
-            lora_rank=lora_rank if variant == "lora" else 0,
+            lora_rank=lora_rank if variant in ("lora", "lora_gc") else 0,
         )
         # in-run baselines: plain = the trainer before chunked log-probs, lean activations and resident
         # optimizer state; nochunk / nolean / unfused = without one of them (unfused: gradients freed every
         # step, moments created at the first step, torch's per-tensor AdamW)
-        if variant not in ("", "plain", "nochunk", "nolean", "unfused", "lora"):
-            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean, unfused or lora")
-        if variant == "lora" and not lora_rank:
-            raise SystemExit("the lora variant needs --lora-rank")
+        if variant not in ("", "plain", "nochunk", "nolean", "unfused", "lora", "lora_gc"):
+            raise SystemExit(f"unknown agentrl variant {variant!r}: plain, nochunk, nolean, unfused, lora or lora_gc")
+        if variant in ("lora", "lora_gc") and not lora_rank:
+            raise SystemExit(f"the {variant} variant needs --lora-rank")
         self.trainer = TorchTrainer(ckpt, cfg, device="cpu", resident_state=variant not in ("plain", "unfused"))
         if variant in ("plain", "nochunk"):
             self.trainer.chunked_logprobs = False
@@ -244,7 +244,8 @@ def main() -> None:
         help="also run these agentrl variants at each budget, comma-separated: plain (as before chunked "
         "log-probs, lean activations and resident optimizer state: full [N, V] logits, the modules' own "
         "forwards, gradients freed every step, per-tensor AdamW), nochunk, nolean, unfused (gradients "
-        "freed every step, moments created at the first step, per-tensor AdamW)",
+        "freed every step, moments created at the first step, per-tensor AdamW), lora_gc (the lora variant with "
+        "--gradient-checkpointing: each decoder layer recomputed in backward; needs --lora-rank)",
     )
     p.add_argument(
         "--peak-rss",
