@@ -93,10 +93,11 @@ def assert_close_dicts(got: dict, want: dict, atol: float = TOL, what: str = "")
         torch.testing.assert_close(got[k].float(), want[k].float(), rtol=0, atol=atol, msg=f"{what} {k}")
 
 
-def reference_run(tt: TorchTrainer, samples) -> dict:
-    """The torch backend's numbers: log-probs, reference log-probs, one train_step's metrics and adapter gradients."""
+def reference_run(tt: TorchTrainer, samples, read_grads=torch_grads, read_adapter=None) -> dict:
+    """The torch backend's numbers: log-probs, reference log-probs, one train_step's metrics and adapter gradients
+    (``read_grads(tt)``), then its weights and adapter (``read_adapter(tt)``; default: the run's one adapter)."""
     lp = tt.compute_log_probs(samples, ref=True)
-    grads = recorded_grads(tt, lambda: torch_grads(tt))
+    grads = recorded_grads(tt, lambda: read_grads(tt))
     metrics = tt.train_step(off_policy(samples, lp.old))
     return {
         "old": lp.old,
@@ -104,7 +105,7 @@ def reference_run(tt: TorchTrainer, samples) -> dict:
         "metrics": metrics,
         "grads": grads,
         "weights": dict(tt.named_weights()),
-        "adapter": tt.adapter_weights()[0],
+        "adapter": read_adapter(tt) if read_adapter else tt.adapter_weights()[0],
     }
 
 

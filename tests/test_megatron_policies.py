@@ -35,6 +35,7 @@ from agentrl.trainer.megatron_trainer import MegatronParallel, MegatronTrainer  
 from agentrl.trainer.torch_trainer import TorchTrainer  # noqa: E402
 
 from .test_megatron_lora import assert_close_dicts, lora_cfg, recorded_grads, start_adapter  # noqa: E402
+from .test_megatron_lora import reference_run as lora_reference_run  # noqa: E402
 from .test_megatron_trainer import flat, off_policy  # noqa: E402
 from .test_trainer import make_samples, reference_log_probs  # noqa: E402
 
@@ -87,16 +88,10 @@ def load_start(mt: MegatronTrainer, folder) -> None:
 
 
 def reference_run(tt: TorchTrainer, samples) -> dict:
-    lp = tt.compute_log_probs(samples, ref=True)
-    grads = recorded_grads(tt, lambda: torch_grads(tt))
-    metrics = tt.train_step(off_policy(samples, lp.old))
-    return {
-        "old": lp.old,
-        "ref": lp.ref,
-        "metrics": metrics,
-        "grads": grads,
-        "adapters": {name: tt.adapter_weights(name)[0] for name in POLICIES},
-    }
+    """test_megatron_lora's reference run, each policy's gradients and adapter apart."""
+    return lora_reference_run(
+        tt, samples, torch_grads, lambda tt: {name: tt.adapter_weights(name)[0] for name in POLICIES}
+    )
 
 
 def assert_matches(got_metrics: dict, got_grads: list, want: dict, what: str = "") -> None:
@@ -135,7 +130,7 @@ def test_megatron_policies_match_the_torch_policies_and_save_and_resume(tiny_ckp
     assert metrics["lr/judge"] == 2e-3 and metrics["lr/solver"] == 5e-3
     assert all(torch.equal(a, b) for a, b in zip(base, mt.model.parameters()))  # the base never moves
     for name in POLICIES:
-        assert_close_dicts(mt.adapter_weights(name)[0], want["adapters"][name], atol=STEPPED, what=name)
+        assert_close_dicts(mt.adapter_weights(name)[0], want["adapter"][name], atol=STEPPED, what=name)
     base_weights = load_file(str(tiny_ckpt / "model.safetensors"))  # the engines get the base (adapters by name)
     pushed = dict(mt.named_weights())
     assert set(pushed) == set(base_weights) and all(torch.equal(pushed[k], base_weights[k]) for k in pushed)
@@ -287,7 +282,7 @@ def test_two_processes_tp2_pp2_and_dp2_match_the_torch_policies(tiny_ckpt, tmp_p
         for policy in POLICIES:  # rank 0 wrote each whole adapter (both TP halves, both stages)
             folder = tmp_path / f"results.json.{name}.ckpt" / POLICIES_DIR / policy
             got = load_file(str(folder / "adapter_model.safetensors"))
-            assert_close_dicts(got, want["adapters"][policy], STEPPED, f"{name} {policy}")
+            assert_close_dicts(got, want["adapter"][policy], STEPPED, f"{name} {policy}")
 
 
 # ---------------------------------------------------------------- end to end

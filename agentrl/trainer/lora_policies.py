@@ -169,6 +169,20 @@ def routed(model: nn.Module, spans: list[tuple[str, int]]) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
+def policy_param_groups(
+    cfg: TrainConfig, parameters_of: Callable[[str], list[nn.Parameter]]
+) -> list[dict[str, object]]:
+    """AdamW parameter groups, one per ``--policy`` in order: its adapter's tensors (``parameters_of(name)``) at its
+    ``--policy-lr``, the group tagged with its ``policy`` (clipping, metrics and resume read it)."""
+    lrs = cfg.policy_lrs()
+    return [{"params": parameters_of(n), "lr": lrs[n], "policy": n} for n in cfg.policy]
+
+
+def policy_lr_metrics(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """``lr/<policy>`` of each policy's parameter group (none for a run of one policy)."""
+    return {f"lr/{g['policy']}": float(g["lr"]) for g in optimizer.param_groups if "policy" in g}
+
+
 def unknown_policies(policies: Sequence[str | None], known: Sequence[str]) -> list[str]:
     """The policies of samples no adapter of ``known`` trains (``repr``, sorted): a trainer refuses such a step on every
     rank at once (a rank raising alone would leave the others waiting in a collective)."""
@@ -258,6 +272,8 @@ __all__ = [
     "add_policies",
     "policies_loss",
     "policy_counts",
+    "policy_lr_metrics",
+    "policy_param_groups",
     "policy_parameters",
     "policy_spans",
     "refuse_unknown",

@@ -91,6 +91,8 @@ from agentrl.trainer.lora import (
 from agentrl.trainer.lora_policies import (
     policies_loss,
     policy_counts,
+    policy_lr_metrics,
+    policy_param_groups,
     policy_spans,
     refuse_unknown,
     sorted_by_policy,
@@ -210,8 +212,7 @@ class MegatronTrainer(Trainer):
                 load_megatron_checkpoint(model, cfg.initial_megatron_checkpoint)
         params: Any = self._trained()
         if self.routes is not None:  # a parameter group per policy: its own learning rate (--policy-lr)
-            lrs = cfg.policy_lrs()
-            params = [{"params": self.routes.trainable(n), "lr": lrs[n], "policy": n} for n in self.policies]
+            params = policy_param_groups(cfg, self.routes.trainable)
         self.optimizer = torch.optim.AdamW(
             params,
             lr=cfg.lr,
@@ -396,12 +397,13 @@ class MegatronTrainer(Trainer):
             [len(s.tokens) for s in samples], self.cfg.token_budget(self.device.type), self.parallel.micro_batch_size
         )
         if self.policies:  # each policy's samples side by side in a row: one adapter span a policy
-            unknown = unknown_policies([s.policy for s in samples], self.policies)
+            policies = [s.policy for s in samples]
+            unknown = unknown_policies(policies, self.policies)
             bad = torch.tensor([len(unknown)], dtype=torch.long, device=self.device)
             if self.world_size > 1:  # every rank refuses together, before any pass
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             refuse_unknown(unknown, int(bad.item()), self.policies)
-            groups = sorted_by_policy(groups, [s.policy for s in samples], self.policies)
+            groups = sorted_by_policy(groups, policies, self.policies)
         return [pack_samples(samples, g, need_advantages=train).to(self.device) for g in groups]
 
     def _score(
@@ -465,9 +467,7 @@ class MegatronTrainer(Trainer):
             )
         finally:
             self.model.eval()
-        for group in self.optimizer.param_groups if self.policies else ():  # each --policy's own (--policy-lr)
-            metrics[f"lr/{group['policy']}"] = float(group["lr"])
-        return metrics
+        return {**metrics, **policy_lr_metrics(self.optimizer)}  # each --policy's own (--policy-lr)
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: the schedule accumulates micro-batch gradients; DP sum, clip, step."""

@@ -89,6 +89,8 @@ from agentrl.trainer.lora_policies import (
     add_policies,
     policies_loss,
     policy_counts,
+    policy_lr_metrics,
+    policy_param_groups,
     policy_parameters,
     policy_spans,
     refuse_unknown,
@@ -251,8 +253,7 @@ class TorchTrainer(Trainer):
         self.fused_adamw = self.keep_grads = measured if resident_state is None else bool(resident_state)
         params: Any = [p for p in self.model.parameters() if p.requires_grad]
         if self.policies:  # a parameter group per policy: its own learning rate (AdamW's state is per tensor anyway)
-            lrs = cfg.policy_lrs()
-            params = [{"params": policy_parameters(self.model, n), "lr": lrs[n], "policy": n} for n in self.policies]
+            params = policy_param_groups(cfg, lambda n: policy_parameters(self.model, n))
         self.optimizer = torch.optim.AdamW(
             params,
             lr=cfg.lr,
@@ -516,9 +517,7 @@ class TorchTrainer(Trainer):
             )
         finally:
             self.model.eval()
-        for group in self.optimizer.param_groups if self.policies else ():  # each --policy's own (--policy-lr)
-            metrics[f"lr/{group['policy']}"] = float(group["lr"])
-        return metrics
+        return {**metrics, **policy_lr_metrics(self.optimizer)}  # each --policy's own (--policy-lr)
 
     def _optimizer_step(self, samples: Sequence[TrainSample]) -> dict[str, float] | None:
         """One global batch: accumulate micro-batch gradients, clip, step. None if no rank had samples."""
